@@ -1,0 +1,363 @@
+//! The content-addressed artifact store.
+//!
+//! Layout under the cache root (`artifacts/` or `ATTNBENCH_CACHE`):
+//! `cache/<2 hex>/<key>/` holds one finished node: `files/` (what the plugin wrote),
+//! `result.json` and `entry.json` (key parts, digests). An entry appears by renaming a complete
+//! staging directory from `tmp/`, so it is either whole or absent; a killed run leaves only
+//! `tmp/` debris, which `cache gc` removes. Reads re-hash the files, so a corrupted entry is
+//! noticed and recomputed instead of trusted.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CacheError {
+    #[error("cache {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("cache entry {path} is unreadable: {reason}")]
+    Entry { path: PathBuf, reason: String },
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CacheError + '_ {
+    move |source| CacheError::Io { path: path.to_path_buf(), source }
+}
+
+/// What a node's key is made of; stored with the entry so `explain` can say what changed.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct KeyParts {
+    pub plugin: String,
+    pub plugin_version: String,
+    pub library_hash: String,
+    pub stage: String,
+    /// Canonical (sorted) parameters.
+    pub params: Value,
+    pub seed: u64,
+    pub inputs: Vec<InputDigest>,
+    /// The environment fingerprint, for `machine`-scoped stages only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub environment: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct InputDigest {
+    pub node: String,
+    pub digest: String,
+}
+
+impl KeyParts {
+    pub fn key(&self) -> String {
+        let canonical = canonical(&serde_json::to_value(self).unwrap_or(Value::Null));
+        blake3::hash(canonical.to_string().as_bytes()).to_hex().to_string()
+    }
+}
+
+/// `value` with every object's keys sorted, so equal values serialise to equal bytes.
+pub fn canonical(value: &Value) -> Value {
+    match value {
+        Value::Object(map) => {
+            let sorted: BTreeMap<&String, Value> = map.iter().map(|(k, v)| (k, canonical(v))).collect();
+            Value::Object(sorted.into_iter().map(|(k, v)| (k.clone(), v)).collect())
+        }
+        Value::Array(items) => Value::Array(items.iter().map(canonical).collect()),
+        other => other.clone(),
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EntryMeta {
+    pub key: String,
+    pub node: String,
+    pub uses: String,
+    pub key_parts: KeyParts,
+    /// Digest of the node's output (result and files): what dependents' keys are built from.
+    pub output_digest: String,
+    pub result_digest: String,
+    /// Relative path under `files/` → blake3.
+    pub files: BTreeMap<String, String>,
+    pub bytes: u64,
+    pub created: String,
+    pub duration_s: f64,
+}
+
+/// A verified cache entry.
+#[derive(Debug, Clone)]
+pub struct Entry {
+    pub meta: EntryMeta,
+    pub files_dir: PathBuf,
+    pub result: Value,
+}
+
+pub enum Lookup {
+    Hit(Entry),
+    Miss,
+    /// The entry exists but does not match its digests; it has been removed.
+    Corrupted(String),
+}
+
+#[derive(Debug, Clone)]
+pub struct Cache {
+    pub root: PathBuf,
+}
+
+/// A directory where a node writes its output before it becomes a cache entry.
+pub struct Staging {
+    pub dir: PathBuf,
+}
+
+impl Staging {
+    pub fn files_dir(&self) -> PathBuf {
+        self.dir.join("files")
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Cache {
+    pub fn open(root: &Path) -> Result<Cache, CacheError> {
+        for sub in ["cache", "tmp", "runs", "locks"] {
+            let dir = root.join(sub);
+            std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+        }
+        let root = root.canonicalize().map_err(io(root))?;
+        Ok(Cache { root })
+    }
+
+    /// The default root: `ATTNBENCH_CACHE`, else `artifacts/` in the current directory.
+    pub fn default_root() -> PathBuf {
+        std::env::var_os("ATTNBENCH_CACHE").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("artifacts"))
+    }
+
+    pub fn entry_dir(&self, key: &str) -> PathBuf {
+        self.root.join("cache").join(&key[..2.min(key.len())]).join(key)
+    }
+
+    pub fn runs_dir(&self) -> PathBuf {
+        self.root.join("runs")
+    }
+
+    /// Held (shared) by every run and (exclusive) by `gc`, so gc never removes what a run reads.
+    pub fn lock_store(&self, exclusive: bool) -> Result<File, CacheError> {
+        let path = self.root.join("store.lock");
+        let file = File::options().create(true).truncate(false).write(true).open(&path).map_err(io(&path))?;
+        if exclusive { file.lock() } else { file.lock_shared() }.map_err(io(&path))?;
+        Ok(file)
+    }
+
+    /// Held while one node is computed, so two runs never compute the same key at once: the
+    /// second waits and then finds the entry.
+    pub fn lock_key(&self, key: &str) -> Result<File, CacheError> {
+        let path = self.root.join("locks").join(format!("{key}.lock"));
+        let file = File::options().create(true).truncate(false).write(true).open(&path).map_err(io(&path))?;
+        file.lock().map_err(io(&path))?;
+        Ok(file)
+    }
+
+    pub fn lookup(&self, key: &str) -> Lookup {
+        let dir = self.entry_dir(key);
+        if !dir.exists() {
+            return Lookup::Miss;
+        }
+        match self.verify_dir(&dir) {
+            Ok(entry) => Lookup::Hit(entry),
+            Err(reason) => {
+                self.discard(&dir);
+                Lookup::Corrupted(reason)
+            }
+        }
+    }
+
+    /// Reads an entry and checks every digest; `Err` says what does not match.
+    pub fn verify_dir(&self, dir: &Path) -> Result<Entry, String> {
+        let meta_text = std::fs::read(dir.join("entry.json")).map_err(|err| format!("entry.json: {err}"))?;
+        let meta: EntryMeta = serde_json::from_slice(&meta_text).map_err(|err| format!("entry.json: {err}"))?;
+        let result_bytes = std::fs::read(dir.join("result.json")).map_err(|err| format!("result.json: {err}"))?;
+        if blake3::hash(&result_bytes).to_hex().as_str() != meta.result_digest {
+            return Err("result.json does not match its digest".into());
+        }
+        let files_dir = dir.join("files");
+        for (relative, digest) in &meta.files {
+            let bytes = std::fs::read(files_dir.join(relative)).map_err(|err| format!("files/{relative}: {err}"))?;
+            if blake3::hash(&bytes).to_hex().as_str() != digest {
+                return Err(format!("files/{relative} does not match its digest"));
+            }
+        }
+        let result = serde_json::from_slice(&result_bytes).map_err(|err| format!("result.json: {err}"))?;
+        Ok(Entry { meta, files_dir, result })
+    }
+
+    /// Removes an entry (renamed away first, so readers never see it half-deleted).
+    pub fn discard(&self, dir: &Path) {
+        let doomed = self.root.join("tmp").join(format!("discarded-{}", unique_suffix()));
+        if std::fs::rename(dir, &doomed).is_ok() {
+            let _ = std::fs::remove_dir_all(&doomed);
+        }
+    }
+
+    pub fn staging(&self) -> Result<Staging, CacheError> {
+        let dir = self.root.join("tmp").join(format!("staging-{}", unique_suffix()));
+        let files = dir.join("files");
+        std::fs::create_dir_all(&files).map_err(io(&files))?;
+        Ok(Staging { dir })
+    }
+
+    /// Hashes the staged output, writes the entry's metadata and moves it into place.
+    pub fn commit(
+        &self,
+        staging: Staging,
+        key_parts: KeyParts,
+        node: &str,
+        uses: &str,
+        result: &Value,
+        duration_s: f64,
+    ) -> Result<Entry, CacheError> {
+        let key = key_parts.key();
+        let files_dir = staging.files_dir();
+        let mut files = BTreeMap::new();
+        let mut bytes = 0u64;
+        hash_tree(&files_dir, &files_dir, &mut files, &mut bytes).map_err(io(&files_dir))?;
+        let result_bytes = serde_json::to_vec_pretty(result).unwrap_or_default();
+        let result_digest = blake3::hash(&result_bytes).to_hex().to_string();
+        let output_digest = output_digest(&result_digest, &files);
+        let meta = EntryMeta {
+            key: key.clone(),
+            node: node.to_string(),
+            uses: uses.to_string(),
+            key_parts,
+            output_digest,
+            result_digest,
+            files,
+            bytes: bytes + result_bytes.len() as u64,
+            created: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+            duration_s,
+        };
+        let result_path = staging.dir.join("result.json");
+        std::fs::write(&result_path, &result_bytes).map_err(io(&result_path))?;
+        let meta_path = staging.dir.join("entry.json");
+        let meta_bytes = serde_json::to_vec_pretty(&meta).unwrap_or_default();
+        std::fs::write(&meta_path, meta_bytes).map_err(io(&meta_path))?;
+
+        let target = self.entry_dir(&key);
+        if let Some(parent) = target.parent() {
+            std::fs::create_dir_all(parent).map_err(io(parent))?;
+        }
+        if target.exists() {
+            // Replaced on purpose (`--force`) or after corruption: move the old one away first.
+            self.discard(&target);
+        }
+        if let Err(err) = std::fs::rename(&staging.dir, &target) {
+            if !target.exists() {
+                return Err(CacheError::Io { path: target, source: err });
+            }
+            // Another run committed the same key first; its entry is equally valid.
+        }
+        drop(staging);
+        self.verify_dir(&target).map_err(|reason| CacheError::Entry { path: target, reason })
+    }
+
+    /// Every entry's metadata (unverified), for `cache ls` and `gc`.
+    pub fn entries(&self) -> Vec<(PathBuf, Result<EntryMeta, String>)> {
+        let mut entries = Vec::new();
+        let Ok(shards) = std::fs::read_dir(self.root.join("cache")) else { return entries };
+        for shard in shards.flatten() {
+            let Ok(dirs) = std::fs::read_dir(shard.path()) else { continue };
+            for dir in dirs.flatten() {
+                let path = dir.path();
+                let meta = std::fs::read(path.join("entry.json"))
+                    .map_err(|err| err.to_string())
+                    .and_then(|bytes| serde_json::from_slice::<EntryMeta>(&bytes).map_err(|err| err.to_string()));
+                entries.push((path, meta));
+            }
+        }
+        entries.sort_by(|a, b| a.0.cmp(&b.0));
+        entries
+    }
+}
+
+fn output_digest(result_digest: &str, files: &BTreeMap<String, String>) -> String {
+    let mut hasher = blake3::Hasher::new();
+    hasher.update(result_digest.as_bytes());
+    for (path, digest) in files {
+        hasher.update(b"\n");
+        hasher.update(path.as_bytes());
+        hasher.update(b"\0");
+        hasher.update(digest.as_bytes());
+    }
+    hasher.finalize().to_hex().to_string()
+}
+
+fn hash_tree(base: &Path, dir: &Path, files: &mut BTreeMap<String, String>, bytes: &mut u64) -> std::io::Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.is_dir() {
+            hash_tree(base, &path, files, bytes)?;
+        } else {
+            let content = std::fs::read(&path)?;
+            *bytes += content.len() as u64;
+            let relative = path.strip_prefix(base).unwrap_or(&path).to_string_lossy().replace('\\', "/");
+            files.insert(relative, blake3::hash(&content).to_hex().to_string());
+        }
+    }
+    Ok(())
+}
+
+/// A name part unique across processes and calls.
+pub fn unique_suffix() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    format!("{}-{}-{nanos:x}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn parts(seqlen: u64) -> KeyParts {
+        KeyParts {
+            plugin: "p".into(),
+            plugin_version: "1".into(),
+            library_hash: "h".into(),
+            stage: "s".into(),
+            params: canonical(&json!({"seqlen": seqlen, "kernel": "k"})),
+            seed: 0,
+            inputs: vec![],
+            environment: None,
+        }
+    }
+
+    #[test]
+    fn keys_ignore_param_order_but_not_values() {
+        let a = parts(1024);
+        let mut b = parts(1024);
+        b.params = canonical(&json!({"kernel": "k", "seqlen": 1024}));
+        assert_eq!(a.key(), b.key());
+        assert_ne!(a.key(), parts(2048).key());
+    }
+
+    #[test]
+    fn commit_then_lookup_and_detect_corruption() {
+        let root = tempfile::tempdir().unwrap();
+        let cache = Cache::open(root.path()).unwrap();
+        let staging = cache.staging().unwrap();
+        std::fs::write(staging.files_dir().join("data.bin"), b"payload").unwrap();
+        let entry = cache.commit(staging, parts(1), "n", "p/s", &json!({"ok": 1}), 0.1).unwrap();
+        assert_eq!(entry.result, json!({"ok": 1}));
+        let key = parts(1).key();
+        assert!(matches!(cache.lookup(&key), Lookup::Hit(_)));
+        std::fs::write(cache.entry_dir(&key).join("files/data.bin"), b"tampered").unwrap();
+        match cache.lookup(&key) {
+            Lookup::Corrupted(reason) => assert!(reason.contains("data.bin"), "{reason}"),
+            _ => panic!("corruption not detected"),
+        }
+        assert!(matches!(cache.lookup(&key), Lookup::Miss));
+    }
+}

@@ -1,0 +1,12 @@
+pub mod diagnostic;
+pub mod pipeline;
+pub mod plugin;
+pub mod services;
+pub mod spans;
+pub mod cache;
+pub mod plan;
+pub mod environment;
+pub mod worker;
+pub mod record;
+pub mod run;
+pub mod inspect;

@@ -1,0 +1,470 @@
+//! The scheduler: runs a plan's nodes in dependency order, independent ones in parallel, each
+//! either a cache hit or computed in process or in a worker, and records everything.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::fs::File;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use attnbench_abi::LogLevel;
+use attnbench_sdk::{CacheScope, InputArtifact, Isolation, StageRequest};
+use serde_json::Value;
+
+use crate::cache::{canonical, Cache, CacheError, Entry, InputDigest, KeyParts, Lookup};
+use crate::diagnostic::suggestion;
+use crate::environment::Environment;
+use crate::plan::Plan;
+use crate::record::{new_run_id, node_file_name, NodeRecord, PluginRecord, RunRecord, Status};
+use crate::services::{trace_plugin_log, ServiceSink};
+use crate::worker::{WorkerOutcome, WorkerPool};
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+    #[error("--force {pattern}: no node or stage of that name; {hint}")]
+    UnknownForce { pattern: String, hint: String },
+    #[error("cannot write the run record in {path}: {source}")]
+    Record { path: PathBuf, source: std::io::Error },
+}
+
+pub struct RunOptions {
+    pub jobs: usize,
+    /// Node ids or stage names to recompute even when cached.
+    pub force: Vec<String>,
+    /// The `attnbench` binary, started as `attnbench worker` for worker-isolated stages.
+    pub worker_exe: PathBuf,
+    pub argv: Vec<String>,
+}
+
+/// What the scheduler reports while it runs; the CLI draws it.
+pub enum Event<'a> {
+    Started { node: &'a str },
+    Progress { node: &'a str, done: u64, total: u64, message: &'a str },
+    Finished { record: &'a NodeRecord },
+}
+
+pub trait Observer: Sync {
+    fn event(&self, event: Event<'_>);
+}
+
+/// The key parts of a node whose inputs' output digests are known.
+pub fn key_parts(plan: &Plan, node: usize, inputs: Vec<InputDigest>, environment: &str) -> KeyParts {
+    let node = &plan.nodes[node];
+    let stage = plan.stage_of(node);
+    KeyParts {
+        plugin: stage.plugin.manifest.name.clone(),
+        plugin_version: stage.plugin.manifest.version.clone(),
+        library_hash: stage.plugin.library_hash.clone(),
+        stage: stage.spec.name.clone(),
+        params: canonical(&Value::Object(node.params.clone())),
+        seed: plan.pipeline.seed,
+        inputs,
+        environment: (stage.spec.cache_scope == CacheScope::Machine).then(|| environment.to_string()),
+    }
+}
+
+/// A finished node as its dependents see it.
+#[derive(Clone)]
+struct Output {
+    digest: String,
+    files_dir: PathBuf,
+    result: Value,
+}
+
+struct Task {
+    node: usize,
+    inputs: Vec<InputArtifact>,
+    digests: Vec<InputDigest>,
+}
+
+struct Finished {
+    node: usize,
+    record: NodeRecord,
+    output: Option<Output>,
+}
+
+struct Shared<'a> {
+    plan: &'a Plan,
+    cache: &'a Cache,
+    pool: WorkerPool,
+    fingerprint: String,
+    forced: Vec<bool>,
+    logs_dir: PathBuf,
+    observer: &'a dyn Observer,
+}
+
+pub struct RunSummary {
+    pub record: RunRecord,
+    pub dir: PathBuf,
+}
+
+pub fn execute(plan: &Plan, cache: &Cache, options: &RunOptions, observer: &dyn Observer) -> Result<RunSummary, RunError> {
+    let mut forced = vec![false; plan.nodes.len()];
+    for pattern in &options.force {
+        let selected = plan.select(pattern);
+        if selected.is_empty() {
+            let names: Vec<&str> = plan.pipeline.stages.iter().map(|s| s.name.as_str()).collect();
+            return Err(RunError::UnknownForce { pattern: pattern.clone(), hint: suggestion(pattern, names, "stages") });
+        }
+        for index in selected {
+            forced[index] = true;
+        }
+    }
+    let _store = cache.lock_store(false)?;
+    let id = new_run_id();
+    let dir = cache.runs_dir().join(&id);
+    let logs_dir = dir.join("logs");
+    std::fs::create_dir_all(&logs_dir).map_err(|source| RunError::Record { path: logs_dir.clone(), source })?;
+    let environment = Environment::detect();
+    let mut record = RunRecord {
+        id: id.clone(),
+        pipeline: plan.pipeline.name.clone(),
+        file: plan.pipeline.file.clone(),
+        seed: plan.pipeline.seed,
+        argv: options.argv.clone(),
+        jobs: options.jobs,
+        started: now(),
+        finished: None,
+        environment: environment.clone(),
+        plugins: plugin_records(plan),
+        counts: BTreeMap::new(),
+        nodes: Vec::new(),
+    };
+    record.write(&dir).map_err(|source| RunError::Record { path: dir.clone(), source })?;
+
+    let shared = Shared {
+        plan,
+        cache,
+        pool: WorkerPool::new(options.worker_exe.clone()),
+        fingerprint: environment.fingerprint(),
+        forced,
+        logs_dir,
+        observer,
+    };
+    let records = schedule(&shared, options.jobs.max(1));
+    for node in &records {
+        *record.counts.entry(node.status).or_insert(0) += 1;
+    }
+    record.nodes = records;
+    record.finished = Some(now());
+    record.write(&dir).map_err(|source| RunError::Record { path: dir.clone(), source })?;
+    let _ = std::fs::write(cache.runs_dir().join("latest"), format!("{id}\n"));
+    Ok(RunSummary { record, dir })
+}
+
+fn schedule(shared: &Shared, jobs: usize) -> Vec<NodeRecord> {
+    let plan = shared.plan;
+    let count = plan.nodes.len();
+    let mut dependents: Vec<Vec<usize>> = vec![Vec::new(); count];
+    let mut pending: Vec<usize> = vec![0; count];
+    for (index, node) in plan.nodes.iter().enumerate() {
+        pending[index] = node.inputs.len();
+        for &input in &node.inputs {
+            dependents[input].push(index);
+        }
+    }
+    let mut outputs: Vec<Option<Output>> = vec![None; count];
+    let mut records: Vec<Option<NodeRecord>> = vec![None; count];
+    let mut ready: VecDeque<usize> = (0..count).filter(|&i| pending[i] == 0).collect();
+
+    let (task_sender, task_receiver) = mpsc::channel::<Task>();
+    let task_receiver = Arc::new(Mutex::new(task_receiver));
+    let (done_sender, done_receiver) = mpsc::channel::<Finished>();
+    std::thread::scope(|scope| {
+        for _ in 0..jobs.min(count.max(1)) {
+            let tasks = Arc::clone(&task_receiver);
+            let done = done_sender.clone();
+            scope.spawn(move || loop {
+                let task = match tasks.lock() {
+                    Ok(receiver) => receiver.recv(),
+                    Err(_) => break,
+                };
+                let Ok(task) = task else { break };
+                let finished = run_node(shared, task);
+                if done.send(finished).is_err() {
+                    break;
+                }
+            });
+        }
+        drop(done_sender);
+
+        let mut in_flight = 0usize;
+        let mut finished_count = 0usize;
+        while finished_count < count {
+            while let Some(index) = ready.pop_front() {
+                let node = &plan.nodes[index];
+                let failed_input = node.inputs.iter().find(|&&input| outputs[input].is_none());
+                let interrupted = INTERRUPTED.load(Ordering::Relaxed);
+                if failed_input.is_some() || interrupted {
+                    let reason = match failed_input {
+                        Some(&failed) => format!("input `{}` did not succeed", plan.nodes[failed].id),
+                        None => "the run was interrupted".to_string(),
+                    };
+                    let record = bare_record(plan, index, Status::Skipped, Some(reason));
+                    shared.observer.event(Event::Finished { record: &record });
+                    records[index] = Some(record);
+                    finished_count += 1;
+                    for &dependent in &dependents[index] {
+                        pending[dependent] -= 1;
+                        if pending[dependent] == 0 {
+                            ready.push_back(dependent);
+                        }
+                    }
+                    continue;
+                }
+                let mut inputs = Vec::with_capacity(node.inputs.len());
+                let mut digests = Vec::with_capacity(node.inputs.len());
+                for &input in &node.inputs {
+                    let Some(output) = outputs[input].as_ref() else { continue };
+                    let upstream = &plan.nodes[input];
+                    inputs.push(InputArtifact {
+                        node: upstream.id.clone(),
+                        uses: plan.stage_of(upstream).uses.clone(),
+                        params: upstream.params.clone(),
+                        dir: output.files_dir.clone(),
+                        result: output.result.clone(),
+                    });
+                    digests.push(InputDigest { node: upstream.id.clone(), digest: output.digest.clone() });
+                }
+                if task_sender.send(Task { node: index, inputs, digests }).is_err() {
+                    break;
+                }
+                in_flight += 1;
+            }
+            if in_flight == 0 {
+                break;
+            }
+            let Ok(finished) = done_receiver.recv() else { break };
+            in_flight -= 1;
+            finished_count += 1;
+            shared.observer.event(Event::Finished { record: &finished.record });
+            outputs[finished.node] = finished.output;
+            records[finished.node] = Some(finished.record);
+            for &dependent in &dependents[finished.node] {
+                pending[dependent] -= 1;
+                if pending[dependent] == 0 {
+                    ready.push_back(dependent);
+                }
+            }
+        }
+        drop(task_sender);
+    });
+    records
+        .into_iter()
+        .enumerate()
+        .map(|(index, record)| record.unwrap_or_else(|| bare_record(plan, index, Status::Skipped, Some("never scheduled".into()))))
+        .collect()
+}
+
+fn bare_record(plan: &Plan, index: usize, status: Status, error: Option<String>) -> NodeRecord {
+    let node = &plan.nodes[index];
+    let stage = plan.stage_of(node);
+    NodeRecord {
+        id: node.id.clone(),
+        stage: stage.name.clone(),
+        uses: stage.uses.clone(),
+        params: node.params.clone(),
+        inputs: node.inputs.iter().map(|&i| plan.nodes[i].id.clone()).collect(),
+        status,
+        key: None,
+        key_parts: None,
+        duration_s: 0.0,
+        error,
+        note: None,
+        log: None,
+        artifact: None,
+    }
+}
+
+fn run_node(shared: &Shared, task: Task) -> Finished {
+    let plan = shared.plan;
+    let index = task.node;
+    let parts = key_parts(plan, index, task.digests, &shared.fingerprint);
+    let key = parts.key();
+    let mut record = bare_record(plan, index, Status::Ok, None);
+    record.key = Some(key.clone());
+    record.key_parts = Some(parts.clone());
+    let hit = |record: &mut NodeRecord, entry: Entry| {
+        record.status = Status::Cached;
+        record.artifact = Some(entry.files_dir.clone());
+        Some(Output { digest: entry.meta.output_digest, files_dir: entry.files_dir, result: entry.result })
+    };
+    if !shared.forced[index] {
+        match shared.cache.lookup(&key) {
+            Lookup::Hit(entry) => {
+                let output = hit(&mut record, entry);
+                return Finished { node: index, record, output };
+            }
+            Lookup::Corrupted(reason) => {
+                tracing::warn!("cache entry of {} was corrupted ({reason}); recomputing it", record.id);
+                record.note = Some(format!("corrupted cache entry recomputed: {reason}"));
+            }
+            Lookup::Miss => {}
+        }
+    }
+    let _lock = match shared.cache.lock_key(&key) {
+        Ok(lock) => lock,
+        Err(err) => return failed(index, record, Status::Error, err.to_string()),
+    };
+    if !shared.forced[index] {
+        // Another run may have computed it while this one waited for the lock.
+        if let Lookup::Hit(entry) = shared.cache.lookup(&key) {
+            let output = hit(&mut record, entry);
+            return Finished { node: index, record, output };
+        }
+    }
+    shared.observer.event(Event::Started { node: &record.id });
+    let started = Instant::now();
+    let outcome = compute(shared, index, &task.inputs, parts, &mut record);
+    record.duration_s = started.elapsed().as_secs_f64();
+    match outcome {
+        Ok(entry) => {
+            record.artifact = Some(entry.files_dir.clone());
+            let output = Output { digest: entry.meta.output_digest, files_dir: entry.files_dir, result: entry.result };
+            Finished { node: index, record, output: Some(output) }
+        }
+        Err((status, message)) => failed(index, record, status, message),
+    }
+}
+
+fn failed(index: usize, mut record: NodeRecord, status: Status, message: String) -> Finished {
+    record.status = status;
+    record.error = Some(message);
+    Finished { node: index, record, output: None }
+}
+
+/// Computes one node into a new cache entry.
+fn compute(
+    shared: &Shared,
+    index: usize,
+    inputs: &[InputArtifact],
+    parts: KeyParts,
+    record: &mut NodeRecord,
+) -> Result<Entry, (Status, String)> {
+    let plan = shared.plan;
+    let node = &plan.nodes[index];
+    let stage = plan.stage_of(node);
+    let started = Instant::now();
+    let error = |err: CacheError| (Status::Error, err.to_string());
+    let staging = shared.cache.staging().map_err(error)?;
+    let request = StageRequest {
+        node: node.id.clone(),
+        stage: stage.spec.name.clone(),
+        params: node.params.clone(),
+        seed: plan.pipeline.seed,
+        output_dir: staging.files_dir(),
+        inputs: inputs.to_vec(),
+    };
+    let request_json = serde_json::to_string(&request).map_err(|err| (Status::Error, err.to_string()))?;
+    let log_path = shared.logs_dir.join(format!("{}.log", node_file_name(&node.id)));
+    let log = File::create(&log_path).ok();
+    record.log = Some(log_path);
+    let sink = NodeSink {
+        node: &node.id,
+        plugin: &stage.plugin.manifest.name,
+        log: Mutex::new(log.as_ref().and_then(|f| f.try_clone().ok())),
+        observer: shared.observer,
+    };
+    let result_text = match stage.spec.isolation {
+        Isolation::InProcess => stage.plugin.run(&stage.spec.name, &request_json, &sink).map_err(|err| (Status::Error, err))?,
+        Isolation::Worker => {
+            let mut worker = shared
+                .pool
+                .acquire(&stage.plugin.path)
+                .map_err(|err| (Status::Crashed, format!("worker could not start: {err}")))?;
+            let stderr_log = log.as_ref().and_then(|f| f.try_clone().ok());
+            match worker.run(&stage.spec.name, &request_json, stage.timeout, &sink, stderr_log) {
+                WorkerOutcome::Finished(outcome) => {
+                    shared.pool.release(worker);
+                    outcome.map_err(|err| (Status::Error, err))?
+                }
+                WorkerOutcome::Crashed(reason) => return Err((Status::Crashed, reason)),
+                WorkerOutcome::TimedOut => {
+                    let limit = stage.timeout.map(|t| format!("{:.1}s", t.as_secs_f64())).unwrap_or_default();
+                    return Err((Status::Timeout, format!("did not finish within its {limit} limit; its worker was killed")));
+                }
+            }
+        }
+    };
+    let result: Value = serde_json::from_str(&result_text)
+        .map_err(|err| (Status::Error, format!("malformed result from `{}`: not JSON ({err})", stage.uses)))?;
+    if !result.is_object() {
+        return Err((Status::Error, format!("malformed result from `{}`: expected a JSON object, got {}", stage.uses, brief(&result))));
+    }
+    let duration = started.elapsed().as_secs_f64();
+    shared.cache.commit(staging, parts, &node.id, &stage.uses, &result, duration).map_err(error)
+}
+
+fn brief(value: &Value) -> String {
+    let text = value.to_string();
+    if text.len() > 60 {
+        format!("{}…", &text[..60])
+    } else {
+        text
+    }
+}
+
+struct NodeSink<'a> {
+    node: &'a str,
+    plugin: &'a str,
+    log: Mutex<Option<File>>,
+    observer: &'a dyn Observer,
+}
+
+impl ServiceSink for NodeSink<'_> {
+    fn log(&self, level: LogLevel, message: &str) {
+        trace_plugin_log(self.plugin, self.node, level, message);
+        if let Ok(mut log) = self.log.lock() {
+            if let Some(file) = log.as_mut() {
+                let _ = writeln!(file, "[{}] {message}", level.as_str());
+            }
+        }
+    }
+
+    fn progress(&self, done: u64, total: u64, message: &str) {
+        self.observer.event(Event::Progress { node: self.node, done, total, message });
+    }
+
+    fn is_cancelled(&self) -> bool {
+        INTERRUPTED.load(Ordering::Relaxed)
+    }
+}
+
+fn plugin_records(plan: &Plan) -> Vec<PluginRecord> {
+    let mut seen = BTreeMap::new();
+    for stage in &plan.pipeline.stages {
+        let plugin = &stage.plugin;
+        seen.entry(plugin.manifest.name.clone()).or_insert_with(|| PluginRecord {
+            name: plugin.manifest.name.clone(),
+            version: plugin.manifest.version.clone(),
+            abi: plugin.manifest.abi.clone(),
+            path: plugin.path.clone(),
+            library_hash: plugin.library_hash.clone(),
+        });
+    }
+    seen.into_values().collect()
+}
+
+fn now() -> String {
+    humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string()
+}
+
+/// Set by the first Ctrl-C: no new node starts, running in-process nodes see `is_cancelled`, and
+/// the run record is still written. A second Ctrl-C ends the process at once.
+pub static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_interrupt(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+    // SAFETY: restoring the default disposition is async-signal-safe.
+    unsafe { libc::signal(libc::SIGINT, libc::SIG_DFL) };
+}
+
+pub fn install_interrupt_handler() {
+    // SAFETY: the handler only stores to an atomic and resets the disposition.
+    unsafe { libc::signal(libc::SIGINT, on_interrupt as extern "C" fn(libc::c_int) as libc::sighandler_t) };
+}

@@ -1,0 +1,28 @@
+use std::path::PathBuf;
+
+/// Why a stage could not produce its result. The message reaches the user as the node's error.
+#[derive(Debug, thiserror::Error)]
+pub enum PluginError {
+    #[error("invalid parameters: {0}")]
+    Params(String),
+    #[error("unknown stage `{stage}`; this plugin has: {known}")]
+    UnknownStage { stage: String, known: String },
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl PluginError {
+    pub fn failed(message: impl Into<String>) -> Self {
+        PluginError::Failed(message.into())
+    }
+
+    pub fn io(path: &PathBuf, source: std::io::Error) -> Self {
+        PluginError::Io { context: path.display().to_string(), source }
+    }
+}

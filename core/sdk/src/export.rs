@@ -1,0 +1,89 @@
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use attnbench_abi::abi_stable::library::RootModuleResult;
+use attnbench_abi::abi_stable::prefix_type::PrefixTypeTrait;
+use attnbench_abi::abi_stable::std_types::{RErr, ROk, RResult, RStr, RString};
+use attnbench_abi::{HostServices, PluginMod, PluginModRef};
+use serde_json::Value;
+
+use crate::{Host, PluginError, PluginManifest, StageRequest};
+
+/// A plugin: a manifest and a `run` for each of its stages. Export it with [`crate::export_plugin!`].
+pub trait Plugin {
+    fn manifest() -> PluginManifest;
+    fn run(stage: &str, request: StageRequest, host: &Host) -> Result<Value, PluginError>;
+}
+
+/// Exports a type implementing [`Plugin`] as the library's attnbench root module.
+#[macro_export]
+macro_rules! export_plugin {
+    ($plugin:ty) => {
+        // The symbol name is abi_stable's root-module symbol (`attnbench_abi::ROOT_MODULE_SYMBOL`).
+        #[doc(hidden)]
+        #[export_name = "_1as_0lib_1header_0root_bmodule_bloader"]
+        pub static ATTNBENCH_PLUGIN_HEADER: $crate::__private::LibHeader = {
+            extern "C" fn construct() -> $crate::__private::RootModuleResult {
+                $crate::__private::call_root_module_loader($crate::__private::root_module::<$plugin>)
+            }
+            // SAFETY: `construct` returns the `PluginModRef` declared as the module type.
+            unsafe {
+                $crate::__private::LibHeader::from_constructor::<$crate::__private::PluginModRef>(
+                    construct,
+                    $crate::__private::CheckTypeLayout::Yes,
+                )
+            }
+        };
+    };
+}
+
+#[doc(hidden)]
+pub fn call_root_module_loader(loader: fn() -> PluginModRef) -> RootModuleResult {
+    attnbench_abi::abi_stable::library::__call_root_module_loader(loader)
+}
+
+#[doc(hidden)]
+pub fn root_module<P: Plugin>() -> PluginModRef {
+    PluginMod { manifest: manifest_entry::<P>, run: run_entry::<P> }.leak_into_prefix()
+}
+
+extern "C" fn manifest_entry<P: Plugin>() -> RString {
+    let manifest = catch_unwind(|| {
+        let mut manifest = P::manifest();
+        manifest.abi = attnbench_abi::ABI_VERSION.to_string();
+        serde_json::to_string(&manifest).map_err(|err| err.to_string())
+    });
+    match manifest {
+        Ok(Ok(json)) => json.into(),
+        Ok(Err(err)) => serde_json::json!({ "manifest_error": err }).to_string().into(),
+        Err(panic) => serde_json::json!({ "manifest_error": format!("manifest() panicked: {}", panic_message(&*panic)) })
+            .to_string()
+            .into(),
+    }
+}
+
+extern "C" fn run_entry<P: Plugin>(
+    stage: RStr<'_>,
+    request: RStr<'_>,
+    host: &HostServices,
+) -> RResult<RString, RString> {
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        let request: StageRequest = serde_json::from_str(request.as_str())
+            .map_err(|err| PluginError::failed(format!("the host sent a malformed request: {err}")))?;
+        P::run(stage.as_str(), request, &Host::new(host))
+    }));
+    match outcome {
+        Ok(Ok(result)) => ROk(result.to_string().into()),
+        Ok(Err(err)) => RErr(err.to_string().into()),
+        Err(panic) => RErr(format!("plugin panicked: {}", panic_message(&*panic)).into()),
+    }
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(text) = payload.downcast_ref::<&str>() {
+        (*text).to_string()
+    } else if let Some(text) = payload.downcast_ref::<String>() {
+        text.clone()
+    } else {
+        "(a non-text panic payload)".to_string()
+    }
+}

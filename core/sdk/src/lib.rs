@@ -1,0 +1,41 @@
+//! What attnbench plugin authors use.
+//!
+//! A plugin is a `cdylib` crate that depends on this crate alone. It implements [`Plugin`] and
+//! exports it with [`export_plugin!`]:
+//!
+//! ```ignore
+//! struct Mine;
+//! impl attnbench_sdk::Plugin for Mine {
+//!     fn manifest() -> attnbench_sdk::PluginManifest { /* name, version, stages */ }
+//!     fn run(stage: &str, request: attnbench_sdk::StageRequest, host: &attnbench_sdk::Host)
+//!         -> Result<serde_json::Value, attnbench_sdk::PluginError> { /* ... */ }
+//! }
+//! attnbench_sdk::export_plugin!(Mine);
+//! ```
+//!
+//! Every entry point the macro exports catches panics, so a bug in a plugin becomes an error
+//! result for one node instead of undefined behaviour across the FFI boundary.
+
+mod artifact;
+mod error;
+mod export;
+mod host;
+mod manifest;
+mod request;
+mod size;
+
+pub use artifact::{write_atomically, write_json};
+pub use attnbench_abi as abi;
+pub use error::PluginError;
+pub use export::Plugin;
+pub use host::Host;
+pub use manifest::{CacheScope, Isolation, ParamSpec, ParamType, PluginManifest, StageSpec};
+pub use request::{InputArtifact, StageRequest};
+pub use size::{format_size, parse_size};
+
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::export::{call_root_module_loader, root_module};
+    pub use attnbench_abi::abi_stable::library::{CheckTypeLayout, LibHeader, RootModuleResult};
+    pub use attnbench_abi::PluginModRef;
+}

@@ -1,0 +1,390 @@
+//! The manifest a plugin declares: its stages, their parameters, artifacts, caching and isolation.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::size::parse_size;
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PluginManifest {
+    pub name: String,
+    pub version: String,
+    /// The ABI version the plugin was built against; filled in by the export macro.
+    #[serde(default)]
+    pub abi: String,
+    #[serde(default)]
+    pub description: String,
+    pub stages: Vec<StageSpec>,
+}
+
+impl PluginManifest {
+    pub fn new(name: impl Into<String>, version: impl Into<String>) -> Self {
+        PluginManifest {
+            name: name.into(),
+            version: version.into(),
+            abi: attnbench_abi::ABI_VERSION.to_string(),
+            description: String::new(),
+            stages: Vec::new(),
+        }
+    }
+
+    pub fn description(mut self, text: impl Into<String>) -> Self {
+        self.description = text.into();
+        self
+    }
+
+    pub fn stage(mut self, stage: StageSpec) -> Self {
+        self.stages.push(stage);
+        self
+    }
+
+    pub fn find_stage(&self, name: &str) -> Option<&StageSpec> {
+        self.stages.iter().find(|stage| stage.name == name)
+    }
+
+    /// Checks what the host relies on: names usable in `uses:`, unique stages and parameters,
+    /// defaults of the declared type.
+    pub fn validate(&self) -> Result<(), String> {
+        check_name("plugin name", &self.name)?;
+        if self.version.trim().is_empty() {
+            return Err(format!("plugin `{}` declares an empty version", self.name));
+        }
+        if self.stages.is_empty() {
+            return Err(format!("plugin `{}` declares no stages", self.name));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for stage in &self.stages {
+            check_name("stage name", &stage.name)?;
+            if !seen.insert(&stage.name) {
+                return Err(format!("stage `{}` is declared twice", stage.name));
+            }
+            let mut params = std::collections::BTreeSet::new();
+            for param in &stage.params {
+                check_name("parameter name", &param.name)?;
+                if !params.insert(&param.name) {
+                    return Err(format!("stage `{}` declares parameter `{}` twice", stage.name, param.name));
+                }
+                if let Some(default) = &param.default {
+                    param.ty.coerce(default).map_err(|err| {
+                        format!("stage `{}` parameter `{}`: default {err}", stage.name, param.name)
+                    })?;
+                }
+            }
+            if stage.timeout_s.is_some_and(|t| !(t > 0.0)) {
+                return Err(format!("stage `{}` declares a timeout that is not positive", stage.name));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn check_name(what: &str, name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+        && name.chars().next().is_some_and(|c| c.is_ascii_alphabetic());
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("{what} `{name}` must start with a letter and use only letters, digits, `_` and `-`"))
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct StageSpec {
+    pub name: String,
+    #[serde(default)]
+    pub doc: String,
+    #[serde(default)]
+    pub params: Vec<ParamSpec>,
+    /// Artifact kinds this stage reads from its `needs`.
+    #[serde(default)]
+    pub inputs: Vec<String>,
+    /// Artifact kinds this stage writes.
+    #[serde(default)]
+    pub outputs: Vec<String>,
+    #[serde(default)]
+    pub cache_scope: CacheScope,
+    #[serde(default)]
+    pub isolation: Isolation,
+    /// Default per-node time limit in seconds (worker isolation only); `timeout` in the pipeline overrides it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_s: Option<f64>,
+}
+
+impl StageSpec {
+    pub fn new(name: impl Into<String>) -> Self {
+        StageSpec {
+            name: name.into(),
+            doc: String::new(),
+            params: Vec::new(),
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+            cache_scope: CacheScope::Pure,
+            isolation: Isolation::InProcess,
+            timeout_s: None,
+        }
+    }
+
+    pub fn doc(mut self, text: impl Into<String>) -> Self {
+        self.doc = text.into();
+        self
+    }
+
+    pub fn param(mut self, param: ParamSpec) -> Self {
+        self.params.push(param);
+        self
+    }
+
+    pub fn input(mut self, kind: impl Into<String>) -> Self {
+        self.inputs.push(kind.into());
+        self
+    }
+
+    pub fn output(mut self, kind: impl Into<String>) -> Self {
+        self.outputs.push(kind.into());
+        self
+    }
+
+    pub fn cache_scope(mut self, scope: CacheScope) -> Self {
+        self.cache_scope = scope;
+        self
+    }
+
+    pub fn isolation(mut self, isolation: Isolation) -> Self {
+        self.isolation = isolation;
+        self
+    }
+
+    pub fn timeout_s(mut self, seconds: f64) -> Self {
+        self.timeout_s = Some(seconds);
+        self
+    }
+
+    pub fn find_param(&self, name: &str) -> Option<&ParamSpec> {
+        self.params.iter().find(|param| param.name == name)
+    }
+}
+
+/// What a node's cached result depends on.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum CacheScope {
+    /// Only on the plugin, its parameters and its inputs: shareable across machines.
+    #[default]
+    Pure,
+    /// Also on the hardware and software it ran on: measurements.
+    Machine,
+}
+
+/// Where a node runs.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Isolation {
+    /// In the host process: cheapest, for code that cannot crash the host.
+    #[default]
+    InProcess,
+    /// In a persistent `attnbench worker` process: a crash or hang kills only the worker.
+    Worker,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ParamSpec {
+    pub name: String,
+    #[serde(rename = "type")]
+    pub ty: ParamType,
+    /// The value when neither the pipeline nor the matrix sets one; none = required.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default: Option<Value>,
+    #[serde(default)]
+    pub doc: String,
+}
+
+impl ParamSpec {
+    pub fn new(name: impl Into<String>, ty: ParamType) -> Self {
+        ParamSpec { name: name.into(), ty, default: None, doc: String::new() }
+    }
+
+    pub fn default(mut self, value: impl Into<Value>) -> Self {
+        self.default = Some(value.into());
+        self
+    }
+
+    pub fn doc(mut self, text: impl Into<String>) -> Self {
+        self.doc = text.into();
+        self
+    }
+}
+
+/// A parameter's type, written in manifests as `int`, `float`, `bool`, `string`, `size`, `json`,
+/// `list<T>` or `enum[a|b|c]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum ParamType {
+    Int,
+    Float,
+    Bool,
+    String,
+    /// A token count: an integer or `1k`/`64K`/`1M`.
+    Size,
+    /// Any JSON value.
+    Json,
+    List(Box<ParamType>),
+    Enum(Vec<String>),
+}
+
+impl ParamType {
+    /// Checks `value` against the type and returns its canonical form (sizes become integers).
+    pub fn coerce(&self, value: &Value) -> Result<Value, String> {
+        let wrong = || Err(format!("expected {}, found {}", self.describe(), describe_value(value)));
+        match (self, value) {
+            (ParamType::Json, _) => Ok(value.clone()),
+            (ParamType::Int, Value::Number(n)) if n.is_i64() || n.is_u64() => Ok(value.clone()),
+            (ParamType::Float, Value::Number(_)) => Ok(value.clone()),
+            (ParamType::Bool, Value::Bool(_)) => Ok(value.clone()),
+            (ParamType::String, Value::String(_)) => Ok(value.clone()),
+            (ParamType::Size, Value::Number(n)) if n.is_u64() => Ok(value.clone()),
+            (ParamType::Size, Value::String(text)) => parse_size(text).map(Value::from),
+            (ParamType::Enum(options), Value::String(text)) => {
+                if options.contains(text) {
+                    Ok(value.clone())
+                } else {
+                    Err(format!("`{text}` is not one of {}", options.join(", ")))
+                }
+            }
+            (ParamType::List(item), Value::Array(items)) => items
+                .iter()
+                .enumerate()
+                .map(|(index, element)| item.coerce(element).map_err(|err| format!("item {index}: {err}")))
+                .collect::<Result<Vec<_>, _>>()
+                .map(Value::Array),
+            _ => wrong(),
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            ParamType::Int => "an integer".into(),
+            ParamType::Float => "a number".into(),
+            ParamType::Bool => "true or false".into(),
+            ParamType::String => "a string".into(),
+            ParamType::Size => "a size such as 4096 or 4k".into(),
+            ParamType::Json => "any value".into(),
+            ParamType::List(item) => format!("a list of {}", item.describe()),
+            ParamType::Enum(options) => format!("one of {}", options.join(", ")),
+        }
+    }
+}
+
+fn describe_value(value: &Value) -> String {
+    match value {
+        Value::Null => "nothing (null)".into(),
+        Value::Bool(b) => format!("`{b}`"),
+        Value::Number(n) => format!("`{n}`"),
+        Value::String(s) => format!("the string `{s}`"),
+        Value::Array(_) => "a list".into(),
+        Value::Object(_) => "a mapping".into(),
+    }
+}
+
+impl fmt::Display for ParamType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ParamType::Int => f.write_str("int"),
+            ParamType::Float => f.write_str("float"),
+            ParamType::Bool => f.write_str("bool"),
+            ParamType::String => f.write_str("string"),
+            ParamType::Size => f.write_str("size"),
+            ParamType::Json => f.write_str("json"),
+            ParamType::List(item) => write!(f, "list<{item}>"),
+            ParamType::Enum(options) => write!(f, "enum[{}]", options.join("|")),
+        }
+    }
+}
+
+impl std::str::FromStr for ParamType {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        let text = text.trim();
+        Ok(match text {
+            "int" => ParamType::Int,
+            "float" => ParamType::Float,
+            "bool" => ParamType::Bool,
+            "string" => ParamType::String,
+            "size" => ParamType::Size,
+            "json" => ParamType::Json,
+            _ => {
+                if let Some(inner) = text.strip_prefix("list<").and_then(|rest| rest.strip_suffix('>')) {
+                    ParamType::List(Box::new(inner.parse()?))
+                } else if let Some(inner) = text.strip_prefix("enum[").and_then(|rest| rest.strip_suffix(']')) {
+                    let options: Vec<String> = inner.split('|').map(|o| o.trim().to_string()).collect();
+                    if options.iter().any(String::is_empty) {
+                        return Err(format!("`{text}` has an empty option"));
+                    }
+                    ParamType::Enum(options)
+                } else {
+                    return Err(format!(
+                        "unknown parameter type `{text}`; use int, float, bool, string, size, json, list<T> or enum[a|b]"
+                    ));
+                }
+            }
+        })
+    }
+}
+
+impl TryFrom<String> for ParamType {
+    type Error = String;
+    fn try_from(text: String) -> Result<Self, String> {
+        text.parse()
+    }
+}
+
+impl From<ParamType> for String {
+    fn from(ty: ParamType) -> String {
+        ty.to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn types_round_trip_through_text() {
+        for text in ["int", "float", "bool", "string", "size", "json", "list<size>", "enum[fwd|bwd]", "list<enum[a|b]>"] {
+            let ty: ParamType = text.parse().unwrap();
+            assert_eq!(ty.to_string(), text);
+        }
+        assert!("list<nope>".parse::<ParamType>().is_err());
+        assert!("enum[a||b]".parse::<ParamType>().is_err());
+    }
+
+    #[test]
+    fn coercion_canonicalises_sizes_and_names_the_mismatch() {
+        assert_eq!(ParamType::Size.coerce(&json!("2k")), Ok(json!(2048)));
+        assert_eq!(ParamType::List(Box::new(ParamType::Size)).coerce(&json!(["1k", 8])), Ok(json!([1024, 8])));
+        let err = ParamType::Int.coerce(&json!("x")).unwrap_err();
+        assert_eq!(err, "expected an integer, found the string `x`");
+        let err = ParamType::Enum(vec!["fwd".into(), "bwd".into()]).coerce(&json!("both")).unwrap_err();
+        assert!(err.contains("fwd, bwd"), "{err}");
+        assert!(ParamType::Int.coerce(&json!(1.5)).is_err());
+    }
+
+    #[test]
+    fn manifests_validate_defaults_and_names() {
+        let good = PluginManifest::new("demo", "0.1.0")
+            .stage(StageSpec::new("run").param(ParamSpec::new("n", ParamType::Size).default("1k")));
+        assert_eq!(good.validate(), Ok(()));
+        let bad_default = PluginManifest::new("demo", "0.1.0")
+            .stage(StageSpec::new("run").param(ParamSpec::new("n", ParamType::Int).default("x")));
+        assert!(bad_default.validate().unwrap_err().contains("parameter `n`"));
+        let bad_name = PluginManifest::new("de mo", "0.1.0").stage(StageSpec::new("run"));
+        assert!(bad_name.validate().unwrap_err().contains("must start with a letter"));
+    }
+}

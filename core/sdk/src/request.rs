@@ -1,0 +1,49 @@
+use std::path::PathBuf;
+
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::PluginError;
+
+/// Everything one node of a stage gets: validated parameters (defaults applied, sizes as
+/// integers), the pipeline seed, the directory to write its artifact files into, and the
+/// artifacts of the nodes it needs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StageRequest {
+    /// The node's id in the pipeline, e.g. `bench[kernel=flash,seqlen=4096]`.
+    pub node: String,
+    pub stage: String,
+    pub params: Map<String, Value>,
+    pub seed: u64,
+    /// An empty directory that becomes the node's artifact; files written here are cached.
+    pub output_dir: PathBuf,
+    pub inputs: Vec<InputArtifact>,
+}
+
+/// A finished upstream node, as its dependents see it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct InputArtifact {
+    pub node: String,
+    /// The `plugin/stage` that produced it.
+    pub uses: String,
+    pub params: Map<String, Value>,
+    /// The artifact's files (read-only).
+    pub dir: PathBuf,
+    /// The JSON the producing stage returned.
+    pub result: Value,
+}
+
+impl StageRequest {
+    /// The parameters as a typed struct; a mismatch is reported as a parameter error.
+    pub fn params<T: DeserializeOwned>(&self) -> Result<T, PluginError> {
+        serde_json::from_value(Value::Object(self.params.clone()))
+            .map_err(|err| PluginError::Params(err.to_string()))
+    }
+
+    /// The inputs produced by `plugin/stage` (or any stage named `stage`).
+    pub fn inputs_from<'a>(&'a self, uses: &'a str) -> impl Iterator<Item = &'a InputArtifact> + 'a {
+        self.inputs
+            .iter()
+            .filter(move |input| input.uses == uses || input.uses.rsplit('/').next() == Some(uses))
+    }
+}

@@ -1,0 +1,60 @@
+//! Token counts written the way people say them: `1k`, `64K`, `1M` (powers of two) or plain integers.
+
+/// Parses `1k` = 1024, `64K` = 65536, `1M` = 1048576, `2G`, or a plain non-negative integer.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let trimmed = text.trim();
+    let (digits, shift) = match trimmed.chars().last() {
+        Some('k' | 'K') => (&trimmed[..trimmed.len() - 1], 10),
+        Some('m' | 'M') => (&trimmed[..trimmed.len() - 1], 20),
+        Some('g' | 'G') => (&trimmed[..trimmed.len() - 1], 30),
+        _ => (trimmed, 0),
+    };
+    let value: u64 = digits.trim().parse().map_err(|_| {
+        format!("`{text}` is not a size; write an integer or one with a suffix k, M or G (powers of two), e.g. 4k")
+    })?;
+    value
+        .checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("`{text}` is too large"))
+}
+
+/// The shortest exact spelling of a size: 1024 → `1k`, 1536 → `1536`, 1048576 → `1M`.
+pub fn format_size(value: u64) -> String {
+    for (shift, suffix) in [(30, "G"), (20, "M"), (10, "k")] {
+        let unit = 1u64 << shift;
+        if value >= unit && value % unit == 0 {
+            return format!("{}{suffix}", value / unit);
+        }
+    }
+    value.to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn suffixes_are_powers_of_two() {
+        assert_eq!(parse_size("1k"), Ok(1024));
+        assert_eq!(parse_size("64K"), Ok(65536));
+        assert_eq!(parse_size("1M"), Ok(1 << 20));
+        assert_eq!(parse_size("768k"), Ok(768 * 1024));
+        assert_eq!(parse_size("4096"), Ok(4096));
+    }
+
+    #[test]
+    fn garbage_is_refused_with_a_hint() {
+        let err = parse_size("4x").unwrap_err();
+        assert!(err.contains("suffix k, M or G"), "{err}");
+        assert!(parse_size("k").is_err());
+        assert!(parse_size("-1k").is_err());
+        assert!(parse_size("99999999999999999G").is_err());
+    }
+
+    #[test]
+    fn formatting_round_trips() {
+        for value in [1, 1000, 1024, 1536, 65536, 1 << 20, 3 << 30] {
+            assert_eq!(parse_size(&format_size(value)), Ok(value));
+        }
+        assert_eq!(format_size(16384), "16k");
+    }
+}

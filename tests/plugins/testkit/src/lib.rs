@@ -1,0 +1,100 @@
+//! A plugin that behaves well and badly on purpose, so that the runtime's scheduling, caching
+//! and fault handling are tested against a real shared library and real worker processes.
+
+use std::time::Duration;
+
+use attnbench_sdk::{
+    write_json, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError, PluginManifest,
+    StageRequest, StageSpec,
+};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+struct Testkit;
+
+#[derive(Deserialize)]
+struct EchoParams {
+    value: Value,
+    sleep_ms: u64,
+    size: u64,
+}
+
+fn echo_stage(name: &str, isolation: Isolation) -> StageSpec {
+    StageSpec::new(name)
+        .doc("Returns its parameters and the ids of its inputs, after sleeping `sleep_ms`.")
+        .param(ParamSpec::new("value", ParamType::Json).default(Value::Null).doc("Echoed back."))
+        .param(ParamSpec::new("sleep_ms", ParamType::Int).default(0).doc("Milliseconds to sleep first."))
+        .param(ParamSpec::new("size", ParamType::Size).default(0).doc("A size parameter, echoed."))
+        .output("echo")
+        .isolation(isolation)
+}
+
+fn misbehaving(name: &str, doc: &str) -> StageSpec {
+    StageSpec::new(name).doc(doc).isolation(Isolation::Worker).timeout_s(60.0)
+}
+
+impl Plugin for Testkit {
+    fn manifest() -> PluginManifest {
+        PluginManifest::new("testkit", env!("CARGO_PKG_VERSION"))
+            .description("Well- and ill-behaved stages for testing the attnbench runtime.")
+            .stage(echo_stage("echo", Isolation::InProcess))
+            .stage(echo_stage("echo-worker", Isolation::Worker))
+            .stage(echo_stage("measure", Isolation::Worker).cache_scope(CacheScope::Machine))
+            .stage(StageSpec::new("panic").doc("Panics (in process: caught by the SDK)."))
+            .stage(misbehaving("panic-worker", "Panics inside a worker."))
+            .stage(misbehaving("abort", "Aborts the process."))
+            .stage(misbehaving("segfault", "Dereferences a null pointer."))
+            .stage(misbehaving("hang", "Sleeps forever, ignoring cancellation.").timeout_s(1.0))
+            .stage(StageSpec::new("malformed").doc("Returns a bare string instead of a JSON object."))
+            .stage(misbehaving("noisy", "Prints to stdout and stderr, then succeeds."))
+            .stage(StageSpec::new("fail").doc("Returns an error."))
+    }
+
+    fn run(stage: &str, request: StageRequest, host: &Host) -> Result<Value, PluginError> {
+        match stage {
+            "echo" | "echo-worker" | "measure" => echo(&request, host),
+            "panic" | "panic-worker" => panic!("testkit panics on purpose in {}", request.node),
+            "abort" => std::process::abort(),
+            "segfault" => {
+                // SAFETY: none; the point is to crash the process.
+                unsafe { std::ptr::null_mut::<u64>().write_volatile(7) };
+                Ok(Value::Null)
+            }
+            "hang" => loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            },
+            "malformed" => Ok(json!("not an object")),
+            "noisy" => {
+                println!("testkit writes to stdout, which must not corrupt the worker protocol");
+                eprintln!("testkit writes to stderr");
+                Ok(json!({"noisy": true}))
+            }
+            "fail" => Err(PluginError::failed("testkit fails on purpose")),
+            other => Err(PluginError::UnknownStage { stage: other.into(), known: "see the manifest".into() }),
+        }
+    }
+}
+
+fn echo(request: &StageRequest, host: &Host) -> Result<Value, PluginError> {
+    let params: EchoParams = request.params()?;
+    let steps = params.sleep_ms.div_ceil(10);
+    for step in 0..steps {
+        if host.is_cancelled() {
+            return Err(PluginError::failed("cancelled"));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+        host.progress(step + 1, steps, "sleeping");
+    }
+    host.debug(&format!("echo {} with {} inputs", request.node, request.inputs.len()));
+    let result = json!({
+        "value": params.value,
+        "size": params.size,
+        "seed": request.seed,
+        "inputs": request.inputs.iter().map(|input| input.node.clone()).collect::<Vec<_>>(),
+        "pid": std::process::id(),
+    });
+    write_json(&request.output_dir, "echo.json", &result)?;
+    Ok(result)
+}
+
+attnbench_sdk::export_plugin!(Testkit);
