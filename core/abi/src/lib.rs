@@ -116,7 +116,10 @@ mod tests {
 
     #[test]
     fn root_module_symbol_is_abi_stables_own() {
-        assert_eq!(ROOT_MODULE_SYMBOL, abi_stable::library::ROOT_MODULE_LOADER_NAME);
+        assert_eq!(
+            ROOT_MODULE_SYMBOL,
+            abi_stable::library::ROOT_MODULE_LOADER_NAME
+        );
     }
 
     #[test]
@@ -126,7 +129,13 @@ mod tests {
 
     #[test]
     fn log_levels_round_trip() {
-        for level in [LogLevel::Error, LogLevel::Warn, LogLevel::Info, LogLevel::Debug, LogLevel::Trace] {
+        for level in [
+            LogLevel::Error,
+            LogLevel::Warn,
+            LogLevel::Info,
+            LogLevel::Debug,
+            LogLevel::Trace,
+        ] {
             assert_eq!(LogLevel::parse(level.as_str()), Some(level));
         }
     }

@@ -1,1 +1,263 @@
-fn main(){}
+//! `attnbench`: long-context attention benchmarks as reproducible, cached pipelines of plugins.
+
+mod cache_cmd;
+mod doctor;
+mod plugins_cmd;
+mod progress;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use attnbench_runtime::cache::Cache;
+use attnbench_runtime::inspect::{explain, node_states, NodeState};
+use attnbench_runtime::pipeline::{self, PipelineError};
+use attnbench_runtime::plan::{nodes_per_stage, Plan};
+use attnbench_runtime::plugin::Registry;
+use attnbench_runtime::run::{execute, install_interrupt_handler, RunOptions};
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "attnbench",
+    version,
+    about = "Long-context attention benchmarks as reproducible, cached pipelines of plugins."
+)]
+struct Cli {
+    /// Also look for plugin libraries here (before ATTNBENCH_PLUGIN_PATH); repeatable.
+    #[arg(long = "plugin-dir", global = true, value_name = "DIR")]
+    plugin_dirs: Vec<PathBuf>,
+    /// The artifact cache [default: ATTNBENCH_CACHE, else ./artifacts].
+    #[arg(long, global = true, value_name = "DIR")]
+    cache: Option<PathBuf>,
+    /// More log output (-v info, -vv debug, -vvv trace); RUST_LOG overrides.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
+    /// No progress output; only errors and the final summary.
+    #[arg(short, long, global = true)]
+    quiet: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Args)]
+struct PipelineArgs {
+    /// The pipeline file (YAML).
+    pipeline: PathBuf,
+    /// Override a value of the pipeline, e.g. stages.masks.matrix.seqlen=[16k]; repeatable.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    sets: Vec<String>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a pipeline: nodes whose results are cached are reused, the others computed.
+    Run {
+        #[command(flatten)]
+        pipeline: PipelineArgs,
+        /// Nodes to run at once [default: the number of CPUs].
+        #[arg(short, long)]
+        jobs: Option<usize>,
+        /// Recompute this node (or every node of this stage) even if cached; repeatable.
+        #[arg(long, value_name = "NODE")]
+        force: Vec<String>,
+        /// Show the plan instead of running it.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// List the nodes of a pipeline and whether each is cached or will run.
+    Plan {
+        #[command(flatten)]
+        pipeline: PipelineArgs,
+        /// Only the per-stage summary.
+        #[arg(long)]
+        summary: bool,
+    },
+    /// Say why a node will run: which part of its key changed since its cached result.
+    Explain {
+        #[command(flatten)]
+        pipeline: PipelineArgs,
+        /// The node id (as `plan` prints it), or a stage with a single node.
+        node: String,
+    },
+    /// Inspect the plugins attnbench can find.
+    Plugins {
+        #[command(subcommand)]
+        command: plugins_cmd::PluginsCommand,
+    },
+    /// Inspect and maintain the artifact cache.
+    Cache {
+        #[command(subcommand)]
+        command: cache_cmd::CacheCommand,
+    },
+    /// Check this machine: plugins, cache, CPU, GPU driver and libraries.
+    Doctor,
+    /// Serve nodes of one plugin for a host process (started by `run`; not for direct use).
+    #[command(hide = true)]
+    Worker {
+        #[arg(long)]
+        plugin: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.verbose);
+    match dispatch(cli) {
+        Ok(code) => code,
+        Err(err) => {
+            if let Some(PipelineError::Invalid(_)) = err.downcast_ref::<PipelineError>() {
+                eprintln!("{err}");
+            } else {
+                eprintln!("error: {err:#}");
+            }
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn init_logging(verbose: u8) {
+    let default = match verbose {
+        0 => "warn",
+        1 => "info",
+        2 => "debug",
+        _ => "trace",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .without_time()
+        .with_target(false)
+        .init();
+}
+
+fn open_cache(cli_cache: &Option<PathBuf>) -> Result<Cache> {
+    let root = cli_cache.clone().unwrap_or_else(Cache::default_root);
+    Ok(Cache::open(&root)?)
+}
+
+fn load_plan(args: &PipelineArgs, registry: &Registry) -> Result<Plan> {
+    let pipeline = pipeline::load(&args.pipeline, &args.sets, registry)?;
+    Ok(Plan::expand(pipeline)?)
+}
+
+fn dispatch(cli: Cli) -> Result<ExitCode> {
+    match cli.command {
+        Command::Worker { plugin } => {
+            attnbench_runtime::worker::serve(&plugin).context("worker")?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Run {
+            pipeline,
+            jobs,
+            force,
+            dry_run,
+        } => {
+            let registry = Registry::discover(&cli.plugin_dirs);
+            let plan = load_plan(&pipeline, &registry)?;
+            let cache = open_cache(&cli.cache)?;
+            if dry_run {
+                print_plan(&plan, &cache, false);
+                return Ok(ExitCode::SUCCESS);
+            }
+            let options = RunOptions {
+                jobs: jobs.unwrap_or_else(|| {
+                    std::thread::available_parallelism()
+                        .map(|n| n.get())
+                        .unwrap_or(1)
+                }),
+                force,
+                worker_exe: std::env::current_exe()
+                    .context("cannot find the attnbench binary to start workers")?,
+                argv: std::env::args().collect(),
+            };
+            install_interrupt_handler();
+            let observer = progress::Progress::new(plan.nodes.len(), cli.quiet, cli.verbose > 0);
+            let summary = execute(&plan, &cache, &options, &observer)?;
+            observer.finish();
+            Ok(progress::print_summary(&summary, &observer))
+        }
+        Command::Plan { pipeline, summary } => {
+            let registry = Registry::discover(&cli.plugin_dirs);
+            let plan = load_plan(&pipeline, &registry)?;
+            let cache = open_cache(&cli.cache)?;
+            print_plan(&plan, &cache, summary);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Explain { pipeline, node } => {
+            let registry = Registry::discover(&cli.plugin_dirs);
+            let plan = load_plan(&pipeline, &registry)?;
+            let cache = open_cache(&cli.cache)?;
+            println!(
+                "{}",
+                explain(&plan, &cache, &node).map_err(anyhow::Error::msg)?
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Plugins { command } => plugins_cmd::run(command, &cli.plugin_dirs),
+        Command::Cache { command } => cache_cmd::run(command, &open_cache(&cli.cache)?),
+        Command::Doctor => doctor::run(&cli.plugin_dirs, &open_cache(&cli.cache)?),
+    }
+}
+
+fn print_plan(plan: &Plan, cache: &Cache, summary_only: bool) {
+    use std::io::Write;
+    let states = node_states(plan, cache);
+    let stdout = std::io::stdout();
+    let mut out = std::io::BufWriter::new(stdout.lock());
+    if !summary_only {
+        let width = plan
+            .nodes
+            .iter()
+            .map(|n| n.id.len())
+            .max()
+            .unwrap_or(0)
+            .min(100);
+        for (node, state) in plan.nodes.iter().zip(&states) {
+            let _ = writeln!(
+                out,
+                "{:<7} {:<width$}  {}",
+                state.label(),
+                node.id,
+                plan.stage_of(node).uses
+            );
+        }
+    }
+    let counts = nodes_per_stage(plan);
+    for (stage, total) in counts {
+        let cached = plan
+            .nodes
+            .iter()
+            .zip(&states)
+            .filter(|(n, s)| {
+                plan.stage_of(n).name == stage && matches!(s, NodeState::Cached { .. })
+            })
+            .count();
+        let _ = writeln!(
+            out,
+            "stage {stage}: {total} nodes, {cached} cached, {} to run",
+            total - cached
+        );
+    }
+    let cached = states
+        .iter()
+        .filter(|s| matches!(s, NodeState::Cached { .. }))
+        .count();
+    let _ = writeln!(
+        out,
+        "pipeline {}: {} nodes, {cached} cached, {} to run",
+        plan.pipeline.name,
+        plan.nodes.len(),
+        plan.nodes.len() - cached
+    );
+}
+
+/// A path shown relative to the current directory when it is under it.
+pub fn display_path(path: &Path) -> String {
+    std::env::current_dir()
+        .ok()
+        .and_then(|cwd| path.strip_prefix(cwd).ok().map(|p| p.display().to_string()))
+        .unwrap_or_else(|| path.display().to_string())
+}

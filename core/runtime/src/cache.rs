@@ -17,13 +17,19 @@ use serde_json::Value;
 #[derive(Debug, thiserror::Error)]
 pub enum CacheError {
     #[error("cache {path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("cache entry {path} is unreadable: {reason}")]
     Entry { path: PathBuf, reason: String },
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CacheError + '_ {
-    move |source| CacheError::Io { path: path.to_path_buf(), source }
+    move |source| CacheError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 /// What a node's key is made of; stored with the entry so `explain` can say what changed.
@@ -51,7 +57,9 @@ pub struct InputDigest {
 impl KeyParts {
     pub fn key(&self) -> String {
         let canonical = canonical(&serde_json::to_value(self).unwrap_or(Value::Null));
-        blake3::hash(canonical.to_string().as_bytes()).to_hex().to_string()
+        blake3::hash(canonical.to_string().as_bytes())
+            .to_hex()
+            .to_string()
     }
 }
 
@@ -59,7 +67,8 @@ impl KeyParts {
 pub fn canonical(value: &Value) -> Value {
     match value {
         Value::Object(map) => {
-            let sorted: BTreeMap<&String, Value> = map.iter().map(|(k, v)| (k, canonical(v))).collect();
+            let sorted: BTreeMap<&String, Value> =
+                map.iter().map(|(k, v)| (k, canonical(v))).collect();
             Value::Object(sorted.into_iter().map(|(k, v)| (k.clone(), v)).collect())
         }
         Value::Array(items) => Value::Array(items.iter().map(canonical).collect()),
@@ -132,11 +141,16 @@ impl Cache {
 
     /// The default root: `ATTNBENCH_CACHE`, else `artifacts/` in the current directory.
     pub fn default_root() -> PathBuf {
-        std::env::var_os("ATTNBENCH_CACHE").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("artifacts"))
+        std::env::var_os("ATTNBENCH_CACHE")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("artifacts"))
     }
 
     pub fn entry_dir(&self, key: &str) -> PathBuf {
-        self.root.join("cache").join(&key[..2.min(key.len())]).join(key)
+        self.root
+            .join("cache")
+            .join(&key[..2.min(key.len())])
+            .join(key)
     }
 
     pub fn runs_dir(&self) -> PathBuf {
@@ -146,8 +160,18 @@ impl Cache {
     /// Held (shared) by every run and (exclusive) by `gc`, so gc never removes what a run reads.
     pub fn lock_store(&self, exclusive: bool) -> Result<File, CacheError> {
         let path = self.root.join("store.lock");
-        let file = File::options().create(true).truncate(false).write(true).open(&path).map_err(io(&path))?;
-        if exclusive { file.lock() } else { file.lock_shared() }.map_err(io(&path))?;
+        let file = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(io(&path))?;
+        if exclusive {
+            file.lock()
+        } else {
+            file.lock_shared()
+        }
+        .map_err(io(&path))?;
         Ok(file)
     }
 
@@ -155,7 +179,12 @@ impl Cache {
     /// second waits and then finds the entry.
     pub fn lock_key(&self, key: &str) -> Result<File, CacheError> {
         let path = self.root.join("locks").join(format!("{key}.lock"));
-        let file = File::options().create(true).truncate(false).write(true).open(&path).map_err(io(&path))?;
+        let file = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(io(&path))?;
         file.lock().map_err(io(&path))?;
         Ok(file)
     }
@@ -176,33 +205,48 @@ impl Cache {
 
     /// Reads an entry and checks every digest; `Err` says what does not match.
     pub fn verify_dir(&self, dir: &Path) -> Result<Entry, String> {
-        let meta_text = std::fs::read(dir.join("entry.json")).map_err(|err| format!("entry.json: {err}"))?;
-        let meta: EntryMeta = serde_json::from_slice(&meta_text).map_err(|err| format!("entry.json: {err}"))?;
-        let result_bytes = std::fs::read(dir.join("result.json")).map_err(|err| format!("result.json: {err}"))?;
+        let meta_text =
+            std::fs::read(dir.join("entry.json")).map_err(|err| format!("entry.json: {err}"))?;
+        let meta: EntryMeta =
+            serde_json::from_slice(&meta_text).map_err(|err| format!("entry.json: {err}"))?;
+        let result_bytes =
+            std::fs::read(dir.join("result.json")).map_err(|err| format!("result.json: {err}"))?;
         if blake3::hash(&result_bytes).to_hex().as_str() != meta.result_digest {
             return Err("result.json does not match its digest".into());
         }
         let files_dir = dir.join("files");
         for (relative, digest) in &meta.files {
-            let bytes = std::fs::read(files_dir.join(relative)).map_err(|err| format!("files/{relative}: {err}"))?;
+            let bytes = std::fs::read(files_dir.join(relative))
+                .map_err(|err| format!("files/{relative}: {err}"))?;
             if blake3::hash(&bytes).to_hex().as_str() != digest {
                 return Err(format!("files/{relative} does not match its digest"));
             }
         }
-        let result = serde_json::from_slice(&result_bytes).map_err(|err| format!("result.json: {err}"))?;
-        Ok(Entry { meta, files_dir, result })
+        let result =
+            serde_json::from_slice(&result_bytes).map_err(|err| format!("result.json: {err}"))?;
+        Ok(Entry {
+            meta,
+            files_dir,
+            result,
+        })
     }
 
     /// Removes an entry (renamed away first, so readers never see it half-deleted).
     pub fn discard(&self, dir: &Path) {
-        let doomed = self.root.join("tmp").join(format!("discarded-{}", unique_suffix()));
+        let doomed = self
+            .root
+            .join("tmp")
+            .join(format!("discarded-{}", unique_suffix()));
         if std::fs::rename(dir, &doomed).is_ok() {
             let _ = std::fs::remove_dir_all(&doomed);
         }
     }
 
     pub fn staging(&self) -> Result<Staging, CacheError> {
-        let dir = self.root.join("tmp").join(format!("staging-{}", unique_suffix()));
+        let dir = self
+            .root
+            .join("tmp")
+            .join(format!("staging-{}", unique_suffix()));
         let files = dir.join("files");
         std::fs::create_dir_all(&files).map_err(io(&files))?;
         Ok(Staging { dir })
@@ -254,25 +298,38 @@ impl Cache {
         }
         if let Err(err) = std::fs::rename(&staging.dir, &target) {
             if !target.exists() {
-                return Err(CacheError::Io { path: target, source: err });
+                return Err(CacheError::Io {
+                    path: target,
+                    source: err,
+                });
             }
             // Another run committed the same key first; its entry is equally valid.
         }
         drop(staging);
-        self.verify_dir(&target).map_err(|reason| CacheError::Entry { path: target, reason })
+        self.verify_dir(&target)
+            .map_err(|reason| CacheError::Entry {
+                path: target,
+                reason,
+            })
     }
 
     /// Every entry's metadata (unverified), for `cache ls` and `gc`.
     pub fn entries(&self) -> Vec<(PathBuf, Result<EntryMeta, String>)> {
         let mut entries = Vec::new();
-        let Ok(shards) = std::fs::read_dir(self.root.join("cache")) else { return entries };
+        let Ok(shards) = std::fs::read_dir(self.root.join("cache")) else {
+            return entries;
+        };
         for shard in shards.flatten() {
-            let Ok(dirs) = std::fs::read_dir(shard.path()) else { continue };
+            let Ok(dirs) = std::fs::read_dir(shard.path()) else {
+                continue;
+            };
             for dir in dirs.flatten() {
                 let path = dir.path();
                 let meta = std::fs::read(path.join("entry.json"))
                     .map_err(|err| err.to_string())
-                    .and_then(|bytes| serde_json::from_slice::<EntryMeta>(&bytes).map_err(|err| err.to_string()));
+                    .and_then(|bytes| {
+                        serde_json::from_slice::<EntryMeta>(&bytes).map_err(|err| err.to_string())
+                    });
                 entries.push((path, meta));
             }
         }
@@ -293,7 +350,12 @@ fn output_digest(result_digest: &str, files: &BTreeMap<String, String>) -> Strin
     hasher.finalize().to_hex().to_string()
 }
 
-fn hash_tree(base: &Path, dir: &Path, files: &mut BTreeMap<String, String>, bytes: &mut u64) -> std::io::Result<()> {
+fn hash_tree(
+    base: &Path,
+    dir: &Path,
+    files: &mut BTreeMap<String, String>,
+    bytes: &mut u64,
+) -> std::io::Result<()> {
     for entry in std::fs::read_dir(dir)? {
         let path = entry?.path();
         if path.is_dir() {
@@ -301,7 +363,11 @@ fn hash_tree(base: &Path, dir: &Path, files: &mut BTreeMap<String, String>, byte
         } else {
             let content = std::fs::read(&path)?;
             *bytes += content.len() as u64;
-            let relative = path.strip_prefix(base).unwrap_or(&path).to_string_lossy().replace('\\', "/");
+            let relative = path
+                .strip_prefix(base)
+                .unwrap_or(&path)
+                .to_string_lossy()
+                .replace('\\', "/");
             files.insert(relative, blake3::hash(&content).to_hex().to_string());
         }
     }
@@ -312,8 +378,15 @@ fn hash_tree(base: &Path, dir: &Path, files: &mut BTreeMap<String, String>, byte
 pub fn unique_suffix() -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
-    format!("{}-{}-{nanos:x}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed))
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!(
+        "{}-{}-{nanos:x}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 #[cfg(test)]
@@ -349,7 +422,9 @@ mod tests {
         let cache = Cache::open(root.path()).unwrap();
         let staging = cache.staging().unwrap();
         std::fs::write(staging.files_dir().join("data.bin"), b"payload").unwrap();
-        let entry = cache.commit(staging, parts(1), "n", "p/s", &json!({"ok": 1}), 0.1).unwrap();
+        let entry = cache
+            .commit(staging, parts(1), "n", "p/s", &json!({"ok": 1}), 0.1)
+            .unwrap();
         assert_eq!(entry.result, json!({"ok": 1}));
         let key = parts(1).key();
         assert!(matches!(cache.lookup(&key), Lookup::Hit(_)));

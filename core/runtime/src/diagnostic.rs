@@ -6,7 +6,11 @@ use std::path::PathBuf;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Origin {
     /// `file:line:column`, 1-based.
-    File { path: PathBuf, line: usize, column: usize },
+    File {
+        path: PathBuf,
+        line: usize,
+        column: usize,
+    },
     /// A `--set` option from the command line.
     Override(String),
     /// The pipeline as a whole.
@@ -22,7 +26,11 @@ pub struct Diagnostic {
 
 impl Diagnostic {
     pub fn new(origin: Origin, message: impl Into<String>) -> Self {
-        Diagnostic { origin, message: message.into(), hint: None }
+        Diagnostic {
+            origin,
+            message: message.into(),
+            hint: None,
+        }
     }
 
     pub fn hint(mut self, hint: impl Into<String>) -> Self {
@@ -62,7 +70,11 @@ pub fn nearest<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) ->
 }
 
 /// "did you mean `x`?" or a list of what exists.
-pub fn suggestion<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>, what: &str) -> String {
+pub fn suggestion<'a>(
+    word: &str,
+    candidates: impl IntoIterator<Item = &'a str>,
+    what: &str,
+) -> String {
     let candidates: Vec<&str> = candidates.into_iter().collect();
     match nearest(word, candidates.iter().copied()) {
         Some(best) => format!("did you mean `{best}`?"),

@@ -31,13 +31,18 @@ impl Environment {
             .and_then(|kib| kib.parse::<u64>().ok())
             .map(|kib| kib * 1024)
             .unwrap_or(0);
-        let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_string();
+        let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .unwrap_or_default()
+            .trim()
+            .to_string();
         Environment {
             os: std::env::consts::OS.into(),
             arch: std::env::consts::ARCH.into(),
             kernel,
             cpu,
-            logical_cpus: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+            logical_cpus: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1),
             memory_bytes,
             attnbench_version: env!("CARGO_PKG_VERSION").into(),
         }

@@ -39,7 +39,10 @@ pub fn node_states(plan: &Plan, cache: &Cache) -> Vec<NodeState> {
         let mut waiting_for = Vec::new();
         for &input in &node.inputs {
             match &states[input] {
-                NodeState::Cached { meta } => digests.push(InputDigest { node: plan.nodes[input].id.clone(), digest: meta.output_digest.clone() }),
+                NodeState::Cached { meta } => digests.push(InputDigest {
+                    node: plan.nodes[input].id.clone(),
+                    digest: meta.output_digest.clone(),
+                }),
                 _ => waiting_for.push(input),
             }
         }
@@ -49,10 +52,16 @@ pub fn node_states(plan: &Plan, cache: &Cache) -> Vec<NodeState> {
         }
         let parts = key_parts(plan, index, digests, &fingerprint);
         let entry = cache.entry_dir(&parts.key()).join("entry.json");
-        let meta = std::fs::read(&entry).ok().and_then(|bytes| serde_json::from_slice::<EntryMeta>(&bytes).ok());
+        let meta = std::fs::read(&entry)
+            .ok()
+            .and_then(|bytes| serde_json::from_slice::<EntryMeta>(&bytes).ok());
         states.push(match meta {
-            Some(meta) => NodeState::Cached { meta: Box::new(meta) },
-            None => NodeState::ToRun { parts: Box::new(parts) },
+            Some(meta) => NodeState::Cached {
+                meta: Box::new(meta),
+            },
+            None => NodeState::ToRun {
+                parts: Box::new(parts),
+            },
         });
     }
     states
@@ -65,12 +74,25 @@ pub fn explain(plan: &Plan, cache: &Cache, node: &str) -> Result<String, String>
         [one] => *one,
         [] => {
             let ids = plan.nodes.iter().map(|n| n.id.as_str());
-            let hint = nearest(node, ids).map(|id| format!("; did you mean `{id}`?")).unwrap_or_default();
-            return Err(format!("pipeline `{}` has no node `{node}`{hint} (`attnbench plan` lists them)", plan.pipeline.name));
+            let hint = nearest(node, ids)
+                .map(|id| format!("; did you mean `{id}`?"))
+                .unwrap_or_default();
+            return Err(format!(
+                "pipeline `{}` has no node `{node}`{hint} (`attnbench plan` lists them)",
+                plan.pipeline.name
+            ));
         }
         many => {
-            let examples: Vec<&str> = many.iter().take(3).map(|&i| plan.nodes[i].id.as_str()).collect();
-            return Err(format!("`{node}` names {} nodes, e.g. {}; give one node id", many.len(), examples.join(", ")));
+            let examples: Vec<&str> = many
+                .iter()
+                .take(3)
+                .map(|&i| plan.nodes[i].id.as_str())
+                .collect();
+            return Err(format!(
+                "`{node}` names {} nodes, e.g. {}; give one node id",
+                many.len(),
+                examples.join(", ")
+            ));
         }
     };
     let states = node_states(plan, cache);
@@ -80,17 +102,32 @@ pub fn explain(plan: &Plan, cache: &Cache, node: &str) -> Result<String, String>
     match &states[index] {
         NodeState::Cached { meta } => {
             lines.push(format!("`{id}` is cached: it will not run."));
-            lines.push(format!("  key {} (computed {}, took {:.2}s)", &meta.key[..16], meta.created, meta.duration_s));
+            lines.push(format!(
+                "  key {} (computed {}, took {:.2}s)",
+                &meta.key[..16],
+                meta.created,
+                meta.duration_s
+            ));
             lines.push("  use `attnbench run … --force NODE` to recompute it".into());
         }
         NodeState::AfterInputs { waiting_for } => {
-            lines.push(format!("`{id}` will run after its inputs, which are not cached:"));
+            lines.push(format!(
+                "`{id}` will run after its inputs, which are not cached:"
+            ));
             for &input in waiting_for {
                 lines.push(format!("  input `{}` runs first", plan.nodes[input].id));
             }
             if let Some((run, old)) = &previous {
-                let current = key_parts(plan, index, Vec::new(), &Environment::detect().fingerprint());
-                let own: Vec<String> = differences(old, &current).into_iter().filter(|d| !d.starts_with("input")).collect();
+                let current = key_parts(
+                    plan,
+                    index,
+                    Vec::new(),
+                    &Environment::detect().fingerprint(),
+                );
+                let own: Vec<String> = differences(old, &current)
+                    .into_iter()
+                    .filter(|d| !d.starts_with("input"))
+                    .collect();
                 if !own.is_empty() {
                     lines.push(format!("  and since run {run} its own key changed:"));
                     lines.extend(own.into_iter().map(|d| format!("    {d}")));
@@ -98,7 +135,10 @@ pub fn explain(plan: &Plan, cache: &Cache, node: &str) -> Result<String, String>
             }
         }
         NodeState::ToRun { parts } => {
-            lines.push(format!("`{id}` will run: no cached result has its key {}.", &parts.key()[..16]));
+            lines.push(format!(
+                "`{id}` will run: no cached result has its key {}.",
+                &parts.key()[..16]
+            ));
             match &previous {
                 None => lines.push("  it has not run before in this cache".into()),
                 Some((run, old)) => {
@@ -123,7 +163,10 @@ fn previous_parts(runs_dir: &Path, pipeline: &str, node: &str) -> Option<(String
         if record.pipeline != pipeline {
             return None;
         }
-        let found = record.nodes.into_iter().find(|n| n.id == node && n.status.succeeded())?;
+        let found = record
+            .nodes
+            .into_iter()
+            .find(|n| n.id == node && n.status.succeeded())?;
         Some((record.id, found.key_parts?))
     })
 }
@@ -132,20 +175,34 @@ fn previous_parts(runs_dir: &Path, pipeline: &str, node: &str) -> Option<(String
 pub fn differences(old: &KeyParts, new: &KeyParts) -> Vec<String> {
     let mut changes = Vec::new();
     if old.plugin != new.plugin || old.stage != new.stage {
-        changes.push(format!("stage changed: {}/{} → {}/{}", old.plugin, old.stage, new.plugin, new.stage));
+        changes.push(format!(
+            "stage changed: {}/{} → {}/{}",
+            old.plugin, old.stage, new.plugin, new.stage
+        ));
     }
     if old.plugin_version != new.plugin_version {
-        changes.push(format!("plugin version changed: {} → {}", old.plugin_version, new.plugin_version));
+        changes.push(format!(
+            "plugin version changed: {} → {}",
+            old.plugin_version, new.plugin_version
+        ));
     }
     if old.library_hash != new.library_hash {
-        changes.push(format!("plugin library rebuilt: {} → {}", &old.library_hash[..12.min(old.library_hash.len())], &new.library_hash[..12.min(new.library_hash.len())]));
+        changes.push(format!(
+            "plugin library rebuilt: {} → {}",
+            &old.library_hash[..12.min(old.library_hash.len())],
+            &new.library_hash[..12.min(new.library_hash.len())]
+        ));
     }
     let empty = serde_json::Map::new();
     let old_params = old.params.as_object().unwrap_or(&empty);
     let new_params = new.params.as_object().unwrap_or(&empty);
     for (key, value) in new_params {
         match old_params.get(key) {
-            Some(before) if before != value => changes.push(format!("parameter `{key}` changed: {} → {}", show(before), show(value))),
+            Some(before) if before != value => changes.push(format!(
+                "parameter `{key}` changed: {} → {}",
+                show(before),
+                show(value)
+            )),
             None => changes.push(format!("parameter `{key}` added: {}", show(value))),
             _ => {}
         }
@@ -158,12 +215,18 @@ pub fn differences(old: &KeyParts, new: &KeyParts) -> Vec<String> {
     }
     for input in &new.inputs {
         match old.inputs.iter().find(|i| i.node == input.node) {
-            Some(before) if before.digest != input.digest => changes.push(format!("input `{}` changed its output", input.node)),
+            Some(before) if before.digest != input.digest => {
+                changes.push(format!("input `{}` changed its output", input.node))
+            }
             None => changes.push(format!("input `{}` added", input.node)),
             _ => {}
         }
     }
-    for input in old.inputs.iter().filter(|i| !new.inputs.iter().any(|n| n.node == i.node)) {
+    for input in old
+        .inputs
+        .iter()
+        .filter(|i| !new.inputs.iter().any(|n| n.node == i.node))
+    {
         changes.push(format!("input `{}` removed", input.node));
     }
     if old.environment != new.environment {

@@ -20,7 +20,10 @@ const STAGE_KEYS: [&str; 6] = ["uses", "with", "needs", "matrix", "timeout", "de
 #[derive(Debug, thiserror::Error)]
 pub enum PipelineError {
     #[error("cannot read pipeline {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{}", render(.0))]
     Invalid(Vec<Diagnostic>),
 }
@@ -28,7 +31,10 @@ pub enum PipelineError {
 fn render(diagnostics: &[Diagnostic]) -> String {
     let mut text: Vec<String> = diagnostics.iter().map(ToString::to_string).collect();
     if diagnostics.len() > 1 {
-        text.push(format!("{} problems in the pipeline; nothing was run", diagnostics.len()));
+        text.push(format!(
+            "{} problems in the pipeline; nothing was run",
+            diagnostics.len()
+        ));
     }
     text.join("\n")
 }
@@ -77,12 +83,24 @@ struct Checker<'a> {
 impl Checker<'_> {
     fn origin(&self, path: &[&str], at_key: bool) -> Origin {
         let joined = path.join(".");
-        if let Some((option, _)) = self.overrides.iter().find(|(key, _)| joined.starts_with(key.as_str())) {
+        if let Some((option, _)) = self
+            .overrides
+            .iter()
+            .find(|(key, _)| joined.starts_with(key.as_str()))
+        {
             return Origin::Override(format!("{option}={}", self.overrides[option]));
         }
-        let position = if at_key { self.spans.key(path) } else { self.spans.value(path) };
+        let position = if at_key {
+            self.spans.key(path)
+        } else {
+            self.spans.value(path)
+        };
         match position {
-            Some((line, column)) => Origin::File { path: self.file.clone(), line, column },
+            Some((line, column)) => Origin::File {
+                path: self.file.clone(),
+                line,
+                column,
+            },
             None => Origin::Pipeline(self.file.clone()),
         }
     }
@@ -99,7 +117,13 @@ impl Checker<'_> {
         self.problems.push(diagnostic);
     }
 
-    fn unknown_keys(&mut self, map: &Map<String, Value>, path: &[&str], allowed: &[&str], what: &str) {
+    fn unknown_keys(
+        &mut self,
+        map: &Map<String, Value>,
+        path: &[&str],
+        allowed: &[&str],
+        what: &str,
+    ) {
         for key in map.keys().filter(|key| !allowed.contains(&key.as_str())) {
             let mut at: Vec<&str> = path.to_vec();
             at.push(key);
@@ -110,24 +134,42 @@ impl Checker<'_> {
 }
 
 /// Reads, overrides and validates a pipeline file.
-pub fn load(file: &Path, overrides: &[String], registry: &Registry) -> Result<Pipeline, PipelineError> {
-    let text = std::fs::read_to_string(file).map_err(|source| PipelineError::Read { path: file.to_path_buf(), source })?;
+pub fn load(
+    file: &Path,
+    overrides: &[String],
+    registry: &Registry,
+) -> Result<Pipeline, PipelineError> {
+    let text = std::fs::read_to_string(file).map_err(|source| PipelineError::Read {
+        path: file.to_path_buf(),
+        source,
+    })?;
     parse(file, &text, overrides, registry)
 }
 
 /// Validates pipeline `text` (read from `file`) with `--set` `overrides` applied.
-pub fn parse(file: &Path, text: &str, overrides: &[String], registry: &Registry) -> Result<Pipeline, PipelineError> {
+pub fn parse(
+    file: &Path,
+    text: &str,
+    overrides: &[String],
+    registry: &Registry,
+) -> Result<Pipeline, PipelineError> {
     let mut document: Value = match serde_norway::from_str(text) {
         Ok(Value::Null) => Value::Object(Map::new()),
         Ok(value) => value,
         Err(err) => {
             let origin = match err.location() {
-                Some(at) => Origin::File { path: file.to_path_buf(), line: at.line(), column: at.column() },
+                Some(at) => Origin::File {
+                    path: file.to_path_buf(),
+                    line: at.line(),
+                    column: at.column(),
+                },
                 None => Origin::Pipeline(file.to_path_buf()),
             };
             let message = format!("invalid YAML: {}", strip_location(&err.to_string()));
-            return Err(PipelineError::Invalid(vec![Diagnostic::new(origin, message)
-                .hint("check the indentation and quoting around this place")]));
+            return Err(PipelineError::Invalid(vec![Diagnostic::new(
+                origin, message,
+            )
+            .hint("check the indentation and quoting around this place")]));
         }
     };
     let mut applied = BTreeMap::new();
@@ -135,12 +177,24 @@ pub fn parse(file: &Path, text: &str, overrides: &[String], registry: &Registry)
     for option in overrides {
         match apply_override(&mut document, option) {
             Ok(key) => {
-                applied.insert(key, option.split_once('=').map(|(_, v)| v.to_string()).unwrap_or_default());
+                applied.insert(
+                    key,
+                    option
+                        .split_once('=')
+                        .map(|(_, v)| v.to_string())
+                        .unwrap_or_default(),
+                );
             }
             Err(diagnostic) => problems.push(diagnostic),
         }
     }
-    let mut checker = Checker { file: file.to_path_buf(), spans: SpanIndex::build(text), overrides: applied, registry, problems };
+    let mut checker = Checker {
+        file: file.to_path_buf(),
+        spans: SpanIndex::build(text),
+        overrides: applied,
+        registry,
+        problems,
+    };
     let pipeline = check(&mut checker, file, &document);
     match pipeline {
         Some(pipeline) if checker.problems.is_empty() => Ok(pipeline),
@@ -163,34 +217,59 @@ fn apply_override(document: &mut Value, option: &str) -> Result<String, Diagnost
             .hint("for example --set stages.masks.matrix.seqlen=[16k]")
     })?;
     let value: Value = serde_norway::from_str(raw).map_err(|err| {
-        Diagnostic::new(origin.clone(), format!("the value is not valid YAML: {}", strip_location(&err.to_string())))
+        Diagnostic::new(
+            origin.clone(),
+            format!(
+                "the value is not valid YAML: {}",
+                strip_location(&err.to_string())
+            ),
+        )
     })?;
     let segments: Vec<&str> = key.split('.').collect();
     if segments.iter().any(|segment| segment.is_empty()) {
-        return Err(Diagnostic::new(origin, format!("`{key}` is not a key path")).hint("write keys separated by dots, e.g. stages.bench.with.kernel"));
+        return Err(
+            Diagnostic::new(origin, format!("`{key}` is not a key path"))
+                .hint("write keys separated by dots, e.g. stages.bench.with.kernel"),
+        );
     }
     let mut cursor = document;
     for segment in &segments[..segments.len() - 1] {
         let map = cursor.as_object_mut().ok_or_else(|| {
-            Diagnostic::new(origin.clone(), format!("cannot set `{key}`: `{segment}` is inside a value that is not a mapping"))
+            Diagnostic::new(
+                origin.clone(),
+                format!("cannot set `{key}`: `{segment}` is inside a value that is not a mapping"),
+            )
         })?;
-        cursor = map.entry(segment.to_string()).or_insert_with(|| Value::Object(Map::new()));
+        cursor = map
+            .entry(segment.to_string())
+            .or_insert_with(|| Value::Object(Map::new()));
     }
-    let map = cursor
-        .as_object_mut()
-        .ok_or_else(|| Diagnostic::new(origin.clone(), format!("cannot set `{key}`: its parent is not a mapping")))?;
+    let map = cursor.as_object_mut().ok_or_else(|| {
+        Diagnostic::new(
+            origin.clone(),
+            format!("cannot set `{key}`: its parent is not a mapping"),
+        )
+    })?;
     map.insert(segments[segments.len() - 1].to_string(), value);
     Ok(key.to_string())
 }
 
 fn check(checker: &mut Checker, file: &Path, document: &Value) -> Option<Pipeline> {
     let Some(top) = document.as_object() else {
-        checker.at_value(&[], "a pipeline must be a mapping with `stages`", Some("see pipelines/ for examples".into()));
+        checker.at_value(
+            &[],
+            "a pipeline must be a mapping with `stages`",
+            Some("see pipelines/ for examples".into()),
+        );
         return None;
     };
     checker.unknown_keys(top, &[], &TOP_KEYS, "the pipeline");
     let name = match top.get("name") {
-        None => file.file_stem().and_then(|s| s.to_str()).unwrap_or("pipeline").to_string(),
+        None => file
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .unwrap_or("pipeline")
+            .to_string(),
         Some(Value::String(name)) => name.clone(),
         Some(_) => {
             checker.at_value(&["name"], "`name` must be a string", None);
@@ -200,7 +279,11 @@ fn check(checker: &mut Checker, file: &Path, document: &Value) -> Option<Pipelin
     let seed = match top.get("seed") {
         None => 0,
         Some(value) => value.as_u64().unwrap_or_else(|| {
-            checker.at_value(&["seed"], format!("`seed` must be a non-negative integer, found {value}"), None);
+            checker.at_value(
+                &["seed"],
+                format!("`seed` must be a non-negative integer, found {value}"),
+                None,
+            );
             0
         }),
     };
@@ -209,18 +292,30 @@ fn check(checker: &mut Checker, file: &Path, document: &Value) -> Option<Pipelin
         None => &empty,
         Some(Value::Object(map)) => map,
         Some(_) => {
-            checker.at_value(&["defaults"], "`defaults` must be a mapping of parameter names to values", None);
+            checker.at_value(
+                &["defaults"],
+                "`defaults` must be a mapping of parameter names to values",
+                None,
+            );
             &empty
         }
     };
     let stages_map = match top.get("stages") {
         Some(Value::Object(map)) if !map.is_empty() => map,
         Some(Value::Object(_)) | None => {
-            checker.at_key(&["stages"], "the pipeline has no stages", Some("add `stages:` with at least one stage that `uses: plugin/stage`".into()));
+            checker.at_key(
+                &["stages"],
+                "the pipeline has no stages",
+                Some("add `stages:` with at least one stage that `uses: plugin/stage`".into()),
+            );
             return None;
         }
         Some(_) => {
-            checker.at_value(&["stages"], "`stages` must be a mapping of stage names to stages", None);
+            checker.at_value(
+                &["stages"],
+                "`stages` must be a mapping of stage names to stages",
+                None,
+            );
             return None;
         }
     };
@@ -229,7 +324,8 @@ fn check(checker: &mut Checker, file: &Path, document: &Value) -> Option<Pipelin
     let mut stages = Vec::new();
     let mut needs_of: Vec<(Vec<(String, bool)>, String)> = Vec::new();
     for (stage_name, raw) in stages_map {
-        if let Some((stage, needs)) = check_stage(checker, stage_name, raw, defaults, &stage_names) {
+        if let Some((stage, needs)) = check_stage(checker, stage_name, raw, defaults, &stage_names)
+        {
             stages.push(stage);
             needs_of.push((needs, stage_name.clone()));
         }
@@ -240,7 +336,11 @@ fn check(checker: &mut Checker, file: &Path, document: &Value) -> Option<Pipelin
     }
 
     // Dependency order, and cycles named stage by stage.
-    let index_of: BTreeMap<String, usize> = stages.iter().enumerate().map(|(i, s)| (s.name.clone(), i)).collect();
+    let index_of: BTreeMap<String, usize> = stages
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (s.name.clone(), i))
+        .collect();
     let mut graph = DiGraphMap::<usize, ()>::new();
     for index in 0..stages.len() {
         graph.add_node(index);
@@ -256,12 +356,19 @@ fn check(checker: &mut Checker, file: &Path, document: &Value) -> Option<Pipelin
             for component in petgraph::algo::tarjan_scc(&graph) {
                 let cyclic = component.len() > 1 || graph.contains_edge(component[0], component[0]);
                 if cyclic {
-                    let mut names: Vec<&str> = component.iter().rev().map(|&i| stages[i].name.as_str()).collect();
+                    let mut names: Vec<&str> = component
+                        .iter()
+                        .rev()
+                        .map(|&i| stages[i].name.as_str())
+                        .collect();
                     names.push(names[0]);
                     let first = names[0].to_string();
                     checker.at_key(
                         &["stages", &first, "needs"],
-                        format!("the stages depend on each other in a cycle: {}", names.join(" → ")),
+                        format!(
+                            "the stages depend on each other in a cycle: {}",
+                            names.join(" → ")
+                        ),
                         Some("remove one of these `needs` so that the stages form a DAG".into()),
                     );
                 }
@@ -290,7 +397,12 @@ fn check(checker: &mut Checker, file: &Path, document: &Value) -> Option<Pipelin
         }
         sorted.push(stage);
     }
-    Some(Pipeline { name, file: file.to_path_buf(), seed, stages: sorted })
+    Some(Pipeline {
+        name,
+        file: file.to_path_buf(),
+        seed,
+        stages: sorted,
+    })
 }
 
 fn check_stage(
@@ -301,11 +413,22 @@ fn check_stage(
     stage_names: &[&str],
 ) -> Option<(Stage, Vec<(String, bool)>)> {
     let at = ["stages", stage_name];
-    if !stage_name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
-        checker.at_key(&at, format!("stage name `{stage_name}` may use only letters, digits, `_` and `-`"), None);
+    if !stage_name
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+    {
+        checker.at_key(
+            &at,
+            format!("stage name `{stage_name}` may use only letters, digits, `_` and `-`"),
+            None,
+        );
     }
     let Some(map) = raw.as_object() else {
-        checker.at_value(&at, format!("stage `{stage_name}` must be a mapping with `uses`"), None);
+        checker.at_value(
+            &at,
+            format!("stage `{stage_name}` must be a mapping with `uses`"),
+            None,
+        );
         return None;
     };
     checker.unknown_keys(map, &at, &STAGE_KEYS, &format!("stage `{stage_name}`"));
@@ -315,33 +438,58 @@ fn check_stage(
     let uses = match map.get("uses") {
         Some(Value::String(uses)) => uses.clone(),
         Some(_) => {
-            checker.at_value(&["stages", stage_name, "uses"], "`uses` must be a string `plugin/stage`", None);
+            checker.at_value(
+                &["stages", stage_name, "uses"],
+                "`uses` must be a string `plugin/stage`",
+                None,
+            );
             return None;
         }
         None => {
-            checker.at_key(&at, format!("stage `{stage_name}` has no `uses`"), Some("add `uses: plugin/stage`, e.g. `uses: masks/generate`".into()));
+            checker.at_key(
+                &at,
+                format!("stage `{stage_name}` has no `uses`"),
+                Some("add `uses: plugin/stage`, e.g. `uses: masks/generate`".into()),
+            );
             return None;
         }
     };
     let uses_at = ["stages", stage_name, "uses"];
     let Some((plugin_name, plugin_stage)) = uses.split_once('/') else {
-        checker.at_value(&uses_at, format!("`uses: {uses}` must name a plugin and a stage as `plugin/stage`"), None);
+        checker.at_value(
+            &uses_at,
+            format!("`uses: {uses}` must name a plugin and a stage as `plugin/stage`"),
+            None,
+        );
         return None;
     };
     let Some(plugin) = checker.registry.get(plugin_name).cloned() else {
         let hint = if checker.registry.names().next().is_none() {
-            let dirs: Vec<String> = checker.registry.dirs.iter().map(|d| d.display().to_string()).collect();
+            let dirs: Vec<String> = checker
+                .registry
+                .dirs
+                .iter()
+                .map(|d| d.display().to_string())
+                .collect();
             format!("no plugins were found; searched {} (build them with `cargo build --workspace`, or pass --plugin-dir)", dirs.join(", "))
         } else {
             suggestion(plugin_name, checker.registry.names(), "installed plugins")
         };
-        checker.at_value(&uses_at, format!("unknown plugin `{plugin_name}`"), Some(hint));
+        checker.at_value(
+            &uses_at,
+            format!("unknown plugin `{plugin_name}`"),
+            Some(hint),
+        );
         return None;
     };
     let Some(spec) = plugin.stage(plugin_stage).cloned() else {
         let names = plugin.manifest.stages.iter().map(|s| s.name.as_str());
         let hint = suggestion(plugin_stage, names, &format!("stages of `{plugin_name}`"));
-        checker.at_value(&uses_at, format!("plugin `{plugin_name}` has no stage `{plugin_stage}`"), Some(hint));
+        checker.at_value(
+            &uses_at,
+            format!("plugin `{plugin_name}` has no stage `{plugin_stage}`"),
+            Some(hint),
+        );
         return None;
     };
 
@@ -355,34 +503,56 @@ fn check_stage(
                 }
                 Err(err) => checker.at_value(
                     &["defaults", &param.name],
-                    format!("default `{}` does not fit stage `{stage_name}`: {err}", param.name),
+                    format!(
+                        "default `{}` does not fit stage `{stage_name}`: {err}",
+                        param.name
+                    ),
                     None,
                 ),
             }
         } else if let Some(value) = &param.default {
-            params.insert(param.name.clone(), param.ty.coerce(value).unwrap_or_else(|_| value.clone()));
+            params.insert(
+                param.name.clone(),
+                param.ty.coerce(value).unwrap_or_else(|_| value.clone()),
+            );
         }
     }
     let with = match map.get("with") {
         None => Map::new(),
         Some(Value::Object(with)) => with.clone(),
         Some(_) => {
-            checker.at_value(&["stages", stage_name, "with"], "`with` must be a mapping of parameter names to values", None);
+            checker.at_value(
+                &["stages", stage_name, "with"],
+                "`with` must be a mapping of parameter names to values",
+                None,
+            );
             Map::new()
         }
     };
     for (key, value) in &with {
         let at = ["stages", stage_name, "with", key.as_str()];
         let Some(param) = spec.find_param(key) else {
-            let hint = suggestion(key, param_names.iter().copied(), &format!("parameters of `{uses}`"));
-            checker.at_key(&at, format!("`{uses}` has no parameter `{key}`"), Some(hint));
+            let hint = suggestion(
+                key,
+                param_names.iter().copied(),
+                &format!("parameters of `{uses}`"),
+            );
+            checker.at_key(
+                &at,
+                format!("`{uses}` has no parameter `{key}`"),
+                Some(hint),
+            );
             continue;
         };
         match param.ty.coerce(value) {
             Ok(value) => {
                 params.insert(key.clone(), value);
             }
-            Err(err) => checker.at_value(&at, format!("parameter `{key}`: {err}"), Some(format!("`{key}` is {}", param.ty))),
+            Err(err) => checker.at_value(
+                &at,
+                format!("parameter `{key}`: {err}"),
+                Some(format!("`{key}` is {}", param.ty)),
+            ),
         }
     }
 
@@ -393,19 +563,39 @@ fn check_stage(
             for (key, values) in raw_matrix {
                 let at = ["stages", stage_name, "matrix", key.as_str()];
                 let Some(param) = spec.find_param(key) else {
-                    let hint = suggestion(key, param_names.iter().copied(), &format!("parameters of `{uses}`"));
-                    checker.at_key(&at, format!("`{uses}` has no parameter `{key}` to vary"), Some(hint));
+                    let hint = suggestion(
+                        key,
+                        param_names.iter().copied(),
+                        &format!("parameters of `{uses}`"),
+                    );
+                    checker.at_key(
+                        &at,
+                        format!("`{uses}` has no parameter `{key}` to vary"),
+                        Some(hint),
+                    );
                     continue;
                 };
                 if with.contains_key(key) {
-                    checker.at_key(&at, format!("`{key}` is set both in `with` and in `matrix`"), Some("keep one of the two".into()));
+                    checker.at_key(
+                        &at,
+                        format!("`{key}` is set both in `with` and in `matrix`"),
+                        Some("keep one of the two".into()),
+                    );
                 }
                 let Some(values) = values.as_array() else {
-                    checker.at_value(&at, format!("matrix entry `{key}` must be a list of values"), Some(format!("write `{key}: [a, b]`")));
+                    checker.at_value(
+                        &at,
+                        format!("matrix entry `{key}` must be a list of values"),
+                        Some(format!("write `{key}: [a, b]`")),
+                    );
                     continue;
                 };
                 if values.is_empty() {
-                    checker.at_value(&at, format!("matrix entry `{key}` is empty, so the stage would have no nodes"), Some("give it at least one value or remove it".into()));
+                    checker.at_value(
+                        &at,
+                        format!("matrix entry `{key}` is empty, so the stage would have no nodes"),
+                        Some("give it at least one value or remove it".into()),
+                    );
                     continue;
                 }
                 let mut coerced: Vec<Value> = Vec::with_capacity(values.len());
@@ -413,26 +603,43 @@ fn check_stage(
                     let index = index.to_string();
                     let at = ["stages", stage_name, "matrix", key.as_str(), index.as_str()];
                     match param.ty.coerce(value) {
-                        Ok(value) if coerced.contains(&value) => {
-                            checker.at_value(&at, format!("matrix entry `{key}` repeats the value {value}"), None)
-                        }
+                        Ok(value) if coerced.contains(&value) => checker.at_value(
+                            &at,
+                            format!("matrix entry `{key}` repeats the value {value}"),
+                            None,
+                        ),
                         Ok(value) => coerced.push(value),
-                        Err(err) => checker.at_value(&at, format!("matrix entry `{key}`: {err}"), Some(format!("`{key}` is {}", param.ty))),
+                        Err(err) => checker.at_value(
+                            &at,
+                            format!("matrix entry `{key}`: {err}"),
+                            Some(format!("`{key}` is {}", param.ty)),
+                        ),
                     }
                 }
                 matrix.push((key.clone(), coerced));
             }
         }
-        Some(_) => checker.at_value(&["stages", stage_name, "matrix"], "`matrix` must be a mapping of parameter names to lists", None),
+        Some(_) => checker.at_value(
+            &["stages", stage_name, "matrix"],
+            "`matrix` must be a mapping of parameter names to lists",
+            None,
+        ),
     }
 
     for param in &spec.params {
-        let set = params.contains_key(&param.name) || matrix.iter().any(|(key, _)| key == &param.name);
+        let set =
+            params.contains_key(&param.name) || matrix.iter().any(|(key, _)| key == &param.name);
         if !set {
             checker.at_key(
                 &at,
-                format!("stage `{stage_name}` needs parameter `{}` ({}), which has no default", param.name, param.ty),
-                Some(format!("set it under `with:`, `matrix:` or the pipeline's `defaults:`{}", doc_suffix(&param.doc))),
+                format!(
+                    "stage `{stage_name}` needs parameter `{}` ({}), which has no default",
+                    param.name, param.ty
+                ),
+                Some(format!(
+                    "set it under `with:`, `matrix:` or the pipeline's `defaults:`{}",
+                    doc_suffix(&param.doc)
+                )),
             );
         }
     }
@@ -460,7 +667,12 @@ fn doc_suffix(doc: &str) -> String {
 }
 
 /// `needs: a`, `needs: [a, b]` or `needs: {a: each, b: all}`; returns (stage, collects-all).
-fn check_needs(checker: &mut Checker, stage_name: &str, needs: Option<&Value>, stage_names: &[&str]) -> Vec<(String, bool)> {
+fn check_needs(
+    checker: &mut Checker,
+    stage_name: &str,
+    needs: Option<&Value>,
+    stage_names: &[&str],
+) -> Vec<(String, bool)> {
     let at = ["stages", stage_name, "needs"];
     let entries: Vec<(String, bool, Vec<String>)> = match needs {
         None => Vec::new(),
@@ -500,11 +712,25 @@ fn check_needs(checker: &mut Checker, stage_name: &str, needs: Option<&Value>, s
         if !stage_names.contains(&name.as_str()) {
             let others = stage_names.iter().copied().filter(|s| *s != stage_name);
             let hint = suggestion(&name, others, "stages");
-            checker.at_value(&path, format!("stage `{stage_name}` needs `{name}`, which is not a stage of this pipeline"), Some(hint));
+            checker.at_value(
+                &path,
+                format!(
+                    "stage `{stage_name}` needs `{name}`, which is not a stage of this pipeline"
+                ),
+                Some(hint),
+            );
         } else if name == stage_name {
-            checker.at_value(&path, format!("stage `{stage_name}` needs itself"), Some("remove it from its own `needs`".into()));
+            checker.at_value(
+                &path,
+                format!("stage `{stage_name}` needs itself"),
+                Some("remove it from its own `needs`".into()),
+            );
         } else if needs.iter().any(|(n, _)| n == &name) {
-            checker.at_value(&path, format!("`{name}` appears twice in the `needs` of `{stage_name}`"), None);
+            checker.at_value(
+                &path,
+                format!("`{name}` appears twice in the `needs` of `{stage_name}`"),
+                None,
+            );
         } else {
             needs.push((name, collect));
         }
@@ -512,25 +738,52 @@ fn check_needs(checker: &mut Checker, stage_name: &str, needs: Option<&Value>, s
     needs
 }
 
-fn check_timeout(checker: &mut Checker, stage_name: &str, timeout: Option<&Value>) -> Option<Duration> {
+fn check_timeout(
+    checker: &mut Checker,
+    stage_name: &str,
+    timeout: Option<&Value>,
+) -> Option<Duration> {
     let at = ["stages", stage_name, "timeout"];
     let parsed = match timeout? {
-        Value::Number(seconds) => seconds.as_f64().filter(|s| *s > 0.0).map(Duration::from_secs_f64),
-        Value::String(text) => humantime::parse_duration(text).ok().filter(|d| !d.is_zero()),
+        Value::Number(seconds) => seconds
+            .as_f64()
+            .filter(|s| *s > 0.0)
+            .map(Duration::from_secs_f64),
+        Value::String(text) => humantime::parse_duration(text)
+            .ok()
+            .filter(|d| !d.is_zero()),
         _ => None,
     };
     if parsed.is_none() {
-        checker.at_value(&at, "`timeout` must be a positive duration", Some("write seconds (`90`) or a duration (`90s`, `5m`)".into()));
+        checker.at_value(
+            &at,
+            "`timeout` must be a positive duration",
+            Some("write seconds (`90`) or a duration (`90s`, `5m`)".into()),
+        );
     }
     parsed
 }
 
 fn check_defaults(checker: &mut Checker, defaults: &Map<String, Value>, stages: &[Stage]) {
     for key in defaults.keys() {
-        if !stages.iter().any(|stage| stage.spec.find_param(key).is_some()) {
-            let all: Vec<&str> = stages.iter().flat_map(|s| s.spec.params.iter().map(|p| p.name.as_str())).collect();
-            let hint = suggestion(key, all.iter().copied(), "parameters of this pipeline's stages");
-            checker.at_key(&["defaults", key], format!("default `{key}` is a parameter of none of the stages"), Some(hint));
+        if !stages
+            .iter()
+            .any(|stage| stage.spec.find_param(key).is_some())
+        {
+            let all: Vec<&str> = stages
+                .iter()
+                .flat_map(|s| s.spec.params.iter().map(|p| p.name.as_str()))
+                .collect();
+            let hint = suggestion(
+                key,
+                all.iter().copied(),
+                "parameters of this pipeline's stages",
+            );
+            checker.at_key(
+                &["defaults", key],
+                format!("default `{key}` is a parameter of none of the stages"),
+                Some(hint),
+            );
         }
     }
 }

@@ -36,7 +36,8 @@ impl Plan {
         for (stage_index, stage) in pipeline.stages.iter().enumerate() {
             // Combinations of upstream nodes: a natural join on shared matrix keys, so a stage that
             // fans out over two stages of one matrix pairs the nodes that belong together.
-            let mut combos: Vec<(Vec<(String, String)>, Vec<usize>)> = vec![(Vec::new(), Vec::new())];
+            let mut combos: Vec<(Vec<(String, String)>, Vec<usize>)> =
+                vec![(Vec::new(), Vec::new())];
             for &upstream in &stage.fan_out {
                 let mut joined = Vec::new();
                 for (coords, inputs) in &combos {
@@ -50,7 +51,11 @@ impl Plan {
                 }
                 combos = joined;
             }
-            let collected: Vec<usize> = stage.collect.iter().flat_map(|&s| nodes_of_stage[s].iter().copied()).collect();
+            let collected: Vec<usize> = stage
+                .collect
+                .iter()
+                .flat_map(|&s| nodes_of_stage[s].iter().copied())
+                .collect();
             let assignments = matrix_assignments(stage);
             let mut ids = Vec::with_capacity(combos.len() * assignments.len());
             for (coords, inputs) in &combos {
@@ -68,13 +73,21 @@ impl Plan {
                     let mut all_inputs = inputs.clone();
                     all_inputs.extend(&collected);
                     ids.push(nodes.len());
-                    nodes.push(Node { id: node_id(&stage.name, &node_coords), stage: stage_index, params, coords: node_coords, inputs: all_inputs });
+                    nodes.push(Node {
+                        id: node_id(&stage.name, &node_coords),
+                        stage: stage_index,
+                        params,
+                        coords: node_coords,
+                        inputs: all_inputs,
+                    });
                 }
             }
             if ids.is_empty() {
                 let origin = Origin::Pipeline(pipeline.file.clone());
                 let message = format!("stage `{}` expands to no nodes: no combination of its upstream nodes agrees on their shared matrix values", stage.name);
-                return Err(PipelineError::Invalid(vec![Diagnostic::new(origin, message)]));
+                return Err(PipelineError::Invalid(vec![Diagnostic::new(
+                    origin, message,
+                )]));
             }
             nodes_of_stage.push(ids);
         }
@@ -83,8 +96,10 @@ impl Plan {
             if !seen.insert(node.id.as_str()) {
                 let origin = Origin::Pipeline(pipeline.file.clone());
                 let message = format!("two nodes would both be called `{}`", node.id);
-                return Err(PipelineError::Invalid(vec![Diagnostic::new(origin, message)
-                    .hint("give the stage a matrix that tells them apart")]));
+                return Err(PipelineError::Invalid(vec![Diagnostic::new(
+                    origin, message,
+                )
+                .hint("give the stage a matrix that tells them apart")]));
             }
         }
         Ok(Plan { pipeline, nodes })
@@ -136,7 +151,9 @@ fn matrix_assignments(stage: &Stage) -> Vec<Vec<(String, Value)>> {
 
 fn display_value(ty: Option<&ParamType>, value: &Value) -> String {
     match (ty, value) {
-        (Some(ParamType::Size), Value::Number(n)) => n.as_u64().map(format_size).unwrap_or_else(|| n.to_string()),
+        (Some(ParamType::Size), Value::Number(n)) => {
+            n.as_u64().map(format_size).unwrap_or_else(|| n.to_string())
+        }
         (_, Value::String(text)) => text.clone(),
         (_, other) => other.to_string(),
     }

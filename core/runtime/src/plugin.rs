@@ -41,7 +41,10 @@ pub struct Plugin {
 
 impl std::fmt::Debug for Plugin {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Plugin").field("path", &self.path).field("name", &self.manifest.name).finish()
+        f.debug_struct("Plugin")
+            .field("path", &self.path)
+            .field("name", &self.manifest.name)
+            .finish()
     }
 }
 
@@ -51,7 +54,10 @@ impl Plugin {
             return Err(LoadError::Missing(path.to_path_buf()));
         }
         let path = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
-        let bytes = std::fs::read(&path).map_err(|err| LoadError::Open { path: path.clone(), reason: err.to_string() })?;
+        let bytes = std::fs::read(&path).map_err(|err| LoadError::Open {
+            path: path.clone(),
+            reason: err.to_string(),
+        })?;
         let library_hash = blake3::hash(&bytes).to_hex().to_string();
         let header = lib_header_from_path(&path).map_err(|err| classify(&path, err))?;
         let found = header.version_strings().version.to_string();
@@ -62,21 +68,40 @@ impl Plugin {
         let module = header
             .init_root_module::<PluginModRef>()
             .map_err(|err| match err {
-                LibraryError::AbiInstability(_) | LibraryError::IncompatibleVersionNumber { .. } => {
-                    LoadError::Layout { path: path.clone(), found: found.clone() }
-                }
+                LibraryError::AbiInstability(_)
+                | LibraryError::IncompatibleVersionNumber { .. } => LoadError::Layout {
+                    path: path.clone(),
+                    found: found.clone(),
+                },
                 other => classify(&path, other),
             })?;
         let manifest_json = (module.manifest())();
-        let manifest = parse_manifest(manifest_json.as_str())
-            .map_err(|reason| LoadError::Manifest { path: path.clone(), reason })?;
-        Ok(Plugin { path, library_hash, manifest, module })
+        let manifest =
+            parse_manifest(manifest_json.as_str()).map_err(|reason| LoadError::Manifest {
+                path: path.clone(),
+                reason,
+            })?;
+        Ok(Plugin {
+            path,
+            library_hash,
+            manifest,
+            module,
+        })
     }
 
     /// Runs one node in this process. `Ok` carries the result JSON text, `Err` the plugin's message.
-    pub fn run(&self, stage: &str, request_json: &str, sink: &impl ServiceSink) -> Result<String, String> {
+    pub fn run(
+        &self,
+        stage: &str,
+        request_json: &str,
+        sink: &impl ServiceSink,
+    ) -> Result<String, String> {
         let services = services_for(sink);
-        match (self.module.run())(RStr::from_str(stage), RStr::from_str(request_json), &services) {
+        match (self.module.run())(
+            RStr::from_str(stage),
+            RStr::from_str(request_json),
+            &services,
+        ) {
             RResult::ROk(text) => Ok(text.into_string()),
             RResult::RErr(text) => Err(text.into_string()),
         }
@@ -88,7 +113,8 @@ impl Plugin {
 }
 
 fn parse_manifest(json: &str) -> Result<PluginManifest, String> {
-    let value: serde_json::Value = serde_json::from_str(json).map_err(|err| format!("not JSON ({err})"))?;
+    let value: serde_json::Value =
+        serde_json::from_str(json).map_err(|err| format!("not JSON ({err})"))?;
     if let Some(message) = value.get("manifest_error").and_then(|v| v.as_str()) {
         return Err(message.to_string());
     }
@@ -122,7 +148,10 @@ pub fn search_path(plugin_dirs: &[PathBuf]) -> Vec<PathBuf> {
     if let Some(paths) = std::env::var_os("ATTNBENCH_PLUGIN_PATH") {
         dirs.extend(std::env::split_paths(&paths).filter(|p| !p.as_os_str().is_empty()));
     }
-    if let Some(exe_dir) = std::env::current_exe().ok().and_then(|exe| exe.parent().map(Path::to_path_buf)) {
+    if let Some(exe_dir) = std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(Path::to_path_buf))
+    {
         dirs.push(exe_dir.join("../plugins"));
         dirs.push(exe_dir);
     }
@@ -137,7 +166,10 @@ pub fn search_path(plugin_dirs: &[PathBuf]) -> Vec<PathBuf> {
 }
 
 fn is_library(path: &Path) -> bool {
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or_default();
     name.ends_with(std::env::consts::DLL_SUFFIX) && path.is_file()
 }
 
@@ -153,10 +185,19 @@ pub struct Registry {
 impl Registry {
     pub fn discover(plugin_dirs: &[PathBuf]) -> Registry {
         let dirs = search_path(plugin_dirs);
-        let mut registry = Registry { dirs: dirs.clone(), ..Registry::default() };
+        let mut registry = Registry {
+            dirs: dirs.clone(),
+            ..Registry::default()
+        };
         for dir in &dirs {
-            let Ok(entries) = std::fs::read_dir(dir) else { continue };
-            let mut libraries: Vec<PathBuf> = entries.flatten().map(|e| e.path()).filter(|p| is_library(p)).collect();
+            let Ok(entries) = std::fs::read_dir(dir) else {
+                continue;
+            };
+            let mut libraries: Vec<PathBuf> = entries
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| is_library(p))
+                .collect();
             libraries.sort();
             for library in libraries {
                 registry.add_library(&library);

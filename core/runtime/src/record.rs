@@ -109,14 +109,23 @@ impl RunRecord {
     }
 
     pub fn failed(&self) -> usize {
-        self.nodes.iter().filter(|node| !node.status.succeeded()).count()
+        self.nodes
+            .iter()
+            .filter(|node| !node.status.succeeded())
+            .count()
     }
 }
 
 /// Run directories under `runs_dir`, newest first (ids sort by start time).
 pub fn run_dirs(runs_dir: &Path) -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(runs_dir)
-        .map(|entries| entries.flatten().map(|e| e.path()).filter(|p| p.join("run.json").is_file()).collect())
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| p.join("run.json").is_file())
+                .collect()
+        })
         .unwrap_or_default();
     dirs.sort();
     dirs.reverse();
@@ -136,8 +145,17 @@ pub fn new_run_id() -> String {
 pub fn node_file_name(node: &str) -> String {
     let readable: String = node
         .chars()
-        .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '=' { c } else { '_' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '=' {
+                c
+            } else {
+                '_'
+            }
+        })
         .take(80)
         .collect();
-    format!("{readable}-{}", &blake3::hash(node.as_bytes()).to_hex()[..8])
+    format!(
+        "{readable}-{}",
+        &blake3::hash(node.as_bytes()).to_hex()[..8]
+    )
 }

@@ -29,7 +29,10 @@ pub enum RunError {
     #[error("--force {pattern}: no node or stage of that name; {hint}")]
     UnknownForce { pattern: String, hint: String },
     #[error("cannot write the run record in {path}: {source}")]
-    Record { path: PathBuf, source: std::io::Error },
+    Record {
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 pub struct RunOptions {
@@ -43,9 +46,18 @@ pub struct RunOptions {
 
 /// What the scheduler reports while it runs; the CLI draws it.
 pub enum Event<'a> {
-    Started { node: &'a str },
-    Progress { node: &'a str, done: u64, total: u64, message: &'a str },
-    Finished { record: &'a NodeRecord },
+    Started {
+        node: &'a str,
+    },
+    Progress {
+        node: &'a str,
+        done: u64,
+        total: u64,
+        message: &'a str,
+    },
+    Finished {
+        record: &'a NodeRecord,
+    },
 }
 
 pub trait Observer: Sync {
@@ -53,7 +65,12 @@ pub trait Observer: Sync {
 }
 
 /// The key parts of a node whose inputs' output digests are known.
-pub fn key_parts(plan: &Plan, node: usize, inputs: Vec<InputDigest>, environment: &str) -> KeyParts {
+pub fn key_parts(
+    plan: &Plan,
+    node: usize,
+    inputs: Vec<InputDigest>,
+    environment: &str,
+) -> KeyParts {
     let node = &plan.nodes[node];
     let stage = plan.stage_of(node);
     KeyParts {
@@ -64,7 +81,8 @@ pub fn key_parts(plan: &Plan, node: usize, inputs: Vec<InputDigest>, environment
         params: canonical(&Value::Object(node.params.clone())),
         seed: plan.pipeline.seed,
         inputs,
-        environment: (stage.spec.cache_scope == CacheScope::Machine).then(|| environment.to_string()),
+        environment: (stage.spec.cache_scope == CacheScope::Machine)
+            .then(|| environment.to_string()),
     }
 }
 
@@ -103,13 +121,26 @@ pub struct RunSummary {
     pub dir: PathBuf,
 }
 
-pub fn execute(plan: &Plan, cache: &Cache, options: &RunOptions, observer: &dyn Observer) -> Result<RunSummary, RunError> {
+pub fn execute(
+    plan: &Plan,
+    cache: &Cache,
+    options: &RunOptions,
+    observer: &dyn Observer,
+) -> Result<RunSummary, RunError> {
     let mut forced = vec![false; plan.nodes.len()];
     for pattern in &options.force {
         let selected = plan.select(pattern);
         if selected.is_empty() {
-            let names: Vec<&str> = plan.pipeline.stages.iter().map(|s| s.name.as_str()).collect();
-            return Err(RunError::UnknownForce { pattern: pattern.clone(), hint: suggestion(pattern, names, "stages") });
+            let names: Vec<&str> = plan
+                .pipeline
+                .stages
+                .iter()
+                .map(|s| s.name.as_str())
+                .collect();
+            return Err(RunError::UnknownForce {
+                pattern: pattern.clone(),
+                hint: suggestion(pattern, names, "stages"),
+            });
         }
         for index in selected {
             forced[index] = true;
@@ -119,7 +150,10 @@ pub fn execute(plan: &Plan, cache: &Cache, options: &RunOptions, observer: &dyn 
     let id = new_run_id();
     let dir = cache.runs_dir().join(&id);
     let logs_dir = dir.join("logs");
-    std::fs::create_dir_all(&logs_dir).map_err(|source| RunError::Record { path: logs_dir.clone(), source })?;
+    std::fs::create_dir_all(&logs_dir).map_err(|source| RunError::Record {
+        path: logs_dir.clone(),
+        source,
+    })?;
     let environment = Environment::detect();
     let mut record = RunRecord {
         id: id.clone(),
@@ -135,7 +169,10 @@ pub fn execute(plan: &Plan, cache: &Cache, options: &RunOptions, observer: &dyn 
         counts: BTreeMap::new(),
         nodes: Vec::new(),
     };
-    record.write(&dir).map_err(|source| RunError::Record { path: dir.clone(), source })?;
+    record.write(&dir).map_err(|source| RunError::Record {
+        path: dir.clone(),
+        source,
+    })?;
 
     let shared = Shared {
         plan,
@@ -152,7 +189,10 @@ pub fn execute(plan: &Plan, cache: &Cache, options: &RunOptions, observer: &dyn 
     }
     record.nodes = records;
     record.finished = Some(now());
-    record.write(&dir).map_err(|source| RunError::Record { path: dir.clone(), source })?;
+    record.write(&dir).map_err(|source| RunError::Record {
+        path: dir.clone(),
+        source,
+    })?;
     let _ = std::fs::write(cache.runs_dir().join("latest"), format!("{id}\n"));
     Ok(RunSummary { record, dir })
 }
@@ -202,7 +242,9 @@ fn schedule(shared: &Shared, jobs: usize) -> Vec<NodeRecord> {
                 let interrupted = INTERRUPTED.load(Ordering::Relaxed);
                 if failed_input.is_some() || interrupted {
                     let reason = match failed_input {
-                        Some(&failed) => format!("input `{}` did not succeed", plan.nodes[failed].id),
+                        Some(&failed) => {
+                            format!("input `{}` did not succeed", plan.nodes[failed].id)
+                        }
                         None => "the run was interrupted".to_string(),
                     };
                     let record = bare_record(plan, index, Status::Skipped, Some(reason));
@@ -220,7 +262,9 @@ fn schedule(shared: &Shared, jobs: usize) -> Vec<NodeRecord> {
                 let mut inputs = Vec::with_capacity(node.inputs.len());
                 let mut digests = Vec::with_capacity(node.inputs.len());
                 for &input in &node.inputs {
-                    let Some(output) = outputs[input].as_ref() else { continue };
+                    let Some(output) = outputs[input].as_ref() else {
+                        continue;
+                    };
                     let upstream = &plan.nodes[input];
                     inputs.push(InputArtifact {
                         node: upstream.id.clone(),
@@ -229,9 +273,19 @@ fn schedule(shared: &Shared, jobs: usize) -> Vec<NodeRecord> {
                         dir: output.files_dir.clone(),
                         result: output.result.clone(),
                     });
-                    digests.push(InputDigest { node: upstream.id.clone(), digest: output.digest.clone() });
+                    digests.push(InputDigest {
+                        node: upstream.id.clone(),
+                        digest: output.digest.clone(),
+                    });
                 }
-                if task_sender.send(Task { node: index, inputs, digests }).is_err() {
+                if task_sender
+                    .send(Task {
+                        node: index,
+                        inputs,
+                        digests,
+                    })
+                    .is_err()
+                {
                     break;
                 }
                 in_flight += 1;
@@ -239,10 +293,14 @@ fn schedule(shared: &Shared, jobs: usize) -> Vec<NodeRecord> {
             if in_flight == 0 {
                 break;
             }
-            let Ok(finished) = done_receiver.recv() else { break };
+            let Ok(finished) = done_receiver.recv() else {
+                break;
+            };
             in_flight -= 1;
             finished_count += 1;
-            shared.observer.event(Event::Finished { record: &finished.record });
+            shared.observer.event(Event::Finished {
+                record: &finished.record,
+            });
             outputs[finished.node] = finished.output;
             records[finished.node] = Some(finished.record);
             for &dependent in &dependents[finished.node] {
@@ -257,7 +315,11 @@ fn schedule(shared: &Shared, jobs: usize) -> Vec<NodeRecord> {
     records
         .into_iter()
         .enumerate()
-        .map(|(index, record)| record.unwrap_or_else(|| bare_record(plan, index, Status::Skipped, Some("never scheduled".into()))))
+        .map(|(index, record)| {
+            record.unwrap_or_else(|| {
+                bare_record(plan, index, Status::Skipped, Some("never scheduled".into()))
+            })
+        })
         .collect()
 }
 
@@ -269,7 +331,11 @@ fn bare_record(plan: &Plan, index: usize, status: Status, error: Option<String>)
         stage: stage.name.clone(),
         uses: stage.uses.clone(),
         params: node.params.clone(),
-        inputs: node.inputs.iter().map(|&i| plan.nodes[i].id.clone()).collect(),
+        inputs: node
+            .inputs
+            .iter()
+            .map(|&i| plan.nodes[i].id.clone())
+            .collect(),
         status,
         key: None,
         key_parts: None,
@@ -292,16 +358,27 @@ fn run_node(shared: &Shared, task: Task) -> Finished {
     let hit = |record: &mut NodeRecord, entry: Entry| {
         record.status = Status::Cached;
         record.artifact = Some(entry.files_dir.clone());
-        Some(Output { digest: entry.meta.output_digest, files_dir: entry.files_dir, result: entry.result })
+        Some(Output {
+            digest: entry.meta.output_digest,
+            files_dir: entry.files_dir,
+            result: entry.result,
+        })
     };
     if !shared.forced[index] {
         match shared.cache.lookup(&key) {
             Lookup::Hit(entry) => {
                 let output = hit(&mut record, entry);
-                return Finished { node: index, record, output };
+                return Finished {
+                    node: index,
+                    record,
+                    output,
+                };
             }
             Lookup::Corrupted(reason) => {
-                tracing::warn!("cache entry of {} was corrupted ({reason}); recomputing it", record.id);
+                tracing::warn!(
+                    "cache entry of {} was corrupted ({reason}); recomputing it",
+                    record.id
+                );
                 record.note = Some(format!("corrupted cache entry recomputed: {reason}"));
             }
             Lookup::Miss => {}
@@ -315,7 +392,11 @@ fn run_node(shared: &Shared, task: Task) -> Finished {
         // Another run may have computed it while this one waited for the lock.
         if let Lookup::Hit(entry) = shared.cache.lookup(&key) {
             let output = hit(&mut record, entry);
-            return Finished { node: index, record, output };
+            return Finished {
+                node: index,
+                record,
+                output,
+            };
         }
     }
     shared.observer.event(Event::Started { node: &record.id });
@@ -325,8 +406,16 @@ fn run_node(shared: &Shared, task: Task) -> Finished {
     match outcome {
         Ok(entry) => {
             record.artifact = Some(entry.files_dir.clone());
-            let output = Output { digest: entry.meta.output_digest, files_dir: entry.files_dir, result: entry.result };
-            Finished { node: index, record, output: Some(output) }
+            let output = Output {
+                digest: entry.meta.output_digest,
+                files_dir: entry.files_dir,
+                result: entry.result,
+            };
+            Finished {
+                node: index,
+                record,
+                output: Some(output),
+            }
         }
         Err((status, message)) => failed(index, record, status, message),
     }
@@ -335,7 +424,11 @@ fn run_node(shared: &Shared, task: Task) -> Finished {
 fn failed(index: usize, mut record: NodeRecord, status: Status, message: String) -> Finished {
     record.status = status;
     record.error = Some(message);
-    Finished { node: index, record, output: None }
+    Finished {
+        node: index,
+        record,
+        output: None,
+    }
 }
 
 /// Computes one node into a new cache entry.
@@ -360,8 +453,11 @@ fn compute(
         output_dir: staging.files_dir(),
         inputs: inputs.to_vec(),
     };
-    let request_json = serde_json::to_string(&request).map_err(|err| (Status::Error, err.to_string()))?;
-    let log_path = shared.logs_dir.join(format!("{}.log", node_file_name(&node.id)));
+    let request_json =
+        serde_json::to_string(&request).map_err(|err| (Status::Error, err.to_string()))?;
+    let log_path = shared
+        .logs_dir
+        .join(format!("{}.log", node_file_name(&node.id)));
     let log = File::create(&log_path).ok();
     record.log = Some(log_path);
     let sink = NodeSink {
@@ -371,33 +467,62 @@ fn compute(
         observer: shared.observer,
     };
     let result_text = match stage.spec.isolation {
-        Isolation::InProcess => stage.plugin.run(&stage.spec.name, &request_json, &sink).map_err(|err| (Status::Error, err))?,
+        Isolation::InProcess => stage
+            .plugin
+            .run(&stage.spec.name, &request_json, &sink)
+            .map_err(|err| (Status::Error, err))?,
         Isolation::Worker => {
             let mut worker = shared
                 .pool
                 .acquire(&stage.plugin.path)
                 .map_err(|err| (Status::Crashed, format!("worker could not start: {err}")))?;
             let stderr_log = log.as_ref().and_then(|f| f.try_clone().ok());
-            match worker.run(&stage.spec.name, &request_json, stage.timeout, &sink, stderr_log) {
+            match worker.run(
+                &stage.spec.name,
+                &request_json,
+                stage.timeout,
+                &sink,
+                stderr_log,
+            ) {
                 WorkerOutcome::Finished(outcome) => {
                     shared.pool.release(worker);
                     outcome.map_err(|err| (Status::Error, err))?
                 }
                 WorkerOutcome::Crashed(reason) => return Err((Status::Crashed, reason)),
                 WorkerOutcome::TimedOut => {
-                    let limit = stage.timeout.map(|t| format!("{:.1}s", t.as_secs_f64())).unwrap_or_default();
-                    return Err((Status::Timeout, format!("did not finish within its {limit} limit; its worker was killed")));
+                    let limit = stage
+                        .timeout
+                        .map(|t| format!("{:.1}s", t.as_secs_f64()))
+                        .unwrap_or_default();
+                    return Err((
+                        Status::Timeout,
+                        format!("did not finish within its {limit} limit; its worker was killed"),
+                    ));
                 }
             }
         }
     };
-    let result: Value = serde_json::from_str(&result_text)
-        .map_err(|err| (Status::Error, format!("malformed result from `{}`: not JSON ({err})", stage.uses)))?;
+    let result: Value = serde_json::from_str(&result_text).map_err(|err| {
+        (
+            Status::Error,
+            format!("malformed result from `{}`: not JSON ({err})", stage.uses),
+        )
+    })?;
     if !result.is_object() {
-        return Err((Status::Error, format!("malformed result from `{}`: expected a JSON object, got {}", stage.uses, brief(&result))));
+        return Err((
+            Status::Error,
+            format!(
+                "malformed result from `{}`: expected a JSON object, got {}",
+                stage.uses,
+                brief(&result)
+            ),
+        ));
     }
     let duration = started.elapsed().as_secs_f64();
-    shared.cache.commit(staging, parts, &node.id, &stage.uses, &result, duration).map_err(error)
+    shared
+        .cache
+        .commit(staging, parts, &node.id, &stage.uses, &result, duration)
+        .map_err(error)
 }
 
 fn brief(value: &Value) -> String {
@@ -427,7 +552,12 @@ impl ServiceSink for NodeSink<'_> {
     }
 
     fn progress(&self, done: u64, total: u64, message: &str) {
-        self.observer.event(Event::Progress { node: self.node, done, total, message });
+        self.observer.event(Event::Progress {
+            node: self.node,
+            done,
+            total,
+            message,
+        });
     }
 
     fn is_cancelled(&self) -> bool {
@@ -439,13 +569,14 @@ fn plugin_records(plan: &Plan) -> Vec<PluginRecord> {
     let mut seen = BTreeMap::new();
     for stage in &plan.pipeline.stages {
         let plugin = &stage.plugin;
-        seen.entry(plugin.manifest.name.clone()).or_insert_with(|| PluginRecord {
-            name: plugin.manifest.name.clone(),
-            version: plugin.manifest.version.clone(),
-            abi: plugin.manifest.abi.clone(),
-            path: plugin.path.clone(),
-            library_hash: plugin.library_hash.clone(),
-        });
+        seen.entry(plugin.manifest.name.clone())
+            .or_insert_with(|| PluginRecord {
+                name: plugin.manifest.name.clone(),
+                version: plugin.manifest.version.clone(),
+                abi: plugin.manifest.abi.clone(),
+                path: plugin.path.clone(),
+                library_hash: plugin.library_hash.clone(),
+            });
     }
     seen.into_values().collect()
 }
@@ -466,5 +597,10 @@ extern "C" fn on_interrupt(_: libc::c_int) {
 
 pub fn install_interrupt_handler() {
     // SAFETY: the handler only stores to an atomic and resets the disposition.
-    unsafe { libc::signal(libc::SIGINT, on_interrupt as extern "C" fn(libc::c_int) as libc::sighandler_t) };
+    unsafe {
+        libc::signal(
+            libc::SIGINT,
+            on_interrupt as extern "C" fn(libc::c_int) as libc::sighandler_t,
+        )
+    };
 }

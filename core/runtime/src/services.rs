@@ -25,12 +25,21 @@ pub fn services_for<S: ServiceSink>(sink: &S) -> HostServices {
 
 // SAFETY (all three): `context` is the `&S` given to `services_for`, which outlives the `run`
 // call that the services were lent to.
-extern "C" fn log_callback<S: ServiceSink>(context: *const c_void, level: LogLevel, message: RStr<'_>) {
+extern "C" fn log_callback<S: ServiceSink>(
+    context: *const c_void,
+    level: LogLevel,
+    message: RStr<'_>,
+) {
     let sink = unsafe { &*(context as *const S) };
     sink.log(level, message.as_str());
 }
 
-extern "C" fn progress_callback<S: ServiceSink>(context: *const c_void, done: u64, total: u64, message: RStr<'_>) {
+extern "C" fn progress_callback<S: ServiceSink>(
+    context: *const c_void,
+    done: u64,
+    total: u64,
+    message: RStr<'_>,
+) {
     let sink = unsafe { &*(context as *const S) };
     sink.progress(done, total, message.as_str());
 }

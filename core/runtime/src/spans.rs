@@ -79,7 +79,12 @@ impl Builder {
     }
 
     fn joined(&self, segment: &str) -> String {
-        let mut parts: Vec<&str> = self.path.iter().map(String::as_str).filter(|s| !s.is_empty()).collect();
+        let mut parts: Vec<&str> = self
+            .path
+            .iter()
+            .map(String::as_str)
+            .filter(|s| !s.is_empty())
+            .collect();
         if !segment.is_empty() {
             parts.push(segment);
         }
@@ -110,11 +115,12 @@ impl MarkedEventReceiver for Builder {
                 let joined = self.joined(&segment);
                 self.index.values.insert(joined, position);
                 self.path.push(segment);
-                self.frames.push(if matches!(event, Event::MappingStart(..)) {
-                    Frame::Map { key: None }
-                } else {
-                    Frame::Seq { next: 0 }
-                });
+                self.frames
+                    .push(if matches!(event, Event::MappingStart(..)) {
+                        Frame::Map { key: None }
+                    } else {
+                        Frame::Seq { next: 0 }
+                    });
             }
             Event::MappingEnd | Event::SequenceEnd => {
                 self.frames.pop();
@@ -138,8 +144,14 @@ mod tests {
         assert_eq!(index.key(&["name"]), Some((1, 1)));
         assert_eq!(index.key(&["stages", "masks"]), Some((3, 3)));
         assert_eq!(index.value(&["stages", "masks", "uses"]), Some((4, 11)));
-        assert_eq!(index.key(&["stages", "masks", "matrix", "seqlen"]), Some((5, 14)));
-        assert_eq!(index.value(&["stages", "masks", "matrix", "seqlen", "1"]), Some((5, 27)));
+        assert_eq!(
+            index.key(&["stages", "masks", "matrix", "seqlen"]),
+            Some((5, 14))
+        );
+        assert_eq!(
+            index.value(&["stages", "masks", "matrix", "seqlen", "1"]),
+            Some((5, 27))
+        );
         // Unknown paths fall back to the nearest known ancestor.
         assert_eq!(index.key(&["stages", "masks", "with", "x"]), Some((3, 3)));
     }

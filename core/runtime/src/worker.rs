@@ -22,6 +22,8 @@ use crate::services::ServiceSink;
 const START_TIMEOUT: Duration = Duration::from_secs(60);
 /// Lines of a dead worker's stderr quoted in the node's error.
 const STDERR_TAIL: usize = 4;
+/// Written to stderr by the worker after each node, so the host knows the node's stderr is complete.
+const STDERR_MARK: &str = "\u{1}attnbench-node-done";
 
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -32,11 +34,26 @@ enum ToWorker {
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 enum FromWorker {
-    Ready { plugin: String, pid: u32 },
-    Fatal { error: String },
-    Log { level: String, message: String },
-    Progress { done: u64, total: u64, message: String },
-    Done { ok: bool, output: String },
+    Ready {
+        plugin: String,
+        pid: u32,
+    },
+    Fatal {
+        error: String,
+    },
+    Log {
+        level: String,
+        message: String,
+    },
+    Progress {
+        done: u64,
+        total: u64,
+        message: String,
+    },
+    Done {
+        ok: bool,
+        output: String,
+    },
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -61,11 +78,16 @@ pub fn serve(plugin_path: &Path) -> std::io::Result<()> {
     let plugin = match Plugin::load(plugin_path) {
         Ok(plugin) => plugin,
         Err(err) => {
-            channel.send(&FromWorker::Fatal { error: err.to_string() });
+            channel.send(&FromWorker::Fatal {
+                error: err.to_string(),
+            });
             std::process::exit(1);
         }
     };
-    channel.send(&FromWorker::Ready { plugin: plugin.manifest.name.clone(), pid: std::process::id() });
+    channel.send(&FromWorker::Ready {
+        plugin: plugin.manifest.name.clone(),
+        pid: std::process::id(),
+    });
     for line in std::io::stdin().lock().lines() {
         let line = line?;
         if line.trim().is_empty() {
@@ -74,7 +96,10 @@ pub fn serve(plugin_path: &Path) -> std::io::Result<()> {
         let ToWorker::Run { stage, request } = match serde_json::from_str(&line) {
             Ok(message) => message,
             Err(err) => {
-                channel.send(&FromWorker::Done { ok: false, output: format!("worker received a malformed message: {err}") });
+                channel.send(&FromWorker::Done {
+                    ok: false,
+                    output: format!("worker received a malformed message: {err}"),
+                });
                 continue;
             }
         };
@@ -83,6 +108,7 @@ pub fn serve(plugin_path: &Path) -> std::io::Result<()> {
             Ok(result) => (true, result),
             Err(err) => (false, err),
         };
+        eprintln!("{STDERR_MARK}");
         channel.send(&FromWorker::Done { ok, output });
     }
     Ok(())
@@ -103,11 +129,18 @@ impl Protocol {
 
 impl ServiceSink for Protocol {
     fn log(&self, level: LogLevel, message: &str) {
-        self.send(&FromWorker::Log { level: level.as_str().into(), message: message.into() });
+        self.send(&FromWorker::Log {
+            level: level.as_str().into(),
+            message: message.into(),
+        });
     }
 
     fn progress(&self, done: u64, total: u64, message: &str) {
-        self.send(&FromWorker::Progress { done, total, message: message.into() });
+        self.send(&FromWorker::Progress {
+            done,
+            total,
+            message: message.into(),
+        });
     }
 
     fn is_cancelled(&self) -> bool {
@@ -139,6 +172,7 @@ pub struct Worker {
     stdin: Option<ChildStdin>,
     messages: Receiver<FromWorker>,
     stderr: StderrTarget,
+    stderr_marks: Receiver<()>,
 }
 
 impl Worker {
@@ -170,9 +204,14 @@ impl Worker {
         });
         let target: StderrTarget = Arc::new(Mutex::new((None, VecDeque::new())));
         let stderr_target = Arc::clone(&target);
+        let (mark_sender, stderr_marks) = mpsc::channel();
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
+                if line == STDERR_MARK {
+                    let _ = mark_sender.send(());
+                    continue;
+                }
                 if let Ok(mut guard) = stderr_target.lock() {
                     let (log, tail) = &mut *guard;
                     if let Some(log) = log.as_mut() {
@@ -187,7 +226,15 @@ impl Worker {
         });
         let pid = child.id();
         let stdin = child.stdin.take();
-        let mut worker = Worker { plugin_path: plugin_path.to_path_buf(), pid, child, stdin, messages, stderr: target };
+        let mut worker = Worker {
+            plugin_path: plugin_path.to_path_buf(),
+            pid,
+            child,
+            stdin,
+            messages,
+            stderr: target,
+            stderr_marks,
+        };
         match worker.messages.recv_timeout(START_TIMEOUT) {
             Ok(FromWorker::Ready { .. }) => Ok(worker),
             Ok(FromWorker::Fatal { error }) => Err(error),
@@ -197,25 +244,54 @@ impl Worker {
     }
 
     /// Sends one node and waits for it, forwarding logs and progress to `sink` and stderr to `log`.
-    pub fn run(&mut self, stage: &str, request: &str, timeout: Option<Duration>, sink: &dyn ServiceSink, log: Option<File>) -> WorkerOutcome {
+    pub fn run(
+        &mut self,
+        stage: &str,
+        request: &str,
+        timeout: Option<Duration>,
+        sink: &dyn ServiceSink,
+        log: Option<File>,
+    ) -> WorkerOutcome {
         if let Ok(mut guard) = self.stderr.lock() {
             *guard = (log, VecDeque::new());
         }
-        let message = ToWorker::Run { stage: stage.to_string(), request: request.to_string() };
+        let message = ToWorker::Run {
+            stage: stage.to_string(),
+            request: request.to_string(),
+        };
         let mut line = serde_json::to_string(&message).unwrap_or_default();
         line.push('\n');
-        let sent = self.stdin.as_mut().map(|stdin| stdin.write_all(line.as_bytes()).and_then(|_| stdin.flush()));
+        let sent = self
+            .stdin
+            .as_mut()
+            .map(|stdin| stdin.write_all(line.as_bytes()).and_then(|_| stdin.flush()));
         if !matches!(sent, Some(Ok(()))) {
             return WorkerOutcome::Crashed(self.death_reason());
         }
         let deadline = timeout.map(|t| Instant::now() + t);
         let outcome = loop {
-            let wait = deadline.map(|d| d.saturating_duration_since(Instant::now())).unwrap_or(Duration::from_secs(3600));
+            let wait = deadline
+                .map(|d| d.saturating_duration_since(Instant::now()))
+                .unwrap_or(Duration::from_secs(3600));
             match self.messages.recv_timeout(wait) {
-                Ok(FromWorker::Log { level, message }) => sink.log(LogLevel::parse(&level).unwrap_or(LogLevel::Info), &message),
-                Ok(FromWorker::Progress { done, total, message }) => sink.progress(done, total, &message),
-                Ok(FromWorker::Done { ok, output }) => break WorkerOutcome::Finished(if ok { Ok(output) } else { Err(output) }),
-                Ok(other) => break WorkerOutcome::Crashed(format!("worker broke the protocol: sent {other:?} while running a node")),
+                Ok(FromWorker::Log { level, message }) => {
+                    sink.log(LogLevel::parse(&level).unwrap_or(LogLevel::Info), &message)
+                }
+                Ok(FromWorker::Progress {
+                    done,
+                    total,
+                    message,
+                }) => sink.progress(done, total, &message),
+                Ok(FromWorker::Done { ok, output }) => {
+                    // Everything the node wrote to stderr precedes the mark.
+                    let _ = self.stderr_marks.recv_timeout(Duration::from_secs(1));
+                    break WorkerOutcome::Finished(if ok { Ok(output) } else { Err(output) });
+                }
+                Ok(other) => {
+                    break WorkerOutcome::Crashed(format!(
+                        "worker broke the protocol: sent {other:?} while running a node"
+                    ))
+                }
                 Err(RecvTimeoutError::Timeout) => {
                     if deadline.is_some_and(|d| Instant::now() >= d) {
                         let _ = self.child.kill();
@@ -223,7 +299,9 @@ impl Worker {
                         break WorkerOutcome::TimedOut;
                     }
                 }
-                Err(RecvTimeoutError::Disconnected) => break WorkerOutcome::Crashed(self.death_reason()),
+                Err(RecvTimeoutError::Disconnected) => {
+                    break WorkerOutcome::Crashed(self.death_reason())
+                }
             }
         };
         if let Ok(mut guard) = self.stderr.lock() {
@@ -239,7 +317,9 @@ impl Worker {
         let status = loop {
             match self.child.try_wait() {
                 Ok(Some(status)) => break Some(status),
-                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(5))
+                }
                 _ => break None,
             }
         };
@@ -253,7 +333,12 @@ impl Worker {
             None => "worker stopped answering".to_string(),
         };
         if let Ok(guard) = self.stderr.lock() {
-            let tail: Vec<&str> = guard.1.iter().map(String::as_str).filter(|l| !l.trim().is_empty()).collect();
+            let tail: Vec<&str> = guard
+                .1
+                .iter()
+                .map(String::as_str)
+                .filter(|l| !l.trim().is_empty())
+                .collect();
             if !tail.is_empty() {
                 reason.push_str(&format!("; its last stderr: {}", tail.join(" | ")));
             }
@@ -303,7 +388,10 @@ pub struct WorkerPool {
 
 impl WorkerPool {
     pub fn new(exe: PathBuf) -> Self {
-        WorkerPool { exe, idle: Mutex::new(Vec::new()) }
+        WorkerPool {
+            exe,
+            idle: Mutex::new(Vec::new()),
+        }
     }
 
     /// A warm worker for `plugin`, or a new one.

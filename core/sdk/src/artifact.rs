@@ -18,7 +18,11 @@ pub fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), Plug
 }
 
 /// Writes `value` as pretty JSON to `dir/name`, atomically.
-pub fn write_json(dir: &Path, name: &str, value: &impl serde::Serialize) -> Result<(), PluginError> {
+pub fn write_json(
+    dir: &Path,
+    name: &str,
+    value: &impl serde::Serialize,
+) -> Result<(), PluginError> {
     let text = serde_json::to_vec_pretty(value)
         .map_err(|err| PluginError::failed(format!("cannot encode {name}: {err}")))?;
     write_atomically(dir, name, &text)

@@ -23,6 +23,9 @@ impl PluginError {
     }
 
     pub fn io(path: &PathBuf, source: std::io::Error) -> Self {
-        PluginError::Io { context: path.display().to_string(), source }
+        PluginError::Io {
+            context: path.display().to_string(),
+            source,
+        }
     }
 }

@@ -23,7 +23,9 @@ macro_rules! export_plugin {
         #[export_name = "_1as_0lib_1header_0root_bmodule_bloader"]
         pub static ATTNBENCH_PLUGIN_HEADER: $crate::__private::LibHeader = {
             extern "C" fn construct() -> $crate::__private::RootModuleResult {
-                $crate::__private::call_root_module_loader($crate::__private::root_module::<$plugin>)
+                $crate::__private::call_root_module_loader(
+                    $crate::__private::root_module::<$plugin>,
+                )
             }
             // SAFETY: `construct` returns the `PluginModRef` declared as the module type.
             unsafe {
@@ -43,7 +45,11 @@ pub fn call_root_module_loader(loader: fn() -> PluginModRef) -> RootModuleResult
 
 #[doc(hidden)]
 pub fn root_module<P: Plugin>() -> PluginModRef {
-    PluginMod { manifest: manifest_entry::<P>, run: run_entry::<P> }.leak_into_prefix()
+    PluginMod {
+        manifest: manifest_entry::<P>,
+        run: run_entry::<P>,
+    }
+    .leak_into_prefix()
 }
 
 extern "C" fn manifest_entry<P: Plugin>() -> RString {
@@ -66,16 +72,43 @@ extern "C" fn run_entry<P: Plugin>(
     request: RStr<'_>,
     host: &HostServices,
 ) -> RResult<RString, RString> {
+    capture_panics();
     let outcome = catch_unwind(AssertUnwindSafe(|| {
-        let request: StageRequest = serde_json::from_str(request.as_str())
-            .map_err(|err| PluginError::failed(format!("the host sent a malformed request: {err}")))?;
+        let request: StageRequest = serde_json::from_str(request.as_str()).map_err(|err| {
+            PluginError::failed(format!("the host sent a malformed request: {err}"))
+        })?;
         P::run(stage.as_str(), request, &Host::new(host))
     }));
     match outcome {
         Ok(Ok(result)) => ROk(result.to_string().into()),
         Ok(Err(err)) => RErr(err.to_string().into()),
-        Err(panic) => RErr(format!("plugin panicked: {}", panic_message(&*panic)).into()),
+        Err(panic) => {
+            let described = LAST_PANIC
+                .with(|last| last.borrow_mut().take())
+                .unwrap_or_else(|| panic_message(&*panic));
+            RErr(format!("plugin panicked: {described}").into())
+        }
     }
+}
+
+thread_local! {
+    static LAST_PANIC: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Replaces the default panic hook of this library's copy of std: a panic becomes the node's
+/// error message (with its location) instead of text on the host's terminal.
+fn capture_panics() {
+    static INSTALL: std::sync::Once = std::sync::Once::new();
+    INSTALL.call_once(|| {
+        std::panic::set_hook(Box::new(|info| {
+            let location = info
+                .location()
+                .map(|l| format!(" (at {}:{})", l.file(), l.line()))
+                .unwrap_or_default();
+            let described = format!("{}{location}", panic_message(info.payload()));
+            LAST_PANIC.with(|last| *last.borrow_mut() = Some(described));
+        }));
+    });
 }
 
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {

@@ -65,16 +65,25 @@ impl PluginManifest {
             for param in &stage.params {
                 check_name("parameter name", &param.name)?;
                 if !params.insert(&param.name) {
-                    return Err(format!("stage `{}` declares parameter `{}` twice", stage.name, param.name));
+                    return Err(format!(
+                        "stage `{}` declares parameter `{}` twice",
+                        stage.name, param.name
+                    ));
                 }
                 if let Some(default) = &param.default {
                     param.ty.coerce(default).map_err(|err| {
-                        format!("stage `{}` parameter `{}`: default {err}", stage.name, param.name)
+                        format!(
+                            "stage `{}` parameter `{}`: default {err}",
+                            stage.name, param.name
+                        )
                     })?;
                 }
             }
             if stage.timeout_s.is_some_and(|t| !(t > 0.0)) {
-                return Err(format!("stage `{}` declares a timeout that is not positive", stage.name));
+                return Err(format!(
+                    "stage `{}` declares a timeout that is not positive",
+                    stage.name
+                ));
             }
         }
         Ok(())
@@ -83,12 +92,16 @@ impl PluginManifest {
 
 fn check_name(what: &str, name: &str) -> Result<(), String> {
     let ok = !name.is_empty()
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
         && name.chars().next().is_some_and(|c| c.is_ascii_alphabetic());
     if ok {
         Ok(())
     } else {
-        Err(format!("{what} `{name}` must start with a letter and use only letters, digits, `_` and `-`"))
+        Err(format!(
+            "{what} `{name}` must start with a letter and use only letters, digits, `_` and `-`"
+        ))
     }
 }
 
@@ -198,15 +211,29 @@ pub struct ParamSpec {
     #[serde(rename = "type")]
     pub ty: ParamType,
     /// The value when neither the pipeline nor the matrix sets one; none = required.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "present"
+    )]
     pub default: Option<Value>,
     #[serde(default)]
     pub doc: String,
 }
 
+/// A `default` key that is present is a default, even when its value is `null`.
+fn present<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<Value>, D::Error> {
+    Value::deserialize(deserializer).map(Some)
+}
+
 impl ParamSpec {
     pub fn new(name: impl Into<String>, ty: ParamType) -> Self {
-        ParamSpec { name: name.into(), ty, default: None, doc: String::new() }
+        ParamSpec {
+            name: name.into(),
+            ty,
+            default: None,
+            doc: String::new(),
+        }
     }
 
     pub fn default(mut self, value: impl Into<Value>) -> Self {
@@ -240,7 +267,13 @@ pub enum ParamType {
 impl ParamType {
     /// Checks `value` against the type and returns its canonical form (sizes become integers).
     pub fn coerce(&self, value: &Value) -> Result<Value, String> {
-        let wrong = || Err(format!("expected {}, found {}", self.describe(), describe_value(value)));
+        let wrong = || {
+            Err(format!(
+                "expected {}, found {}",
+                self.describe(),
+                describe_value(value)
+            ))
+        };
         match (self, value) {
             (ParamType::Json, _) => Ok(value.clone()),
             (ParamType::Int, Value::Number(n)) if n.is_i64() || n.is_u64() => Ok(value.clone()),
@@ -259,7 +292,10 @@ impl ParamType {
             (ParamType::List(item), Value::Array(items)) => items
                 .iter()
                 .enumerate()
-                .map(|(index, element)| item.coerce(element).map_err(|err| format!("item {index}: {err}")))
+                .map(|(index, element)| {
+                    item.coerce(element)
+                        .map_err(|err| format!("item {index}: {err}"))
+                })
                 .collect::<Result<Vec<_>, _>>()
                 .map(Value::Array),
             _ => wrong(),
@@ -319,10 +355,17 @@ impl std::str::FromStr for ParamType {
             "size" => ParamType::Size,
             "json" => ParamType::Json,
             _ => {
-                if let Some(inner) = text.strip_prefix("list<").and_then(|rest| rest.strip_suffix('>')) {
+                if let Some(inner) = text
+                    .strip_prefix("list<")
+                    .and_then(|rest| rest.strip_suffix('>'))
+                {
                     ParamType::List(Box::new(inner.parse()?))
-                } else if let Some(inner) = text.strip_prefix("enum[").and_then(|rest| rest.strip_suffix(']')) {
-                    let options: Vec<String> = inner.split('|').map(|o| o.trim().to_string()).collect();
+                } else if let Some(inner) = text
+                    .strip_prefix("enum[")
+                    .and_then(|rest| rest.strip_suffix(']'))
+                {
+                    let options: Vec<String> =
+                        inner.split('|').map(|o| o.trim().to_string()).collect();
                     if options.iter().any(String::is_empty) {
                         return Err(format!("`{text}` has an empty option"));
                     }
@@ -357,7 +400,17 @@ mod tests {
 
     #[test]
     fn types_round_trip_through_text() {
-        for text in ["int", "float", "bool", "string", "size", "json", "list<size>", "enum[fwd|bwd]", "list<enum[a|b]>"] {
+        for text in [
+            "int",
+            "float",
+            "bool",
+            "string",
+            "size",
+            "json",
+            "list<size>",
+            "enum[fwd|bwd]",
+            "list<enum[a|b]>",
+        ] {
             let ty: ParamType = text.parse().unwrap();
             assert_eq!(ty.to_string(), text);
         }
@@ -368,10 +421,15 @@ mod tests {
     #[test]
     fn coercion_canonicalises_sizes_and_names_the_mismatch() {
         assert_eq!(ParamType::Size.coerce(&json!("2k")), Ok(json!(2048)));
-        assert_eq!(ParamType::List(Box::new(ParamType::Size)).coerce(&json!(["1k", 8])), Ok(json!([1024, 8])));
+        assert_eq!(
+            ParamType::List(Box::new(ParamType::Size)).coerce(&json!(["1k", 8])),
+            Ok(json!([1024, 8]))
+        );
         let err = ParamType::Int.coerce(&json!("x")).unwrap_err();
         assert_eq!(err, "expected an integer, found the string `x`");
-        let err = ParamType::Enum(vec!["fwd".into(), "bwd".into()]).coerce(&json!("both")).unwrap_err();
+        let err = ParamType::Enum(vec!["fwd".into(), "bwd".into()])
+            .coerce(&json!("both"))
+            .unwrap_err();
         assert!(err.contains("fwd, bwd"), "{err}");
         assert!(ParamType::Int.coerce(&json!(1.5)).is_err());
     }
@@ -383,8 +441,14 @@ mod tests {
         assert_eq!(good.validate(), Ok(()));
         let bad_default = PluginManifest::new("demo", "0.1.0")
             .stage(StageSpec::new("run").param(ParamSpec::new("n", ParamType::Int).default("x")));
-        assert!(bad_default.validate().unwrap_err().contains("parameter `n`"));
+        assert!(bad_default
+            .validate()
+            .unwrap_err()
+            .contains("parameter `n`"));
         let bad_name = PluginManifest::new("de mo", "0.1.0").stage(StageSpec::new("run"));
-        assert!(bad_name.validate().unwrap_err().contains("must start with a letter"));
+        assert!(bad_name
+            .validate()
+            .unwrap_err()
+            .contains("must start with a letter"));
     }
 }

@@ -41,7 +41,10 @@ impl StageRequest {
     }
 
     /// The inputs produced by `plugin/stage` (or any stage named `stage`).
-    pub fn inputs_from<'a>(&'a self, uses: &'a str) -> impl Iterator<Item = &'a InputArtifact> + 'a {
+    pub fn inputs_from<'a>(
+        &'a self,
+        uses: &'a str,
+    ) -> impl Iterator<Item = &'a InputArtifact> + 'a {
         self.inputs
             .iter()
             .filter(move |input| input.uses == uses || input.uses.rsplit('/').next() == Some(uses))

@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use attnbench_sdk::{
-    write_json, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError, PluginManifest,
-    StageRequest, StageSpec,
+    write_json, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError,
+    PluginManifest, StageRequest, StageSpec,
 };
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -22,15 +22,30 @@ struct EchoParams {
 fn echo_stage(name: &str, isolation: Isolation) -> StageSpec {
     StageSpec::new(name)
         .doc("Returns its parameters and the ids of its inputs, after sleeping `sleep_ms`.")
-        .param(ParamSpec::new("value", ParamType::Json).default(Value::Null).doc("Echoed back."))
-        .param(ParamSpec::new("sleep_ms", ParamType::Int).default(0).doc("Milliseconds to sleep first."))
-        .param(ParamSpec::new("size", ParamType::Size).default(0).doc("A size parameter, echoed."))
+        .param(
+            ParamSpec::new("value", ParamType::Json)
+                .default(Value::Null)
+                .doc("Echoed back."),
+        )
+        .param(
+            ParamSpec::new("sleep_ms", ParamType::Int)
+                .default(0)
+                .doc("Milliseconds to sleep first."),
+        )
+        .param(
+            ParamSpec::new("size", ParamType::Size)
+                .default(0)
+                .doc("A size parameter, echoed."),
+        )
         .output("echo")
         .isolation(isolation)
 }
 
 fn misbehaving(name: &str, doc: &str) -> StageSpec {
-    StageSpec::new(name).doc(doc).isolation(Isolation::Worker).timeout_s(60.0)
+    StageSpec::new(name)
+        .doc(doc)
+        .isolation(Isolation::Worker)
+        .timeout_s(60.0)
 }
 
 impl Plugin for Testkit {
@@ -45,8 +60,13 @@ impl Plugin for Testkit {
             .stage(misbehaving("abort", "Aborts the process."))
             .stage(misbehaving("segfault", "Dereferences a null pointer."))
             .stage(misbehaving("hang", "Sleeps forever, ignoring cancellation.").timeout_s(1.0))
-            .stage(StageSpec::new("malformed").doc("Returns a bare string instead of a JSON object."))
-            .stage(misbehaving("noisy", "Prints to stdout and stderr, then succeeds."))
+            .stage(
+                StageSpec::new("malformed").doc("Returns a bare string instead of a JSON object."),
+            )
+            .stage(misbehaving(
+                "noisy",
+                "Prints to stdout and stderr, then succeeds.",
+            ))
             .stage(StageSpec::new("fail").doc("Returns an error."))
     }
 
@@ -70,7 +90,10 @@ impl Plugin for Testkit {
                 Ok(json!({"noisy": true}))
             }
             "fail" => Err(PluginError::failed("testkit fails on purpose")),
-            other => Err(PluginError::UnknownStage { stage: other.into(), known: "see the manifest".into() }),
+            other => Err(PluginError::UnknownStage {
+                stage: other.into(),
+                known: "see the manifest".into(),
+            }),
         }
     }
 }
@@ -85,7 +108,11 @@ fn echo(request: &StageRequest, host: &Host) -> Result<Value, PluginError> {
         std::thread::sleep(Duration::from_millis(10));
         host.progress(step + 1, steps, "sleeping");
     }
-    host.debug(&format!("echo {} with {} inputs", request.node, request.inputs.len()));
+    host.debug(&format!(
+        "echo {} with {} inputs",
+        request.node,
+        request.inputs.len()
+    ));
     let result = json!({
         "value": params.value,
         "size": params.size,
