@@ -132,13 +132,14 @@ pub fn run_dirs(runs_dir: &Path) -> Vec<PathBuf> {
     dirs
 }
 
-/// A run id that sorts by start time: `20261129-153400-<suffix>`.
+/// A run id that sorts by start time: `20261129-153400.123-<suffix>`.
 pub fn new_run_id() -> String {
-    let now = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string();
+    let now = humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string();
     let compact: String = now.chars().filter(|c| c.is_ascii_digit()).collect();
-    let (date, time) = compact.split_at(8.min(compact.len()));
+    let (date, rest) = compact.split_at(8.min(compact.len()));
+    let (time, millis) = rest.split_at(6.min(rest.len()));
     let suffix = blake3::hash(crate::cache::unique_suffix().as_bytes()).to_hex()[..6].to_string();
-    format!("{date}-{time}-{suffix}")
+    format!("{date}-{time}.{millis}-{suffix}")
 }
 
 /// A file name for a node id: readable, and unique through a short hash.

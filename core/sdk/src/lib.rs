@@ -31,6 +31,10 @@ pub use export::Plugin;
 pub use host::Host;
 pub use manifest::{CacheScope, Isolation, ParamSpec, ParamType, PluginManifest, StageSpec};
 pub use request::{InputArtifact, StageRequest};
+/// Re-exported so that a plugin can depend on this crate alone; derive with
+/// `#[serde(crate = "attnbench_sdk::serde")]`.
+pub use serde;
+pub use serde_json;
 pub use size::{format_size, parse_size};
 
 #[doc(hidden)]

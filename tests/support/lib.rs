@@ -1,0 +1,158 @@
+//! Helpers for the integration tests and benchmarks: the real `attnbench` binary, run in a
+//! scratch directory with its own cache, against the real plugin libraries of the workspace.
+//!
+//! The tests use what `cargo build --workspace` produced (the README's test command builds first).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+/// `target/<profile>` of the running test or bench executable.
+pub fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test executable has a path");
+    let deps = exe
+        .parent()
+        .expect("the test executable is in target/<profile>/deps");
+    deps.parent()
+        .expect("target/<profile> exists")
+        .to_path_buf()
+}
+
+/// The workspace root.
+pub fn workspace_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The `attnbench` binary next to the test executable.
+pub fn binary() -> PathBuf {
+    let binary = target_dir().join("attnbench");
+    assert!(
+        binary.is_file(),
+        "{} is missing: run `cargo build --workspace` before the tests",
+        binary.display()
+    );
+    binary
+}
+
+/// A scratch directory with its own cache, where pipelines are written and run.
+pub struct Sandbox {
+    pub dir: tempfile::TempDir,
+}
+
+impl Default for Sandbox {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Sandbox {
+    pub fn new() -> Self {
+        Sandbox {
+            dir: tempfile::tempdir().expect("a temporary directory"),
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn cache(&self) -> PathBuf {
+        self.path().join("artifacts")
+    }
+
+    pub fn write(&self, name: &str, text: &str) -> PathBuf {
+        let path = self.path().join(name);
+        std::fs::write(&path, text).expect("write a file in the sandbox");
+        path
+    }
+
+    /// `attnbench ARGS` in the sandbox, with its cache, not yet started.
+    pub fn command(&self, args: &[&str]) -> Command {
+        let mut command = Command::new(binary());
+        command
+            .args(args)
+            .current_dir(self.path())
+            .env("ATTNBENCH_CACHE", self.cache())
+            .env_remove("RUST_LOG");
+        command
+    }
+
+    pub fn run(&self, args: &[&str]) -> Output {
+        self.command(args).output().expect("attnbench starts")
+    }
+
+    /// The record of the newest run in the sandbox's cache.
+    pub fn last_record(&self) -> Value {
+        let runs = self.cache().join("runs");
+        let id = std::fs::read_to_string(runs.join("latest")).expect("a run has finished");
+        let text =
+            std::fs::read_to_string(runs.join(id.trim()).join("run.json")).expect("run.json");
+        serde_json::from_str(&text).expect("run.json is JSON")
+    }
+
+    /// Node id → status of the newest run.
+    pub fn statuses(&self) -> std::collections::BTreeMap<String, String> {
+        statuses(&self.last_record())
+    }
+}
+
+pub fn statuses(record: &Value) -> std::collections::BTreeMap<String, String> {
+    record["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .map(|node| {
+            (
+                node["id"].as_str().unwrap_or_default().to_string(),
+                node["status"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// Text of a process's stderr.
+pub fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+pub fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// Builds the third-party example plugin (outside the workspace) and returns a copy of its
+/// library under `dest`, named `name`. Builds are serialised through a lock file because tests
+/// run in parallel and share the fixture's target directory.
+pub fn build_example_plugin(features: &[&str], dest: &Path, name: &str) -> PathBuf {
+    let root = workspace_root();
+    let fixture = root.join("tests/fixtures/example-kernel");
+    let target = root.join("target/fixtures");
+    std::fs::create_dir_all(&target).expect("fixture target dir");
+    let lock = std::fs::File::create(target.join("build.lock")).expect("lock file");
+    lock.lock().expect("lock the fixture build");
+    // Same versions as the workspace, so the build reuses what is already compiled.
+    let _ = std::fs::copy(root.join("Cargo.lock"), fixture.join("Cargo.lock"));
+    let mut command = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    command
+        .arg("build")
+        .arg("--quiet")
+        .arg("--manifest-path")
+        .arg(fixture.join("Cargo.toml"))
+        .arg("--target-dir")
+        .arg(&target);
+    if !features.is_empty() {
+        command.arg("--features").arg(features.join(","));
+    }
+    let output = command.output().expect("cargo runs");
+    assert!(
+        output.status.success(),
+        "building the example plugin failed:\n{}",
+        stderr(&output)
+    );
+    let built = target
+        .join("debug")
+        .join(format!("libexample_kernel{}", std::env::consts::DLL_SUFFIX));
+    let copy = dest.join(name);
+    std::fs::copy(&built, &copy).expect("copy the built plugin");
+    copy
+}
