@@ -87,7 +87,7 @@ pub fn run(command: PluginsCommand, plugin_dirs: &[PathBuf]) -> Result<ExitCode>
             for stage in &manifest.stages {
                 println!();
                 println!(
-                    "{}/{}  [cache: {:?}, isolation: {:?}]",
+                    "{}/{}  [cache: {}, isolation: {}]",
                     manifest.name, stage.name, stage.cache_scope, stage.isolation
                 );
                 if !stage.doc.is_empty() {

@@ -193,6 +193,24 @@ pub enum CacheScope {
     Machine,
 }
 
+impl std::fmt::Display for CacheScope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CacheScope::Pure => "pure",
+            CacheScope::Machine => "machine",
+        })
+    }
+}
+
+impl std::fmt::Display for Isolation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Isolation::InProcess => "in_process",
+            Isolation::Worker => "worker",
+        })
+    }
+}
+
 /// Where a node runs.
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]

@@ -1,0 +1,137 @@
+//! Plugin libraries: a third-party plugin built outside the workspace loads and runs; libraries
+//! that cannot be plugins are refused in one sentence.
+
+use attnbench_tests::{build_example_plugin, stderr, stdout, target_dir, Sandbox};
+
+/// Checks that the refusal is one line and mentions every fragment.
+fn one_sentence(output: &std::process::Output, fragments: &[&str]) {
+    assert_eq!(output.status.code(), Some(2));
+    let text = stderr(output);
+    assert_eq!(
+        text.trim_end().lines().count(),
+        1,
+        "one line, not a layout dump:\n{text}"
+    );
+    for fragment in fragments {
+        assert!(text.contains(fragment), "`{fragment}` in {text}");
+    }
+}
+
+#[test]
+fn a_third_party_plugin_built_outside_the_workspace_runs_in_a_pipeline() {
+    let sandbox = Sandbox::new();
+    let plugins = sandbox.path().join("plugins");
+    std::fs::create_dir_all(&plugins).unwrap();
+    build_example_plugin(&[], &plugins, "libexample_kernel.so");
+
+    let listed = sandbox.run(&["plugins", "list", "--plugin-dir", "plugins"]);
+    assert!(
+        stdout(&listed).contains("example-kernel 0.3.1"),
+        "{}",
+        stdout(&listed)
+    );
+
+    sandbox.write(
+        "kernel.yaml",
+        "name: kernel\nseed: 5\nstages:\n  attention:\n    uses: example-kernel/attention\n    matrix: {seqlen: [128, 256], causal: [false, true]}\n    with: {reps: 2}\n",
+    );
+    let run = sandbox
+        .command(&["run", "kernel.yaml"])
+        .env("ATTNBENCH_PLUGIN_PATH", &plugins)
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{}", stderr(&run));
+    let record = sandbox.last_record();
+    let nodes = record["nodes"].as_array().unwrap();
+    assert_eq!(nodes.len(), 4);
+    for node in nodes {
+        assert_eq!(node["status"], "ok", "{node}");
+        let measurement: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(format!(
+                "{}/measurement.json",
+                node["artifact"].as_str().unwrap()
+            ))
+            .unwrap(),
+        )
+        .unwrap();
+        assert!(
+            measurement["tflops"].as_f64().unwrap() > 0.0,
+            "{measurement}"
+        );
+        // Machine-scoped: the environment fingerprint is part of the key.
+        assert!(node["key_parts"]["environment"].is_string(), "{node}");
+    }
+    assert_eq!(record["plugins"][0]["name"], "example-kernel");
+    assert_eq!(record["plugins"][0]["version"], "0.3.1");
+}
+
+#[test]
+fn a_plugin_of_another_abi_major_is_refused_in_one_sentence() {
+    let sandbox = Sandbox::new();
+    let foreign = build_example_plugin(&["foreign-abi-major"], sandbox.path(), "libforeign.so");
+    let output = sandbox.run(&["plugins", "info", foreign.to_str().unwrap()]);
+    one_sentence(
+        &output,
+        &[
+            "built for plugin ABI 2.0.0",
+            "this attnbench speaks ABI 1.0.0",
+            "rebuild the plugin",
+        ],
+    );
+}
+
+#[test]
+fn a_library_that_is_not_a_plugin_is_refused_in_one_sentence() {
+    let deps = target_dir().join("deps");
+    let not_a_plugin = std::fs::read_dir(&deps)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.extension().is_some_and(|e| e == "so") && p.to_string_lossy().contains("serde_derive")
+        })
+        .expect("a proc-macro shared library in target/*/deps");
+    let sandbox = Sandbox::new();
+    let output = sandbox.run(&["plugins", "info", not_a_plugin.to_str().unwrap()]);
+    one_sentence(
+        &output,
+        &["is a shared library but not an attnbench plugin"],
+    );
+
+    let junk = sandbox.write("libjunk.so", "not an ELF file");
+    let output = sandbox.run(&["plugins", "info", junk.to_str().unwrap()]);
+    one_sentence(&output, &["cannot load", "libjunk.so"]);
+
+    // In a plugin directory it is skipped with its reason, and the rest still works.
+    let listed = sandbox.run(&["plugins", "list", "--plugin-dir", "."]);
+    assert!(stdout(&listed).contains("skipped"), "{}", stdout(&listed));
+    assert!(stdout(&listed).contains("testkit"), "{}", stdout(&listed));
+}
+
+#[test]
+fn a_missing_library_is_refused_in_one_sentence() {
+    let sandbox = Sandbox::new();
+    let output = sandbox.run(&["plugins", "info", "./libnowhere.so"]);
+    one_sentence(&output, &["plugin library ./libnowhere.so does not exist"]);
+}
+
+#[test]
+fn plugin_info_shows_the_manifest() {
+    let sandbox = Sandbox::new();
+    let output = sandbox.run(&["plugins", "info", "testkit"]);
+    let text = stdout(&output);
+    assert!(output.status.success());
+    assert!(
+        text.contains("testkit/echo-worker") && text.contains("isolation: worker"),
+        "{text}"
+    );
+    let json = sandbox.run(&["plugins", "info", "testkit", "--json"]);
+    let manifest: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(manifest["abi"], "1.0.0");
+    let unknown = sandbox.run(&["plugins", "info", "testkid"]);
+    assert!(
+        stderr(&unknown).contains("did you mean `testkit`?"),
+        "{}",
+        stderr(&unknown)
+    );
+}
