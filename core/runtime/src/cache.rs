@@ -55,11 +55,13 @@ pub struct InputDigest {
 }
 
 impl KeyParts {
+    /// blake3 of the parts' JSON: fields in declaration order, `params` already canonical
+    /// (plan nodes sort their parameters; values are canonicalised when validated).
     pub fn key(&self) -> String {
-        let canonical = canonical(&serde_json::to_value(self).unwrap_or(Value::Null));
-        blake3::hash(canonical.to_string().as_bytes())
-            .to_hex()
-            .to_string()
+        let mut hasher = blake3::Hasher::new();
+        // Writing JSON into a hasher cannot fail.
+        let _ = serde_json::to_writer(&mut hasher, self);
+        hasher.finalize().to_hex().to_string()
     }
 }
 
@@ -311,6 +313,18 @@ impl Cache {
                 path: target,
                 reason,
             })
+    }
+
+    /// The keys of all entries, from directory listings alone: cheaper than probing each key
+    /// when a plan asks about many nodes.
+    pub fn keys(&self) -> std::collections::HashSet<String> {
+        let mut keys = std::collections::HashSet::new();
+        let Ok(shards) = std::fs::read_dir(self.root.join("cache")) else { return keys };
+        for shard in shards.flatten() {
+            let Ok(dirs) = std::fs::read_dir(shard.path()) else { continue };
+            keys.extend(dirs.flatten().filter_map(|d| d.file_name().into_string().ok()));
+        }
+        keys
     }
 
     /// Every entry's metadata (unverified), for `cache ls` and `gc`.

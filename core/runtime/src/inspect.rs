@@ -33,6 +33,7 @@ impl NodeState {
 /// The state of every node, reading only entry metadata (`run` verifies digests when it reads).
 pub fn node_states(plan: &Plan, cache: &Cache) -> Vec<NodeState> {
     let fingerprint = Environment::detect().fingerprint();
+    let existing = cache.keys();
     let mut states: Vec<NodeState> = Vec::with_capacity(plan.nodes.len());
     for (index, node) in plan.nodes.iter().enumerate() {
         let mut digests = Vec::with_capacity(node.inputs.len());
@@ -51,9 +52,11 @@ pub fn node_states(plan: &Plan, cache: &Cache) -> Vec<NodeState> {
             continue;
         }
         let parts = key_parts(plan, index, digests, &fingerprint);
-        let entry = cache.entry_dir(&parts.key()).join("entry.json");
-        let meta = std::fs::read(&entry)
-            .ok()
+        let key = parts.key();
+        let meta = existing
+            .contains(&key)
+            .then(|| std::fs::read(cache.entry_dir(&key).join("entry.json")).ok())
+            .flatten()
             .and_then(|bytes| serde_json::from_slice::<EntryMeta>(&bytes).ok());
         states.push(match meta {
             Some(meta) => NodeState::Cached {

@@ -10,6 +10,7 @@ use attnbench_sdk::{ParamType, StageSpec};
 use petgraph::graphmap::DiGraphMap;
 use serde_json::{Map, Value};
 
+use crate::cache::canonical;
 use crate::diagnostic::{suggestion, Diagnostic, Origin};
 use crate::plugin::{Plugin, Registry};
 use crate::spans::SpanIndex;
@@ -499,7 +500,7 @@ fn check_stage(
         if let Some(value) = defaults.get(&param.name) {
             match param.ty.coerce(value) {
                 Ok(value) => {
-                    params.insert(param.name.clone(), value);
+                    params.insert(param.name.clone(), canonical(&value));
                 }
                 Err(err) => checker.at_value(
                     &["defaults", &param.name],
@@ -513,7 +514,7 @@ fn check_stage(
         } else if let Some(value) = &param.default {
             params.insert(
                 param.name.clone(),
-                param.ty.coerce(value).unwrap_or_else(|_| value.clone()),
+                canonical(&param.ty.coerce(value).unwrap_or_else(|_| value.clone())),
             );
         }
     }
@@ -546,7 +547,7 @@ fn check_stage(
         };
         match param.ty.coerce(value) {
             Ok(value) => {
-                params.insert(key.clone(), value);
+                params.insert(key.clone(), canonical(&value));
             }
             Err(err) => checker.at_value(
                 &at,
@@ -608,7 +609,7 @@ fn check_stage(
                             format!("matrix entry `{key}` repeats the value {value}"),
                             None,
                         ),
-                        Ok(value) => coerced.push(value),
+                        Ok(value) => coerced.push(canonical(&value)),
                         Err(err) => checker.at_value(
                             &at,
                             format!("matrix entry `{key}`: {err}"),

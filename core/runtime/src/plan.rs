@@ -15,6 +15,7 @@ pub struct Node {
     /// `stage` or `stage[key=value,...]`, unique in the pipeline.
     pub id: String,
     pub stage: usize,
+    /// Parameters with defaults applied, keys sorted (canonical).
     pub params: Map<String, Value>,
     /// The matrix values this node and its upstream nodes were expanded with, for display and joins.
     pub coords: Vec<(String, String)>,
@@ -70,6 +71,8 @@ impl Plan {
                             None => node_coords.push((key.clone(), shown)),
                         }
                     }
+                    // Sorted once here, so cache keys can hash the parameters as they are.
+                    params.sort_keys();
                     let mut all_inputs = inputs.clone();
                     all_inputs.extend(&collected);
                     ids.push(nodes.len());

@@ -14,7 +14,7 @@ use attnbench_abi::LogLevel;
 use attnbench_sdk::{CacheScope, InputArtifact, Isolation, StageRequest};
 use serde_json::Value;
 
-use crate::cache::{canonical, Cache, CacheError, Entry, InputDigest, KeyParts, Lookup};
+use crate::cache::{Cache, CacheError, Entry, InputDigest, KeyParts, Lookup};
 use crate::diagnostic::suggestion;
 use crate::environment::Environment;
 use crate::plan::Plan;
@@ -78,7 +78,7 @@ pub fn key_parts(
         plugin_version: stage.plugin.manifest.version.clone(),
         library_hash: stage.plugin.library_hash.clone(),
         stage: stage.spec.name.clone(),
-        params: canonical(&Value::Object(node.params.clone())),
+        params: Value::Object(node.params.clone()),
         seed: plan.pipeline.seed,
         inputs,
         environment: (stage.spec.cache_scope == CacheScope::Machine)

@@ -1,0 +1,43 @@
+# syntax=docker/dockerfile:1
+#
+# Reproducible attnbench images.
+#
+#   docker build -t attnbench .                      # CPU image (the default target)
+#   docker run --rm -v "$PWD/artifacts:/work/artifacts" attnbench
+#       runs the CPU quickstart; results and the cache land in ./artifacts
+#
+#   docker build --target gpu -t attnbench:gpu .
+#   docker run --rm --gpus all -v "$PWD/artifacts:/work/artifacts" attnbench:gpu attnbench doctor
+#       GPU use: the NVIDIA container toolkit (`--gpus all`) mounts the host driver's libcuda into
+#       the container; the CUDA 13 runtime libraries (NVRTC, cuBLAS) come from the base image.
+#       The host driver must support CUDA 13 (driver 580 or newer).
+#
+# The builder stage runs scripts/stage-install.sh, the same script CI runs, so these steps are
+# exercised on every change even where no Docker engine is available.
+
+FROM rust:1-bookworm AS builder
+WORKDIR /src
+COPY . .
+RUN scripts/stage-install.sh /opt/attnbench
+
+FROM debian:bookworm-slim AS cpu
+RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates python3 \
+    && rm -rf /var/lib/apt/lists/*
+COPY --from=builder /opt/attnbench /opt/attnbench
+ENV PATH=/opt/attnbench/bin:$PATH \
+    ATTNBENCH_PLUGIN_PATH=/opt/attnbench/plugins \
+    ATTNBENCH_CACHE=/work/artifacts
+WORKDIR /work
+CMD ["attnbench", "run", "/opt/attnbench/pipelines/quickstart.yaml"]
+
+FROM nvidia/cuda:13.0.0-runtime-ubuntu24.04 AS gpu
+RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates python3 \
+    && rm -rf /var/lib/apt/lists/*
+COPY --from=builder /opt/attnbench /opt/attnbench
+ENV PATH=/opt/attnbench/bin:$PATH \
+    ATTNBENCH_PLUGIN_PATH=/opt/attnbench/plugins \
+    ATTNBENCH_CACHE=/work/artifacts
+WORKDIR /work
+CMD ["attnbench", "doctor"]
+
+FROM cpu
