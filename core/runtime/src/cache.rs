@@ -319,10 +319,17 @@ impl Cache {
     /// when a plan asks about many nodes.
     pub fn keys(&self) -> std::collections::HashSet<String> {
         let mut keys = std::collections::HashSet::new();
-        let Ok(shards) = std::fs::read_dir(self.root.join("cache")) else { return keys };
+        let Ok(shards) = std::fs::read_dir(self.root.join("cache")) else {
+            return keys;
+        };
         for shard in shards.flatten() {
-            let Ok(dirs) = std::fs::read_dir(shard.path()) else { continue };
-            keys.extend(dirs.flatten().filter_map(|d| d.file_name().into_string().ok()));
+            let Ok(dirs) = std::fs::read_dir(shard.path()) else {
+                continue;
+            };
+            keys.extend(
+                dirs.flatten()
+                    .filter_map(|d| d.file_name().into_string().ok()),
+            );
         }
         keys
     }

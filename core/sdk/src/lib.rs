@@ -19,9 +19,12 @@
 mod artifact;
 mod error;
 mod export;
+pub mod histogram;
 mod host;
 mod manifest;
+pub mod mask;
 mod request;
+pub mod rng;
 mod size;
 
 pub use artifact::{write_atomically, write_json};

@@ -1,0 +1,323 @@
+//! The mask IR: a mask is the union of slices `(q_range, k_range, kind)`. Every kernel encoding
+//! (dense bitmap, block mask, FlashMask columns, varlen + window) and every FLOPs figure is derived
+//! from it, so a kernel and its FLOPs can never disagree about which cells it computed.
+//!
+//! Geometry of a slice with local row `i = q − q.start`, column `j = k − k.start`, lengths `Lq`, `Lk`
+//! and `d = Lk − Lq`:
+//!
+//! | kind        | allowed (i, j)         | notes                                   |
+//! |-------------|------------------------|-----------------------------------------|
+//! | `full`      | always                 |                                         |
+//! | `causal`    | `j ≤ i + d`            | bottom-right aligned; with `d < 0` the first `−d` rows are empty |
+//! | `inv_causal`| `j ≥ i`                | top-left aligned                        |
+//! | `bi_causal` | `i ≤ j ≤ i + d`        | a band; empty when `d < 0`              |
+//!
+//! For every kind the allowed keys of a row form one interval whose ends never decrease from one
+//! row to the next (and likewise the allowed rows of a key): the encodings rely on that.
+
+mod encode;
+
+use serde::{Deserialize, Serialize};
+
+pub use encode::{BlockMask, Dense, FlashMask, NotExpressible, Tile, Varlen};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SliceKind {
+    Full,
+    Causal,
+    InvCausal,
+    BiCausal,
+}
+
+/// A half-open range `[start, end)` of token positions.
+pub type Span = [u64; 2];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Slice {
+    pub q: Span,
+    pub k: Span,
+    pub kind: SliceKind,
+}
+
+impl Slice {
+    pub fn new(q: Span, k: Span, kind: SliceKind) -> Self {
+        Slice { q, k, kind }
+    }
+
+    fn lengths(&self) -> (i64, i64) {
+        (
+            (self.q[1] - self.q[0]) as i64,
+            (self.k[1] - self.k[0]) as i64,
+        )
+    }
+
+    /// Allowed keys of row `q` (which must lie in the slice's q-range), or `None`.
+    #[inline]
+    pub fn keys_of_row(&self, q: u64) -> Option<(u64, u64)> {
+        let (lq, lk) = self.lengths();
+        let i = (q - self.q[0]) as i64;
+        let d = lk - lq;
+        let (lo, hi) = match self.kind {
+            SliceKind::Full => (0, lk),
+            SliceKind::Causal => (0, (i + d + 1).min(lk)),
+            SliceKind::InvCausal => (i, lk),
+            SliceKind::BiCausal => (i, (i + d + 1).min(lk)),
+        };
+        (hi > lo && lo < lk && hi > 0)
+            .then(|| (self.k[0] + lo.max(0) as u64, self.k[0] + hi as u64))
+    }
+
+    /// Allowed rows of key `k` (which must lie in the slice's k-range), or `None`.
+    #[inline]
+    pub fn rows_of_key(&self, k: u64) -> Option<(u64, u64)> {
+        let (lq, lk) = self.lengths();
+        let j = (k - self.k[0]) as i64;
+        let d = lk - lq;
+        let (lo, hi) = match self.kind {
+            SliceKind::Full => (0, lq),
+            SliceKind::Causal => ((j - d).max(0), lq),
+            SliceKind::InvCausal => (0, (j + 1).min(lq)),
+            SliceKind::BiCausal => ((j - d).max(0), (j + 1).min(lq)),
+        };
+        (hi > lo).then(|| (self.q[0] + lo as u64, self.q[0] + hi as u64))
+    }
+
+    /// The rows that have at least one allowed key, as a range (they are contiguous).
+    pub fn nonempty_rows(&self) -> Option<(u64, u64)> {
+        let (lq, lk) = self.lengths();
+        let d = lk - lq;
+        let (lo, hi) = match self.kind {
+            SliceKind::Full => (0, lq),
+            SliceKind::Causal => ((-d).max(0), lq),
+            SliceKind::InvCausal => (0, lq.min(lk)),
+            SliceKind::BiCausal => (0, if d >= 0 { lq } else { 0 }),
+        };
+        (hi > lo && lk > 0).then(|| (self.q[0] + lo as u64, self.q[0] + hi as u64))
+    }
+
+    /// Number of allowed cells.
+    pub fn area(&self) -> u64 {
+        let (lq, lk) = self.lengths();
+        let (lq, lk) = (lq as u64, lk as u64);
+        match self.kind {
+            SliceKind::Full => lq * lk,
+            SliceKind::Causal | SliceKind::InvCausal => {
+                let h = lq.min(lk);
+                (2 * lk - h + 1) * h / 2
+            }
+            SliceKind::BiCausal => {
+                if lk >= lq {
+                    (lk - lq + 1) * lq
+                } else {
+                    0
+                }
+            }
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.q[1] <= self.q[0] || self.k[1] <= self.k[0] || self.nonempty_rows().is_none()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MaskError {
+    #[error("slice {index} has q-range [{start}, {end}) outside [0, {seqlen})")]
+    QOutOfRange {
+        index: usize,
+        start: u64,
+        end: u64,
+        seqlen: u64,
+    },
+    #[error("slice {index} has k-range [{start}, {end}) outside [0, {seqlen})")]
+    KOutOfRange {
+        index: usize,
+        start: u64,
+        end: u64,
+        seqlen: u64,
+    },
+}
+
+/// A mask over `seqlen_q × seqlen_k` cells: the union of its slices.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Mask {
+    pub seqlen_q: u64,
+    pub seqlen_k: u64,
+    pub slices: Vec<Slice>,
+}
+
+/// FLOPs of attention over a mask: `fwd = 4·area·h_q·d`, `bwd = 2.5·fwd`, `fwd_bwd = 3.5·fwd`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Flops {
+    pub fwd: u64,
+    pub bwd: u64,
+    pub fwd_bwd: u64,
+}
+
+impl Flops {
+    /// `area` counted over the query heads (`heads_q`), as LongCA-bench counts them.
+    pub fn of(area: u64, heads_q: u64, head_dim: u64) -> Flops {
+        let fwd = 4 * area * heads_q * head_dim;
+        Flops {
+            fwd,
+            bwd: fwd / 2 * 5,
+            fwd_bwd: fwd / 2 * 7,
+        }
+    }
+
+    pub fn for_direction(&self, direction: &str) -> Option<u64> {
+        match direction {
+            "fwd" => Some(self.fwd),
+            "bwd" => Some(self.bwd),
+            "fwd_bwd" => Some(self.fwd_bwd),
+            _ => None,
+        }
+    }
+}
+
+impl Mask {
+    /// A mask from slices; empty slices are dropped, ranges outside the sequence refused.
+    pub fn new(seqlen_q: u64, seqlen_k: u64, slices: Vec<Slice>) -> Result<Mask, MaskError> {
+        for (index, slice) in slices.iter().enumerate() {
+            if slice.q[0] > slice.q[1] || slice.q[1] > seqlen_q {
+                return Err(MaskError::QOutOfRange {
+                    index,
+                    start: slice.q[0],
+                    end: slice.q[1],
+                    seqlen: seqlen_q,
+                });
+            }
+            if slice.k[0] > slice.k[1] || slice.k[1] > seqlen_k {
+                return Err(MaskError::KOutOfRange {
+                    index,
+                    start: slice.k[0],
+                    end: slice.k[1],
+                    seqlen: seqlen_k,
+                });
+            }
+        }
+        let slices = slices.into_iter().filter(|s| !s.is_empty()).collect();
+        Ok(Mask {
+            seqlen_q,
+            seqlen_k,
+            slices,
+        })
+    }
+
+    /// A square mask.
+    pub fn square(seqlen: u64, slices: Vec<Slice>) -> Result<Mask, MaskError> {
+        Mask::new(seqlen, seqlen, slices)
+    }
+
+    /// Whether the slices' bounding rectangles are pairwise disjoint, so that areas simply add.
+    pub fn slices_disjoint(&self) -> bool {
+        let mut order: Vec<&Slice> = self.slices.iter().collect();
+        order.sort_by_key(|s| s.q[0]);
+        let mut active: Vec<&Slice> = Vec::new();
+        for slice in order {
+            active.retain(|a| a.q[1] > slice.q[0]);
+            if active
+                .iter()
+                .any(|a| a.k[0] < slice.k[1] && slice.k[0] < a.k[1])
+            {
+                return false;
+            }
+            active.push(slice);
+        }
+        true
+    }
+
+    /// The exact number of allowed cells, overlaps counted once.
+    pub fn area(&self) -> u64 {
+        if self.slices_disjoint() {
+            return self.slices.iter().map(Slice::area).sum();
+        }
+        let mut area = 0;
+        self.for_each_row(|_, intervals| area += intervals.iter().map(|(a, b)| b - a).sum::<u64>());
+        area
+    }
+
+    /// Calls `visit(q, intervals)` for every row, with the row's allowed keys as sorted, merged,
+    /// disjoint intervals.
+    pub fn for_each_row(&self, mut visit: impl FnMut(u64, &[(u64, u64)])) {
+        let mut order: Vec<&Slice> = self.slices.iter().collect();
+        order.sort_by_key(|s| s.q[0]);
+        let mut next = 0;
+        let mut active: Vec<&Slice> = Vec::new();
+        let mut intervals = Vec::new();
+        for q in 0..self.seqlen_q {
+            active.retain(|s| s.q[1] > q);
+            while next < order.len() && order[next].q[0] <= q {
+                if order[next].q[1] > q {
+                    active.push(order[next]);
+                }
+                next += 1;
+            }
+            intervals.clear();
+            intervals.extend(active.iter().filter_map(|s| s.keys_of_row(q)));
+            merge(&mut intervals);
+            visit(q, &intervals);
+        }
+    }
+
+    /// Like [`Mask::for_each_row`], by key column: the allowed rows of every key.
+    pub fn for_each_column(&self, mut visit: impl FnMut(u64, &[(u64, u64)])) {
+        let mut order: Vec<&Slice> = self.slices.iter().collect();
+        order.sort_by_key(|s| s.k[0]);
+        let mut next = 0;
+        let mut active: Vec<&Slice> = Vec::new();
+        let mut intervals = Vec::new();
+        for k in 0..self.seqlen_k {
+            active.retain(|s| s.k[1] > k);
+            while next < order.len() && order[next].k[0] <= k {
+                if order[next].k[1] > k {
+                    active.push(order[next]);
+                }
+                next += 1;
+            }
+            intervals.clear();
+            intervals.extend(active.iter().filter_map(|s| s.rows_of_key(k)));
+            merge(&mut intervals);
+            visit(k, &intervals);
+        }
+    }
+
+    /// Whether cell (q, k) is allowed, straight from the slices (for tests and small pictures).
+    pub fn allows(&self, q: u64, k: u64) -> bool {
+        self.slices.iter().any(|s| {
+            s.q[0] <= q && q < s.q[1] && s.keys_of_row(q).is_some_and(|(a, b)| a <= k && k < b)
+        })
+    }
+
+    /// Fraction of the `seqlen_q × seqlen_k` cells that are allowed.
+    pub fn density(&self) -> f64 {
+        let cells = self.seqlen_q as f64 * self.seqlen_k as f64;
+        if cells == 0.0 {
+            0.0
+        } else {
+            self.area() as f64 / cells
+        }
+    }
+}
+
+/// Sorts and merges intervals in place (touching intervals merge too).
+fn merge(intervals: &mut Vec<(u64, u64)>) {
+    if intervals.len() < 2 {
+        return;
+    }
+    intervals.sort_unstable();
+    let mut write = 0;
+    for read in 1..intervals.len() {
+        if intervals[read].0 <= intervals[write].1 {
+            intervals[write].1 = intervals[write].1.max(intervals[read].1);
+        } else {
+            write += 1;
+            intervals[write] = intervals[read];
+        }
+    }
+    intervals.truncate(write + 1);
+}
+
+#[cfg(test)]
+mod tests;

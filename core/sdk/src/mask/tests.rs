@@ -1,0 +1,193 @@
+use proptest::prelude::*;
+
+use super::*;
+
+fn kind() -> impl Strategy<Value = SliceKind> {
+    prop_oneof![
+        Just(SliceKind::Full),
+        Just(SliceKind::Causal),
+        Just(SliceKind::InvCausal),
+        Just(SliceKind::BiCausal)
+    ]
+}
+
+/// Random masks of up to 40 × 40 cells with up to 5 slices, overlaps allowed.
+fn mask() -> impl Strategy<Value = Mask> {
+    (1u64..40, 1u64..40).prop_flat_map(|(sq, sk)| {
+        let slice = (0..=sq, 0..=sq, 0..=sk, 0..=sk, kind()).prop_map(|(a, b, c, d, kind)| {
+            Slice::new([a.min(b), a.max(b)], [c.min(d), c.max(d)], kind)
+        });
+        proptest::collection::vec(slice, 0..5)
+            .prop_map(move |slices| Mask::new(sq, sk, slices).unwrap())
+    })
+}
+
+fn brute_area(mask: &Mask) -> u64 {
+    let mut area = 0;
+    for q in 0..mask.seqlen_q {
+        for k in 0..mask.seqlen_k {
+            area += mask.allows(q, k) as u64;
+        }
+    }
+    area
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(400))]
+
+    #[test]
+    fn area_and_dense_agree_with_the_predicate(mask in mask()) {
+        let dense = mask.dense().unwrap();
+        for q in 0..mask.seqlen_q {
+            for k in 0..mask.seqlen_k {
+                prop_assert_eq!(dense.get(q, k), mask.allows(q, k), "cell ({}, {})", q, k);
+            }
+        }
+        prop_assert_eq!(mask.area(), brute_area(&mask));
+        prop_assert_eq!(dense.count(), mask.area());
+    }
+
+    #[test]
+    fn block_masks_classify_every_tile(mask in mask(), bq in 1u64..9, bk in 1u64..9) {
+        let blocks = mask.block_mask(bq, bk);
+        for qt in 0..blocks.q_tiles() {
+            for kt in 0..blocks.k_tiles() {
+                let (mut allowed, mut cells) = (0, 0);
+                for q in qt * bq..((qt + 1) * bq).min(mask.seqlen_q) {
+                    for k in kt * bk..((kt + 1) * bk).min(mask.seqlen_k) {
+                        cells += 1;
+                        allowed += mask.allows(q, k) as u64;
+                    }
+                }
+                let expected = if allowed == 0 { Tile::Empty } else if allowed == cells { Tile::Full } else { Tile::Partial };
+                prop_assert_eq!(blocks.tile(qt, kt), expected, "tile ({}, {})", qt, kt);
+            }
+            let row: Vec<u32> = blocks.row(qt as usize).map(|(kt, _)| kt).collect();
+            prop_assert!(row.windows(2).all(|w| w[0] < w[1]), "tiles sorted and unique: {:?}", row);
+        }
+    }
+
+    #[test]
+    fn flashmask_decodes_back_when_expressible(mask in mask()) {
+        if let Ok(encoding) = mask.flashmask() {
+            for q in 0..mask.seqlen_q {
+                for k in 0..mask.seqlen_k {
+                    prop_assert_eq!(encoding.allows(q, k), mask.allows(q, k), "cell ({}, {})", q, k);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn varlen_decodes_back_when_expressible(mask in mask()) {
+        if let Ok(encoding) = mask.varlen() {
+            for q in 0..mask.seqlen_q {
+                let (a, b) = encoding.keys_of_row(q);
+                for k in 0..mask.seqlen_k {
+                    prop_assert_eq!(a <= k && k < b, mask.allows(q, k), "cell ({}, {})", q, k);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn document_masks_are_expressible_everywhere(lengths in proptest::collection::vec(1u64..12, 1..6), causal in any::<bool>()) {
+        let kind = if causal { SliceKind::Causal } else { SliceKind::Full };
+        let mut slices = Vec::new();
+        let mut cu = vec![0];
+        for length in &lengths {
+            let start = *cu.last().unwrap();
+            slices.push(Slice::new([start, start + length], [start, start + length], kind));
+            cu.push(start + length);
+        }
+        let mask = Mask::square(*cu.last().unwrap(), slices).unwrap();
+        let varlen = mask.varlen().unwrap();
+        // A causal document of one token is also a full one.
+        let right = if causal && lengths.iter().any(|&l| l > 1) { 0 } else { -1 };
+        prop_assert_eq!(varlen.right, right);
+        prop_assert_eq!(varlen.left, -1);
+        prop_assert!(mask.flashmask().is_ok());
+        // Documents are the coarsest only when they differ from what the window allows; they
+        // always decode back to the mask.
+        for q in 0..mask.seqlen_q {
+            let (a, b) = varlen.keys_of_row(q);
+            for k in 0..mask.seqlen_k {
+                prop_assert_eq!(a <= k && k < b, mask.allows(q, k));
+            }
+        }
+    }
+}
+
+#[test]
+fn slice_areas_follow_the_closed_forms() {
+    let causal = Slice::new([0, 8192], [0, 8192], SliceKind::Causal);
+    assert_eq!(causal.area(), 8192 * 8193 / 2);
+    // Lq > Lk: the first Lq − Lk rows are empty.
+    let tall = Slice::new([0, 10], [0, 4], SliceKind::Causal);
+    assert_eq!(tall.area(), 10);
+    assert_eq!(tall.keys_of_row(5), None);
+    assert_eq!(tall.keys_of_row(6), Some((0, 1)));
+    let band = Slice::new([0, 3], [0, 6], SliceKind::BiCausal);
+    assert_eq!(band.area(), 12);
+    assert_eq!(Slice::new([0, 6], [0, 3], SliceKind::BiCausal).area(), 0);
+}
+
+#[test]
+fn overlapping_slices_are_counted_once() {
+    let mask = Mask::square(
+        16,
+        vec![
+            Slice::new([0, 16], [0, 16], SliceKind::Causal),
+            Slice::new([0, 16], [0, 16], SliceKind::Full),
+        ],
+    )
+    .unwrap();
+    assert!(!mask.slices_disjoint());
+    assert_eq!(mask.area(), 256);
+}
+
+#[test]
+fn flops_follow_the_papers_accounting() {
+    let flops = Flops::of(33_558_528, 64, 128);
+    assert_eq!(flops.fwd, 1_099_645_845_504);
+    assert_eq!(flops.bwd, flops.fwd * 5 / 2);
+    assert_eq!(flops.fwd_bwd, flops.fwd * 7 / 2);
+}
+
+#[test]
+fn out_of_range_slices_are_refused() {
+    let err = Mask::square(8, vec![Slice::new([0, 9], [0, 8], SliceKind::Full)]).unwrap_err();
+    assert_eq!(err.to_string(), "slice 0 has q-range [0, 9) outside [0, 8)");
+}
+
+#[test]
+fn sliding_windows_are_expressible_as_varlen_but_not_as_two_documents() {
+    // Keys within 3 before the query: one window over the whole sequence.
+    let mask = Mask::square(
+        16,
+        vec![
+            Slice::new([0, 3], [0, 3], SliceKind::Causal),
+            Slice::new([3, 16], [0, 16], SliceKind::BiCausal),
+        ],
+    )
+    .unwrap();
+    let varlen = mask.varlen().unwrap();
+    assert_eq!(
+        (varlen.cu_seqlens.clone(), varlen.left, varlen.right),
+        (vec![0, 16], 3, 0)
+    );
+    // Two separate key intervals in one row cannot be a window.
+    let gaps = Mask::square(
+        8,
+        vec![
+            Slice::new([0, 8], [0, 2], SliceKind::Full),
+            Slice::new([0, 8], [5, 8], SliceKind::Full),
+        ],
+    )
+    .unwrap();
+    let err = gaps.varlen().unwrap_err();
+    assert!(
+        err.to_string().contains("2 separate key intervals"),
+        "{err}"
+    );
+}
