@@ -43,6 +43,9 @@ pub struct KeyParts {
     pub params: Value,
     pub seed: u64,
     pub inputs: Vec<InputDigest>,
+    /// Content digests of the files that `file` parameters name (path → blake3).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub files: BTreeMap<String, String>,
     /// The environment fingerprint, for `machine`-scoped stages only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub environment: Option<String>,
@@ -424,6 +427,7 @@ mod tests {
             params: canonical(&json!({"seqlen": seqlen, "kernel": "k"})),
             seed: 0,
             inputs: vec![],
+            files: BTreeMap::new(),
             environment: None,
         }
     }

@@ -232,6 +232,11 @@ pub fn differences(old: &KeyParts, new: &KeyParts) -> Vec<String> {
     {
         changes.push(format!("input `{}` removed", input.node));
     }
+    for (path, digest) in &new.files {
+        if old.files.get(path).is_some_and(|before| before != digest) {
+            changes.push(format!("file {path} changed"));
+        }
+    }
     if old.environment != new.environment {
         changes.push("the machine changed (environment fingerprint differs)".into());
     }

@@ -47,6 +47,8 @@ pub struct Pipeline {
     pub file: PathBuf,
     pub seed: u64,
     pub stages: Vec<Stage>,
+    /// blake3 of every file a `file` parameter names (absolute path → digest).
+    pub file_digests: BTreeMap<String, String>,
 }
 
 #[derive(Debug)]
@@ -335,6 +337,8 @@ fn check(checker: &mut Checker, file: &Path, document: &Value) -> Option<Pipelin
     if stages.len() != stages_map.len() {
         return None;
     }
+    let base = file.parent().map(Path::to_path_buf).unwrap_or_default();
+    let file_digests = resolve_files(checker, &mut stages, &base);
 
     // Dependency order, and cycles named stage by stage.
     let index_of: BTreeMap<String, usize> = stages
@@ -403,6 +407,7 @@ fn check(checker: &mut Checker, file: &Path, document: &Value) -> Option<Pipelin
         file: file.to_path_buf(),
         seed,
         stages: sorted,
+        file_digests,
     })
 }
 
@@ -763,6 +768,64 @@ fn check_timeout(
         );
     }
     parsed
+}
+
+/// Resolves `file` parameters against the pipeline's folder and hashes the files they name.
+/// A bare word (no `/`, no `.`) is a name the stage defines and is passed through.
+fn resolve_files(
+    checker: &mut Checker,
+    stages: &mut [Stage],
+    base: &Path,
+) -> BTreeMap<String, String> {
+    let mut digests = BTreeMap::new();
+    for stage in stages.iter_mut() {
+        let file_params: Vec<String> = stage
+            .spec
+            .params
+            .iter()
+            .filter(|p| p.ty == ParamType::File)
+            .map(|p| p.name.clone())
+            .collect();
+        for name in file_params {
+            let at = [
+                "stages".to_string(),
+                stage.name.clone(),
+                "with".to_string(),
+                name.clone(),
+            ];
+            let at: Vec<&str> = at.iter().map(String::as_str).collect();
+            let mut values: Vec<&mut Value> = stage.params.get_mut(&name).into_iter().collect();
+            for (key, matrix_values) in stage.matrix.iter_mut() {
+                if *key == name {
+                    values.extend(matrix_values.iter_mut());
+                }
+            }
+            for value in values {
+                let Some(text) = value.as_str() else { continue };
+                if text.is_empty() || !(text.contains('/') || text.contains('.')) {
+                    continue;
+                }
+                let path = base.join(text);
+                match std::fs::read(&path) {
+                    Ok(bytes) => {
+                        let resolved = path.canonicalize().unwrap_or(path).display().to_string();
+                        digests.insert(resolved.clone(), blake3::hash(&bytes).to_hex().to_string());
+                        *value = Value::String(resolved);
+                    }
+                    Err(err) => checker.at_value(
+                        &at,
+                        format!(
+                            "parameter `{name}` of stage `{}`: cannot read {}: {err}",
+                            stage.name,
+                            path.display()
+                        ),
+                        Some("paths are relative to the pipeline file's folder".into()),
+                    ),
+                }
+            }
+        }
+    }
+    digests
 }
 
 fn check_defaults(checker: &mut Checker, defaults: &Map<String, Value>, stages: &[Stage]) {

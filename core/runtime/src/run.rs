@@ -73,6 +73,19 @@ pub fn key_parts(
 ) -> KeyParts {
     let node = &plan.nodes[node];
     let stage = plan.stage_of(node);
+    let files = stage
+        .spec
+        .params
+        .iter()
+        .filter(|p| p.ty == attnbench_sdk::ParamType::File)
+        .filter_map(|p| node.params.get(&p.name)?.as_str())
+        .filter_map(|path| {
+            Some((
+                path.to_string(),
+                plan.pipeline.file_digests.get(path)?.clone(),
+            ))
+        })
+        .collect();
     KeyParts {
         plugin: stage.plugin.manifest.name.clone(),
         plugin_version: stage.plugin.manifest.version.clone(),
@@ -81,6 +94,7 @@ pub fn key_parts(
         params: Value::Object(node.params.clone()),
         seed: plan.pipeline.seed,
         inputs,
+        files,
         environment: (stage.spec.cache_scope == CacheScope::Machine)
             .then(|| environment.to_string()),
     }

@@ -278,6 +278,10 @@ pub enum ParamType {
     Size,
     /// Any JSON value.
     Json,
+    /// A file path (or a bare name the stage gives a meaning, such as `synthetic`). The host
+    /// resolves relative paths against the pipeline's folder, refuses missing files, and puts
+    /// the file's content digest into the cache key.
+    File,
     List(Box<ParamType>),
     Enum(Vec<String>),
 }
@@ -297,7 +301,7 @@ impl ParamType {
             (ParamType::Int, Value::Number(n)) if n.is_i64() || n.is_u64() => Ok(value.clone()),
             (ParamType::Float, Value::Number(_)) => Ok(value.clone()),
             (ParamType::Bool, Value::Bool(_)) => Ok(value.clone()),
-            (ParamType::String, Value::String(_)) => Ok(value.clone()),
+            (ParamType::String | ParamType::File, Value::String(_)) => Ok(value.clone()),
             (ParamType::Size, Value::Number(n)) if n.is_u64() => Ok(value.clone()),
             (ParamType::Size, Value::String(text)) => parse_size(text).map(Value::from),
             (ParamType::Enum(options), Value::String(text)) => {
@@ -328,6 +332,7 @@ impl ParamType {
             ParamType::String => "a string".into(),
             ParamType::Size => "a size such as 4096 or 4k".into(),
             ParamType::Json => "any value".into(),
+            ParamType::File => "a file path".into(),
             ParamType::List(item) => format!("a list of {}", item.describe()),
             ParamType::Enum(options) => format!("one of {}", options.join(", ")),
         }
@@ -354,6 +359,7 @@ impl fmt::Display for ParamType {
             ParamType::String => f.write_str("string"),
             ParamType::Size => f.write_str("size"),
             ParamType::Json => f.write_str("json"),
+            ParamType::File => f.write_str("file"),
             ParamType::List(item) => write!(f, "list<{item}>"),
             ParamType::Enum(options) => write!(f, "enum[{}]", options.join("|")),
         }
@@ -372,6 +378,7 @@ impl std::str::FromStr for ParamType {
             "string" => ParamType::String,
             "size" => ParamType::Size,
             "json" => ParamType::Json,
+            "file" => ParamType::File,
             _ => {
                 if let Some(inner) = text
                     .strip_prefix("list<")

@@ -16,10 +16,14 @@
 //! row to the next (and likewise the allowed rows of a key): the encodings rely on that.
 
 mod encode;
+mod set;
+mod window;
 
 use serde::{Deserialize, Serialize};
 
 pub use encode::{BlockMask, Dense, FlashMask, NotExpressible, Tile, Varlen};
+pub use set::{HeadScope, MaskSet};
+pub use window::window_slices;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -1,0 +1,77 @@
+//! The artifact `masks/generate` writes (`mask.json`) and kernels read: one mask for every head,
+//! or one per KV group or per query head (dynamic block-sparse patterns).
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use super::{Flops, Mask};
+use crate::PluginError;
+
+/// Which heads each mask of a set applies to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HeadScope {
+    /// One mask for every head.
+    Shared,
+    /// One mask per KV head, used by the query heads of its group.
+    PerKvGroup,
+    /// One mask per query head.
+    PerHead,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MaskSet {
+    /// The catalogue name, e.g. `causal_document`.
+    pub pattern: String,
+    pub seqlen: u64,
+    /// Every parameter, given and drawn (documents' prefix, global tokens, …).
+    pub params: Map<String, Value>,
+    /// Document lengths, for patterns built from documents.
+    pub documents: Vec<u64>,
+    pub scope: HeadScope,
+    pub masks: Vec<Mask>,
+}
+
+impl MaskSet {
+    pub const FILE: &'static str = "mask.json";
+
+    pub fn load(dir: &Path) -> Result<MaskSet, PluginError> {
+        let path = dir.join(Self::FILE);
+        let text = std::fs::read(&path).map_err(|err| PluginError::io(&path, err))?;
+        serde_json::from_slice(&text).map_err(|err| {
+            PluginError::failed(format!("{}: not a mask set: {err}", path.display()))
+        })
+    }
+
+    pub fn save(&self, dir: &Path) -> Result<(), PluginError> {
+        crate::write_json(dir, Self::FILE, self)
+    }
+
+    /// Which mask of the set query head `head` uses, given the model's head counts.
+    pub fn mask_index(&self, head: u64, heads_q: u64, heads_kv: u64) -> usize {
+        let index = match self.scope {
+            HeadScope::Shared => 0,
+            HeadScope::PerKvGroup => (head / (heads_q / heads_kv.max(1)).max(1)) as usize,
+            HeadScope::PerHead => head as usize,
+        };
+        index.min(self.masks.len().saturating_sub(1))
+    }
+
+    pub fn mask_for_head(&self, head: u64, heads_q: u64, heads_kv: u64) -> &Mask {
+        &self.masks[self.mask_index(head, heads_q, heads_kv)]
+    }
+
+    /// Allowed cells summed over all query heads: the area FLOPs are counted from.
+    pub fn area_over_heads(&self, heads_q: u64, heads_kv: u64) -> u64 {
+        let areas: Vec<u64> = self.masks.iter().map(Mask::area).collect();
+        (0..heads_q)
+            .map(|head| areas[self.mask_index(head, heads_q, heads_kv)])
+            .sum()
+    }
+
+    pub fn flops(&self, heads_q: u64, heads_kv: u64, head_dim: u64) -> Flops {
+        Flops::of(self.area_over_heads(heads_q, heads_kv), 1, head_dim)
+    }
+}

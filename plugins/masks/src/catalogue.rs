@@ -1,0 +1,428 @@
+//! The mask patterns. Random draws use CPython's generator in LongCA-bench's order, so the same
+//! seed and histogram give the same documents and parameters; the definitions follow attnbench's
+//! (sliding windows are what their names say, prefixes are `k < P`, the global window is
+//! `k < g ∨ q < g ∨ |q − k| ≤ W`).
+
+use attnbench_sdk::histogram::{Bucket, Histogram};
+use attnbench_sdk::mask::{window_slices, HeadScope, Mask, MaskSet, Slice, SliceKind};
+use attnbench_sdk::rng::PyRandom;
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+
+pub const PATTERNS: [&str; 16] = [
+    "full",
+    "causal",
+    "full_document",
+    "causal_document",
+    "full_document_long",
+    "causal_document_long",
+    "sliding_window",
+    "sliding_window_causal",
+    "share_question",
+    "causal_blockwise",
+    "prefix_lm_causal",
+    "prefix_lm_document",
+    "global_sliding_window",
+    "block_causal_document",
+    "block_sparse_uniform",
+    "block_sparse_variable",
+];
+
+/// The parameters of `masks/generate` (defaults in the manifest are LongCA-bench's).
+#[derive(Debug, Clone, Deserialize)]
+pub struct Params {
+    pub mask: String,
+    pub seqlen: u64,
+    pub window: u64,
+    pub prefix: i64,
+    pub global_tokens: i64,
+    pub global_window: i64,
+    pub block_size: u64,
+    pub short_fraction: f64,
+    pub long_min: u64,
+    pub long_max: u64,
+    pub density: f64,
+    pub sparse_block: u64,
+    pub min_block: u64,
+    pub sparse_scope: String,
+    pub heads_q: u64,
+    pub heads_kv: u64,
+}
+
+type Drawn = Map<String, Value>;
+
+/// Generates `params.mask` from `histogram` with a generator seeded by `seed`.
+pub fn generate(params: &Params, histogram: &Histogram, seed: u64) -> Result<MaskSet, String> {
+    let s = params.seqlen;
+    if s == 0 {
+        return Err("seqlen must be positive".into());
+    }
+    let mut rng = PyRandom::new(seed);
+    let mut drawn = Drawn::new();
+    let mut documents = Vec::new();
+    let square = |slices: Vec<Slice>| Mask::square(s, slices).map_err(|err| err.to_string());
+    let (scope, masks) = match params.mask.as_str() {
+        "full" => (
+            HeadScope::Shared,
+            vec![square(vec![Slice::new([0, s], [0, s], SliceKind::Full)])?],
+        ),
+        "causal" => (
+            HeadScope::Shared,
+            vec![square(vec![Slice::new([0, s], [0, s], SliceKind::Causal)])?],
+        ),
+        "full_document" | "causal_document" => {
+            documents = histogram.sample_documents(s, &mut rng);
+            let kind = if params.mask == "full_document" {
+                SliceKind::Full
+            } else {
+                SliceKind::Causal
+            };
+            (
+                HeadScope::Shared,
+                vec![square(per_document(&documents, kind))?],
+            )
+        }
+        "full_document_long" | "causal_document_long" => {
+            if !(0.0..=1.0).contains(&params.short_fraction)
+                || params.long_min == 0
+                || params.long_max < params.long_min
+            {
+                return Err(
+                    "long documents need 0 ≤ short_fraction ≤ 1 and 0 < long_min ≤ long_max".into(),
+                );
+            }
+            let short_total = (params.short_fraction * s as f64).floor() as u64;
+            documents = histogram.sample_documents(short_total, &mut rng);
+            let long = Histogram {
+                buckets: vec![Bucket {
+                    lo: params.long_min,
+                    hi: params.long_max,
+                    weight: 1.0,
+                }],
+            };
+            documents.extend(long.sample_documents(s - short_total, &mut rng));
+            rng.shuffle(&mut documents);
+            let kind = if params.mask == "full_document_long" {
+                SliceKind::Full
+            } else {
+                SliceKind::Causal
+            };
+            (
+                HeadScope::Shared,
+                vec![square(per_document(&documents, kind))?],
+            )
+        }
+        "sliding_window" | "sliding_window_causal" => {
+            let w = params.window as i64;
+            let right = if params.mask == "sliding_window" {
+                w
+            } else {
+                0
+            };
+            (
+                HeadScope::Shared,
+                vec![square(window_slices([0, s], [0, s], w, right))?],
+            )
+        }
+        "share_question" => {
+            documents = histogram.sample_documents(s, &mut rng);
+            (HeadScope::Shared, vec![square(share_question(&documents))?])
+        }
+        "causal_blockwise" => {
+            documents = histogram.sample_documents(s, &mut rng);
+            let mut slices = per_document(&documents, SliceKind::Causal);
+            if let Some(last) = slices.last_mut() {
+                last.k[0] = 0;
+            }
+            (HeadScope::Shared, vec![square(slices)?])
+        }
+        "prefix_lm_causal" => {
+            let p = if params.prefix > 0 {
+                params.prefix as u64
+            } else {
+                rng.randint(1, s as i64) as u64
+            };
+            if p > s {
+                return Err(format!("prefix {p} is longer than the sequence ({s})"));
+            }
+            drawn.insert("prefix".into(), json!(p));
+            (HeadScope::Shared, vec![square(prefix_slices(0, s, p))?])
+        }
+        "prefix_lm_document" => {
+            documents = histogram.sample_documents(s, &mut rng);
+            let p = if params.prefix > 0 {
+                params.prefix as u64
+            } else {
+                rng.randint(1, documents[0] as i64) as u64
+            };
+            drawn.insert("prefix".into(), json!(p));
+            let mut slices = Vec::new();
+            let mut start = 0;
+            for &length in &documents {
+                slices.extend(prefix_slices(start, start + length, p.min(length)));
+                start += length;
+            }
+            (HeadScope::Shared, vec![square(slices)?])
+        }
+        "global_sliding_window" => {
+            let g = if params.global_tokens > 0 {
+                params.global_tokens as u64
+            } else {
+                if s / 3 < 2 {
+                    return Err(format!(
+                        "drawing the global tokens needs seqlen ≥ 6 (got {s}); set global_tokens"
+                    ));
+                }
+                rng.randint(1, (s / 3 - 1) as i64).max(1) as u64
+            };
+            if g > s {
+                return Err(format!("global_tokens {g} exceeds the sequence ({s})"));
+            }
+            let w = if params.global_window >= 0 {
+                params.global_window
+            } else {
+                g as i64
+            };
+            drawn.insert("global_tokens".into(), json!(g));
+            drawn.insert("global_window".into(), json!(w));
+            let mut slices = vec![
+                Slice::new([0, s], [0, g], SliceKind::Full),
+                Slice::new([0, g], [g, s], SliceKind::Full),
+            ];
+            slices.extend(window_slices([g, s], [g, s], w, w));
+            (HeadScope::Shared, vec![square(slices)?])
+        }
+        "block_causal_document" => {
+            let b = params.block_size;
+            if b == 0 || s % b != 0 {
+                return Err(format!(
+                    "block_causal_document needs seqlen ({s}) to be a multiple of block_size ({b})"
+                ));
+            }
+            let mut remaining = s / b;
+            let mut slices = Vec::new();
+            let mut start = 0;
+            while remaining > 0 {
+                let m = (rng.randint(1, 8) as u64).min(remaining);
+                for t in 0..m {
+                    slices.push(Slice::new(
+                        [start + t * b, start + (t + 1) * b],
+                        [start, start + (t + 1) * b],
+                        SliceKind::Full,
+                    ));
+                }
+                documents.push(m * b);
+                start += m * b;
+                remaining -= m;
+            }
+            (HeadScope::Shared, vec![square(slices)?])
+        }
+        "block_sparse_uniform" | "block_sparse_variable" => {
+            block_sparse(params, &mut rng, &mut drawn)?
+        }
+        other => return Err(format!("unknown mask `{other}`")),
+    };
+    let mut all = Map::new();
+    all.insert("mask".into(), json!(params.mask));
+    all.insert("seqlen".into(), json!(s));
+    all.insert("seed".into(), json!(seed));
+    for (key, value) in used_params(params) {
+        all.insert(key.into(), value);
+    }
+    all.extend(drawn);
+    Ok(MaskSet {
+        pattern: params.mask.clone(),
+        seqlen: s,
+        params: all,
+        documents,
+        scope,
+        masks,
+    })
+}
+
+/// The parameters that shaped `params.mask`, so the record names exactly what was used.
+fn used_params(params: &Params) -> Vec<(&'static str, Value)> {
+    match params.mask.as_str() {
+        "sliding_window" | "sliding_window_causal" => vec![("window", json!(params.window))],
+        "block_causal_document" => vec![("block_size", json!(params.block_size))],
+        "full_document_long" | "causal_document_long" => vec![
+            ("short_fraction", json!(params.short_fraction)),
+            ("long_min", json!(params.long_min)),
+            ("long_max", json!(params.long_max)),
+        ],
+        "block_sparse_uniform" | "block_sparse_variable" => vec![
+            ("density", json!(params.density)),
+            ("sparse_block", json!(params.sparse_block)),
+            ("sparse_scope", json!(params.sparse_scope)),
+            ("heads_q", json!(params.heads_q)),
+            ("heads_kv", json!(params.heads_kv)),
+        ],
+        _ => Vec::new(),
+    }
+}
+
+fn per_document(documents: &[u64], kind: SliceKind) -> Vec<Slice> {
+    let mut start = 0;
+    documents
+        .iter()
+        .map(|&length| {
+            let slice = Slice::new([start, start + length], [start, start + length], kind);
+            start += length;
+            slice
+        })
+        .collect()
+}
+
+/// Document 0 is the question; every later document (an answer) sees it whole and itself causally.
+fn share_question(documents: &[u64]) -> Vec<Slice> {
+    let s: u64 = documents.iter().sum();
+    let cu: Vec<u64> = std::iter::once(0)
+        .chain(documents.iter().scan(0, |acc, &l| {
+            *acc += l;
+            Some(*acc)
+        }))
+        .collect();
+    if documents.len() == 1 {
+        return vec![Slice::new([0, s], [0, s], SliceKind::Causal)];
+    }
+    let mut slices = vec![Slice::new([0, cu[2]], [0, cu[2]], SliceKind::Causal)];
+    if documents.len() > 2 {
+        slices.push(Slice::new([cu[2], s], [0, cu[1]], SliceKind::Full));
+    }
+    for i in 2..documents.len() {
+        slices.push(Slice::new(
+            [cu[i], cu[i + 1]],
+            [cu[i], cu[i + 1]],
+            SliceKind::Causal,
+        ));
+    }
+    slices
+}
+
+/// A prefix-LM document `[start, end)`: keys of the first `p` tokens are visible to all its
+/// queries; the rest is causal.
+fn prefix_slices(start: u64, end: u64, p: u64) -> Vec<Slice> {
+    if start + p >= end {
+        return vec![Slice::new([start, end], [start, end], SliceKind::Full)];
+    }
+    vec![
+        Slice::new([start, start + p], [start, start + p], SliceKind::Full),
+        Slice::new([start + p, end], [start, end], SliceKind::Causal),
+    ]
+}
+
+/// Block-sparse patterns: every query block keeps `clamp(floor(density·n), 1, n)` key blocks
+/// chosen uniformly at random, independently per mask of the scope.
+fn block_sparse(
+    params: &Params,
+    rng: &mut PyRandom,
+    drawn: &mut Drawn,
+) -> Result<(HeadScope, Vec<Mask>), String> {
+    let s = params.seqlen;
+    if !(params.density > 0.0 && params.density <= 1.0) {
+        return Err(format!("density must be in (0, 1], got {}", params.density));
+    }
+    if params.sparse_block == 0 || params.sparse_block > s {
+        return Err(format!(
+            "sparse_block must be between 1 and seqlen ({s}), got {}",
+            params.sparse_block
+        ));
+    }
+    let (scope, count) = match params.sparse_scope.as_str() {
+        "shared" => (HeadScope::Shared, 1),
+        "per_kv_group" => (HeadScope::PerKvGroup, params.heads_kv),
+        "per_head" => (HeadScope::PerHead, params.heads_q),
+        other => {
+            return Err(format!(
+                "unknown sparse_scope `{other}`; use shared, per_kv_group or per_head"
+            ))
+        }
+    };
+    if params.heads_kv == 0 || params.heads_q % params.heads_kv != 0 {
+        return Err(format!(
+            "heads_q ({}) must be a multiple of heads_kv ({})",
+            params.heads_q, params.heads_kv
+        ));
+    }
+    let variable = params.mask == "block_sparse_variable";
+    let n = if variable {
+        s / params.sparse_block
+    } else {
+        s.div_ceil(params.sparse_block)
+    };
+    if variable && n.saturating_mul(params.min_block) > s {
+        return Err(format!(
+            "{n} blocks of at least {} tokens do not fit in {s}",
+            params.min_block
+        ));
+    }
+    let keep = ((params.density * n as f64).floor() as u64).clamp(1, n);
+    drawn.insert("blocks".into(), json!(n));
+    drawn.insert("kept_per_row".into(), json!(keep));
+    let mut masks = Vec::with_capacity(count as usize);
+    let mut picks: Vec<u64> = Vec::with_capacity(n as usize);
+    for _ in 0..count {
+        let (rows, cols) = if variable {
+            (
+                random_partition(s, n, params.min_block, rng),
+                random_partition(s, n, params.min_block, rng),
+            )
+        } else {
+            let bounds: Vec<u64> = (0..=n).map(|i| (i * params.sparse_block).min(s)).collect();
+            (bounds.clone(), bounds)
+        };
+        let mut slices = Vec::new();
+        for qb in 0..n as usize {
+            picks.clear();
+            picks.extend(0..n);
+            for i in 0..keep as usize {
+                let j = i + rng.randbelow(n - i as u64) as usize;
+                picks.swap(i, j);
+            }
+            let chosen = &mut picks[..keep as usize];
+            chosen.sort_unstable();
+            // Adjacent key blocks become one slice.
+            let mut run_start = chosen[0];
+            for index in 0..chosen.len() {
+                let current = chosen[index];
+                let ends_run = index + 1 == chosen.len() || chosen[index + 1] != current + 1;
+                if ends_run {
+                    slices.push(Slice::new(
+                        [rows[qb], rows[qb + 1]],
+                        [cols[run_start as usize], cols[current as usize + 1]],
+                        SliceKind::Full,
+                    ));
+                    if index + 1 < chosen.len() {
+                        run_start = chosen[index + 1];
+                    }
+                }
+            }
+        }
+        masks.push(Mask::square(s, slices).map_err(|err| err.to_string())?);
+    }
+    let area: u64 = masks.iter().map(Mask::area).sum();
+    drawn.insert(
+        "density_actual".into(),
+        json!(area as f64 / (count as f64 * s as f64 * s as f64)),
+    );
+    Ok((scope, masks))
+}
+
+/// Block boundaries of `n` blocks of at least `min` tokens summing to `total`: the extra tokens
+/// are split at `n − 1` uniform cut points (drawn with replacement, sorted).
+fn random_partition(total: u64, n: u64, min: u64, rng: &mut PyRandom) -> Vec<u64> {
+    let extra = total - n * min;
+    let mut cuts: Vec<u64> = (1..n)
+        .map(|_| rng.randint(0, extra as i64) as u64)
+        .collect();
+    cuts.sort_unstable();
+    let mut bounds = Vec::with_capacity(n as usize + 1);
+    bounds.push(0);
+    for (i, &cut) in cuts.iter().chain(std::iter::once(&extra)).enumerate() {
+        bounds.push((i as u64 + 1) * min + cut);
+    }
+    bounds
+}
+
+#[cfg(test)]
+mod tests;
