@@ -2,6 +2,7 @@
 
 mod cache_cmd;
 mod doctor;
+mod mask_cmd;
 mod plugins_cmd;
 mod progress;
 
@@ -89,6 +90,11 @@ enum Command {
     Cache {
         #[command(subcommand)]
         command: cache_cmd::CacheCommand,
+    },
+    /// Look at mask patterns: parameters, documents, area, FLOPs, a picture.
+    Mask {
+        #[command(subcommand)]
+        command: mask_cmd::MaskCommand,
     },
     /// Check this machine: plugins, cache, CPU, GPU driver and libraries.
     Doctor,
@@ -207,6 +213,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         }
         Command::Plugins { command } => plugins_cmd::run(command, &cli.plugin_dirs),
         Command::Cache { command } => cache_cmd::run(command, &open_cache(&cli.cache)?),
+        Command::Mask { command } => mask_cmd::run(command, &cli.plugin_dirs),
         Command::Doctor => doctor::run(&cli.plugin_dirs, &open_cache(&cli.cache)?),
     }
 }

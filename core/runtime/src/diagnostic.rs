@@ -59,44 +59,4 @@ impl fmt::Display for Diagnostic {
     }
 }
 
-/// The closest of `candidates` to `word`, if it is close enough to be a plausible typo.
-pub fn nearest<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
-    candidates
-        .into_iter()
-        .map(|candidate| (strsim::damerau_levenshtein(word, candidate), candidate))
-        .filter(|(distance, candidate)| *distance <= (word.len().max(candidate.len()) / 3).max(2))
-        .min_by_key(|(distance, _)| *distance)
-        .map(|(_, candidate)| candidate)
-}
-
-/// "did you mean `x`?" or a list of what exists.
-pub fn suggestion<'a>(
-    word: &str,
-    candidates: impl IntoIterator<Item = &'a str>,
-    what: &str,
-) -> String {
-    let candidates: Vec<&str> = candidates.into_iter().collect();
-    match nearest(word, candidates.iter().copied()) {
-        Some(best) => format!("did you mean `{best}`?"),
-        None => {
-            if candidates.is_empty() {
-                format!("there are no {what}")
-            } else {
-                format!("{what}: {}", candidates.join(", "))
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn nearest_finds_typos_only() {
-        let names = ["kernel", "direction", "seqlen"];
-        assert_eq!(nearest("kernal", names), Some("kernel"));
-        assert_eq!(nearest("seqlens", names), Some("seqlen"));
-        assert_eq!(nearest("zzz", names), None);
-    }
-}
+pub use attnbench_sdk::{nearest, suggestion};

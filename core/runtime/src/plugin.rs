@@ -241,3 +241,89 @@ impl Registry {
         self.plugins.keys().map(String::as_str)
     }
 }
+
+/// A sink for nodes run outside a pipeline (`mask show`, `plugins check`): logs go to `tracing`.
+struct StandaloneSink<'a> {
+    plugin: &'a str,
+}
+
+impl ServiceSink for StandaloneSink<'_> {
+    fn log(&self, level: attnbench_abi::LogLevel, message: &str) {
+        crate::services::trace_plugin_log(self.plugin, "-", level, message);
+    }
+
+    fn progress(&self, _done: u64, _total: u64, _message: &str) {}
+
+    fn is_cancelled(&self) -> bool {
+        false
+    }
+}
+
+impl Plugin {
+    /// Runs `stage` once in this process with `given` parameters (defaults applied, types
+    /// checked), writing its files into `output_dir`; returns the result JSON.
+    pub fn call(
+        &self,
+        stage: &str,
+        given: &serde_json::Map<String, serde_json::Value>,
+        seed: u64,
+        output_dir: &Path,
+    ) -> Result<serde_json::Value, String> {
+        let spec = self
+            .stage(stage)
+            .ok_or_else(|| format!("plugin `{}` has no stage `{stage}`", self.manifest.name))?;
+        let params = stage_params(spec, given)?;
+        let request = attnbench_sdk::StageRequest {
+            node: format!("{}/{stage}", self.manifest.name),
+            stage: stage.to_string(),
+            params,
+            seed,
+            output_dir: output_dir.to_path_buf(),
+            inputs: Vec::new(),
+        };
+        let request = serde_json::to_string(&request).map_err(|err| err.to_string())?;
+        let text = self.run(
+            stage,
+            &request,
+            &StandaloneSink {
+                plugin: &self.manifest.name,
+            },
+        )?;
+        serde_json::from_str(&text).map_err(|err| format!("malformed result: {err}"))
+    }
+}
+
+/// `given` checked against the stage's parameters, with defaults filled in.
+pub fn stage_params(
+    spec: &StageSpec,
+    given: &serde_json::Map<String, serde_json::Value>,
+) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+    let mut params = serde_json::Map::new();
+    for key in given.keys() {
+        if spec.find_param(key).is_none() {
+            let names = spec.params.iter().map(|p| p.name.as_str());
+            return Err(format!(
+                "`{}` has no parameter `{key}`; {}",
+                spec.name,
+                crate::diagnostic::suggestion(key, names, "parameters")
+            ));
+        }
+    }
+    for param in &spec.params {
+        let value = match given.get(&param.name).or(param.default.as_ref()) {
+            Some(value) => param
+                .ty
+                .coerce(value)
+                .map_err(|err| format!("parameter `{}`: {err}", param.name))?,
+            None => {
+                return Err(format!(
+                    "parameter `{}` ({}) is required",
+                    param.name, param.ty
+                ))
+            }
+        };
+        params.insert(param.name.clone(), value);
+    }
+    params.sort_keys();
+    Ok(params)
+}

@@ -26,6 +26,7 @@ pub mod mask;
 mod request;
 pub mod rng;
 mod size;
+mod suggest;
 
 pub use artifact::{write_atomically, write_json};
 pub use attnbench_abi as abi;
@@ -39,6 +40,7 @@ pub use request::{InputArtifact, StageRequest};
 pub use serde;
 pub use serde_json;
 pub use size::{format_size, parse_size};
+pub use suggest::{nearest, suggestion};
 
 #[doc(hidden)]
 pub mod __private {

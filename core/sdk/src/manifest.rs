@@ -308,7 +308,12 @@ impl ParamType {
                 if options.contains(text) {
                     Ok(value.clone())
                 } else {
-                    Err(format!("`{text}` is not one of {}", options.join(", ")))
+                    match crate::nearest(text, options.iter().map(String::as_str)) {
+                        Some(best) => Err(format!(
+                            "`{text}` is not one of the choices; did you mean `{best}`?"
+                        )),
+                        None => Err(format!("`{text}` is not one of {}", options.join(", "))),
+                    }
                 }
             }
             (ParamType::List(item), Value::Array(items)) => items
