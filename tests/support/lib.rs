@@ -3,6 +3,8 @@
 //!
 //! The tests use what `cargo build --workspace` produced (the README's test command builds first).
 
+pub mod http;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 

@@ -157,6 +157,12 @@ fn display_value(ty: Option<&ParamType>, value: &Value) -> String {
         (Some(ParamType::Size), Value::Number(n)) => {
             n.as_u64().map(format_size).unwrap_or_else(|| n.to_string())
         }
+        // Files are resolved to absolute paths; their name is what tells nodes apart.
+        (Some(ParamType::File), Value::String(text)) => std::path::Path::new(text)
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or(text)
+            .to_string(),
         (_, Value::String(text)) => text.clone(),
         (_, other) => other.to_string(),
     }

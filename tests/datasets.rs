@@ -1,0 +1,220 @@
+//! Corpus downloads against a real HTTP server on loopback, and the histograms they give.
+
+use std::collections::{HashMap, HashSet};
+
+use attnbench_tests::http::HttpServer;
+use attnbench_tests::{stderr, Sandbox};
+use sha2::{Digest, Sha256};
+
+/// 300 JSON-lines documents of known whitespace-token lengths, zstd-compressed.
+fn corpus() -> (Vec<u8>, Vec<u64>) {
+    let mut text = String::new();
+    let mut lengths = Vec::new();
+    for i in 0..300u64 {
+        let words = 1 + (i * 37) % 700;
+        lengths.push(words);
+        let body: Vec<String> = (0..words).map(|w| format!("w{w}")).collect();
+        text.push_str(&serde_json::json!({"text": body.join(" "), "meta": {"i": i}}).to_string());
+        text.push('\n');
+    }
+    let compressed = ruzstd::encoding::compress_to_vec(
+        text.as_bytes(),
+        ruzstd::encoding::CompressionLevel::Fastest,
+    );
+    (compressed, lengths)
+}
+
+fn sha256(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn pipeline(sandbox: &Sandbox, url: &str, sha: &str) -> String {
+    sandbox.write(
+        "corpus.yaml",
+        &format!("name: test-corpus\nshards:\n  - url: {url}\n    sha256: {sha}\n"),
+    );
+    sandbox.write(
+        "p.yaml",
+        "name: corpus\nseed: 42\nstages:\n  lengths:\n    uses: datasets/lengths\n    with: {source: corpus.yaml, retries: 2}\n  masks:\n    uses: masks/generate\n    needs: [lengths]\n    with: {mask: causal_document, seqlen: 8k, distribution: input}\n",
+    );
+    "p.yaml".to_string()
+}
+
+fn node<'a>(record: &'a serde_json::Value, id: &str) -> &'a serde_json::Value {
+    record["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["id"] == id)
+        .unwrap()
+}
+
+fn result_of(node: &serde_json::Value) -> serde_json::Value {
+    let entry = std::path::Path::new(node["artifact"].as_str().unwrap())
+        .parent()
+        .unwrap()
+        .join("result.json");
+    serde_json::from_str(&std::fs::read_to_string(entry).unwrap()).unwrap()
+}
+
+#[test]
+fn a_corpus_is_downloaded_counted_and_feeds_the_masks() {
+    let (shard, lengths) = corpus();
+    let server = HttpServer::start(
+        HashMap::from([("shard.jsonl.zst".to_string(), shard.clone())]),
+        HashSet::new(),
+    );
+    let sandbox = Sandbox::new();
+    let p = pipeline(&sandbox, &server.url("shard.jsonl.zst"), &sha256(&shard));
+    let output = sandbox.run(&["run", &p]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let record = sandbox.last_record();
+    let summary = result_of(node(&record, "lengths"));
+    assert_eq!(summary["documents"], 300);
+    assert_eq!(summary["tokens"], lengths.iter().sum::<u64>());
+    assert_eq!(summary["max"], *lengths.iter().max().unwrap());
+    let masks = result_of(node(&record, "masks"));
+    let documents: Vec<u64> = masks["documents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d.as_u64().unwrap())
+        .collect();
+    assert_eq!(documents.iter().sum::<u64>(), 8192);
+    assert!(
+        documents.iter().all(|&d| d <= 704),
+        "documents come from the corpus histogram: {documents:?}"
+    );
+    assert_eq!(server.seen().len(), 1);
+
+    // A second pipeline with the same shard reuses the download.
+    let rerun = sandbox.run(&["run", &p, "--set", "stages.lengths.with.bucket_ratio=1.5"]);
+    assert!(rerun.status.success(), "{}", stderr(&rerun));
+    assert_eq!(
+        server.seen().len(),
+        1,
+        "the verified shard was not fetched again"
+    );
+}
+
+#[test]
+fn a_download_cut_in_the_middle_resumes_with_a_range_request() {
+    let (shard, _) = corpus();
+    let server = HttpServer::start(
+        HashMap::from([("cut.jsonl.zst".to_string(), shard.clone())]),
+        HashSet::from(["cut.jsonl.zst".to_string()]),
+    );
+    let sandbox = Sandbox::new();
+    let p = pipeline(&sandbox, &server.url("cut.jsonl.zst"), &sha256(&shard));
+    let output = sandbox.run(&["run", &p]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let seen = server.seen();
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert_eq!(seen[0].range, None);
+    let resumed_at = seen[1]
+        .range
+        .as_deref()
+        .and_then(|r| r.strip_prefix("bytes="))
+        .and_then(|r| r.trim_end_matches('-').parse::<usize>().ok());
+    assert_eq!(resumed_at, Some(shard.len() / 2), "{seen:?}");
+    assert_eq!(
+        result_of(node(&sandbox.last_record(), "lengths"))["documents"],
+        300
+    );
+}
+
+#[test]
+fn a_checksum_mismatch_fails_and_leaves_nothing_that_looks_valid() {
+    let (shard, _) = corpus();
+    let server = HttpServer::start(
+        HashMap::from([("bad.jsonl.zst".to_string(), shard)]),
+        HashSet::new(),
+    );
+    let sandbox = Sandbox::new();
+    let p = pipeline(&sandbox, &server.url("bad.jsonl.zst"), &"0".repeat(64));
+    let output = sandbox.run(&["run", &p]);
+    assert_eq!(output.status.code(), Some(1));
+    let record = sandbox.last_record();
+    let lengths = node(&record, "lengths");
+    assert_eq!(lengths["status"], "error");
+    assert!(
+        lengths["error"]
+            .as_str()
+            .unwrap()
+            .contains("checksum mismatch"),
+        "{lengths}"
+    );
+    assert_eq!(node(&record, "masks")["status"], "skipped");
+    let downloads: Vec<_> = std::fs::read_dir(sandbox.cache().join("downloads"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(
+        downloads.is_empty(),
+        "no shard or partial file is left: {downloads:?}"
+    );
+    assert!(lengths["artifact"].is_null(), "no cache entry");
+}
+
+#[test]
+fn a_missing_shard_is_one_clear_sentence() {
+    let server = HttpServer::start(HashMap::new(), HashSet::new());
+    let sandbox = Sandbox::new();
+    let p = pipeline(&sandbox, &server.url("nowhere.jsonl"), &"0".repeat(64));
+    let output = sandbox.run(&["run", &p]);
+    assert_eq!(output.status.code(), Some(1));
+    let record = sandbox.last_record();
+    let error = node(&record, "lengths")["error"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(
+        error,
+        format!(
+            "download of {} failed: the server answered 404 Not Found",
+            server.url("nowhere.jsonl")
+        )
+    );
+}
+
+#[test]
+fn histograms_in_longca_format_and_the_synthetic_default_are_accepted() {
+    let sandbox = Sandbox::new();
+    sandbox.write("h.json", r#"{"[1,10)": 0.5, "[10,100)": 0.5}"#);
+    sandbox.write("bad.json", r#"{"[1,10)": "lots"}"#);
+    sandbox.write(
+        "p.yaml",
+        "stages:\n  lengths:\n    uses: datasets/lengths\n    matrix: {source: [synthetic, h.json, bad.json]}\n",
+    );
+    let output = sandbox.run(&["run", "p.yaml"]);
+    assert_eq!(output.status.code(), Some(1));
+    let statuses = sandbox.statuses();
+    assert_eq!(statuses["lengths[source=synthetic]"], "ok");
+    let record = sandbox.last_record();
+    let bad = record["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["status"] == "error")
+        .unwrap();
+    assert!(
+        bad["error"]
+            .as_str()
+            .unwrap()
+            .contains("the weight must be a non-negative number"),
+        "{bad}"
+    );
+    assert_eq!(
+        record["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|n| n["status"] == "ok")
+            .count(),
+        2
+    );
+}
