@@ -19,8 +19,12 @@ pub struct Node {
     pub params: Map<String, Value>,
     /// The matrix values this node and its upstream nodes were expanded with, for display and joins.
     pub coords: Vec<(String, String)>,
-    /// Indices (into `Plan::nodes`) of the nodes whose artifacts this node reads.
+    /// Indices (into `Plan::nodes`) of the nodes whose artifacts this node reads: first the
+    /// `fan_out_inputs` nodes it was fanned out over, then the nodes it collects (`all`).
     pub inputs: Vec<usize>,
+    /// A failed fan-out input skips this node; a failed collected input is passed on as failed
+    /// (a report still shows what crashed).
+    pub fan_out_inputs: usize,
 }
 
 #[derive(Debug)]
@@ -73,6 +77,7 @@ impl Plan {
                     }
                     // Sorted once here, so cache keys can hash the parameters as they are.
                     params.sort_keys();
+                    let fan_out_inputs = inputs.len();
                     let mut all_inputs = inputs.clone();
                     all_inputs.extend(&collected);
                     ids.push(nodes.len());
@@ -82,6 +87,7 @@ impl Plan {
                         params,
                         coords: node_coords,
                         inputs: all_inputs,
+                        fan_out_inputs,
                     });
                 }
             }

@@ -252,7 +252,8 @@ fn schedule(shared: &Shared, jobs: usize) -> Vec<NodeRecord> {
         while finished_count < count {
             while let Some(index) = ready.pop_front() {
                 let node = &plan.nodes[index];
-                let failed_input = node.inputs.iter().find(|&&input| outputs[input].is_none());
+                let fan_out = &node.inputs[..node.fan_out_inputs];
+                let failed_input = fan_out.iter().find(|&&input| outputs[input].is_none());
                 let interrupted = INTERRUPTED.load(Ordering::Relaxed);
                 if failed_input.is_some() || interrupted {
                     let reason = match failed_input {
@@ -273,25 +274,18 @@ fn schedule(shared: &Shared, jobs: usize) -> Vec<NodeRecord> {
                     }
                     continue;
                 }
-                let mut inputs = Vec::with_capacity(node.inputs.len());
-                let mut digests = Vec::with_capacity(node.inputs.len());
-                for &input in &node.inputs {
-                    let Some(output) = outputs[input].as_ref() else {
-                        continue;
-                    };
-                    let upstream = &plan.nodes[input];
-                    inputs.push(InputArtifact {
-                        node: upstream.id.clone(),
-                        uses: plan.stage_of(upstream).uses.clone(),
-                        params: upstream.params.clone(),
-                        dir: output.files_dir.clone(),
-                        result: output.result.clone(),
-                    });
-                    digests.push(InputDigest {
-                        node: upstream.id.clone(),
-                        digest: output.digest.clone(),
-                    });
-                }
+                let (inputs, digests): (Vec<InputArtifact>, Vec<InputDigest>) = node
+                    .inputs
+                    .iter()
+                    .map(|&input| {
+                        input_artifact(
+                            plan,
+                            input,
+                            outputs[input].as_ref(),
+                            records[input].as_ref(),
+                        )
+                    })
+                    .unzip();
                 if task_sender
                     .send(Task {
                         node: index,
@@ -335,6 +329,46 @@ fn schedule(shared: &Shared, jobs: usize) -> Vec<NodeRecord> {
             })
         })
         .collect()
+}
+
+/// How `input` reaches a node that reads it: its artifact and output digest, or — for a
+/// collected input that failed — its status and reason, with a digest of those.
+fn input_artifact(
+    plan: &Plan,
+    input: usize,
+    output: Option<&Output>,
+    record: Option<&NodeRecord>,
+) -> (InputArtifact, InputDigest) {
+    let upstream = &plan.nodes[input];
+    let status = record.map(|r| r.status).unwrap_or(Status::Skipped);
+    let mut artifact = InputArtifact {
+        node: upstream.id.clone(),
+        uses: plan.stage_of(upstream).uses.clone(),
+        params: upstream.params.clone(),
+        dir: PathBuf::new(),
+        result: Value::Null,
+        status: status.as_str().to_string(),
+        error: None,
+    };
+    let digest = match output {
+        Some(output) => {
+            artifact.dir = output.files_dir.clone();
+            artifact.result = output.result.clone();
+            output.digest.clone()
+        }
+        None => {
+            artifact.error = record.and_then(|r| r.error.clone());
+            let reason = blake3::hash(artifact.error.as_deref().unwrap_or_default().as_bytes());
+            format!("failed:{}:{}", status.as_str(), reason.to_hex())
+        }
+    };
+    (
+        artifact,
+        InputDigest {
+            node: upstream.id.clone(),
+            digest,
+        },
+    )
 }
 
 fn bare_record(plan: &Plan, index: usize, status: Status, error: Option<String>) -> NodeRecord {

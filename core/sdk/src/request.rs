@@ -29,8 +29,25 @@ pub struct InputArtifact {
     pub params: Map<String, Value>,
     /// The artifact's files (read-only).
     pub dir: PathBuf,
-    /// The JSON the producing stage returned.
+    /// The JSON the producing stage returned (`null` when it failed).
     pub result: Value,
+    /// `ok`, `cached`, or — only for inputs collected with `needs: {stage: all}` — how the node
+    /// failed (`error`, `crashed`, `timeout`, `skipped`); then `error` says why and `dir` is empty.
+    #[serde(default = "succeeded")]
+    pub status: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+fn succeeded() -> String {
+    "ok".into()
+}
+
+impl InputArtifact {
+    /// Whether this input produced a result (failed inputs only reach collecting stages).
+    pub fn succeeded(&self) -> bool {
+        self.status == "ok" || self.status == "cached"
+    }
 }
 
 impl StageRequest {
