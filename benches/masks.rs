@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use attnbench_masks::catalogue::{generate, Params};
+use attnbench_mask_catalogue::{generate, Params};
 use attnbench_sdk::histogram::Histogram;
 use attnbench_sdk::mask::Flops;
 use attnbench_tests::{stderr, Sandbox};

@@ -23,6 +23,7 @@ pub mod histogram;
 mod host;
 mod manifest;
 pub mod mask;
+pub mod measure;
 mod request;
 pub mod rng;
 mod size;

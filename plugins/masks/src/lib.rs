@@ -1,8 +1,6 @@
 //! `masks/generate`: one mask pattern at one sequence length, as mask IR (`mask.json`), with every
 //! parameter it used or drew, its documents, area and density.
 
-pub mod catalogue;
-
 use std::path::Path;
 
 use attnbench_sdk::histogram::Histogram;
@@ -11,7 +9,7 @@ use attnbench_sdk::{
 };
 use serde_json::{json, Value};
 
-use catalogue::{generate, Params, PATTERNS};
+use attnbench_mask_catalogue::{generate, Params, PATTERNS};
 
 /// The histogram file a `datasets/lengths` node writes.
 pub const HISTOGRAM_FILE: &str = "histogram.json";

@@ -1,3 +1,5 @@
+//! The mask catalogue of attnbench.
+//!
 //! The mask patterns. Random draws use CPython's generator in LongCA-bench's order, so the same
 //! seed and histogram give the same documents and parameters; the definitions follow attnbench's
 //! (sliding windows are what their names say, prefixes are `k < P`, the global window is

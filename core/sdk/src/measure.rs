@@ -1,0 +1,293 @@
+//! The measurement record every benchmark stage emits, and the timing harness (CPU variant) that
+//! produces its statistics: warm-up by count and time, repetitions until the median is stable or a
+//! time cap, quantiles rather than a single mean.
+
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// How a measurement ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MeasureStatus {
+    Ok,
+    /// The kernel cannot run this case; `reason` says why.
+    Unsupported,
+    Oom,
+    Crashed,
+    Timeout,
+    Error,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MaskInfo {
+    pub pattern: String,
+    pub seqlen: u64,
+    /// Allowed cells summed over the query heads (what FLOPs are counted from).
+    pub area: u64,
+    pub documents: usize,
+    pub params: Map<String, Value>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Shape {
+    pub batch: u64,
+    pub heads_q: u64,
+    pub heads_kv: u64,
+    pub head_dim: u64,
+    pub dtype: String,
+}
+
+/// Seconds at the 20th, 50th and 80th percentiles, the minimum, the mean and the count.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Quantiles {
+    pub p20: f64,
+    pub p50: f64,
+    pub p80: f64,
+    pub min: f64,
+    pub mean: f64,
+    pub n: usize,
+}
+
+impl Quantiles {
+    /// Quantiles of `samples` (linear interpolation between order statistics).
+    pub fn of(samples: &[f64]) -> Option<Quantiles> {
+        if samples.is_empty() {
+            return None;
+        }
+        let mut sorted = samples.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        let at = |p: f64| {
+            let position = p * (sorted.len() - 1) as f64;
+            let (low, high) = (position.floor() as usize, position.ceil() as usize);
+            sorted[low] + (sorted[high] - sorted[low]) * (position - low as f64)
+        };
+        Some(Quantiles {
+            p20: at(0.2),
+            p50: at(0.5),
+            p80: at(0.8),
+            min: sorted[0],
+            mean: sorted.iter().sum::<f64>() / sorted.len() as f64,
+            n: sorted.len(),
+        })
+    }
+}
+
+/// TFLOP/s at each time quantile (`max` from the fastest repetition).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Throughput {
+    pub p20: f64,
+    pub p50: f64,
+    pub p80: f64,
+    pub max: f64,
+}
+
+impl Throughput {
+    pub fn of(flops: u64, times: &Quantiles) -> Throughput {
+        let rate = |seconds: f64| {
+            if seconds > 0.0 {
+                flops as f64 / seconds / 1e12
+            } else {
+                0.0
+            }
+        };
+        Throughput {
+            p20: rate(times.p20),
+            p50: rate(times.p50),
+            p80: rate(times.p80),
+            max: rate(times.min),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Memory {
+    pub peak_bytes: u64,
+    /// Peak above the inputs (Q, K, V and, for backward, O and dO).
+    pub above_inputs_bytes: u64,
+    /// How the peak was obtained.
+    pub method: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Correctness {
+    /// What the output was compared with.
+    pub reference: String,
+    /// Which outputs, and which part of them (all rows, or sampled rows).
+    pub checked: String,
+    /// Largest |error| divided by the largest |reference value|, per output.
+    pub errors: Map<String, Value>,
+    pub tolerance: f64,
+    pub passed: bool,
+}
+
+/// Settings of the timing harness; recorded with every measurement.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Harness {
+    pub timer: String,
+    pub warmup_reps: u32,
+    pub warmup_s: f64,
+    pub min_reps: u32,
+    pub max_reps: u32,
+    pub max_time_s: f64,
+    /// Stop once the 95% confidence interval of the median is within ± this fraction of it.
+    pub target_rel_ci: f64,
+}
+
+impl Default for Harness {
+    fn default() -> Self {
+        Harness {
+            timer: "wall clock (CPU)".into(),
+            warmup_reps: 1,
+            warmup_s: 0.05,
+            min_reps: 5,
+            max_reps: 200,
+            max_time_s: 2.0,
+            target_rel_ci: 0.01,
+        }
+    }
+}
+
+/// What one timing run observed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Timing {
+    pub samples: Vec<f64>,
+    /// Half-width of the median's 95% confidence interval, relative to the median.
+    pub rel_ci: f64,
+    /// Why repetitions stopped: `stable`, `time cap` or `max reps`.
+    pub stopped: String,
+}
+
+impl Harness {
+    /// Times `work` on the CPU: warm-up (at least `warmup_reps` and `warmup_s`), then
+    /// repetitions until the median is stable, the time cap, or `max_reps`. `prepare` runs before
+    /// each repetition, outside the timed region.
+    pub fn time(&self, mut prepare: impl FnMut(), mut work: impl FnMut()) -> Timing {
+        let warmup_start = Instant::now();
+        let mut warmups = 0;
+        while warmups < self.warmup_reps || warmup_start.elapsed().as_secs_f64() < self.warmup_s {
+            prepare();
+            work();
+            warmups += 1;
+            if warmups >= self.max_reps {
+                break;
+            }
+        }
+        let start = Instant::now();
+        let mut samples = Vec::new();
+        loop {
+            prepare();
+            let rep = Instant::now();
+            work();
+            samples.push(rep.elapsed().as_secs_f64());
+            let rel_ci = median_rel_ci(&samples);
+            let n = samples.len() as u32;
+            let stopped = if n >= self.min_reps && rel_ci <= self.target_rel_ci {
+                Some("stable")
+            } else if n >= self.max_reps {
+                Some("max reps")
+            } else if n >= self.min_reps.min(3) && start.elapsed().as_secs_f64() >= self.max_time_s
+            {
+                Some("time cap")
+            } else {
+                None
+            };
+            if let Some(stopped) = stopped {
+                return Timing {
+                    samples,
+                    rel_ci,
+                    stopped: stopped.into(),
+                };
+            }
+        }
+    }
+}
+
+/// Distribution-free 95% confidence interval of the median from order statistics, as a
+/// fraction of the median (half-width).
+pub fn median_rel_ci(samples: &[f64]) -> f64 {
+    let n = samples.len();
+    if n < 3 {
+        return f64::INFINITY;
+    }
+    let mut sorted = samples.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let half = 0.98 * (n as f64).sqrt();
+    let low = ((n as f64 / 2.0 - half).floor().max(0.0)) as usize;
+    let high = ((n as f64 / 2.0 + half).ceil() as usize).min(n - 1);
+    let median = Quantiles::of(&sorted).map(|q| q.p50).unwrap_or(0.0);
+    if median <= 0.0 {
+        return f64::INFINITY;
+    }
+    (sorted[high] - sorted[low]) / 2.0 / median
+}
+
+/// One benchmark result: what ran, on what, how fast, how much memory, and whether it was right.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Measurement {
+    pub kernel: String,
+    pub plugin: String,
+    pub plugin_version: String,
+    pub mask: MaskInfo,
+    pub shape: Shape,
+    /// `fwd`, `bwd` (timed alone, forward done once outside) or `fwd_bwd`.
+    pub direction: String,
+    pub status: MeasureStatus,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// FLOPs of the measured direction, from the mask's exact area.
+    pub flops: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_s: Option<Quantiles>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tflops: Option<Throughput>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<Memory>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub correctness: Option<Correctness>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timing: Option<Timing>,
+    pub environment: Map<String, Value>,
+    pub harness: Harness,
+}
+
+impl Measurement {
+    pub const FILE: &'static str = "measurement.json";
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_interpolate() {
+        let q = Quantiles::of(&[4.0, 1.0, 3.0, 2.0, 5.0]).unwrap();
+        assert_eq!(
+            (q.p20, q.p50, q.p80, q.min, q.mean, q.n),
+            (1.8, 3.0, 4.2, 1.0, 3.0, 5)
+        );
+        assert!(Quantiles::of(&[]).is_none());
+    }
+
+    #[test]
+    fn a_constant_series_is_stable_and_a_noisy_one_is_not() {
+        assert_eq!(median_rel_ci(&[1.0; 10]), 0.0);
+        assert!(median_rel_ci(&[1.0, 2.0, 1.0, 2.0, 1.0, 2.0]) > 0.1);
+    }
+
+    #[test]
+    fn the_harness_stops_when_stable_or_at_the_cap() {
+        let harness = Harness {
+            max_time_s: 0.05,
+            ..Harness::default()
+        };
+        let timing = harness.time(
+            || {},
+            || std::thread::sleep(std::time::Duration::from_millis(2)),
+        );
+        assert!(timing.samples.len() >= 3, "{timing:?}");
+        let throughput = Throughput::of(2_000_000_000_000, &Quantiles::of(&[1.0, 2.0]).unwrap());
+        assert_eq!(throughput.max, 2.0);
+    }
+}

@@ -1,0 +1,347 @@
+//! `cpu/benchmark`: attention on the CPU for any mask the IR can express — the naive reference
+//! kernel and the tiled multi-threaded one — timed with the SDK's harness and checked against a
+//! reference before it is timed.
+
+pub mod check;
+pub mod naive;
+pub mod problem;
+pub mod tiled;
+
+use attnbench_sdk::mask::{HeadScope, MaskSet};
+use attnbench_sdk::measure::{
+    Correctness, Harness, MaskInfo, MeasureStatus, Measurement, Memory, Quantiles,
+    Shape as MeasuredShape, Throughput,
+};
+use attnbench_sdk::{
+    write_json, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError,
+    PluginManifest, StageRequest, StageSpec,
+};
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+
+use problem::{Forward, Grads, HeadMasks, Inputs, Shape};
+
+struct Cpu;
+
+#[derive(Deserialize)]
+struct Params {
+    kernel: String,
+    direction: String,
+    heads_q: usize,
+    heads_kv: usize,
+    head_dim: usize,
+    dtype: String,
+    threads: usize,
+    check: String,
+    full_check_max_seqlen: usize,
+    max_scores_bytes: u64,
+    warmup_reps: u32,
+    min_reps: u32,
+    max_reps: u32,
+    max_time_s: f64,
+    target_rel_ci: f64,
+}
+
+/// Relative error allowed against the f64 reference (f32 arithmetic, inputs shared).
+const TOLERANCE: f64 = 2e-3;
+
+fn choice(options: &[&str]) -> ParamType {
+    ParamType::Enum(options.iter().map(|o| o.to_string()).collect())
+}
+
+impl Plugin for Cpu {
+    fn manifest() -> PluginManifest {
+        PluginManifest::new("cpu", env!("CARGO_PKG_VERSION"))
+            .description("Reference attention on the CPU: any mask, forward and backward, MHA and GQA.")
+            .stage(
+                StageSpec::new("benchmark")
+                    .doc("Times one kernel on one mask (from a masks/generate node) and checks its output.")
+                    .param(ParamSpec::new("kernel", choice(&["tiled", "naive"])).default("tiled").doc("`tiled` (online softmax, threads) or `naive` (f64, materialised scores)."))
+                    .param(ParamSpec::new("direction", choice(&["fwd", "bwd", "fwd_bwd"])).default("fwd").doc("`bwd` is timed alone, after one forward outside the timing."))
+                    .param(ParamSpec::new("heads_q", ParamType::Int).default(64).doc("Query heads."))
+                    .param(ParamSpec::new("heads_kv", ParamType::Int).default(8).doc("Key/value heads (GQA when fewer than heads_q)."))
+                    .param(ParamSpec::new("head_dim", ParamType::Int).default(128).doc("Head dimension."))
+                    .param(ParamSpec::new("dtype", choice(&["f32", "bf16"])).default("f32").doc("Input precision (bf16 rounds the inputs; arithmetic is f32, or f64 for naive)."))
+                    .param(ParamSpec::new("threads", ParamType::Int).default(0).doc("Threads for the tiled kernel (0 = one per CPU)."))
+                    .param(ParamSpec::new("check", choice(&["auto", "full", "sampled", "off"])).default("auto").doc(
+                        "Correctness: `full` compares every output with the naive kernel, `sampled` 64 rows per head with an independent per-row reference; `auto` is full up to full_check_max_seqlen.",
+                    ))
+                    .param(ParamSpec::new("full_check_max_seqlen", ParamType::Size).default(1024).doc("Longest sequence `auto` checks in full."))
+                    .param(ParamSpec::new("max_scores_bytes", ParamType::Size).default("1G").doc("The naive kernel refuses (unsupported) when its score matrix would be larger."))
+                    .param(ParamSpec::new("warmup_reps", ParamType::Int).default(1).doc("Harness: warm-up repetitions."))
+                    .param(ParamSpec::new("min_reps", ParamType::Int).default(5).doc("Harness: fewest timed repetitions."))
+                    .param(ParamSpec::new("max_reps", ParamType::Int).default(100).doc("Harness: most timed repetitions."))
+                    .param(ParamSpec::new("max_time_s", ParamType::Float).default(2.0).doc("Harness: time cap for the timed repetitions."))
+                    .param(ParamSpec::new("target_rel_ci", ParamType::Float).default(0.01).doc("Harness: stop once the median's 95% CI is within ± this fraction."))
+                    .input("mask")
+                    .output("measurement")
+                    .cache_scope(CacheScope::Machine)
+                    .isolation(Isolation::Worker),
+            )
+    }
+
+    fn run(stage: &str, request: StageRequest, host: &Host) -> Result<Value, PluginError> {
+        if stage != "benchmark" {
+            return Err(PluginError::UnknownStage {
+                stage: stage.into(),
+                known: "benchmark".into(),
+            });
+        }
+        let params: Params = request.params()?;
+        let input = request.inputs_from("generate").next().ok_or_else(|| {
+            PluginError::Params("cpu/benchmark needs a masks/generate node in `needs`".into())
+        })?;
+        let set = MaskSet::load(&input.dir)?;
+        let measurement = benchmark(&params, &set, request.seed, host)?;
+        write_json(&request.output_dir, Measurement::FILE, &measurement)?;
+        serde_json::to_value(&measurement).map_err(|err| PluginError::failed(err.to_string()))
+    }
+}
+
+fn benchmark(
+    params: &Params,
+    set: &MaskSet,
+    seed: u64,
+    host: &Host,
+) -> Result<Measurement, PluginError> {
+    if params.heads_q == 0
+        || params.heads_kv == 0
+        || params.head_dim == 0
+        || params.heads_q % params.heads_kv != 0
+    {
+        return Err(PluginError::Params(format!(
+            "heads_q ({}) must be a positive multiple of heads_kv ({}), and head_dim positive",
+            params.heads_q, params.heads_kv
+        )));
+    }
+    let expected_masks = match set.scope {
+        HeadScope::Shared => 1,
+        HeadScope::PerKvGroup => params.heads_kv,
+        HeadScope::PerHead => params.heads_q,
+    };
+    if set.masks.len() != expected_masks {
+        return Err(PluginError::Params(format!(
+            "the mask set has {} masks ({:?}) but {} heads_q / {} heads_kv need {expected_masks}; give masks/generate the same heads",
+            set.masks.len(),
+            set.scope,
+            params.heads_q,
+            params.heads_kv
+        )));
+    }
+    let shape = Shape {
+        heads_q: params.heads_q,
+        heads_kv: params.heads_kv,
+        seqlen: set.seqlen as usize,
+        head_dim: params.head_dim,
+    };
+    let flops_all = set.flops(
+        params.heads_q as u64,
+        params.heads_kv as u64,
+        params.head_dim as u64,
+    );
+    let flops = flops_all
+        .for_direction(&params.direction)
+        .unwrap_or(flops_all.fwd);
+    let threads = if params.threads == 0 {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    } else {
+        params.threads
+    };
+    let harness = Harness {
+        warmup_reps: params.warmup_reps,
+        min_reps: params.min_reps.max(1),
+        max_reps: params.max_reps.max(params.min_reps.max(1)),
+        max_time_s: params.max_time_s,
+        target_rel_ci: params.target_rel_ci,
+        ..Harness::default()
+    };
+    let mut measurement = Measurement {
+        kernel: format!("cpu-{}", params.kernel),
+        plugin: "cpu".into(),
+        plugin_version: env!("CARGO_PKG_VERSION").into(),
+        mask: MaskInfo {
+            pattern: set.pattern.clone(),
+            seqlen: set.seqlen,
+            area: set.area_over_heads(params.heads_q as u64, params.heads_kv as u64),
+            documents: set.documents.len(),
+            params: set.params.clone(),
+        },
+        shape: MeasuredShape {
+            batch: 1,
+            heads_q: params.heads_q as u64,
+            heads_kv: params.heads_kv as u64,
+            head_dim: params.head_dim as u64,
+            dtype: params.dtype.clone(),
+        },
+        direction: params.direction.clone(),
+        status: MeasureStatus::Ok,
+        reason: None,
+        flops,
+        time_s: None,
+        tflops: None,
+        memory: None,
+        correctness: None,
+        timing: None,
+        environment: Map::from_iter([(
+            "threads".to_string(),
+            json!(if params.kernel == "tiled" { threads } else { 1 }),
+        )]),
+        harness: harness.clone(),
+    };
+    if params.kernel == "naive" && naive::score_bytes(&shape) > params.max_scores_bytes {
+        measurement.status = MeasureStatus::Unsupported;
+        measurement.reason = Some(format!(
+            "the naive kernel materialises a {0}×{0} f64 score matrix ({1:.1} GiB), above max_scores_bytes ({2:.1} GiB)",
+            shape.seqlen,
+            naive::score_bytes(&shape) as f64 / (1u64 << 30) as f64,
+            params.max_scores_bytes as f64 / (1u64 << 30) as f64
+        ));
+        return Ok(measurement);
+    }
+    let masks = HeadMasks::new(set, &shape);
+    let inputs = Inputs::random(&shape, seed, params.dtype == "bf16");
+    let run_forward = || match params.kernel.as_str() {
+        "naive" => naive::forward(&shape, &masks, &inputs),
+        _ => tiled::forward(&shape, &masks, &inputs, threads),
+    };
+    let run_backward = |forward: &Forward| match params.kernel.as_str() {
+        "naive" => naive::backward(&shape, &masks, &inputs, forward),
+        _ => tiled::backward(&shape, &masks, &inputs, forward, threads),
+    };
+    let backward_needed = params.direction != "fwd";
+
+    // Checked before it is timed.
+    let forward = run_forward();
+    let grads = backward_needed.then(|| run_backward(&forward));
+    if params.check != "off" {
+        host.debug("checking the output against the reference");
+        measurement.correctness = Some(check(
+            params,
+            &shape,
+            &masks,
+            &inputs,
+            &forward,
+            grads.as_ref(),
+        ));
+    }
+
+    let timing = match params.direction.as_str() {
+        "fwd" => harness.time(|| {}, || drop(run_forward())),
+        "bwd" => harness.time(|| {}, || drop(run_backward(&forward))),
+        _ => harness.time(|| {}, || drop(run_backward(&run_forward()))),
+    };
+    let times = Quantiles::of(&timing.samples);
+    measurement.tflops = times.map(|t| Throughput::of(flops, &t));
+    measurement.time_s = times;
+    measurement.timing = Some(timing);
+    measurement.memory = Some(memory(params, &shape, threads));
+    Ok(measurement)
+}
+
+fn check(
+    params: &Params,
+    shape: &Shape,
+    masks: &HeadMasks,
+    inputs: &Inputs,
+    forward: &Forward,
+    grads: Option<&Grads>,
+) -> Correctness {
+    let full = match params.check.as_str() {
+        "full" => true,
+        "sampled" => false,
+        _ => shape.seqlen <= params.full_check_max_seqlen && params.kernel != "naive",
+    };
+    let (reference, checked, errors) = if full {
+        let expected = naive::forward(shape, masks, inputs);
+        let expected_grads = grads.map(|_| naive::backward(shape, masks, inputs, &expected));
+        let pairs = grads.zip(expected_grads.as_ref());
+        let what = if grads.is_some() {
+            "O, LSE, dQ, dK, dV: every element"
+        } else {
+            "O, LSE: every element"
+        };
+        (
+            "cpu-naive (f64 accumulation)".to_string(),
+            what.to_string(),
+            check::compare(forward, &expected, pairs),
+        )
+    } else {
+        let rows = check::sample_rows(shape.seqlen, 64);
+        let (out, lse, dq) = check::reference_rows(shape, masks, inputs, &rows, grads.is_some());
+        let mut errors = Map::new();
+        errors.insert(
+            "out".into(),
+            json!(check::relative_error(
+                &check::pick_rows(shape, &forward.out, &rows, shape.head_dim),
+                &out
+            )),
+        );
+        errors.insert(
+            "lse".into(),
+            json!(check::relative_error(
+                &check::pick_rows(shape, &forward.lse, &rows, 1),
+                &lse
+            )),
+        );
+        if let Some(grads) = grads {
+            errors.insert(
+                "dq".into(),
+                json!(check::relative_error(
+                    &check::pick_rows(shape, &grads.dq, &rows, shape.head_dim),
+                    &dq
+                )),
+            );
+        }
+        let what = format!(
+            "{}: {} rows of every head",
+            if grads.is_some() {
+                "O, LSE, dQ"
+            } else {
+                "O, LSE"
+            },
+            rows.len()
+        );
+        (
+            "per-row f64 reference from the mask's slices".to_string(),
+            what,
+            errors,
+        )
+    };
+    let passed = errors
+        .values()
+        .all(|e| e.as_f64().is_some_and(|e| e <= TOLERANCE));
+    Correctness {
+        reference,
+        checked,
+        errors,
+        tolerance: TOLERANCE,
+        passed,
+    }
+}
+
+/// Bytes the kernel's buffers occupy at their peak: inputs, outputs and scratch.
+fn memory(params: &Params, shape: &Shape, threads: usize) -> Memory {
+    let float = 4u64;
+    let q = shape.q_len() as u64 * float;
+    let kv = shape.kv_len() as u64 * float;
+    let lse = (shape.heads_q * shape.seqlen) as u64 * float;
+    let backward = params.direction != "fwd";
+    let inputs = q + 2 * kv + if backward { 2 * q + lse } else { 0 };
+    let outputs = if backward { q + 2 * kv } else { q + lse };
+    let scratch = match params.kernel.as_str() {
+        "naive" => naive::score_bytes(shape) + if backward { q + 2 * kv } else { 0 },
+        _ => threads as u64 * tiled::workspace_bytes_per_thread(),
+    };
+    Memory {
+        peak_bytes: inputs + outputs + scratch,
+        above_inputs_bytes: outputs + scratch,
+        method: "sum of the buffers the kernel allocates".into(),
+    }
+}
+
+attnbench_sdk::export_plugin!(Cpu);
+
+#[cfg(test)]
+mod tests;
