@@ -6,8 +6,8 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use attnbench_runtime::cache::Cache;
-use attnbench_runtime::environment::Environment;
 use attnbench_runtime::plugin::Registry;
+use attnbench_sdk::environment::Environment;
 
 use crate::cache_cmd::human_bytes;
 use crate::display_path;
@@ -26,7 +26,7 @@ pub fn run(plugin_dirs: &[PathBuf], cache: &Cache) -> Result<ExitCode> {
         environment.kernel,
         environment.logical_cpus,
         human_bytes(environment.memory_bytes),
-        environment.fingerprint()
+        attnbench_runtime::cache::environment_fingerprint(&environment)
     );
     println!("cpu: {}", environment.cpu);
 

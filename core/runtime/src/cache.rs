@@ -68,6 +68,16 @@ impl KeyParts {
     }
 }
 
+/// What makes measurements comparable: the hardware and system, not attnbench's own version
+/// (a new attnbench with the same plugin libraries measures the same thing).
+pub fn environment_fingerprint(environment: &attnbench_sdk::environment::Environment) -> String {
+    let identity = serde_json::json!({
+        "os": environment.os, "arch": environment.arch, "kernel": environment.kernel, "cpu": environment.cpu,
+        "logical_cpus": environment.logical_cpus, "memory_bytes": environment.memory_bytes,
+    });
+    blake3::hash(identity.to_string().as_bytes()).to_hex()[..16].to_string()
+}
+
 /// `value` with every object's keys sorted, so equal values serialise to equal bytes.
 pub fn canonical(value: &Value) -> Value {
     match value {

@@ -6,10 +6,10 @@ use serde_json::Value;
 
 use crate::cache::{Cache, EntryMeta, InputDigest, KeyParts};
 use crate::diagnostic::nearest;
-use crate::environment::Environment;
 use crate::plan::Plan;
 use crate::record::{run_dirs, RunRecord};
 use crate::run::key_parts;
+use attnbench_sdk::environment::Environment;
 
 #[derive(Debug, Clone)]
 pub enum NodeState {
@@ -32,7 +32,7 @@ impl NodeState {
 
 /// The state of every node, reading only entry metadata (`run` verifies digests when it reads).
 pub fn node_states(plan: &Plan, cache: &Cache) -> Vec<NodeState> {
-    let fingerprint = Environment::detect().fingerprint();
+    let fingerprint = crate::cache::environment_fingerprint(&Environment::detect());
     let existing = cache.keys();
     let mut states: Vec<NodeState> = Vec::with_capacity(plan.nodes.len());
     for (index, node) in plan.nodes.iter().enumerate() {
@@ -125,7 +125,7 @@ pub fn explain(plan: &Plan, cache: &Cache, node: &str) -> Result<String, String>
                     plan,
                     index,
                     Vec::new(),
-                    &Environment::detect().fingerprint(),
+                    &crate::cache::environment_fingerprint(&Environment::detect()),
                 );
                 let own: Vec<String> = differences(old, &current)
                     .into_iter()

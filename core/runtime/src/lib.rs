@@ -1,6 +1,5 @@
 pub mod cache;
 pub mod diagnostic;
-pub mod environment;
 pub mod inspect;
 pub mod pipeline;
 pub mod plan;

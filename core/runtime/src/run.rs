@@ -16,11 +16,11 @@ use serde_json::Value;
 
 use crate::cache::{Cache, CacheError, Entry, InputDigest, KeyParts, Lookup};
 use crate::diagnostic::suggestion;
-use crate::environment::Environment;
 use crate::plan::Plan;
 use crate::record::{new_run_id, node_file_name, NodeRecord, PluginRecord, RunRecord, Status};
 use crate::services::{trace_plugin_log, ServiceSink};
 use crate::worker::{WorkerOutcome, WorkerPool};
+use attnbench_sdk::environment::Environment;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
@@ -192,7 +192,7 @@ pub fn execute(
         plan,
         cache,
         pool: WorkerPool::new(options.worker_exe.clone()),
-        fingerprint: environment.fingerprint(),
+        fingerprint: crate::cache::environment_fingerprint(&environment),
         forced,
         logs_dir,
         observer,
@@ -345,6 +345,11 @@ fn input_artifact(
         node: upstream.id.clone(),
         uses: plan.stage_of(upstream).uses.clone(),
         params: upstream.params.clone(),
+        coords: upstream
+            .coords
+            .iter()
+            .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+            .collect(),
         dir: PathBuf::new(),
         result: Value::Null,
         status: status.as_str().to_string(),

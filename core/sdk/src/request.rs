@@ -27,6 +27,9 @@ pub struct InputArtifact {
     /// The `plugin/stage` that produced it.
     pub uses: String,
     pub params: Map<String, Value>,
+    /// The matrix values the node was expanded with, its own and its inputs' (`mask=causal`, …).
+    #[serde(default)]
+    pub coords: Map<String, Value>,
     /// The artifact's files (read-only).
     pub dir: PathBuf,
     /// The JSON the producing stage returned (`null` when it failed).

@@ -1,5 +1,6 @@
-//! The machine a measurement ran on. Its fingerprint is part of the key of every `machine`-scoped
-//! node, so cached measurements are never reused on different hardware or system software.
+//! The machine a measurement ran on. The runtime puts its fingerprint into the key of every
+//! `machine`-scoped node, so cached measurements are never reused on other hardware or system
+//! software; measurement records carry it so that reports can say where numbers came from.
 
 use serde::{Deserialize, Serialize};
 
@@ -47,14 +48,14 @@ impl Environment {
             attnbench_version: env!("CARGO_PKG_VERSION").into(),
         }
     }
+}
 
-    /// What makes measurements comparable: the hardware and system, not attnbench's own version
-    /// (a new attnbench with the same plugin libraries measures the same thing).
-    pub fn fingerprint(&self) -> String {
-        let identity = serde_json::json!({
-            "os": self.os, "arch": self.arch, "kernel": self.kernel, "cpu": self.cpu,
-            "logical_cpus": self.logical_cpus, "memory_bytes": self.memory_bytes,
-        });
-        blake3::hash(identity.to_string().as_bytes()).to_hex()[..16].to_string()
+impl Environment {
+    /// The environment as a JSON object, for measurement records.
+    pub fn to_map(&self) -> serde_json::Map<String, serde_json::Value> {
+        match serde_json::to_value(self) {
+            Ok(serde_json::Value::Object(map)) => map,
+            _ => serde_json::Map::new(),
+        }
     }
 }
