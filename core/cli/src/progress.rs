@@ -146,6 +146,22 @@ impl Observer for Progress {
     }
 }
 
+/// Files that nodes name as their `report` in their result (e.g. `report/html`'s HTML page).
+fn reports(record: &attnbench_runtime::record::RunRecord) -> Vec<std::path::PathBuf> {
+    record
+        .nodes
+        .iter()
+        .filter_map(|node| {
+            let artifact = node.artifact.as_ref()?;
+            let result: serde_json::Value = serde_json::from_slice(
+                &std::fs::read(artifact.parent()?.join("result.json")).ok()?,
+            )
+            .ok()?;
+            Some(artifact.join(result.get("report")?.as_str()?))
+        })
+        .collect()
+}
+
 /// Prints what happened and returns the exit code: non-zero when any node did not succeed.
 pub fn print_summary(summary: &RunSummary, progress: &Progress) -> ExitCode {
     let record = &summary.record;
@@ -174,6 +190,9 @@ pub fn print_summary(summary: &RunSummary, progress: &Progress) -> ExitCode {
         eprintln!("  … and {} more", failed.len() - 20);
     }
     eprintln!("record: {}", display_path(&summary.dir.join("run.json")));
+    for report in reports(record) {
+        eprintln!("report: {}", display_path(&report));
+    }
     if failed.is_empty() {
         ExitCode::SUCCESS
     } else {

@@ -249,6 +249,10 @@ fn schedule(shared: &Shared, jobs: usize) -> Vec<NodeRecord> {
 
         let mut in_flight = 0usize;
         let mut finished_count = 0usize;
+        // Exclusive nodes (measurements) run alone: they wait for the machine to be idle, and
+        // nothing starts while one runs.
+        let mut running_exclusive: Option<usize> = None;
+        let mut held: VecDeque<usize> = VecDeque::new();
         while finished_count < count {
             while let Some(index) = ready.pop_front() {
                 let node = &plan.nodes[index];
@@ -286,6 +290,14 @@ fn schedule(shared: &Shared, jobs: usize) -> Vec<NodeRecord> {
                         )
                     })
                     .unzip();
+                let exclusive = plan.stage_of(node).spec.exclusive;
+                if running_exclusive.is_some() || (exclusive && in_flight > 0) {
+                    held.push_back(index);
+                    continue;
+                }
+                if exclusive {
+                    running_exclusive = Some(index);
+                }
                 if task_sender
                     .send(Task {
                         node: index,
@@ -299,7 +311,11 @@ fn schedule(shared: &Shared, jobs: usize) -> Vec<NodeRecord> {
                 in_flight += 1;
             }
             if in_flight == 0 {
-                break;
+                if held.is_empty() {
+                    break;
+                }
+                ready.extend(held.drain(..));
+                continue;
             }
             let Ok(finished) = done_receiver.recv() else {
                 break;
@@ -309,6 +325,10 @@ fn schedule(shared: &Shared, jobs: usize) -> Vec<NodeRecord> {
             shared.observer.event(Event::Finished {
                 record: &finished.record,
             });
+            if running_exclusive == Some(finished.node) {
+                running_exclusive = None;
+            }
+            ready.extend(held.drain(..));
             outputs[finished.node] = finished.output;
             records[finished.node] = Some(finished.record);
             for &dependent in &dependents[finished.node] {

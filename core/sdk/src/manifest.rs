@@ -126,6 +126,9 @@ pub struct StageSpec {
     /// Default per-node time limit in seconds (worker isolation only); `timeout` in the pipeline overrides it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_s: Option<f64>,
+    /// The node must have the machine to itself (timings): nothing else runs alongside it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub exclusive: bool,
 }
 
 impl StageSpec {
@@ -139,7 +142,14 @@ impl StageSpec {
             cache_scope: CacheScope::Pure,
             isolation: Isolation::InProcess,
             timeout_s: None,
+            exclusive: false,
         }
+    }
+
+    /// Marks the stage's nodes as needing the machine to themselves (benchmarks).
+    pub fn exclusive(mut self) -> Self {
+        self.exclusive = true;
+        self
     }
 
     pub fn doc(mut self, text: impl Into<String>) -> Self {

@@ -76,7 +76,8 @@ impl Plugin for Cpu {
                     .input("mask")
                     .output("measurement")
                     .cache_scope(CacheScope::Machine)
-                    .isolation(Isolation::Worker),
+                    .isolation(Isolation::Worker)
+                    .exclusive(),
             )
     }
 

@@ -54,7 +54,11 @@ impl Plugin for Testkit {
             .description("Well- and ill-behaved stages for testing the attnbench runtime.")
             .stage(echo_stage("echo", Isolation::InProcess))
             .stage(echo_stage("echo-worker", Isolation::Worker))
-            .stage(echo_stage("measure", Isolation::Worker).cache_scope(CacheScope::Machine))
+            .stage(
+                echo_stage("measure", Isolation::Worker)
+                    .cache_scope(CacheScope::Machine)
+                    .exclusive(),
+            )
             .stage(StageSpec::new("panic").doc("Panics (in process: caught by the SDK)."))
             .stage(misbehaving("panic-worker", "Panics inside a worker."))
             .stage(misbehaving("abort", "Aborts the process."))
@@ -98,7 +102,15 @@ impl Plugin for Testkit {
     }
 }
 
+fn micros_now() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros())
+        .unwrap_or(0)
+}
+
 fn echo(request: &StageRequest, host: &Host) -> Result<Value, PluginError> {
+    let started = micros_now();
     let params: EchoParams = request.params()?;
     let steps = params.sleep_ms.div_ceil(10);
     for step in 0..steps {
@@ -119,6 +131,8 @@ fn echo(request: &StageRequest, host: &Host) -> Result<Value, PluginError> {
         "seed": request.seed,
         "inputs": request.inputs.iter().map(|input| input.node.clone()).collect::<Vec<_>>(),
         "pid": std::process::id(),
+        "started_us": started,
+        "finished_us": micros_now(),
     });
     write_json(&request.output_dir, "echo.json", &result)?;
     Ok(result)

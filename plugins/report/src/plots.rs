@@ -1,0 +1,207 @@
+//! Plots: throughput against sequence length for every mask and direction (a line per kernel,
+//! p20–p80 as error bars), and peak memory. Drawn with plotters, as SVG for the HTML report and
+//! as PNG files, with a font carried in the plugin (no system fonts needed).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use attnbench_sdk::format_size;
+use plotters::coord::Shift;
+use plotters::prelude::*;
+
+use crate::rows::Row;
+
+pub const FONT: &str = "sans-serif";
+const SIZE: (u32, u32) = (640, 400);
+
+pub struct Point {
+    pub x: f64,
+    pub y: f64,
+    pub low: f64,
+    pub high: f64,
+}
+
+pub struct Series {
+    pub name: String,
+    pub points: Vec<Point>,
+}
+
+pub struct Chart {
+    /// A file-name-safe id.
+    pub id: String,
+    pub title: String,
+    pub y_label: String,
+    pub series: Vec<Series>,
+}
+
+/// Registers the bundled font once per process.
+pub fn register_font() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let _ = plotters::style::register_font(
+            FONT,
+            FontStyle::Normal,
+            include_bytes!("../assets/DejaVuSans.ttf"),
+        );
+    });
+}
+
+fn group<'a>(
+    rows: impl Iterator<Item = &'a Row>,
+    key: impl Fn(&Row) -> String,
+) -> BTreeMap<String, Vec<&'a Row>> {
+    let mut groups: BTreeMap<String, Vec<&Row>> = BTreeMap::new();
+    for row in rows {
+        groups.entry(key(row)).or_default().push(row);
+    }
+    groups
+}
+
+fn safe_id(text: &str) -> String {
+    text.chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect()
+}
+
+/// TFLOP/s (median, p20–p80) against sequence length: one chart per mask and direction.
+pub fn throughput_charts(rows: &[Row]) -> Vec<Chart> {
+    let measured = rows.iter().filter(|r| r.is_ok() && r.tflops.is_some());
+    group(measured, |r| format!("{} · {}", r.mask, r.direction))
+        .into_iter()
+        .map(|(title, rows)| {
+            let series = group(rows.into_iter(), |r| r.kernel.clone())
+                .into_iter()
+                .map(|(kernel, rows)| Series {
+                    name: kernel,
+                    points: rows
+                        .iter()
+                        .filter_map(|r| {
+                            r.tflops.map(|t| Point {
+                                x: r.seqlen as f64,
+                                y: t.p50,
+                                low: t.p80,
+                                high: t.p20,
+                            })
+                        })
+                        .collect(),
+                })
+                .collect();
+            Chart {
+                id: format!("tflops-{}", safe_id(&title)),
+                title,
+                y_label: "TFLOP/s".into(),
+                series,
+            }
+        })
+        .collect()
+}
+
+/// Peak memory (GiB) against sequence length: one chart per direction, a line per kernel and mask.
+pub fn memory_charts(rows: &[Row]) -> Vec<Chart> {
+    let measured = rows.iter().filter(|r| r.is_ok() && r.peak_bytes.is_some());
+    group(measured, |r| r.direction.clone())
+        .into_iter()
+        .map(|(direction, rows)| {
+            let series = group(rows.into_iter(), |r| format!("{} · {}", r.kernel, r.mask))
+                .into_iter()
+                .map(|(name, rows)| Series {
+                    name,
+                    points: rows
+                        .iter()
+                        .filter_map(|r| {
+                            let gib = r.peak_bytes? as f64 / (1u64 << 30) as f64;
+                            Some(Point {
+                                x: r.seqlen as f64,
+                                y: gib,
+                                low: gib,
+                                high: gib,
+                            })
+                        })
+                        .collect(),
+                })
+                .collect();
+            Chart {
+                id: format!("memory-{}", safe_id(&direction)),
+                title: format!("peak memory · {direction}"),
+                y_label: "GiB".into(),
+                series,
+            }
+        })
+        .collect()
+}
+
+fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, chart: &Chart) -> Result<(), String> {
+    let error = |err: DrawingAreaErrorKind<DB::ErrorType>| format!("{}: {err}", chart.title);
+    root.fill(&WHITE).map_err(error)?;
+    let points = || chart.series.iter().flat_map(|s| s.points.iter());
+    let x_min = points().map(|p| p.x).fold(f64::INFINITY, f64::min);
+    let x_max = points().map(|p| p.x).fold(0.0, f64::max);
+    let y_max = points().map(|p| p.high.max(p.y)).fold(0.0, f64::max);
+    if !x_min.is_finite() || x_max <= 0.0 {
+        return Ok(());
+    }
+    let y_top = if y_max > 0.0 { y_max * 1.15 } else { 1.0 };
+    let mut context = ChartBuilder::on(root)
+        .caption(&chart.title, (FONT, 18))
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(64)
+        .build_cartesian_2d(
+            (x_min / 1.25..x_max * 1.25).log_scale().base(2.0),
+            0f64..y_top,
+        )
+        .map_err(error)?;
+    context
+        .configure_mesh()
+        .x_desc("sequence length (tokens)")
+        .y_desc(chart.y_label.as_str())
+        .x_label_formatter(&|x| format_size(x.round() as u64))
+        .label_style((FONT, 12))
+        .draw()
+        .map_err(error)?;
+    for (index, series) in chart.series.iter().enumerate() {
+        let color = Palette99::pick(index).mix(0.95);
+        let line: Vec<(f64, f64)> = series.points.iter().map(|p| (p.x, p.y)).collect();
+        context
+            .draw_series(LineSeries::new(line.clone(), color.stroke_width(2)))
+            .map_err(error)?
+            .label(series.name.as_str())
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+            });
+        context
+            .draw_series(line.iter().map(|&p| Circle::new(p, 3, color.filled())))
+            .map_err(error)?;
+        context
+            .draw_series(
+                series
+                    .points
+                    .iter()
+                    .map(|p| PathElement::new(vec![(p.x, p.low), (p.x, p.high)], color)),
+            )
+            .map_err(error)?;
+    }
+    context
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .label_font((FONT, 12))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK.mix(0.3))
+        .draw()
+        .map_err(error)?;
+    root.present().map_err(error)
+}
+
+pub fn render_svg(chart: &Chart) -> Result<String, String> {
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
+        draw(&root, chart)?;
+    }
+    Ok(svg)
+}
+
+pub fn render_png(chart: &Chart, path: &Path) -> Result<(), String> {
+    let root = BitMapBackend::new(path, SIZE).into_drawing_area();
+    draw(&root, chart)
+}

@@ -1,0 +1,143 @@
+//! One tidy row per measurement, from successful inputs (their measurement records) and from
+//! collected inputs that failed (their status and reason).
+
+use attnbench_sdk::measure::{MeasureStatus, Measurement, Quantiles, Throughput};
+use attnbench_sdk::{parse_size, InputArtifact};
+use serde::Serialize;
+use serde_json::{Map, Value};
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    pub node: String,
+    pub kernel: String,
+    pub mask: String,
+    pub seqlen: u64,
+    pub direction: String,
+    pub heads_q: u64,
+    pub heads_kv: u64,
+    pub head_dim: u64,
+    pub dtype: String,
+    pub status: String,
+    pub reason: Option<String>,
+    pub flops: Option<u64>,
+    pub time_s: Option<Quantiles>,
+    pub tflops: Option<Throughput>,
+    pub peak_bytes: Option<u64>,
+    pub above_inputs_bytes: Option<u64>,
+    pub correct: Option<bool>,
+    pub max_error: Option<f64>,
+    #[serde(skip)]
+    pub environment: Map<String, Value>,
+}
+
+impl Row {
+    pub fn is_ok(&self) -> bool {
+        self.status == "ok"
+    }
+}
+
+fn status_name(status: MeasureStatus) -> String {
+    serde_json::to_value(status)
+        .ok()
+        .and_then(|v| v.as_str().map(String::from))
+        .unwrap_or_else(|| "error".into())
+}
+
+pub fn from_measurement(node: &str, m: Measurement) -> Row {
+    let max_error = m.correctness.as_ref().map(|c| {
+        c.errors
+            .values()
+            .filter_map(Value::as_f64)
+            .fold(0.0, f64::max)
+    });
+    Row {
+        node: node.to_string(),
+        kernel: m.kernel,
+        mask: m.mask.pattern,
+        seqlen: m.mask.seqlen,
+        direction: m.direction,
+        heads_q: m.shape.heads_q,
+        heads_kv: m.shape.heads_kv,
+        head_dim: m.shape.head_dim,
+        dtype: m.shape.dtype,
+        status: status_name(m.status),
+        reason: m.reason,
+        flops: Some(m.flops),
+        time_s: m.time_s,
+        tflops: m.tflops,
+        peak_bytes: m.memory.as_ref().map(|x| x.peak_bytes),
+        above_inputs_bytes: m.memory.as_ref().map(|x| x.above_inputs_bytes),
+        correct: m.correctness.as_ref().map(|c| c.passed),
+        max_error,
+        environment: m.environment,
+    }
+}
+
+/// A node that failed before it could write a measurement (crashed, timed out, …).
+pub fn from_failure(input: &InputArtifact) -> Row {
+    let text = |key: &str| -> Option<String> {
+        input
+            .params
+            .get(key)
+            .or_else(|| input.coords.get(key))
+            .and_then(|v| match v {
+                Value::String(s) => Some(s.clone()),
+                Value::Null => None,
+                other => Some(other.to_string()),
+            })
+    };
+    let number = |key: &str| input.params.get(key).and_then(Value::as_u64).unwrap_or(0);
+    let plugin = input.uses.split('/').next().unwrap_or_default();
+    Row {
+        node: input.node.clone(),
+        kernel: text("kernel")
+            .map(|k| format!("{plugin}-{k}"))
+            .unwrap_or_else(|| input.uses.clone()),
+        mask: text("mask").unwrap_or_else(|| "?".into()),
+        seqlen: text("seqlen")
+            .and_then(|s| parse_size(&s).ok())
+            .unwrap_or(0),
+        direction: text("direction").unwrap_or_else(|| "fwd".into()),
+        heads_q: number("heads_q"),
+        heads_kv: number("heads_kv"),
+        head_dim: number("head_dim"),
+        dtype: text("dtype").unwrap_or_default(),
+        status: input.status.clone(),
+        reason: input.error.clone(),
+        flops: None,
+        time_s: None,
+        tflops: None,
+        peak_bytes: None,
+        above_inputs_bytes: None,
+        correct: None,
+        max_error: None,
+        environment: Map::new(),
+    }
+}
+
+/// Rows from every input: measurement records where they exist, failures otherwise.
+pub fn collect(inputs: &[InputArtifact]) -> Result<Vec<Row>, String> {
+    let mut rows = Vec::new();
+    for input in inputs {
+        if !input.succeeded() {
+            rows.push(from_failure(input));
+            continue;
+        }
+        let path = input.dir.join(Measurement::FILE);
+        let Ok(bytes) = std::fs::read(&path) else {
+            continue;
+        };
+        let measurement: Measurement = serde_json::from_slice(&bytes)
+            .map_err(|err| format!("{}: not a measurement record: {err}", path.display()))?;
+        rows.push(from_measurement(&input.node, measurement));
+    }
+    rows.sort_by(|a, b| {
+        (&a.mask, &a.direction, &a.kernel, a.seqlen).cmp(&(
+            &b.mask,
+            &b.direction,
+            &b.kernel,
+            b.seqlen,
+        ))
+    });
+    Ok(rows)
+}

@@ -1,0 +1,59 @@
+//! Independent nodes run in parallel; exclusive nodes (measurements) run alone.
+
+use attnbench_tests::{stderr, Sandbox};
+
+/// (started, finished) in microseconds of every node, from the echo results.
+fn intervals(sandbox: &Sandbox) -> Vec<(String, u128, u128)> {
+    let record = sandbox.last_record();
+    record["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|node| {
+            let text = std::fs::read_to_string(format!(
+                "{}/echo.json",
+                node["artifact"].as_str().unwrap()
+            ))
+            .unwrap();
+            let result: serde_json::Value = serde_json::from_str(&text).unwrap();
+            let time = |key: &str| result[key].as_u64().unwrap() as u128;
+            (
+                node["id"].as_str().unwrap().to_string(),
+                time("started_us"),
+                time("finished_us"),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn independent_nodes_overlap_and_exclusive_ones_run_alone() {
+    let sandbox = Sandbox::new();
+    sandbox.write(
+        "p.yaml",
+        "stages:\n  work:\n    uses: testkit/echo-worker\n    with: {sleep_ms: 300}\n    matrix: {value: [1, 2, 3, 4]}\n  measure:\n    uses: testkit/measure\n    with: {sleep_ms: 200}\n    matrix: {value: [1, 2, 3]}\n",
+    );
+    let output = sandbox.run(&["run", "-j", "4", "p.yaml"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let all = intervals(&sandbox);
+    let overlaps = |a: &(String, u128, u128), b: &(String, u128, u128)| a.1 < b.2 && b.1 < a.2;
+    let work: Vec<_> = all.iter().filter(|n| n.0.starts_with("work")).collect();
+    let parallel = work
+        .iter()
+        .enumerate()
+        .any(|(i, a)| work[i + 1..].iter().any(|b| overlaps(a, b)));
+    assert!(
+        parallel,
+        "independent nodes ran in parallel with -j 4: {work:?}"
+    );
+    for measure in all.iter().filter(|n| n.0.starts_with("measure")) {
+        for other in all.iter().filter(|n| n.0 != measure.0) {
+            assert!(
+                !overlaps(measure, other),
+                "{} overlapped {}",
+                measure.0,
+                other.0
+            );
+        }
+    }
+}
