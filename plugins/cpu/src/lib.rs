@@ -185,10 +185,11 @@ fn benchmark(
         memory: None,
         correctness: None,
         timing: None,
-        environment: Map::from_iter([(
-            "threads".to_string(),
-            json!(if params.kernel == "tiled" { threads } else { 1 }),
-        )]),
+        environment: {
+            let mut environment = attnbench_sdk::environment::Environment::detect().to_map();
+            environment.insert("threads".into(), json!(if params.kernel == "tiled" { threads } else { 1 }));
+            environment
+        },
         harness: harness.clone(),
     };
     if params.kernel == "naive" && naive::score_bytes(&shape) > params.max_scores_bytes {

@@ -155,7 +155,15 @@ fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, chart: &Chart) -> Res
         .configure_mesh()
         .x_desc("sequence length (tokens)")
         .y_desc(chart.y_label.as_str())
-        .x_label_formatter(&|x| format_size(x.round() as u64))
+        // Label only the powers of two the sequence lengths are.
+        .x_label_formatter(&|x| {
+            let rounded = x.round() as u64;
+            if rounded.is_power_of_two() && (x - rounded as f64).abs() < 1e-6 * x.abs().max(1.0) {
+                format_size(rounded)
+            } else {
+                String::new()
+            }
+        })
         .label_style((FONT, 12))
         .draw()
         .map_err(error)?;
