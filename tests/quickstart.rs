@@ -18,13 +18,21 @@ fn the_quickstart_runs_caches_and_reruns_only_what_changed() {
     let sandbox = Sandbox::new();
     let pipeline = workspace_root().join("pipelines/quickstart.yaml");
     let pipeline = pipeline.to_str().unwrap();
-    let small = ["--set", "stages.masks.matrix.mask=[causal, causal_document]", "--set", "stages.bench.with.max_time_s=0.05"];
+    let small = [
+        "--set",
+        "stages.masks.matrix.mask=[causal, causal_document]",
+        "--set",
+        "stages.bench.with.max_time_s=0.05",
+    ];
     let run = |seqlens: &str| {
         let mut args = vec!["run", pipeline, "--set", seqlens];
         args.extend_from_slice(&small);
         let output = sandbox.run(&args);
         assert!(output.status.success(), "{}", stderr(&output));
-        assert!(stderr(&output).contains("report: "), "the run says where the report is");
+        assert!(
+            stderr(&output).contains("report: "),
+            "the run says where the report is"
+        );
         counts(&sandbox.statuses())
     };
     let first = run("stages.masks.matrix.seqlen=[256, 512]");
@@ -32,7 +40,11 @@ fn the_quickstart_runs_caches_and_reruns_only_what_changed() {
     assert_eq!(first.get("ok"), Some(&(4 + 16 + 1)), "{first:?}");
 
     let again = run("stages.masks.matrix.seqlen=[256, 512]");
-    assert_eq!(again.get("cached"), Some(&21), "a rerun is fully cached: {again:?}");
+    assert_eq!(
+        again.get("cached"),
+        Some(&21),
+        "a rerun is fully cached: {again:?}"
+    );
 
     let changed = run("stages.masks.matrix.seqlen=[256, 1k]");
     // New: 2 masks at 1k, their 8 measurements, and the report that collects them.

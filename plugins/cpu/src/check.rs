@@ -2,32 +2,9 @@
 
 use serde_json::{json, Map};
 
-use crate::problem::{Forward, Grads, HeadMasks, Inputs, Shape};
+use attnbench_sdk::reference::relative_error;
 
-/// Largest |a − b| over the largest |b|: an error that does not depend on the values' scale.
-pub fn relative_error(actual: &[f32], reference: &[f32]) -> f64 {
-    let mut worst = 0f64;
-    let mut largest = 0f64;
-    for (a, b) in actual.iter().zip(reference) {
-        if a.is_nan() || b.is_nan() {
-            return f64::INFINITY;
-        }
-        // −∞ is the LSE of a row with no allowed key: it must match exactly.
-        if a.is_infinite() || b.is_infinite() {
-            if a != b {
-                return f64::INFINITY;
-            }
-            continue;
-        }
-        worst = worst.max((*a as f64 - *b as f64).abs());
-        largest = largest.max((*b as f64).abs());
-    }
-    if largest == 0.0 {
-        worst
-    } else {
-        worst / largest
-    }
-}
+use crate::problem::{Forward, Grads, HeadMasks, Inputs, Shape};
 
 /// Errors of every output present in both.
 pub fn compare(

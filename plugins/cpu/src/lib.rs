@@ -3,7 +3,6 @@
 //! reference before it is timed.
 
 pub mod check;
-pub mod naive;
 pub mod problem;
 pub mod tiled;
 
@@ -19,6 +18,7 @@ use attnbench_sdk::{
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
+use attnbench_sdk::reference::{self as naive, relative_error};
 use problem::{Forward, Grads, HeadMasks, Inputs, Shape};
 
 struct Cpu;
@@ -187,7 +187,10 @@ fn benchmark(
         timing: None,
         environment: {
             let mut environment = attnbench_sdk::environment::Environment::detect().to_map();
-            environment.insert("threads".into(), json!(if params.kernel == "tiled" { threads } else { 1 }));
+            environment.insert(
+                "threads".into(),
+                json!(if params.kernel == "tiled" { threads } else { 1 }),
+            );
             environment
         },
         harness: harness.clone(),
@@ -275,14 +278,14 @@ fn check(
         let mut errors = Map::new();
         errors.insert(
             "out".into(),
-            json!(check::relative_error(
+            json!(relative_error(
                 &check::pick_rows(shape, &forward.out, &rows, shape.head_dim),
                 &out
             )),
         );
         errors.insert(
             "lse".into(),
-            json!(check::relative_error(
+            json!(relative_error(
                 &check::pick_rows(shape, &forward.lse, &rows, 1),
                 &lse
             )),
@@ -290,7 +293,7 @@ fn check(
         if let Some(grads) = grads {
             errors.insert(
                 "dq".into(),
-                json!(check::relative_error(
+                json!(relative_error(
                     &check::pick_rows(shape, &grads.dq, &rows, shape.head_dim),
                     &dq
                 )),

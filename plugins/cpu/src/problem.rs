@@ -1,127 +1,7 @@
-//! The tensors of one attention problem and how they are laid out.
-//!
-//! Q, O, dO, dQ: `[heads_q][seqlen][head_dim]`; K, V, dK, dV: `[heads_kv][seqlen][head_dim]`;
-//! LSE: `[heads_q][seqlen]`. Query head `h` reads KV head `h / (heads_q / heads_kv)` (GQA).
-//! Convention everywhere: a row with no allowed key has output 0 and LSE −∞ (never NaN), and
-//! contributes nothing to the gradients.
+//! The problem's layout comes from the SDK's reference module; this adds the vector helpers the
+//! tiled kernel's inner loops use.
 
-use attnbench_sdk::mask::MaskSet;
-
-#[derive(Debug, Clone, Copy)]
-pub struct Shape {
-    pub heads_q: usize,
-    pub heads_kv: usize,
-    pub seqlen: usize,
-    pub head_dim: usize,
-}
-
-impl Shape {
-    pub fn group(&self) -> usize {
-        self.heads_q / self.heads_kv
-    }
-
-    pub fn kv_head(&self, head: usize) -> usize {
-        head / self.group()
-    }
-
-    pub fn scale(&self) -> f32 {
-        1.0 / (self.head_dim as f32).sqrt()
-    }
-
-    pub fn q_len(&self) -> usize {
-        self.heads_q * self.seqlen * self.head_dim
-    }
-
-    pub fn kv_len(&self) -> usize {
-        self.heads_kv * self.seqlen * self.head_dim
-    }
-}
-
-/// Inputs of one problem.
-#[derive(Debug, Clone)]
-pub struct Inputs {
-    pub q: Vec<f32>,
-    pub k: Vec<f32>,
-    pub v: Vec<f32>,
-    /// The gradient flowing into O, for the backward pass.
-    pub d_out: Vec<f32>,
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct Forward {
-    pub out: Vec<f32>,
-    pub lse: Vec<f32>,
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct Grads {
-    pub dq: Vec<f32>,
-    pub dk: Vec<f32>,
-    pub dv: Vec<f32>,
-}
-
-impl Inputs {
-    /// Uniform values in [−1, 1) from `seed` (splitmix64), optionally rounded to bf16.
-    pub fn random(shape: &Shape, seed: u64, bf16: bool) -> Inputs {
-        let mut state = seed ^ 0x9E37_79B9_7F4A_7C15;
-        let mut next = move || {
-            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            let value = (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
-            if bf16 {
-                round_bf16(value)
-            } else {
-                value
-            }
-        };
-        let mut fill = |n: usize| (0..n).map(|_| next()).collect::<Vec<f32>>();
-        Inputs {
-            q: fill(shape.q_len()),
-            k: fill(shape.kv_len()),
-            v: fill(shape.kv_len()),
-            d_out: fill(shape.q_len()),
-        }
-    }
-}
-
-/// Rounds to the nearest bf16 value (ties to even), kept in an f32.
-pub fn round_bf16(value: f32) -> f32 {
-    let bits = value.to_bits();
-    let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) & 0xffff_0000;
-    f32::from_bits(rounded)
-}
-
-/// Which mask of the set each query head uses, with its row intervals precomputed.
-pub struct HeadMasks<'a> {
-    pub set: &'a MaskSet,
-    pub index_of_head: Vec<usize>,
-}
-
-impl<'a> HeadMasks<'a> {
-    pub fn new(set: &'a MaskSet, shape: &Shape) -> Self {
-        let index_of_head = (0..shape.heads_q)
-            .map(|h| set.mask_index(h as u64, shape.heads_q as u64, shape.heads_kv as u64))
-            .collect();
-        HeadMasks { set, index_of_head }
-    }
-
-    /// Allowed key intervals of every row of mask `index`.
-    pub fn rows(&self, index: usize) -> Vec<Vec<(u32, u32)>> {
-        let mut rows = Vec::with_capacity(self.set.seqlen as usize);
-        self.set.masks[index].for_each_row(|_, intervals| {
-            rows.push(
-                intervals
-                    .iter()
-                    .map(|&(a, b)| (a as u32, b as u32))
-                    .collect(),
-            );
-        });
-        rows
-    }
-}
+pub use attnbench_sdk::reference::{Forward, Grads, HeadMasks, Inputs, Shape};
 
 /// `Σ a·b` with eight independent accumulators, so the compiler can vectorise it.
 #[inline]
@@ -152,14 +32,6 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn bf16_rounding_keeps_eight_bits_of_mantissa() {
-        assert_eq!(round_bf16(1.0), 1.0);
-        assert_eq!(round_bf16(1.0 + 1.0 / 256.0), 1.0);
-        assert_eq!(round_bf16(1.0 + 3.0 / 256.0), 1.0 + 4.0 / 256.0);
-        assert_eq!(round_bf16(-2.5), -2.5);
-    }
 
     #[test]
     fn dot_handles_remainders() {

@@ -3,9 +3,11 @@ use attnbench_sdk::histogram::{Bucket, Histogram};
 use attnbench_sdk::mask::{HeadScope, Mask, MaskSet, Slice, SliceKind};
 use serde_json::Map;
 
-use crate::check::{pick_rows, reference_rows, relative_error, sample_rows};
+use attnbench_sdk::reference::{self as naive, relative_error};
+
+use crate::check::{pick_rows, reference_rows, sample_rows};
 use crate::problem::{HeadMasks, Inputs, Shape};
-use crate::{naive, tiled};
+use crate::tiled;
 
 fn mask_params(mask: &str, seqlen: u64) -> MaskParams {
     MaskParams {

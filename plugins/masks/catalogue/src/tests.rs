@@ -30,7 +30,7 @@ fn longca_histogram(name: &str) -> Option<Histogram> {
         .map(PathBuf::from)
         .unwrap_or_else(|| {
             PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../../shared/data/longca-distributions")
+                .join("../../../../shared/data/longca-distributions")
         });
     match std::fs::read_to_string(dir.join(format!("{name}.json"))) {
         Ok(text) => {

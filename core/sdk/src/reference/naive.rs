@@ -1,7 +1,7 @@
 //! The naive kernel: materialises each head's full score matrix in f64, like a textbook
 //! `softmax(QKᵀ·scale)·V`. It is the reference the other kernels are checked against.
 
-use crate::problem::{Forward, Grads, HeadMasks, Inputs, Shape};
+use super::{Forward, Grads, HeadMasks, Inputs, Shape};
 
 /// Bytes of the score (and probability) matrix the naive kernel holds at once.
 pub fn score_bytes(shape: &Shape) -> u64 {
