@@ -122,35 +122,47 @@ pub fn stdout(output: &Output) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
-/// Builds the third-party example plugin (outside the workspace) and returns a copy of its
-/// library under `dest`, named `name`. Builds are serialised through a lock file because tests
-/// run in parallel and share the fixture's target directory.
-pub fn build_example_plugin(features: &[&str], dest: &Path, name: &str) -> PathBuf {
-    let root = workspace_root();
-    let fixture = root.join("tests/fixtures/example-kernel");
-    let target = root.join("target/fixtures");
+/// Runs `cargo ARGS` on the crate at `crate_dir` (outside the workspace) with the shared fixture
+/// target directory, serialised through a lock file because tests run in parallel; returns that
+/// target directory.
+pub fn cargo_outside(crate_dir: &Path, args: &[&str]) -> PathBuf {
+    let target = workspace_root().join("target/fixtures");
     std::fs::create_dir_all(&target).expect("fixture target dir");
     let lock = std::fs::File::create(target.join("build.lock")).expect("lock file");
     lock.lock().expect("lock the fixture build");
     // Same versions as the workspace, so the build reuses what is already compiled.
-    let _ = std::fs::copy(root.join("Cargo.lock"), fixture.join("Cargo.lock"));
-    let mut command = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-    command
-        .arg("build")
+    let _ = std::fs::copy(
+        workspace_root().join("Cargo.lock"),
+        crate_dir.join("Cargo.lock"),
+    );
+    let output = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(args)
         .arg("--quiet")
         .arg("--manifest-path")
-        .arg(fixture.join("Cargo.toml"))
+        .arg(crate_dir.join("Cargo.toml"))
         .arg("--target-dir")
-        .arg(&target);
-    if !features.is_empty() {
-        command.arg("--features").arg(features.join(","));
-    }
-    let output = command.output().expect("cargo runs");
+        .arg(&target)
+        .output()
+        .expect("cargo runs");
     assert!(
         output.status.success(),
-        "building the example plugin failed:\n{}",
+        "cargo {args:?} in {} failed:\n{}",
+        crate_dir.display(),
         stderr(&output)
     );
+    target
+}
+
+/// Builds the third-party example plugin (outside the workspace) and returns a copy of its
+/// library under `dest`, named `name`.
+pub fn build_example_plugin(features: &[&str], dest: &Path, name: &str) -> PathBuf {
+    let fixture = workspace_root().join("tests/fixtures/example-kernel");
+    let feature_list = features.join(",");
+    let mut args = vec!["build"];
+    if !features.is_empty() {
+        args.extend(["--features", feature_list.as_str()]);
+    }
+    let target = cargo_outside(&fixture, &args);
     let built = target
         .join("debug")
         .join(format!("libexample_kernel{}", std::env::consts::DLL_SUFFIX));

@@ -3,6 +3,7 @@
 mod cache_cmd;
 mod doctor;
 mod mask_cmd;
+mod plugin_kit;
 mod plugins_cmd;
 mod progress;
 
@@ -81,7 +82,12 @@ enum Command {
         /// The node id (as `plan` prints it), or a stage with a single node.
         node: String,
     },
-    /// Inspect the plugins attnbench can find.
+    /// Start a new plugin crate.
+    Plugin {
+        #[command(subcommand)]
+        command: plugin_kit::PluginCommand,
+    },
+    /// Inspect and check the plugins attnbench can find.
     Plugins {
         #[command(subcommand)]
         command: plugins_cmd::PluginsCommand,
@@ -211,6 +217,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             );
             Ok(ExitCode::SUCCESS)
         }
+        Command::Plugin { command } => plugin_kit::run(command),
         Command::Plugins { command } => plugins_cmd::run(command, &cli.plugin_dirs),
         Command::Cache { command } => cache_cmd::run(command, &open_cache(&cli.cache)?),
         Command::Mask { command } => mask_cmd::run(command, &cli.plugin_dirs),

@@ -22,10 +22,38 @@ pub enum PluginsCommand {
         #[arg(long)]
         json: bool,
     },
+    /// The conformance suite: loads, valid manifest, bad parameters refused, kernels match the
+    /// reference on every mask they claim and say `unsupported` on the others.
+    Check {
+        /// Plugin libraries (paths) or names of installed plugins.
+        #[arg(required = true)]
+        libraries: Vec<String>,
+        /// One JSON report instead of text.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 pub fn run(command: PluginsCommand, plugin_dirs: &[PathBuf]) -> Result<ExitCode> {
     match command {
+        PluginsCommand::Check { libraries, json } => {
+            let registry = Registry::discover(plugin_dirs);
+            let mut paths = Vec::new();
+            for library in &libraries {
+                if Path::new(library).is_file() || library.contains('/') {
+                    paths.push(PathBuf::from(library));
+                } else {
+                    match registry.get(library) {
+                        Some(plugin) => paths.push(plugin.path.clone()),
+                        None => bail!(
+                            "no plugin `{library}`; {}",
+                            suggestion(library, registry.names(), "installed plugins")
+                        ),
+                    }
+                }
+            }
+            crate::plugin_kit::check(&paths, plugin_dirs, json)
+        }
         PluginsCommand::List => {
             let registry = Registry::discover(plugin_dirs);
             if registry.plugins().next().is_none() {
@@ -56,7 +84,7 @@ pub fn run(command: PluginsCommand, plugin_dirs: &[PathBuf]) -> Result<ExitCode>
         PluginsCommand::Info { plugin, json } => {
             let loaded;
             let registry;
-            let plugin_ref: &Plugin = if Path::new(&plugin).exists() || plugin.contains('/') {
+            let plugin_ref: &Plugin = if Path::new(&plugin).is_file() || plugin.contains('/') {
                 loaded = Plugin::load(Path::new(&plugin))?;
                 &loaded
             } else {

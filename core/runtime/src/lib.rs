@@ -1,4 +1,5 @@
 pub mod cache;
+pub mod conformance;
 pub mod diagnostic;
 pub mod inspect;
 pub mod pipeline;

@@ -272,7 +272,7 @@ impl Plugin {
         let spec = self
             .stage(stage)
             .ok_or_else(|| format!("plugin `{}` has no stage `{stage}`", self.manifest.name))?;
-        let params = stage_params(spec, given)?;
+        let params = spec.resolve_params(given)?;
         let request = attnbench_sdk::StageRequest {
             node: format!("{}/{stage}", self.manifest.name),
             stage: stage.to_string(),
@@ -291,39 +291,4 @@ impl Plugin {
         )?;
         serde_json::from_str(&text).map_err(|err| format!("malformed result: {err}"))
     }
-}
-
-/// `given` checked against the stage's parameters, with defaults filled in.
-pub fn stage_params(
-    spec: &StageSpec,
-    given: &serde_json::Map<String, serde_json::Value>,
-) -> Result<serde_json::Map<String, serde_json::Value>, String> {
-    let mut params = serde_json::Map::new();
-    for key in given.keys() {
-        if spec.find_param(key).is_none() {
-            let names = spec.params.iter().map(|p| p.name.as_str());
-            return Err(format!(
-                "`{}` has no parameter `{key}`; {}",
-                spec.name,
-                crate::diagnostic::suggestion(key, names, "parameters")
-            ));
-        }
-    }
-    for param in &spec.params {
-        let value = match given.get(&param.name).or(param.default.as_ref()) {
-            Some(value) => param
-                .ty
-                .coerce(value)
-                .map_err(|err| format!("parameter `{}`: {err}", param.name))?,
-            None => {
-                return Err(format!(
-                    "parameter `{}` ({}) is required",
-                    param.name, param.ty
-                ))
-            }
-        };
-        params.insert(param.name.clone(), value);
-    }
-    params.sort_keys();
-    Ok(params)
 }

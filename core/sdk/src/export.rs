@@ -77,6 +77,22 @@ extern "C" fn run_entry<P: Plugin>(
         let request: StageRequest = serde_json::from_str(request.as_str()).map_err(|err| {
             PluginError::failed(format!("the host sent a malformed request: {err}"))
         })?;
+        // Parameters are checked against the plugin's own manifest, whoever sent them.
+        let manifest = P::manifest();
+        let spec =
+            manifest
+                .find_stage(stage.as_str())
+                .ok_or_else(|| PluginError::UnknownStage {
+                    stage: stage.as_str().to_string(),
+                    known: manifest
+                        .stages
+                        .iter()
+                        .map(|s| s.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                })?;
+        spec.resolve_params(&request.params)
+            .map_err(PluginError::Params)?;
         P::run(stage.as_str(), request, &Host::new(host))
     }));
     match outcome {

@@ -36,7 +36,9 @@ pub use attnbench_abi as abi;
 pub use error::PluginError;
 pub use export::Plugin;
 pub use host::Host;
-pub use manifest::{CacheScope, Isolation, ParamSpec, ParamType, PluginManifest, StageSpec};
+pub use manifest::{
+    kinds, CacheScope, Isolation, ParamSpec, ParamType, PluginManifest, StageSpec, KERNEL_PARAMS,
+};
 pub use request::{InputArtifact, StageRequest};
 /// Re-exported so that a plugin can depend on this crate alone; derive with
 /// `#[serde(crate = "attnbench_sdk::serde")]`.

@@ -3,7 +3,7 @@
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 use crate::size::parse_size;
 
@@ -129,6 +129,10 @@ pub struct StageSpec {
     /// The node must have the machine to itself (timings): nothing else runs alongside it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub exclusive: bool,
+    /// Kernel stages: the mask patterns this kernel claims to run (empty = every pattern). Asked
+    /// for another, it answers `unsupported` with a reason; `attnbench plugins check` holds it to both.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub masks: Vec<String>,
 }
 
 impl StageSpec {
@@ -143,7 +147,26 @@ impl StageSpec {
             isolation: Isolation::InProcess,
             timeout_s: None,
             exclusive: false,
+            masks: Vec::new(),
         }
+    }
+
+    /// Kernel stages: the mask patterns this kernel claims (default: all).
+    pub fn masks(mut self, patterns: &[&str]) -> Self {
+        self.masks = patterns.iter().map(|p| p.to_string()).collect();
+        self
+    }
+
+    /// A kernel stage reads a mask and writes a measurement; it takes the standard shape
+    /// parameters and, with `outputs: true`, writes its output tensors for checking.
+    pub fn is_kernel(&self) -> bool {
+        self.inputs.iter().any(|k| k == kinds::MASK)
+            && self.outputs.iter().any(|k| k == kinds::MEASUREMENT)
+    }
+
+    /// Whether this kernel stage claims to run `pattern`.
+    pub fn claims(&self, pattern: &str) -> bool {
+        self.masks.is_empty() || self.masks.iter().any(|m| m == pattern)
     }
 
     /// Marks the stage's nodes as needing the machine to themselves (benchmarks).
@@ -190,7 +213,61 @@ impl StageSpec {
     pub fn find_param(&self, name: &str) -> Option<&ParamSpec> {
         self.params.iter().find(|param| param.name == name)
     }
+
+    /// `given` checked against the declared parameters, with defaults filled in and keys sorted:
+    /// unknown names, values of the wrong type and missing required values are refused.
+    pub fn resolve_params(&self, given: &Map<String, Value>) -> Result<Map<String, Value>, String> {
+        for key in given.keys() {
+            if self.find_param(key).is_none() {
+                let names = self.params.iter().map(|p| p.name.as_str());
+                return Err(format!(
+                    "`{}` has no parameter `{key}`; {}",
+                    self.name,
+                    crate::suggestion(key, names, "parameters")
+                ));
+            }
+        }
+        let mut params = Map::new();
+        for param in &self.params {
+            let value = match given.get(&param.name).or(param.default.as_ref()) {
+                Some(value) => param
+                    .ty
+                    .coerce(value)
+                    .map_err(|err| format!("parameter `{}`: {err}", param.name))?,
+                None => {
+                    return Err(format!(
+                        "parameter `{}` ({}) is required",
+                        param.name, param.ty
+                    ))
+                }
+            };
+            params.insert(param.name.clone(), value);
+        }
+        params.sort_keys();
+        Ok(params)
+    }
 }
+
+/// Artifact kinds the built-in stages read and write.
+pub mod kinds {
+    /// A mask set (`mask.json`), from `masks/generate`.
+    pub const MASK: &str = "mask";
+    /// A measurement record (`measurement.json`).
+    pub const MEASUREMENT: &str = "measurement";
+    /// A document-length histogram (`histogram.json`).
+    pub const HISTOGRAM: &str = "histogram";
+    pub const REPORT: &str = "report";
+}
+
+/// The parameters every kernel stage takes, so pipelines and `plugins check` can drive any kernel.
+pub const KERNEL_PARAMS: [&str; 6] = [
+    "heads_q",
+    "heads_kv",
+    "head_dim",
+    "direction",
+    "dtype",
+    "outputs",
+];
 
 /// What a node's cached result depends on.
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]

@@ -12,7 +12,7 @@ use attnbench_sdk::measure::{
     Shape as MeasuredShape, Throughput,
 };
 use attnbench_sdk::{
-    write_json, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError,
+    kinds, write_json, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError,
     PluginManifest, StageRequest, StageSpec,
 };
 use serde::Deserialize;
@@ -35,6 +35,7 @@ struct Params {
     check: String,
     full_check_max_seqlen: usize,
     max_scores_bytes: u64,
+    outputs: bool,
     warmup_reps: u32,
     min_reps: u32,
     max_reps: u32,
@@ -68,13 +69,14 @@ impl Plugin for Cpu {
                     ))
                     .param(ParamSpec::new("full_check_max_seqlen", ParamType::Size).default(1024).doc("Longest sequence `auto` checks in full."))
                     .param(ParamSpec::new("max_scores_bytes", ParamType::Size).default("1G").doc("The naive kernel refuses (unsupported) when its score matrix would be larger."))
+                    .param(ParamSpec::new("outputs", ParamType::Bool).default(false).doc("Also write the output tensors (out.f32, lse.f32 and, with a backward, dq/dk/dv.f32) for checking."))
                     .param(ParamSpec::new("warmup_reps", ParamType::Int).default(1).doc("Harness: warm-up repetitions."))
                     .param(ParamSpec::new("min_reps", ParamType::Int).default(5).doc("Harness: fewest timed repetitions."))
                     .param(ParamSpec::new("max_reps", ParamType::Int).default(100).doc("Harness: most timed repetitions."))
                     .param(ParamSpec::new("max_time_s", ParamType::Float).default(2.0).doc("Harness: time cap for the timed repetitions."))
                     .param(ParamSpec::new("target_rel_ci", ParamType::Float).default(0.01).doc("Harness: stop once the median's 95% CI is within ± this fraction."))
-                    .input("mask")
-                    .output("measurement")
+                    .input(kinds::MASK)
+                    .output(kinds::MEASUREMENT)
                     .cache_scope(CacheScope::Machine)
                     .isolation(Isolation::Worker)
                     .exclusive(),
@@ -93,7 +95,7 @@ impl Plugin for Cpu {
             PluginError::Params("cpu/benchmark needs a masks/generate node in `needs`".into())
         })?;
         let set = MaskSet::load(&input.dir)?;
-        let measurement = benchmark(&params, &set, request.seed, host)?;
+        let measurement = benchmark(&params, &set, request.seed, host, &request.output_dir)?;
         write_json(&request.output_dir, Measurement::FILE, &measurement)?;
         serde_json::to_value(&measurement).map_err(|err| PluginError::failed(err.to_string()))
     }
@@ -104,6 +106,7 @@ fn benchmark(
     set: &MaskSet,
     seed: u64,
     host: &Host,
+    output_dir: &std::path::Path,
 ) -> Result<Measurement, PluginError> {
     if params.heads_q == 0
         || params.heads_kv == 0
@@ -230,6 +233,20 @@ fn benchmark(
             &forward,
             grads.as_ref(),
         ));
+    }
+    if params.outputs {
+        let tensors: [(&str, Option<&Vec<f32>>); 5] = [
+            ("out.f32", Some(&forward.out)),
+            ("lse.f32", Some(&forward.lse)),
+            ("dq.f32", grads.as_ref().map(|g| &g.dq)),
+            ("dk.f32", grads.as_ref().map(|g| &g.dk)),
+            ("dv.f32", grads.as_ref().map(|g| &g.dv)),
+        ];
+        for (name, values) in tensors {
+            if let Some(values) = values {
+                attnbench_sdk::reference::write_tensor(output_dir, name, values)?;
+            }
+        }
     }
 
     let timing = match params.direction.as_str() {

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use attnbench_sdk::{
-    write_json, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError,
+    kinds, write_json, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError,
     PluginManifest, StageRequest, StageSpec,
 };
 use serde::Deserialize;
@@ -72,6 +72,7 @@ impl Plugin for Testkit {
                 "Prints to stdout and stderr, then succeeds.",
             ))
             .stage(StageSpec::new("fail").doc("Returns an error."))
+            .stage(wrong_kernel_stage())
     }
 
     fn run(stage: &str, request: StageRequest, host: &Host) -> Result<Value, PluginError> {
@@ -94,12 +95,61 @@ impl Plugin for Testkit {
                 Ok(json!({"noisy": true}))
             }
             "fail" => Err(PluginError::failed("testkit fails on purpose")),
+            "wrong-kernel" => wrong_kernel(&request),
             other => Err(PluginError::UnknownStage {
                 stage: other.into(),
                 known: "see the manifest".into(),
             }),
         }
     }
+}
+
+/// A kernel stage that claims `causal` but computes nothing (zeros), and claims to have run
+/// every other mask too: `attnbench plugins check` must catch both.
+fn wrong_kernel_stage() -> StageSpec {
+    let choice =
+        |options: &[&str]| ParamType::Enum(options.iter().map(|o| o.to_string()).collect());
+    StageSpec::new("wrong-kernel")
+        .doc("A kernel that is wrong on purpose.")
+        .param(ParamSpec::new("heads_q", ParamType::Int).default(2))
+        .param(ParamSpec::new("heads_kv", ParamType::Int).default(1))
+        .param(ParamSpec::new("head_dim", ParamType::Int).default(32))
+        .param(ParamSpec::new("direction", choice(&["fwd", "bwd", "fwd_bwd"])).default("fwd"))
+        .param(ParamSpec::new("dtype", choice(&["f32", "bf16"])).default("f32"))
+        .param(ParamSpec::new("outputs", ParamType::Bool).default(false))
+        .input(kinds::MASK)
+        .output(kinds::MEASUREMENT)
+        .masks(&["causal"])
+        .isolation(Isolation::Worker)
+}
+
+fn wrong_kernel(request: &StageRequest) -> Result<Value, PluginError> {
+    let count = |key: &str| request.params.get(key).and_then(Value::as_u64).unwrap_or(1) as usize;
+    let seqlen = request
+        .inputs
+        .first()
+        .and_then(|i| i.result.get("seqlen"))
+        .and_then(Value::as_u64)
+        .unwrap_or(0) as usize;
+    let (heads, dim) = (count("heads_q"), count("head_dim"));
+    attnbench_sdk::reference::write_tensor(
+        &request.output_dir,
+        "out.f32",
+        &vec![0.0; heads * seqlen * dim],
+    )?;
+    attnbench_sdk::reference::write_tensor(
+        &request.output_dir,
+        "lse.f32",
+        &vec![0.0; heads * seqlen],
+    )?;
+    Ok(json!({
+        "kernel": "wrong", "plugin": "testkit", "plugin_version": "0",
+        "mask": {"pattern": "?", "seqlen": seqlen, "area": 0, "documents": 0, "params": {}},
+        "shape": {"batch": 1, "heads_q": heads, "heads_kv": count("heads_kv"), "head_dim": dim, "dtype": "f32"},
+        "direction": request.params.get("direction").cloned().unwrap_or(json!("fwd")),
+        "status": "ok", "flops": 0, "environment": {},
+        "harness": {"timer": "none", "warmup_reps": 0, "warmup_s": 0.0, "min_reps": 0, "max_reps": 0, "max_time_s": 0.0, "target_rel_ci": 0.0},
+    }))
 }
 
 fn micros_now() -> u128 {

@@ -1,0 +1,378 @@
+//! `attnbench plugins check LIB`: what a plugin library must do to work in any pipeline. Every
+//! call runs in a worker process, so a plugin that crashes or hangs fails a check instead of the
+//! checker.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use attnbench_sdk::measure::{MeasureStatus, Measurement};
+use attnbench_sdk::reference::{self, HeadMasks, Inputs, Shape, OUTPUT_TENSORS};
+use attnbench_sdk::{InputArtifact, ParamType, StageRequest, StageSpec};
+use serde::Serialize;
+use serde_json::{json, Map, Value};
+
+use crate::plugin::{Plugin, Registry};
+use crate::services::ServiceSink;
+use crate::worker::{Worker, WorkerOutcome};
+
+/// The small problem every kernel stage is checked on.
+const SEQLEN: u64 = 256;
+const SHAPE: Shape = Shape {
+    heads_q: 2,
+    heads_kv: 1,
+    seqlen: SEQLEN as usize,
+    head_dim: 32,
+};
+const SEED: u64 = 1234;
+const TIMEOUT: Duration = Duration::from_secs(120);
+/// Relative error allowed against the f64 reference (f32 inputs).
+const TOLERANCE: f64 = 2e-3;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Check {
+    pub name: String,
+    pub passed: bool,
+    pub detail: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub library: PathBuf,
+    pub plugin: Option<String>,
+    pub checks: Vec<Check>,
+}
+
+impl Report {
+    pub fn passed(&self) -> bool {
+        self.checks.iter().all(|c| c.passed)
+    }
+
+    fn record(&mut self, name: impl Into<String>, result: Result<String, String>) {
+        let (passed, detail) = match result {
+            Ok(detail) => (true, detail),
+            Err(detail) => (false, detail),
+        };
+        self.checks.push(Check {
+            name: name.into(),
+            passed,
+            detail,
+        });
+    }
+}
+
+struct Quiet;
+
+impl ServiceSink for Quiet {
+    fn log(&self, _: attnbench_abi::LogLevel, _: &str) {}
+    fn progress(&self, _: u64, _: u64, _: &str) {}
+    fn is_cancelled(&self) -> bool {
+        false
+    }
+}
+
+/// Runs one stage in a worker (a fresh one when the last died).
+struct Runner {
+    exe: PathBuf,
+    library: PathBuf,
+    worker: Option<Worker>,
+}
+
+impl Runner {
+    fn run(
+        &mut self,
+        stage: &str,
+        request: &StageRequest,
+    ) -> Result<Result<Value, String>, String> {
+        let mut worker = match self.worker.take() {
+            Some(worker) => worker,
+            None => Worker::spawn(&self.exe, &self.library)
+                .map_err(|err| format!("the worker did not start: {err}"))?,
+        };
+        let text = serde_json::to_string(request).map_err(|err| err.to_string())?;
+        match worker.run(stage, &text, Some(TIMEOUT), &Quiet, None) {
+            WorkerOutcome::Finished(outcome) => {
+                self.worker = Some(worker);
+                Ok(outcome.and_then(|text| {
+                    serde_json::from_str(&text).map_err(|err| format!("malformed result: {err}"))
+                }))
+            }
+            WorkerOutcome::Crashed(reason) => Err(reason),
+            WorkerOutcome::TimedOut => Err(format!("did not answer within {}s", TIMEOUT.as_secs())),
+        }
+    }
+}
+
+pub fn check(library: &Path, registry: &Registry, worker_exe: &Path) -> Report {
+    let mut report = Report {
+        library: library.to_path_buf(),
+        plugin: None,
+        checks: Vec::new(),
+    };
+    let plugin = match Plugin::load(library) {
+        Ok(plugin) => plugin,
+        Err(err) => {
+            report.record("loads", Err(err.to_string()));
+            return report;
+        }
+    };
+    report.plugin = Some(plugin.manifest.name.clone());
+    report.record(
+        "loads",
+        Ok(format!(
+            "{} {}, ABI {}",
+            plugin.manifest.name, plugin.manifest.version, plugin.manifest.abi
+        )),
+    );
+    report.record(
+        "manifest is valid",
+        plugin.manifest.validate().map(|_| {
+            let stages: Vec<String> = plugin
+                .manifest
+                .stages
+                .iter()
+                .map(|s| format!("{} ({}, {})", s.name, s.cache_scope, s.isolation))
+                .collect();
+            format!("stages: {}", stages.join(", "))
+        }),
+    );
+    let mut runner = Runner {
+        exe: worker_exe.to_path_buf(),
+        library: plugin.path.clone(),
+        worker: None,
+    };
+    let scratch = match tempfile::tempdir() {
+        Ok(dir) => dir,
+        Err(err) => {
+            report.record("scratch directory", Err(err.to_string()));
+            return report;
+        }
+    };
+    for spec in &plugin.manifest.stages {
+        let mask_input = if spec.is_kernel() {
+            mask_input(registry, "causal", scratch.path())
+        } else {
+            Ok(Vec::new())
+        };
+        let inputs = match mask_input {
+            Ok(inputs) => inputs,
+            Err(err) => {
+                report.record(format!("{}: mask for checks", spec.name), Err(err));
+                continue;
+            }
+        };
+        report.record(
+            format!("{}: rejects bad parameters", spec.name),
+            bad_parameters(&mut runner, spec, &inputs, scratch.path()),
+        );
+        if spec.is_kernel() {
+            let missing: Vec<&str> = attnbench_sdk::KERNEL_PARAMS
+                .iter()
+                .copied()
+                .filter(|p| spec.find_param(p).is_none())
+                .collect();
+            if !missing.is_empty() {
+                report.record(
+                    format!("{}: kernel parameters", spec.name),
+                    Err(format!("a kernel stage must take {}", missing.join(", "))),
+                );
+                continue;
+            }
+            for pattern in attnbench_mask_patterns(registry) {
+                let name = format!("{}: {pattern}", spec.name);
+                let outcome =
+                    kernel_on_pattern(&mut runner, registry, spec, &pattern, scratch.path());
+                report.record(name, outcome);
+            }
+        }
+    }
+    report
+}
+
+/// The catalogue's patterns, from the masks plugin's manifest.
+fn attnbench_mask_patterns(registry: &Registry) -> Vec<String> {
+    registry
+        .get("masks")
+        .and_then(|masks| masks.stage("generate"))
+        .and_then(|stage| stage.find_param("mask"))
+        .and_then(|param| match &param.ty {
+            ParamType::Enum(options) => Some(options.clone()),
+            _ => None,
+        })
+        .unwrap_or_default()
+}
+
+/// A mask of `pattern` at the check's size, generated by the masks plugin.
+fn mask_input(
+    registry: &Registry,
+    pattern: &str,
+    scratch: &Path,
+) -> Result<Vec<InputArtifact>, String> {
+    let masks = registry
+        .get("masks")
+        .ok_or("the masks plugin is needed to check kernel stages and was not found")?;
+    let dir = scratch.join(format!("mask-{pattern}"));
+    std::fs::create_dir_all(&dir).map_err(|err| err.to_string())?;
+    let params: Map<String, Value> = serde_json::from_value(json!({
+        "mask": pattern, "seqlen": SEQLEN, "window": 32, "block_size": 64, "long_min": 32, "long_max": 96,
+        "sparse_block": 32, "min_block": 16, "heads_q": SHAPE.heads_q, "heads_kv": SHAPE.heads_kv,
+    }))
+    .map_err(|err| err.to_string())?;
+    let result = masks.call("generate", &params, SEED, &dir)?;
+    Ok(vec![InputArtifact {
+        node: format!("masks[mask={pattern}]"),
+        uses: "masks/generate".into(),
+        params,
+        coords: Map::new(),
+        dir,
+        result,
+        status: "ok".into(),
+        error: None,
+    }])
+}
+
+fn request(
+    spec: &StageSpec,
+    params: Map<String, Value>,
+    inputs: &[InputArtifact],
+    scratch: &Path,
+    tag: &str,
+) -> Result<StageRequest, String> {
+    let output_dir = scratch.join(format!("out-{}-{tag}", spec.name));
+    let _ = std::fs::remove_dir_all(&output_dir);
+    std::fs::create_dir_all(&output_dir).map_err(|err| err.to_string())?;
+    Ok(StageRequest {
+        node: format!("check[{tag}]"),
+        stage: spec.name.clone(),
+        params,
+        seed: SEED,
+        output_dir,
+        inputs: inputs.to_vec(),
+    })
+}
+
+/// A value of the wrong type for `ty`.
+fn wrong_value(ty: &ParamType) -> Option<Value> {
+    Some(match ty {
+        ParamType::Int | ParamType::Float | ParamType::Size => json!("not a number"),
+        ParamType::Bool => json!("maybe"),
+        ParamType::String | ParamType::File => json!(12345),
+        ParamType::Enum(_) => json!("no-such-choice"),
+        ParamType::List(_) => json!("not a list"),
+        ParamType::Json => return None,
+    })
+}
+
+/// Each parameter in turn gets a value of the wrong type: the stage must answer with an error.
+fn bad_parameters(
+    runner: &mut Runner,
+    spec: &StageSpec,
+    inputs: &[InputArtifact],
+    scratch: &Path,
+) -> Result<String, String> {
+    let defaults = spec.resolve_params(&Map::new()).unwrap_or_default();
+    let mut tried = 0;
+    for param in &spec.params {
+        let Some(bad) = wrong_value(&param.ty) else {
+            continue;
+        };
+        let mut params = defaults.clone();
+        params.insert(param.name.clone(), bad.clone());
+        let request = request(
+            spec,
+            params,
+            inputs,
+            scratch,
+            &format!("bad-{}", param.name),
+        )?;
+        match runner.run(&spec.name, &request) {
+            Ok(Err(message)) if message.starts_with("plugin panicked") => {
+                return Err(format!(
+                    "`{}` = {bad}: it panicked instead of returning an error ({message})",
+                    param.name
+                ))
+            }
+            Ok(Err(message)) if message.trim().is_empty() => {
+                return Err(format!("`{}` = {bad}: an empty error message", param.name))
+            }
+            Ok(Err(_)) => tried += 1,
+            Ok(Ok(_)) => return Err(format!("`{}` = {bad} was accepted", param.name)),
+            Err(crash) => return Err(format!("`{}` = {bad}: {crash}", param.name)),
+        }
+    }
+    Ok(format!(
+        "{tried} parameters refused a value of the wrong type with an error"
+    ))
+}
+
+/// A claimed pattern must run forward and match the reference (and backward too, unless the
+/// kernel says it has none); another pattern must be `unsupported` with a reason.
+fn kernel_on_pattern(
+    runner: &mut Runner,
+    registry: &Registry,
+    spec: &StageSpec,
+    pattern: &str,
+    scratch: &Path,
+) -> Result<String, String> {
+    let inputs = mask_input(registry, pattern, scratch)?;
+    let set = attnbench_sdk::mask::MaskSet::load(&inputs[0].dir).map_err(|err| err.to_string())?;
+    let masks = HeadMasks::new(&set, &SHAPE);
+    let tensors = Inputs::random(&SHAPE, SEED, false);
+    let forward = reference::forward(&SHAPE, &masks, &tensors);
+    let grads = reference::backward(&SHAPE, &masks, &tensors, &forward);
+    let expected = [&forward.out, &forward.lse, &grads.dq, &grads.dk, &grads.dv];
+    let mut details = Vec::new();
+    for direction in ["fwd", "bwd"] {
+        let given: Map<String, Value> = serde_json::from_value(json!({
+            "heads_q": SHAPE.heads_q, "heads_kv": SHAPE.heads_kv, "head_dim": SHAPE.head_dim,
+            "direction": direction, "dtype": "f32", "outputs": true,
+        }))
+        .map_err(|err| err.to_string())?;
+        let params = spec.resolve_params(&given)?;
+        let request = request(
+            spec,
+            params,
+            &inputs,
+            scratch,
+            &format!("{pattern}-{direction}"),
+        )?;
+        let result = runner
+            .run(&spec.name, &request)?
+            .map_err(|err| format!("{direction}: the stage failed: {err}"))?;
+        let measurement: Measurement = serde_json::from_value(result)
+            .map_err(|err| format!("{direction}: the result is not a measurement record: {err}"))?;
+        let reason = measurement.reason.clone().unwrap_or_default();
+        if !spec.claims(pattern) {
+            return match measurement.status {
+                MeasureStatus::Unsupported if !reason.trim().is_empty() => {
+                    Ok(format!("not claimed; unsupported: {reason}"))
+                }
+                status => Err(format!(
+                    "not claimed, so it must be `unsupported` with a reason, but it is {status:?}"
+                )),
+            };
+        }
+        match (direction, measurement.status) {
+            (_, MeasureStatus::Ok) => {}
+            ("bwd", MeasureStatus::Unsupported) if !reason.trim().is_empty() => {
+                details.push(format!("no backward ({reason})"));
+                continue;
+            }
+            (_, status) => return Err(format!("claimed, but {direction} is {status:?}: {reason}")),
+        }
+        let wanted = if direction == "fwd" { 2 } else { 5 };
+        for (name, expected) in OUTPUT_TENSORS.iter().zip(expected).take(wanted) {
+            let path = request.output_dir.join(name);
+            let actual = reference::read_tensor(&path)
+                .map_err(|_| format!("{direction}: it wrote no {name} with `outputs: true`"))?;
+            let error = reference::relative_error(&actual, expected);
+            if error > TOLERANCE {
+                return Err(format!("{direction}: {name} differs from the reference: relative error {error:.2e} > {TOLERANCE:.0e}"));
+            }
+            details.push(format!(
+                "{direction} {} {error:.1e}",
+                name.trim_end_matches(".f32")
+            ));
+        }
+    }
+    Ok(format!("matches the reference ({})", details.join(", ")))
+}
