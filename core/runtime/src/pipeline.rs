@@ -478,6 +478,14 @@ fn check_stage(
                 .map(|d| d.display().to_string())
                 .collect();
             format!("no plugins were found; searched {} (build them with `cargo build --workspace`, or pass --plugin-dir)", dirs.join(", "))
+        } else if let Some((path, reason)) = checker.registry.rejected.iter().find(|(path, _)| {
+            path.file_name()
+                .is_some_and(|f| f.to_string_lossy().contains(&plugin_name.replace('-', "_")))
+        }) {
+            format!(
+                "{} looks like it, but could not be loaded: {reason}",
+                path.display()
+            )
         } else {
             suggestion(plugin_name, checker.registry.names(), "installed plugins")
         };

@@ -7,8 +7,9 @@ use serde_json::{Map, Value};
 
 use crate::size::parse_size;
 
+/// Hosts ignore manifest fields they do not know, so a plugin built against a newer minor of the
+/// SDK still loads in an older attnbench.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
 pub struct PluginManifest {
     pub name: String,
     pub version: String,
@@ -106,7 +107,6 @@ fn check_name(what: &str, name: &str) -> Result<(), String> {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
 pub struct StageSpec {
     pub name: String,
     #[serde(default)]
@@ -310,7 +310,6 @@ pub enum Isolation {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
 pub struct ParamSpec {
     pub name: String,
     #[serde(rename = "type")]
