@@ -151,7 +151,9 @@ fn a_checksum_mismatch_fails_and_leaves_nothing_that_looks_valid() {
     let downloads: Vec<_> = std::fs::read_dir(sandbox.cache().join("downloads"))
         .unwrap()
         .flatten()
-        .map(|e| e.file_name())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        // Lock files only serialise downloads; they hold no data.
+        .filter(|name| !name.ends_with(".lock"))
         .collect();
     assert!(
         downloads.is_empty(),
@@ -217,4 +219,53 @@ fn histograms_in_longca_format_and_the_synthetic_default_are_accepted() {
             .count(),
         2
     );
+}
+
+#[test]
+fn documents_can_be_counted_with_a_tokenizer_json() {
+    // Every document is "w0, w1, …" : n words, n − 1 commas.
+    let mut text = String::new();
+    for i in 0..50u64 {
+        let words: Vec<String> = (0..=i).map(|w| format!("w{w}")).collect();
+        text.push_str(&serde_json::json!({"text": words.join(", ")}).to_string());
+        text.push('\n');
+    }
+    let shard = text.into_bytes();
+    let server = HttpServer::start(
+        HashMap::from([("p.jsonl".to_string(), shard.clone())]),
+        HashSet::new(),
+    );
+    let sandbox = Sandbox::new();
+    // A word-level tokenizer whose pre-tokenizer splits punctuation off: commas are tokens.
+    sandbox.write(
+        "tokenizer.json",
+        r#"{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+            "pre_tokenizer": {"type": "BertPreTokenizer"}, "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, ",": 1}, "unk_token": "[UNK]"}}"#,
+    );
+    sandbox.write(
+        "corpus.yaml",
+        &format!(
+            "name: punctuated\nshards:\n  - url: {}\n    sha256: {}\n",
+            server.url("p.jsonl"),
+            sha256(&shard)
+        ),
+    );
+    sandbox.write(
+        "p.yaml",
+        "stages:\n  words:\n    uses: datasets/lengths\n    with: {source: corpus.yaml}\n  tokens:\n    uses: datasets/lengths\n    with: {source: corpus.yaml, tokenizer: tokenizer.json}\n",
+    );
+    let output = sandbox.run(&["run", "p.yaml"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let record = sandbox.last_record();
+    let words = result_of(node(&record, "words"));
+    let tokens = result_of(node(&record, "tokens"));
+    let n: u64 = (1..=50).sum();
+    assert_eq!(words["tokens"], n, "whitespace: one token per word");
+    assert_eq!(
+        tokens["tokens"],
+        n + (n - 50),
+        "the tokenizer also counts the commas"
+    );
+    assert_eq!(tokens["counted_as"], "tokens of the given tokenizer.json");
 }

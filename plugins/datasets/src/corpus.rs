@@ -7,9 +7,46 @@ use std::path::Path;
 use attnbench_sdk::PluginError;
 use serde_json::Value;
 
-/// The length, in whitespace-separated tokens (LongCA-bench's proxy), of each document of a
-/// `.jsonl` or `.jsonl.zst` shard, at most `limit` of them.
-pub fn count_tokens(path: &Path, text_field: &str, limit: u64) -> Result<Vec<u64>, PluginError> {
+/// How document lengths are counted.
+pub enum Counter {
+    /// Whitespace-separated tokens: LongCA-bench's proxy.
+    Whitespace,
+    /// Tokens of a Hugging Face `tokenizer.json`.
+    Tokenizer(Box<tokenizers::Tokenizer>),
+}
+
+impl Counter {
+    pub fn from_file(path: &Path) -> Result<Counter, PluginError> {
+        let tokenizer = tokenizers::Tokenizer::from_file(path)
+            .map_err(|err| PluginError::Params(format!("tokenizer {}: {err}", path.display())))?;
+        Ok(Counter::Tokenizer(Box::new(tokenizer)))
+    }
+
+    pub fn describe(&self) -> &'static str {
+        match self {
+            Counter::Whitespace => "whitespace-separated tokens",
+            Counter::Tokenizer(_) => "tokens of the given tokenizer.json",
+        }
+    }
+
+    fn count(&self, text: &str) -> Result<u64, String> {
+        match self {
+            Counter::Whitespace => Ok(text.split_whitespace().count() as u64),
+            Counter::Tokenizer(tokenizer) => tokenizer
+                .encode(text, false)
+                .map(|e| e.len() as u64)
+                .map_err(|err| err.to_string()),
+        }
+    }
+}
+
+/// The length of each document of a `.jsonl` or `.jsonl.zst` shard, at most `limit` of them.
+pub fn count_tokens(
+    path: &Path,
+    text_field: &str,
+    counter: &Counter,
+    limit: u64,
+) -> Result<Vec<u64>, PluginError> {
     let file = File::open(path).map_err(|err| PluginError::io(&path.to_path_buf(), err))?;
     let name = path.to_string_lossy();
     let reader: Box<dyn Read> = if name.ends_with(".zst") {
@@ -39,7 +76,10 @@ pub fn count_tokens(path: &Path, text_field: &str, limit: u64) -> Result<Vec<u64
                     number + 1
                 ))
             })?;
-        lengths.push(text.split_whitespace().count() as u64);
+        let length = counter
+            .count(text)
+            .map_err(|err| PluginError::failed(format!("{name}: line {}: {err}", number + 1)))?;
+        lengths.push(length);
     }
     Ok(lengths)
 }

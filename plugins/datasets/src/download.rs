@@ -28,13 +28,17 @@ pub fn fetch(
 ) -> Result<PathBuf, PluginError> {
     std::fs::create_dir_all(dir).map_err(|err| PluginError::io(&dir.to_path_buf(), err))?;
     let target = dir.join(local_name(url));
-    let partial = target.with_file_name(format!(
-        "{}.partial",
-        target
-            .file_name()
-            .and_then(|n| n.to_str())
-            .unwrap_or("shard")
-    ));
+    let name = target
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or("shard")
+        .to_string();
+    let partial = target.with_file_name(format!("{name}.partial"));
+    // One download of a shard at a time, across nodes and runs: the others wait, then reuse it.
+    let lock_path = target.with_file_name(format!("{name}.lock"));
+    let lock = File::create(&lock_path).map_err(|err| PluginError::io(&lock_path, err))?;
+    lock.lock()
+        .map_err(|err| PluginError::io(&lock_path, err))?;
     if target.is_file() {
         match sha256 {
             Some(expected) if file_sha256(&target)? != expected.to_ascii_lowercase() => {

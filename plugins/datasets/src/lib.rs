@@ -31,6 +31,7 @@ struct Params {
     bucket_ratio: f64,
     retries: u32,
     downloads: String,
+    tokenizer: String,
 }
 
 impl Plugin for Datasets {
@@ -45,6 +46,9 @@ impl Plugin for Datasets {
                     ))
                     .param(ParamSpec::new("max_documents", ParamType::Int).default(0).doc("Count at most this many documents of a corpus (0 = all)."))
                     .param(ParamSpec::new("bucket_ratio", ParamType::Float).default(1.25).doc("Corpus histograms: each bucket this much wider than the last (from 32 tokens)."))
+                    .param(ParamSpec::new("tokenizer", ParamType::File).default("").doc(
+                        "Count corpus documents in tokens of this Hugging Face tokenizer.json (default: whitespace-separated tokens, LongCA-bench's proxy).",
+                    ))
                     .param(ParamSpec::new("retries", ParamType::Int).default(4).doc("Download attempts after the first, resuming where the last stopped."))
                     .param(ParamSpec::new("downloads", ParamType::String).default("").doc(
                         "Where shards are kept between runs (default: $ATTNBENCH_CACHE/downloads, else artifacts/downloads).",
@@ -106,6 +110,11 @@ fn from_manifest(
     host: &Host,
 ) -> Result<(Histogram, Value), PluginError> {
     let manifest = DatasetManifest::load(path)?;
+    let counter = if params.tokenizer.is_empty() {
+        corpus::Counter::Whitespace
+    } else {
+        corpus::Counter::from_file(Path::new(&params.tokenizer))?
+    };
     let dir = downloads_dir(params);
     let mut lengths = Vec::new();
     let mut shards = Vec::new();
@@ -125,7 +134,7 @@ fn from_manifest(
         } else {
             u64::MAX
         };
-        let counted = corpus::count_tokens(&file, &manifest.text_field, limit)?;
+        let counted = corpus::count_tokens(&file, &manifest.text_field, &counter, limit)?;
         host.info(&format!("{}: {} documents", shard.url, counted.len()));
         shards.push(json!({"url": shard.url, "sha256_verified": shard.sha256.is_some(), "documents": counted.len()}));
         lengths.extend(counted);
@@ -142,7 +151,7 @@ fn from_manifest(
     let summary = json!({
         "source": path.display().to_string(),
         "dataset": manifest.name,
-        "counted_as": "whitespace-separated tokens",
+        "counted_as": counter.describe(),
         "documents": lengths.len(),
         "tokens": tokens,
         "mean": tokens as f64 / lengths.len() as f64,
