@@ -12,24 +12,7 @@ use attnbench_sdk::mask::Flops;
 use attnbench_tests::{stderr, Sandbox};
 
 fn params(seqlen: u64) -> Params {
-    Params {
-        mask: "causal_document".into(),
-        seqlen,
-        window: 1024,
-        prefix: -1,
-        global_tokens: -1,
-        global_window: -1,
-        block_size: 1024,
-        short_fraction: 0.4,
-        long_min: 8192,
-        long_max: 30720,
-        density: 0.5,
-        sparse_block: 128,
-        min_block: 128,
-        sparse_scope: "per_kv_group".into(),
-        heads_q: 64,
-        heads_kv: 8,
-    }
+    Params::new("causal_document", seqlen)
 }
 
 fn best<T>(tries: usize, mut work: impl FnMut() -> T) -> (Duration, T) {

@@ -69,9 +69,9 @@ fn main() {
     ));
 
     let nodes = 500;
-    let in_process = {
+    let one_at_a_time = |stage: &str| {
         let sandbox = Sandbox::new();
-        let pipeline = sandbox.write("p.yaml", &matrix_pipeline("echo", 1, nodes));
+        let pipeline = sandbox.write("p.yaml", &matrix_pipeline(stage, 1, nodes));
         best_of(
             &sandbox,
             &[
@@ -84,21 +84,7 @@ fn main() {
             1,
         )
     };
-    let in_worker = {
-        let sandbox = Sandbox::new();
-        let pipeline = sandbox.write("w.yaml", &matrix_pipeline("echo-worker", 1, nodes));
-        best_of(
-            &sandbox,
-            &[
-                "run",
-                "-q",
-                "-j",
-                "1",
-                pipeline.to_str().unwrap_or_default(),
-            ],
-            1,
-        )
-    };
+    let (in_process, in_worker) = (one_at_a_time("echo"), one_at_a_time("echo-worker"));
     let per_node_ms = (in_worker.as_secs_f64() - in_process.as_secs_f64()) / nodes as f64 * 1e3;
     rows.push((
         "500 nodes in process, -j 1",

@@ -174,34 +174,13 @@ impl Cache {
 
     /// Held (shared) by every run and (exclusive) by `gc`, so gc never removes what a run reads.
     pub fn lock_store(&self, exclusive: bool) -> Result<File, CacheError> {
-        let path = self.root.join("store.lock");
-        let file = File::options()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .map_err(io(&path))?;
-        if exclusive {
-            file.lock()
-        } else {
-            file.lock_shared()
-        }
-        .map_err(io(&path))?;
-        Ok(file)
+        lock_file(&self.root.join("store.lock"), exclusive)
     }
 
     /// Held while one node is computed, so two runs never compute the same key at once: the
     /// second waits and then finds the entry.
     pub fn lock_key(&self, key: &str) -> Result<File, CacheError> {
-        let path = self.root.join("locks").join(format!("{key}.lock"));
-        let file = File::options()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .map_err(io(&path))?;
-        file.lock().map_err(io(&path))?;
-        Ok(file)
+        lock_file(&self.root.join("locks").join(format!("{key}.lock")), true)
     }
 
     pub fn lookup(&self, key: &str) -> Lookup {
@@ -370,6 +349,23 @@ impl Cache {
         entries.sort_by(|a, b| a.0.cmp(&b.0));
         entries
     }
+}
+
+/// Opens (creating) `path` and takes its lock; the lock lasts as long as the file is open.
+fn lock_file(path: &Path, exclusive: bool) -> Result<File, CacheError> {
+    let file = File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .map_err(io(path))?;
+    if exclusive {
+        file.lock()
+    } else {
+        file.lock_shared()
+    }
+    .map_err(io(path))?;
+    Ok(file)
 }
 
 fn output_digest(result_digest: &str, files: &BTreeMap<String, String>) -> String {

@@ -546,16 +546,7 @@ fn check_stage(
     for (key, value) in &with {
         let at = ["stages", stage_name, "with", key.as_str()];
         let Some(param) = spec.find_param(key) else {
-            let hint = suggestion(
-                key,
-                param_names.iter().copied(),
-                &format!("parameters of `{uses}`"),
-            );
-            checker.at_key(
-                &at,
-                format!("`{uses}` has no parameter `{key}`"),
-                Some(hint),
-            );
+            unknown_parameter(checker, &at, &uses, key, &param_names, "");
             continue;
         };
         match param.ty.coerce(value) {
@@ -577,16 +568,7 @@ fn check_stage(
             for (key, values) in raw_matrix {
                 let at = ["stages", stage_name, "matrix", key.as_str()];
                 let Some(param) = spec.find_param(key) else {
-                    let hint = suggestion(
-                        key,
-                        param_names.iter().copied(),
-                        &format!("parameters of `{uses}`"),
-                    );
-                    checker.at_key(
-                        &at,
-                        format!("`{uses}` has no parameter `{key}` to vary"),
-                        Some(hint),
-                    );
+                    unknown_parameter(checker, &at, &uses, key, &param_names, " to vary");
                     continue;
                 };
                 if with.contains_key(key) {
@@ -670,6 +652,26 @@ fn check_stage(
         timeout,
     };
     Some((stage, needs))
+}
+
+fn unknown_parameter(
+    checker: &mut Checker,
+    at: &[&str],
+    uses: &str,
+    key: &str,
+    names: &[&str],
+    what: &str,
+) {
+    let hint = suggestion(
+        key,
+        names.iter().copied(),
+        &format!("parameters of `{uses}`"),
+    );
+    checker.at_key(
+        at,
+        format!("`{uses}` has no parameter `{key}`{what}"),
+        Some(hint),
+    );
 }
 
 fn doc_suffix(doc: &str) -> String {

@@ -11,22 +11,16 @@ use crate::tiled;
 
 fn mask_params(mask: &str, seqlen: u64) -> MaskParams {
     MaskParams {
-        mask: mask.into(),
-        seqlen,
         window: 9,
-        prefix: -1,
-        global_tokens: -1,
-        global_window: -1,
         block_size: 25,
-        short_fraction: 0.4,
         long_min: 30,
         long_max: 60,
         density: 0.4,
         sparse_block: 32,
         min_block: 16,
-        sparse_scope: "per_kv_group".into(),
         heads_q: 4,
         heads_kv: 2,
+        ..MaskParams::new(mask, seqlen)
     }
 }
 

@@ -42,6 +42,17 @@ fn prepare(masks: &HeadMasks) -> Vec<Option<MaskTiles>> {
     prepared
 }
 
+/// The query rows of head `h`, and the key and value rows of its KV head.
+fn head_view<'a>(shape: &Shape, inputs: &'a Inputs, h: usize) -> (&'a [f32], &'a [f32], &'a [f32]) {
+    let (s, d) = (shape.seqlen, shape.head_dim);
+    let kv = shape.kv_head(h);
+    (
+        &inputs.q[h * s * d..(h + 1) * s * d],
+        &inputs.k[kv * s * d..(kv + 1) * s * d],
+        &inputs.v[kv * s * d..(kv + 1) * s * d],
+    )
+}
+
 /// Runs `work` on every job, spread over `threads` threads.
 fn parallel<J: Send>(jobs: Vec<J>, threads: usize, work: impl Fn(J) + Sync) {
     let queue = Mutex::new(jobs);
@@ -110,12 +121,7 @@ pub fn forward(shape: &Shape, masks: &HeadMasks, inputs: &Inputs, threads: usize
         let mask = tiles[masks.index_of_head[h]]
             .as_ref()
             .expect("prepared for every head");
-        let kv = shape.kv_head(h);
-        let q = &inputs.q[h * s * d..(h + 1) * s * d];
-        let (k, v) = (
-            &inputs.k[kv * s * d..(kv + 1) * s * d],
-            &inputs.v[kv * s * d..(kv + 1) * s * d],
-        );
+        let (q, k, v) = head_view(shape, inputs, h);
         let (r0, r1) = (qt * TILE, ((qt + 1) * TILE).min(s));
         let mut scores = vec![0f32; TILE * TILE];
         let mut max = vec![f32::NEG_INFINITY; TILE];
@@ -189,12 +195,7 @@ pub fn backward(
         let mask = tiles[masks.index_of_head[h]]
             .as_ref()
             .expect("prepared for every head");
-        let kv = shape.kv_head(h);
-        let q = &inputs.q[h * s * d..(h + 1) * s * d];
-        let (k, v) = (
-            &inputs.k[kv * s * d..(kv + 1) * s * d],
-            &inputs.v[kv * s * d..(kv + 1) * s * d],
-        );
+        let (q, k, v) = head_view(shape, inputs, h);
         let (r0, r1) = (qt * TILE, ((qt + 1) * TILE).min(s));
         let (c0, c1) = (kt * TILE, ((kt + 1) * TILE).min(s));
         tile_scores(shape, q, k, (r0, r1), (c0, c1), full, &mask.rows, p);

@@ -244,47 +244,25 @@ impl Mask {
 
     /// Calls `visit(q, intervals)` for every row, with the row's allowed keys as sorted, merged,
     /// disjoint intervals.
-    pub fn for_each_row(&self, mut visit: impl FnMut(u64, &[(u64, u64)])) {
-        let mut order: Vec<&Slice> = self.slices.iter().collect();
-        order.sort_by_key(|s| s.q[0]);
-        let mut next = 0;
-        let mut active: Vec<&Slice> = Vec::new();
-        let mut intervals = Vec::new();
-        for q in 0..self.seqlen_q {
-            active.retain(|s| s.q[1] > q);
-            while next < order.len() && order[next].q[0] <= q {
-                if order[next].q[1] > q {
-                    active.push(order[next]);
-                }
-                next += 1;
-            }
-            intervals.clear();
-            intervals.extend(active.iter().filter_map(|s| s.keys_of_row(q)));
-            merge(&mut intervals);
-            visit(q, &intervals);
-        }
+    pub fn for_each_row(&self, visit: impl FnMut(u64, &[(u64, u64)])) {
+        sweep(
+            &self.slices,
+            self.seqlen_q,
+            |s| s.q,
+            Slice::keys_of_row,
+            visit,
+        );
     }
 
     /// Like [`Mask::for_each_row`], by key column: the allowed rows of every key.
-    pub fn for_each_column(&self, mut visit: impl FnMut(u64, &[(u64, u64)])) {
-        let mut order: Vec<&Slice> = self.slices.iter().collect();
-        order.sort_by_key(|s| s.k[0]);
-        let mut next = 0;
-        let mut active: Vec<&Slice> = Vec::new();
-        let mut intervals = Vec::new();
-        for k in 0..self.seqlen_k {
-            active.retain(|s| s.k[1] > k);
-            while next < order.len() && order[next].k[0] <= k {
-                if order[next].k[1] > k {
-                    active.push(order[next]);
-                }
-                next += 1;
-            }
-            intervals.clear();
-            intervals.extend(active.iter().filter_map(|s| s.rows_of_key(k)));
-            merge(&mut intervals);
-            visit(k, &intervals);
-        }
+    pub fn for_each_column(&self, visit: impl FnMut(u64, &[(u64, u64)])) {
+        sweep(
+            &self.slices,
+            self.seqlen_k,
+            |s| s.k,
+            Slice::rows_of_key,
+            visit,
+        );
     }
 
     /// Whether cell (q, k) is allowed, straight from the slices (for tests and small pictures).
@@ -302,6 +280,35 @@ impl Mask {
         } else {
             self.area() as f64 / cells
         }
+    }
+}
+
+/// Visits positions `0..length` along one axis (rows or keys), keeping the slices whose `span`
+/// covers the position active, and hands `visit` the merged intervals `cross` gives there.
+fn sweep(
+    slices: &[Slice],
+    length: u64,
+    span: impl Fn(&Slice) -> Span,
+    cross: impl Fn(&Slice, u64) -> Option<(u64, u64)>,
+    mut visit: impl FnMut(u64, &[(u64, u64)]),
+) {
+    let mut order: Vec<&Slice> = slices.iter().collect();
+    order.sort_by_key(|s| span(s)[0]);
+    let mut next = 0;
+    let mut active: Vec<&Slice> = Vec::new();
+    let mut intervals = Vec::new();
+    for position in 0..length {
+        active.retain(|s| span(s)[1] > position);
+        while next < order.len() && span(order[next])[0] <= position {
+            if span(order[next])[1] > position {
+                active.push(order[next]);
+            }
+            next += 1;
+        }
+        intervals.clear();
+        intervals.extend(active.iter().filter_map(|s| cross(s, position)));
+        merge(&mut intervals);
+        visit(position, &intervals);
     }
 }
 

@@ -51,6 +51,31 @@ pub struct Params {
     pub heads_kv: u64,
 }
 
+impl Params {
+    /// `mask` at `seqlen` with every other parameter at LongCA-bench's default (the same
+    /// defaults `masks/generate` declares).
+    pub fn new(mask: &str, seqlen: u64) -> Params {
+        Params {
+            mask: mask.into(),
+            seqlen,
+            window: 1024,
+            prefix: -1,
+            global_tokens: -1,
+            global_window: -1,
+            block_size: 1024,
+            short_fraction: 0.4,
+            long_min: 8192,
+            long_max: 30720,
+            density: 0.5,
+            sparse_block: 128,
+            min_block: 128,
+            sparse_scope: "per_kv_group".into(),
+            heads_q: 64,
+            heads_kv: 8,
+        }
+    }
+}
+
 type Drawn = Map<String, Value>;
 
 /// Generates `params.mask` from `histogram` with a generator seeded by `seed`.

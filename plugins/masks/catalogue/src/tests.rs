@@ -4,22 +4,9 @@ use super::*;
 
 fn params(mask: &str, seqlen: u64) -> Params {
     Params {
-        mask: mask.into(),
-        seqlen,
-        window: 1024,
-        prefix: -1,
-        global_tokens: -1,
-        global_window: -1,
-        block_size: 1024,
-        short_fraction: 0.4,
-        long_min: 8192,
-        long_max: 30720,
-        density: 0.5,
-        sparse_block: 128,
-        min_block: 128,
-        sparse_scope: "per_kv_group".into(),
         heads_q: 4,
         heads_kv: 2,
+        ..Params::new(mask, seqlen)
     }
 }
 
