@@ -1,12 +1,14 @@
 //! `attnbench doctor`: what this machine offers attnbench.
 
-use std::ffi::CString;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Result;
 use attnbench_runtime::cache::Cache;
+use attnbench_runtime::cuda_env;
 use attnbench_runtime::plugin::Registry;
+use attnbench_runtime::services::Silent;
+use attnbench_runtime::worker::{Worker, WorkerOutcome};
 use attnbench_sdk::environment::Environment;
 
 use crate::cache_cmd::human_bytes;
@@ -60,28 +62,68 @@ pub fn run(plugin_dirs: &[PathBuf], cache: &Cache) -> Result<ExitCode> {
         human_bytes(bytes)
     );
 
-    match loadable("libcuda.so.1") {
-        true => println!("gpu: the NVIDIA driver library libcuda.so.1 loads"),
-        false => println!(
-            "gpu: no NVIDIA driver found (libcuda.so.1 is not loadable; looked through LD_LIBRARY_PATH={} and the system library cache); GPU stages will be refused",
-            std::env::var("LD_LIBRARY_PATH").unwrap_or_default()
-        ),
-    }
+    gpu(&registry, cache)?;
     Ok(ExitCode::SUCCESS)
 }
 
-/// Whether the dynamic loader can open `name`.
-fn loadable(name: &str) -> bool {
-    let Ok(name) = CString::new(name) else {
-        return false;
-    };
-    // SAFETY: dlopen with a valid C string; the handle is closed right away.
-    unsafe {
-        let handle = libc::dlopen(name.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL);
-        if handle.is_null() {
-            return false;
-        }
-        libc::dlclose(handle);
+/// The CUDA libraries found (and where attnbench looked), and the GPUs as the cuda plugin sees
+/// them from a worker started with those libraries.
+fn gpu(registry: &Registry, cache: &Cache) -> Result<()> {
+    let discovery = cuda_env::discover();
+    for found in &discovery.found {
+        let version = found
+            .version
+            .as_deref()
+            .map(|v| format!(" {v}"))
+            .unwrap_or_default();
+        println!(
+            "cuda library: {}{version} — {}",
+            found.library,
+            found.path.display()
+        );
     }
-    true
+    if !discovery.missing.is_empty() {
+        println!("cuda libraries not found: {}", discovery.missing.join(", "));
+    }
+    let searched: Vec<String> = discovery
+        .searched
+        .iter()
+        .map(|d| d.display().to_string())
+        .collect();
+    println!("  (searched {})", searched.join(", "));
+    if !discovery.found.iter().any(|f| f.library == "driver") {
+        println!("gpu: no NVIDIA driver found (no libcuda.so in the folders above); GPU stages will be refused");
+        return Ok(());
+    }
+    let Some(plugin) = registry.get("cuda") else {
+        println!("gpu: the cuda plugin was not found, so the devices were not queried");
+        return Ok(());
+    };
+    let links = cache.root.join("cuda-libs");
+    let env = cuda_env::worker_env(&links);
+    let exe = std::env::current_exe()?;
+    let mut worker = match Worker::spawn(&exe, &plugin.path, &env) {
+        Ok(worker) => worker,
+        Err(err) => {
+            println!("gpu: the cuda plugin's worker did not start: {err}");
+            return Ok(());
+        }
+    };
+    let output = tempfile::tempdir()?;
+    let request = serde_json::json!({"node": "doctor", "stage": "devices", "params": {}, "seed": 0, "output_dir": output.path(), "inputs": []});
+    match worker.run(
+        "devices",
+        &request.to_string(),
+        Some(std::time::Duration::from_secs(120)),
+        &Silent,
+        None,
+    ) {
+        WorkerOutcome::Finished(Ok(text)) => println!("gpu: {text}"),
+        WorkerOutcome::Finished(Err(err)) => println!("gpu: {err}"),
+        WorkerOutcome::Crashed(reason) => {
+            println!("gpu: querying the devices crashed the worker: {reason}")
+        }
+        WorkerOutcome::TimedOut => println!("gpu: querying the devices did not finish in 120 s"),
+    }
+    Ok(())
 }

@@ -12,7 +12,7 @@ use serde::Serialize;
 use serde_json::{json, Map, Value};
 
 use crate::plugin::{Plugin, Registry};
-use crate::services::ServiceSink;
+use crate::services::Silent;
 use crate::worker::{Worker, WorkerOutcome};
 
 /// The small problem every kernel stage is checked on.
@@ -60,21 +60,12 @@ impl Report {
     }
 }
 
-struct Quiet;
-
-impl ServiceSink for Quiet {
-    fn log(&self, _: attnbench_abi::LogLevel, _: &str) {}
-    fn progress(&self, _: u64, _: u64, _: &str) {}
-    fn is_cancelled(&self) -> bool {
-        false
-    }
-}
-
 /// Runs one stage in a worker (a fresh one when the last died).
 struct Runner {
     exe: PathBuf,
     library: PathBuf,
     worker: Option<Worker>,
+    env: Vec<(String, String)>,
 }
 
 impl Runner {
@@ -85,11 +76,11 @@ impl Runner {
     ) -> Result<Result<Value, String>, String> {
         let mut worker = match self.worker.take() {
             Some(worker) => worker,
-            None => Worker::spawn(&self.exe, &self.library)
+            None => Worker::spawn(&self.exe, &self.library, &self.env)
                 .map_err(|err| format!("the worker did not start: {err}"))?,
         };
         let text = serde_json::to_string(request).map_err(|err| err.to_string())?;
-        match worker.run(stage, &text, Some(TIMEOUT), &Quiet, None) {
+        match worker.run(stage, &text, Some(TIMEOUT), &Silent, None) {
             WorkerOutcome::Finished(outcome) => {
                 self.worker = Some(worker);
                 Ok(outcome.and_then(|text| {
@@ -135,10 +126,13 @@ pub fn check(library: &Path, registry: &Registry, worker_exe: &Path) -> Report {
             format!("stages: {}", stages.join(", "))
         }),
     );
+    let links = std::env::temp_dir().join(format!("attnbench-cuda-libs-{}", std::process::id()));
+    let env = crate::cuda_env::worker_env(&links);
     let mut runner = Runner {
         exe: worker_exe.to_path_buf(),
         library: plugin.path.clone(),
         worker: None,
+        env,
     };
     let scratch = match tempfile::tempdir() {
         Ok(dir) => dir,

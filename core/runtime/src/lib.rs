@@ -1,5 +1,6 @@
 pub mod cache;
 pub mod conformance;
+pub mod cuda_env;
 pub mod diagnostic;
 pub mod inspect;
 pub mod pipeline;

@@ -191,7 +191,7 @@ pub fn execute(
     let shared = Shared {
         plan,
         cache,
-        pool: WorkerPool::new(options.worker_exe.clone()),
+        pool: WorkerPool::new(options.worker_exe.clone(), cache.root.join("cuda-libs")),
         fingerprint: crate::cache::environment_fingerprint(&environment),
         forced,
         logs_dir,

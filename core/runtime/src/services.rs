@@ -59,3 +59,14 @@ pub fn trace_plugin_log(plugin: &str, node: &str, level: LogLevel, message: &str
         LogLevel::Trace => tracing::trace!(target: "plugin", plugin, node, "{message}"),
     }
 }
+
+/// A sink that drops everything: for calls whose logs nobody reads (checks, probes).
+pub struct Silent;
+
+impl ServiceSink for Silent {
+    fn log(&self, _: LogLevel, _: &str) {}
+    fn progress(&self, _: u64, _: u64, _: &str) {}
+    fn is_cancelled(&self) -> bool {
+        false
+    }
+}

@@ -176,8 +176,13 @@ pub struct Worker {
 }
 
 impl Worker {
-    pub fn spawn(exe: &Path, plugin_path: &Path) -> Result<Worker, String> {
+    pub fn spawn(
+        exe: &Path,
+        plugin_path: &Path,
+        env: &[(String, String)],
+    ) -> Result<Worker, String> {
         let mut child = Command::new(exe)
+            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .arg("worker")
             .arg("--plugin")
             .arg(plugin_path)
@@ -384,14 +389,25 @@ fn signal_name(signal: i32) -> &'static str {
 pub struct WorkerPool {
     exe: PathBuf,
     idle: Mutex<Vec<Worker>>,
+    /// Where the CUDA libraries are linked for workers; the environment is found on first use.
+    cuda_links: PathBuf,
+    env: std::sync::OnceLock<Vec<(String, String)>>,
 }
 
 impl WorkerPool {
-    pub fn new(exe: PathBuf) -> Self {
+    pub fn new(exe: PathBuf, cuda_links: PathBuf) -> Self {
         WorkerPool {
             exe,
             idle: Mutex::new(Vec::new()),
+            cuda_links,
+            env: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The environment workers start with (the CUDA libraries this machine has).
+    pub fn env(&self) -> &[(String, String)] {
+        self.env
+            .get_or_init(|| crate::cuda_env::worker_env(&self.cuda_links))
     }
 
     /// A warm worker for `plugin`, or a new one.
@@ -404,7 +420,7 @@ impl WorkerPool {
                 }
             }
         }
-        Worker::spawn(&self.exe, plugin)
+        Worker::spawn(&self.exe, plugin, self.env())
     }
 
     pub fn release(&self, worker: Worker) {

@@ -164,11 +164,21 @@ impl Harness {
     /// repetitions until the median is stable, the time cap, or `max_reps`. `prepare` runs before
     /// each repetition, outside the timed region.
     pub fn time(&self, mut prepare: impl FnMut(), mut work: impl FnMut()) -> Timing {
+        self.time_with(|| {
+            prepare();
+            let rep = Instant::now();
+            work();
+            rep.elapsed().as_secs_f64()
+        })
+    }
+
+    /// The same protocol for a repetition that times itself (device events, say): `rep` does
+    /// whatever must happen before the timed region, then returns the seconds the region took.
+    pub fn time_with(&self, mut rep: impl FnMut() -> f64) -> Timing {
         let warmup_start = Instant::now();
         let mut warmups = 0;
         while warmups < self.warmup_reps || warmup_start.elapsed().as_secs_f64() < self.warmup_s {
-            prepare();
-            work();
+            rep();
             warmups += 1;
             if warmups >= self.max_reps {
                 break;
@@ -177,10 +187,7 @@ impl Harness {
         let start = Instant::now();
         let mut samples = Vec::new();
         loop {
-            prepare();
-            let rep = Instant::now();
-            work();
-            samples.push(rep.elapsed().as_secs_f64());
+            samples.push(rep());
             let rel_ci = median_rel_ci(&samples);
             let n = samples.len() as u32;
             let stopped = if n >= self.min_reps && rel_ci <= self.target_rel_ci {

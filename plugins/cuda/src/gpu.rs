@@ -1,0 +1,146 @@
+//! The device, its streams and libraries, and timing on it: the GPU variant of the SDK's harness
+//! (an L2 flush of twice the L2 before every repetition, outside the timed region; device events
+//! around the call).
+
+use std::sync::Arc;
+
+use attnbench_sdk::measure::{Harness, Timing};
+use attnbench_sdk::PluginError;
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use serde_json::{json, Value};
+
+/// cudarc panics when a library it needs cannot be opened; look first and say it plainly.
+pub fn require_library(stem: &str, what: &str) -> Result<(), PluginError> {
+    let candidates = [
+        format!("{stem}.so"),
+        format!("{stem}.so.1"),
+        format!("{stem}.so.13"),
+        format!("{stem}.so.12"),
+    ];
+    for name in &candidates {
+        // SAFETY: opening a system library only runs its initialisers, as cudarc would.
+        if unsafe { libloading::Library::new(name) }.is_ok() {
+            return Ok(());
+        }
+    }
+    Err(PluginError::failed(format!(
+        "this stage needs a GPU, but the {what} library ({stem}.so) could not be loaded from LD_LIBRARY_PATH={} or the system library cache; `attnbench doctor` shows where attnbench looked",
+        std::env::var("LD_LIBRARY_PATH").unwrap_or_default()
+    )))
+}
+
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub blas: CudaBlas,
+    flush: CudaSlice<u8>,
+}
+
+impl Gpu {
+    pub fn open() -> Result<Gpu, PluginError> {
+        require_library("libcuda", "NVIDIA driver")?;
+        require_library("libcublas", "cuBLAS")?;
+        require_library("libnvrtc", "NVRTC")?;
+        fn failed(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> PluginError {
+            move |err| PluginError::failed(format!("{what}: {err}"))
+        }
+        let ctx = CudaContext::new(0).map_err(failed("cannot open GPU 0"))?;
+        let stream = ctx.default_stream();
+        let blas = CudaBlas::new(stream.clone())
+            .map_err(|err| PluginError::failed(format!("cannot start cuBLAS: {err}")))?;
+        let l2 = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+            .map_err(failed("L2 size"))? as usize;
+        let flush = stream
+            .alloc_zeros::<u8>((2 * l2).max(1 << 20))
+            .map_err(failed("L2 flush buffer"))?;
+        Ok(Gpu {
+            ctx,
+            stream,
+            blas,
+            flush,
+        })
+    }
+
+    pub fn l2_bytes(&self) -> usize {
+        self.flush.len() / 2
+    }
+
+    /// Bytes free on the device now.
+    pub fn free_bytes(&self) -> Result<usize, PluginError> {
+        self.ctx
+            .mem_get_info()
+            .map(|(free, _)| free)
+            .map_err(|err| PluginError::failed(format!("memory info: {err}")))
+    }
+
+    /// Times `work` with the harness: before each repetition the L2 is flushed (outside the timed
+    /// region); device events bracket the call.
+    pub fn time(
+        &mut self,
+        harness: &Harness,
+        mut work: impl FnMut(&mut Gpu) -> Result<(), PluginError>,
+    ) -> Result<Timing, PluginError> {
+        let events = |ctx: &Arc<CudaContext>| ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
+        let start =
+            events(&self.ctx).map_err(|err| PluginError::failed(format!("event: {err}")))?;
+        let end = events(&self.ctx).map_err(|err| PluginError::failed(format!("event: {err}")))?;
+        let mut failure: Option<PluginError> = None;
+        let timing = harness.time_with(|| {
+            if failure.is_some() {
+                return 0.0;
+            }
+            let rep = (|| -> Result<f64, PluginError> {
+                let failed = |err: cudarc::driver::DriverError| {
+                    PluginError::failed(format!("timing: {err}"))
+                };
+                self.stream.memset_zeros(&mut self.flush).map_err(failed)?;
+                start.record(&self.stream).map_err(failed)?;
+                work(self)?;
+                end.record(&self.stream).map_err(failed)?;
+                end.synchronize().map_err(failed)?;
+                Ok(start.elapsed_ms(&end).map_err(failed)? as f64 / 1e3)
+            })();
+            rep.unwrap_or_else(|err| {
+                failure = Some(err);
+                0.0
+            })
+        });
+        match failure {
+            Some(err) => Err(err),
+            None => Ok(timing),
+        }
+    }
+
+    /// The device as a measurement's environment records it.
+    pub fn describe(&self) -> Value {
+        let attribute = |a| self.ctx.attribute(a).unwrap_or(-1);
+        let (major, minor) = self.ctx.compute_capability().unwrap_or((0, 0));
+        json!({
+            "gpu": self.ctx.name().unwrap_or_default(),
+            "compute_capability": format!("{major}.{minor}"),
+            "memory_bytes": self.ctx.total_mem().unwrap_or(0),
+            "multiprocessors": attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+            "l2_bytes": self.l2_bytes(),
+            "driver_version": driver_version(),
+        })
+    }
+}
+
+/// The driver's CUDA version, e.g. 13000 for 13.0.
+pub fn driver_version() -> i32 {
+    let mut version = 0;
+    // SAFETY: writes one integer; the driver library is loaded (checked in `Gpu::open`).
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) };
+    version
+}
+
+/// NVRTC's version as `major.minor` (part of the compiled-kernel cache key).
+pub fn nvrtc_version() -> String {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: writes two integers; NVRTC is loaded (checked in `Gpu::open`).
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    format!("{major}.{minor}")
+}
