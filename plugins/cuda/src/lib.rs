@@ -191,14 +191,26 @@ fn gemm(request: &StageRequest) -> Result<Value, PluginError> {
         let gpu = &mut state.gpu;
         let failed =
             |err: cudarc::driver::DriverError| PluginError::failed(format!("GEMM buffers: {err}"));
-        let mut a = gpu
-            .stream
-            .alloc_zeros::<u8>(p.m * p.k * bytes)
-            .map_err(failed)?;
-        let mut b = gpu
-            .stream
-            .alloc_zeros::<u8>(p.k * p.n * bytes)
-            .map_err(failed)?;
+        // Random operands: zeros would let the chip run cooler and faster than any real workload.
+        let random = |count: usize| -> Vec<u8> {
+            let shape = Shape {
+                heads_q: 1,
+                heads_kv: 1,
+                seqlen: count,
+                head_dim: 1,
+            };
+            let values = Inputs::random(&shape, 11, p.dtype == "bf16").q;
+            if p.dtype == "bf16" {
+                values
+                    .iter()
+                    .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
+                    .collect()
+            } else {
+                values.iter().flat_map(|v| v.to_le_bytes()).collect()
+            }
+        };
+        let mut a = gpu.stream.clone_htod(&random(p.m * p.k)).map_err(failed)?;
+        let mut b = gpu.stream.clone_htod(&random(p.k * p.n)).map_err(failed)?;
         let mut c = gpu
             .stream
             .alloc_zeros::<u8>(p.m * p.n * bytes)

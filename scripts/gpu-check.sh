@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# A GPU machine's check-up, from a staged bundle (`.device/run.sh`) or an installed attnbench:
+# doctor, the harness against a cuBLAS GEMM, the naive kernel against the CPU reference, the
+# dense pipeline, and the repeatability of one cell. Results go under $OUT (default: ./gpu-check).
+set -uo pipefail
+attnbench=${ATTNBENCH:-.device/run.sh}
+out=${OUT:-gpu-check}
+mkdir -p "$out"
+export ATTNBENCH_CACHE=${ATTNBENCH_CACHE:-$out/cache}
+root=$(cd "$(dirname "$0")/.." && pwd)
+
+echo "== doctor"
+$attnbench doctor | tee "$out/doctor.txt"
+
+echo "== cuBLAS bf16 GEMM 8192³ through the harness"
+cat > "$out/gemm.yaml" <<'YAML'
+name: gemm
+stages:
+  gemm: {uses: cuda/gemm, matrix: {dtype: [bf16]}}
+YAML
+$attnbench run "$out/gemm.yaml" -v 2>&1 | tail -3
+
+echo "== the naive GPU kernel against the CPU reference (every mask, 1K and 512 tokens)"
+cat > "$out/check.yaml" <<'YAML'
+name: gpu-correctness
+seed: 7
+defaults: {heads_q: 8, heads_kv: 2, head_dim: 128}
+stages:
+  masks:
+    uses: masks/generate
+    matrix:
+      mask: [full, causal, causal_document, full_document, sliding_window, sliding_window_causal, share_question, causal_blockwise, prefix_lm_causal, prefix_lm_document, global_sliding_window, block_causal_document]
+      seqlen: [512, 1k]
+    with: {window: 128, block_size: 128}
+  bench:
+    uses: cuda/benchmark
+    needs: [masks]
+    matrix: {dtype: [bf16, f32]}
+    with: {check_max_seqlen: 1k, min_reps: 3, max_time_s: 0.5}
+  report:
+    uses: report/table
+    needs: {bench: all}
+YAML
+$attnbench run "$out/check.yaml" -q 2>&1 | tail -4
+
+echo "== the dense pipeline"
+$attnbench run "$root/pipelines/dense-kernels.yaml" -q 2>&1 | tail -4
+
+echo "== repeatability: the same cell twice"
+cell='bench[mask=causal,seqlen=8k,kernel=naive,direction=fwd]'
+for i in 1 2; do
+  $attnbench run "$root/pipelines/dense-kernels.yaml" -q --force "$cell" --set 'stages.masks.matrix.seqlen=[8k]' --set 'stages.masks.matrix.mask=[causal]' >/dev/null 2>&1
+  # The forced cell's cache entry is replaced by the next run: keep this run's measurement now.
+  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); n=[n for n in r['nodes'] if n['id']==sys.argv[2]][0]; print(json.dumps(json.load(open(n['artifact']+'/measurement.json'))))" \
+    "$ATTNBENCH_CACHE/runs/$(cat "$ATTNBENCH_CACHE/runs/latest")/run.json" "$cell" > "$out/repeat-$i.json"
+done
+
+echo "== summary"
+python3 - "$ATTNBENCH_CACHE" "$out" <<'PY'
+import json, os, sys, glob
+cache, out = sys.argv[1], sys.argv[2]
+def result(node):
+    art = node.get('artifact')
+    if not art: return None
+    path = os.path.join(art, 'measurement.json')
+    if os.path.exists(path): return json.load(open(path))
+    path = os.path.join(art, 'gemm.json')
+    return json.load(open(path)) if os.path.exists(path) else None
+rows = []
+for run in sorted(glob.glob(os.path.join(cache, 'runs', '*', 'run.json'))):
+    record = json.load(open(run))
+    for node in record['nodes']:
+        r = result(node)
+        if not r or node['id'].startswith('report'): continue
+        t = r.get('tflops') or {}
+        c = r.get('correctness') or {}
+        errs = c.get('errors') or {}
+        rows.append((record['pipeline'], node['id'], r.get('status', 'ok'), t.get('p50'), (r.get('time_s') or {}).get('p50'), c.get('passed'), max(errs.values()) if errs else None, r.get('reason')))
+seen = set()
+with open(os.path.join(out, 'summary.tsv'), 'w') as f:
+    for row in rows:
+        key = row[:2]
+        line = '\t'.join('' if x is None else (f'{x:.4g}' if isinstance(x, float) else str(x)) for x in row)
+        f.write(line + '\n')
+        if key in seen: continue
+        seen.add(key)
+        print(line)
+values = [json.load(open(os.path.join(out, f'repeat-{i}.json')))['time_s']['p50'] for i in (1, 2)]
+if len(values) == 2:
+    print(f'repeatability: medians {values[0]*1e3:.3f} ms and {values[1]*1e3:.3f} ms differ by {abs(values[0]-values[1])/min(values)*100:.2f}%')
+PY

@@ -1,0 +1,59 @@
+//! Without a GPU (here and in CI) the cuda plugin still loads, doctor says where it looked for a
+//! driver, and GPU stages fail with one sentence. (On a GPU machine, scripts/gpu-check.sh runs
+//! the real thing.)
+
+use attnbench_tests::{stderr, stdout, Sandbox};
+
+fn has_driver() -> bool {
+    [
+        "/usr/local/nvidia/lib64",
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib64",
+    ]
+    .iter()
+    .any(|dir| {
+        std::fs::read_dir(dir)
+            .map(|d| {
+                d.flatten()
+                    .any(|e| e.file_name().to_string_lossy().starts_with("libcuda.so"))
+            })
+            .unwrap_or(false)
+    })
+}
+
+#[test]
+fn without_a_gpu_the_cuda_plugin_loads_and_refuses_in_one_sentence() {
+    if has_driver() {
+        eprintln!("an NVIDIA driver is installed here; this test covers machines without one");
+        return;
+    }
+    let sandbox = Sandbox::new();
+    let listed = sandbox.run(&["plugins", "list"]);
+    assert!(stdout(&listed).contains("cuda "), "{}", stdout(&listed));
+
+    let doctor = sandbox.run(&["doctor"]);
+    let text = stdout(&doctor);
+    assert!(doctor.status.success());
+    assert!(text.contains("gpu: no NVIDIA driver found"), "{text}");
+    assert!(
+        text.contains("(searched "),
+        "doctor says where it looked: {text}"
+    );
+
+    sandbox.write("g.yaml", "stages:\n  masks:\n    uses: masks/generate\n    with: {mask: causal, seqlen: 1k}\n  gemm:\n    uses: cuda/gemm\n  bench:\n    uses: cuda/benchmark\n    needs: [masks]\n");
+    let run = sandbox.run(&["run", "g.yaml"]);
+    assert_eq!(run.status.code(), Some(1), "{}", stderr(&run));
+    let record = sandbox.last_record();
+    for id in ["gemm", "bench"] {
+        let node = record["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|n| n["id"] == id)
+            .unwrap();
+        assert_eq!(node["status"], "error", "{node}");
+        let error = node["error"].as_str().unwrap();
+        assert!(error.starts_with("this stage needs a GPU, but the NVIDIA driver library (libcuda.so) could not be loaded"), "{error}");
+        assert_eq!(error.lines().count(), 1, "{error}");
+    }
+}
