@@ -125,8 +125,35 @@ impl Gpu {
             "multiprocessors": attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
             "l2_bytes": self.l2_bytes(),
             "driver_version": driver_version(),
+            "libraries": loaded_libraries(),
         })
     }
+}
+
+/// The CUDA library files this process has actually mapped (from `/proc/self/maps`): what a
+/// measurement really ran with, whatever the search paths said.
+pub fn loaded_libraries() -> Vec<String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    let mut files: Vec<String> = maps
+        .lines()
+        .filter_map(|line| line.split_whitespace().nth(5))
+        .filter(|path| {
+            [
+                "libcuda.",
+                "libcublas",
+                "libnvrtc",
+                "libcudnn",
+                "libnccl",
+                "libnvidia-ml",
+            ]
+            .iter()
+            .any(|name| path.contains(name))
+        })
+        .map(String::from)
+        .collect();
+    files.sort();
+    files.dedup();
+    files
 }
 
 /// The driver's CUDA version, e.g. 13000 for 13.0.
