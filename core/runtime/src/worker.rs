@@ -406,8 +406,14 @@ impl WorkerPool {
 
     /// The environment workers start with (the CUDA libraries this machine has).
     pub fn env(&self) -> &[(String, String)] {
-        self.env
-            .get_or_init(|| crate::cuda_env::worker_env(&self.cuda_links))
+        self.env.get_or_init(|| {
+            let mut env = crate::cuda_env::worker_env(&self.cuda_links);
+            // Plugins keep their own caches (compiled kernels) beside the artifacts.
+            if let Some(root) = self.cuda_links.parent() {
+                env.push(("ATTNBENCH_CACHE".into(), root.display().to_string()));
+            }
+            env
+        })
     }
 
     /// A warm worker for `plugin`, or a new one.

@@ -7,6 +7,7 @@
 
 mod gpu;
 mod naive;
+mod nvml;
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -34,6 +35,17 @@ struct Cuda;
 struct State {
     gpu: Gpu,
     kernels: HashMap<&'static str, CudaFunction>,
+    nvml: Option<nvml::Nvml>,
+}
+
+impl State {
+    /// Clocks and throttle reasons now, for the measurement's environment.
+    fn clocks(&self) -> serde_json::Value {
+        self.nvml
+            .as_ref()
+            .map(|n| n.sample())
+            .unwrap_or(serde_json::Value::Null)
+    }
 }
 
 static STATE: Mutex<Option<State>> = Mutex::new(None);
@@ -46,6 +58,7 @@ fn with_gpu<T>(work: impl FnOnce(&mut State) -> Result<T, PluginError>) -> Resul
         *guard = Some(State {
             gpu: Gpu::open()?,
             kernels: HashMap::new(),
+            nvml: nvml::Nvml::open(),
         });
     }
     work(guard.as_mut().expect("initialised above"))
@@ -188,6 +201,7 @@ fn gemm(request: &StageRequest) -> Result<Value, PluginError> {
     };
     let harness = p.harness.harness();
     with_gpu(|state| {
+        let clocks_before = state.clocks();
         let gpu = &mut state.gpu;
         let failed =
             |err: cudarc::driver::DriverError| PluginError::failed(format!("GEMM buffers: {err}"));
@@ -252,12 +266,14 @@ fn gemm(request: &StageRequest) -> Result<Value, PluginError> {
             .map_err(|err| PluginError::failed(format!("cuBLAS GEMM: {err}")))
         })?;
         drop((a, b, c));
+        let device = gpu.describe();
+        let clocks_after = state.clocks();
         let flops = 2 * (p.m * p.n * p.k) as u64;
         let times = Quantiles::of(&timing.samples);
         let result = json!({
             "kernel": "cublas-gemm", "m": p.m, "n": p.n, "k": p.k, "dtype": p.dtype, "flops": flops,
             "time_s": times, "tflops": times.map(|t| Throughput::of(flops, &t)), "timing": timing,
-            "harness": harness, "device": gpu.describe(),
+            "harness": harness, "device": device, "clocks_before": clocks_before, "clocks_after": clocks_after,
         });
         write_json(&request.output_dir, "gemm.json", &result)?;
         Ok(result)
@@ -441,7 +457,13 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
                 passed,
             });
         }
+        measurement
+            .environment
+            .insert("clocks_before".into(), state.clocks());
         let timing = state.gpu.time(&harness, |gpu| problem.forward(gpu))?;
+        measurement
+            .environment
+            .insert("clocks_after".into(), state.clocks());
         let times = Quantiles::of(&timing.samples);
         measurement.tflops = times.map(|t| Throughput::of(measurement.flops, &t));
         measurement.time_s = times;

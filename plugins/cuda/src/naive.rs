@@ -298,6 +298,28 @@ pub fn compile(gpu: &Gpu, precision: Precision) -> Result<CudaFunction, PluginEr
         .compute_capability()
         .map_err(failed("compute capability"))?;
     let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
+    let ptx = cached_ptx(arch)?;
+    let module: Arc<cudarc::driver::CudaModule> =
+        gpu.ctx.load_module(ptx).map_err(failed("load module"))?;
+    let name = match precision {
+        Precision::Bf16 => "masked_softmax_bf16",
+        Precision::F32 => "masked_softmax_f32",
+    };
+    module.load_function(name).map_err(failed("load function"))
+}
+
+/// PTX for `arch`, from the on-disk cache when this source, architecture and NVRTC version were
+/// compiled before (`$ATTNBENCH_CACHE/nvrtc/<key>.ptx`), else compiled and stored.
+fn cached_ptx(arch: &'static str) -> Result<cudarc::nvrtc::Ptx, PluginError> {
+    let key = blake3::hash(format!("{SOURCE}\n{arch}\n{}", crate::gpu::nvrtc_version()).as_bytes())
+        .to_hex();
+    let root = std::env::var_os("ATTNBENCH_CACHE")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| "artifacts".into());
+    let path = root.join("nvrtc").join(format!("{key}.ptx"));
+    if let Ok(text) = std::fs::read_to_string(&path) {
+        return Ok(cudarc::nvrtc::Ptx::from_src(text));
+    }
     let options = cudarc::nvrtc::CompileOptions {
         arch: Some(arch),
         ..Default::default()
@@ -307,11 +329,12 @@ pub fn compile(gpu: &Gpu, precision: Precision) -> Result<CudaFunction, PluginEr
             "NVRTC could not compile the softmax for {arch}: {err}"
         ))
     })?;
-    let module: Arc<cudarc::driver::CudaModule> =
-        gpu.ctx.load_module(ptx).map_err(failed("load module"))?;
-    let name = match precision {
-        Precision::Bf16 => "masked_softmax_bf16",
-        Precision::F32 => "masked_softmax_f32",
-    };
-    module.load_function(name).map_err(failed("load function"))
+    if let Some(dir) = path.parent() {
+        // A cache that cannot be written only costs a compile next time.
+        let _ = std::fs::create_dir_all(dir).and_then(|_| {
+            let partial = path.with_extension("partial");
+            std::fs::write(&partial, ptx.to_src()).and_then(|_| std::fs::rename(&partial, &path))
+        });
+    }
+    Ok(ptx)
 }
