@@ -261,6 +261,50 @@ pub struct Measurement {
 
 impl Measurement {
     pub const FILE: &'static str = "measurement.json";
+
+    /// The record of a kernel run on `set` before anything was timed: the mask, the shape, the
+    /// FLOPs of `direction` from the exact area, this machine's environment; status `ok`.
+    pub fn for_kernel(
+        kernel: &str,
+        plugin: (&str, &str),
+        set: &crate::mask::MaskSet,
+        shape: Shape,
+        direction: &str,
+        harness: Harness,
+    ) -> Measurement {
+        let flops = set.flops(shape.heads_q, shape.heads_kv, shape.head_dim);
+        Measurement {
+            kernel: kernel.to_string(),
+            plugin: plugin.0.to_string(),
+            plugin_version: plugin.1.to_string(),
+            mask: MaskInfo {
+                pattern: set.pattern.clone(),
+                seqlen: set.seqlen,
+                area: set.area_over_heads(shape.heads_q, shape.heads_kv),
+                documents: set.documents.len(),
+                params: set.params.clone(),
+            },
+            shape,
+            direction: direction.to_string(),
+            status: MeasureStatus::Ok,
+            reason: None,
+            flops: flops.for_direction(direction).unwrap_or(flops.fwd),
+            time_s: None,
+            tflops: None,
+            memory: None,
+            correctness: None,
+            timing: None,
+            environment: crate::environment::Environment::detect().to_map(),
+            harness,
+        }
+    }
+
+    /// Marks the record `unsupported` with `reason`.
+    pub fn unsupported(mut self, reason: impl Into<String>) -> Measurement {
+        self.status = MeasureStatus::Unsupported;
+        self.reason = Some(reason.into());
+        self
+    }
 }
 
 #[cfg(test)]

@@ -6,10 +6,9 @@ pub mod check;
 pub mod problem;
 pub mod tiled;
 
-use attnbench_sdk::mask::{HeadScope, MaskSet};
+use attnbench_sdk::mask::MaskSet;
 use attnbench_sdk::measure::{
-    Correctness, Harness, MaskInfo, MeasureStatus, Measurement, Memory, Quantiles,
-    Shape as MeasuredShape, Throughput,
+    Correctness, Harness, Measurement, Memory, Quantiles, Shape as MeasuredShape, Throughput,
 };
 use attnbench_sdk::{
     kinds, write_json, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError,
@@ -108,44 +107,18 @@ fn benchmark(
     host: &Host,
     output_dir: &std::path::Path,
 ) -> Result<Measurement, PluginError> {
-    if params.heads_q == 0
-        || params.heads_kv == 0
-        || params.head_dim == 0
-        || params.heads_q % params.heads_kv != 0
-    {
-        return Err(PluginError::Params(format!(
-            "heads_q ({}) must be a positive multiple of heads_kv ({}), and head_dim positive",
-            params.heads_q, params.heads_kv
-        )));
-    }
-    let expected_masks = match set.scope {
-        HeadScope::Shared => 1,
-        HeadScope::PerKvGroup => params.heads_kv,
-        HeadScope::PerHead => params.heads_q,
-    };
-    if set.masks.len() != expected_masks {
-        return Err(PluginError::Params(format!(
-            "the mask set has {} masks ({:?}) but {} heads_q / {} heads_kv need {expected_masks}; give masks/generate the same heads",
-            set.masks.len(),
-            set.scope,
-            params.heads_q,
-            params.heads_kv
-        )));
-    }
+    set.check_heads(
+        params.heads_q as u64,
+        params.heads_kv as u64,
+        params.head_dim as u64,
+    )
+    .map_err(PluginError::Params)?;
     let shape = Shape {
         heads_q: params.heads_q,
         heads_kv: params.heads_kv,
         seqlen: set.seqlen as usize,
         head_dim: params.head_dim,
     };
-    let flops_all = set.flops(
-        params.heads_q as u64,
-        params.heads_kv as u64,
-        params.head_dim as u64,
-    );
-    let flops = flops_all
-        .for_direction(&params.direction)
-        .unwrap_or(flops_all.fwd);
     let threads = if params.threads == 0 {
         std::thread::available_parallelism()
             .map(|n| n.get())
@@ -161,52 +134,35 @@ fn benchmark(
         target_rel_ci: params.target_rel_ci,
         ..Harness::default()
     };
-    let mut measurement = Measurement {
-        kernel: format!("cpu-{}", params.kernel),
-        plugin: "cpu".into(),
-        plugin_version: env!("CARGO_PKG_VERSION").into(),
-        mask: MaskInfo {
-            pattern: set.pattern.clone(),
-            seqlen: set.seqlen,
-            area: set.area_over_heads(params.heads_q as u64, params.heads_kv as u64),
-            documents: set.documents.len(),
-            params: set.params.clone(),
-        },
-        shape: MeasuredShape {
-            batch: 1,
-            heads_q: params.heads_q as u64,
-            heads_kv: params.heads_kv as u64,
-            head_dim: params.head_dim as u64,
-            dtype: params.dtype.clone(),
-        },
-        direction: params.direction.clone(),
-        status: MeasureStatus::Ok,
-        reason: None,
-        flops,
-        time_s: None,
-        tflops: None,
-        memory: None,
-        correctness: None,
-        timing: None,
-        environment: {
-            let mut environment = attnbench_sdk::environment::Environment::detect().to_map();
-            environment.insert(
-                "threads".into(),
-                json!(if params.kernel == "tiled" { threads } else { 1 }),
-            );
-            environment
-        },
-        harness: harness.clone(),
+    let measured_shape = MeasuredShape {
+        batch: 1,
+        heads_q: params.heads_q as u64,
+        heads_kv: params.heads_kv as u64,
+        head_dim: params.head_dim as u64,
+        dtype: params.dtype.clone(),
     };
+    let kernel = format!("cpu-{}", params.kernel);
+    let plugin = ("cpu", env!("CARGO_PKG_VERSION"));
+    let mut measurement = Measurement::for_kernel(
+        &kernel,
+        plugin,
+        set,
+        measured_shape,
+        &params.direction,
+        harness.clone(),
+    );
+    measurement.environment.insert(
+        "threads".into(),
+        json!(if params.kernel == "tiled" { threads } else { 1 }),
+    );
+    let flops = measurement.flops;
     if params.kernel == "naive" && naive::score_bytes(&shape) > params.max_scores_bytes {
-        measurement.status = MeasureStatus::Unsupported;
-        measurement.reason = Some(format!(
+        return Ok(measurement.unsupported(format!(
             "the naive kernel materialises a {0}×{0} f64 score matrix ({1:.1} GiB), above max_scores_bytes ({2:.1} GiB)",
             shape.seqlen,
             naive::score_bytes(&shape) as f64 / (1u64 << 30) as f64,
             params.max_scores_bytes as f64 / (1u64 << 30) as f64
-        ));
-        return Ok(measurement);
+        )));
     }
     let masks = HeadMasks::new(set, &shape);
     let inputs = Inputs::random(&shape, seed, params.dtype == "bf16");

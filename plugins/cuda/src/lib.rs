@@ -12,10 +12,10 @@ mod nvml;
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use attnbench_sdk::mask::{HeadScope, MaskSet};
+use attnbench_sdk::mask::MaskSet;
 use attnbench_sdk::measure::{
-    Correctness, Harness, MaskInfo, MeasureStatus, Measurement, Memory, Quantiles,
-    Shape as MeasuredShape, Throughput,
+    Correctness, Harness, MeasureStatus, Measurement, Memory, Quantiles, Shape as MeasuredShape,
+    Throughput,
 };
 use attnbench_sdk::reference::{self, relative_error, HeadMasks, Inputs, Shape};
 use attnbench_sdk::{
@@ -305,66 +305,38 @@ fn tolerance(precision: Precision) -> f64 {
 
 fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> {
     let p: BenchParams = request.params()?;
-    if p.heads_q == 0 || p.heads_kv == 0 || p.head_dim == 0 || p.heads_q % p.heads_kv != 0 {
-        return Err(PluginError::Params(
-            "heads_q must be a positive multiple of heads_kv, and head_dim positive".into(),
-        ));
-    }
     let input = request.inputs_from("generate").next().ok_or_else(|| {
         PluginError::Params("cuda/benchmark needs a masks/generate node in `needs`".into())
     })?;
     let set = MaskSet::load(&input.dir)?;
-    let expected_masks = match set.scope {
-        HeadScope::Shared => 1,
-        HeadScope::PerKvGroup => p.heads_kv,
-        HeadScope::PerHead => p.heads_q,
-    };
-    if set.masks.len() != expected_masks {
-        return Err(PluginError::Params(format!("the mask set has {} masks but these heads need {expected_masks}; give masks/generate the same heads", set.masks.len())));
-    }
+    set.check_heads(p.heads_q as u64, p.heads_kv as u64, p.head_dim as u64)
+        .map_err(PluginError::Params)?;
     let shape = Shape {
         heads_q: p.heads_q,
         heads_kv: p.heads_kv,
         seqlen: set.seqlen as usize,
         head_dim: p.head_dim,
     };
-    let flops_all = set.flops(p.heads_q as u64, p.heads_kv as u64, p.head_dim as u64);
     let harness = p.harness.harness();
-    let mut measurement = Measurement {
-        kernel: format!("cuda-{}", p.kernel),
-        plugin: "cuda".into(),
-        plugin_version: env!("CARGO_PKG_VERSION").into(),
-        mask: MaskInfo {
-            pattern: set.pattern.clone(),
-            seqlen: set.seqlen,
-            area: set.area_over_heads(p.heads_q as u64, p.heads_kv as u64),
-            documents: set.documents.len(),
-            params: set.params.clone(),
-        },
-        shape: MeasuredShape {
-            batch: 1,
-            heads_q: p.heads_q as u64,
-            heads_kv: p.heads_kv as u64,
-            head_dim: p.head_dim as u64,
-            dtype: p.dtype.clone(),
-        },
-        direction: p.direction.clone(),
-        status: MeasureStatus::Ok,
-        reason: None,
-        flops: flops_all
-            .for_direction(&p.direction)
-            .unwrap_or(flops_all.fwd),
-        time_s: None,
-        tflops: None,
-        memory: None,
-        correctness: None,
-        timing: None,
-        environment: attnbench_sdk::environment::Environment::detect().to_map(),
-        harness: harness.clone(),
+    let measured_shape = MeasuredShape {
+        batch: 1,
+        heads_q: p.heads_q as u64,
+        heads_kv: p.heads_kv as u64,
+        head_dim: p.head_dim as u64,
+        dtype: p.dtype.clone(),
     };
-    let unsupported = |mut m: Measurement, reason: String| -> Result<Value, PluginError> {
-        m.status = MeasureStatus::Unsupported;
-        m.reason = Some(reason);
+    let kernel = format!("cuda-{}", p.kernel);
+    let plugin = ("cuda", env!("CARGO_PKG_VERSION"));
+    let mut measurement = Measurement::for_kernel(
+        &kernel,
+        plugin,
+        &set,
+        measured_shape,
+        &p.direction,
+        harness.clone(),
+    );
+    let unsupported = |m: Measurement, reason: String| -> Result<Value, PluginError> {
+        let m = m.unsupported(reason);
         write_json(&request.output_dir, Measurement::FILE, &m)?;
         serde_json::to_value(&m).map_err(|err| PluginError::failed(err.to_string()))
     };

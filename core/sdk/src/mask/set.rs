@@ -49,6 +49,26 @@ impl MaskSet {
         crate::write_json(dir, Self::FILE, self)
     }
 
+    /// Checks a kernel's head counts against each other and against this set's scope.
+    pub fn check_heads(&self, heads_q: u64, heads_kv: u64, head_dim: u64) -> Result<(), String> {
+        if heads_q == 0 || heads_kv == 0 || head_dim == 0 || heads_q % heads_kv != 0 {
+            return Err(format!("heads_q ({heads_q}) must be a positive multiple of heads_kv ({heads_kv}), and head_dim positive"));
+        }
+        let expected = match self.scope {
+            HeadScope::Shared => 1,
+            HeadScope::PerKvGroup => heads_kv,
+            HeadScope::PerHead => heads_q,
+        };
+        if self.masks.len() as u64 != expected {
+            return Err(format!(
+                "the mask set has {} masks ({:?}) but {heads_q} heads_q / {heads_kv} heads_kv need {expected}; give masks/generate the same heads",
+                self.masks.len(),
+                self.scope
+            ));
+        }
+        Ok(())
+    }
+
     /// Which mask of the set query head `head` uses, given the model's head counts.
     pub fn mask_index(&self, head: u64, heads_q: u64, heads_kv: u64) -> usize {
         let index = match self.scope {
