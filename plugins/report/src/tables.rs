@@ -103,7 +103,7 @@ pub fn markdown(rows: &[Row], title: &str) -> String {
         rows.len(),
         rows.len() - ok
     ));
-    out.push_str("| kernel | mask | seqlen | direction | status | TFLOP/s (p50) | time p50 | correct |\n|---|---|---|---|---|---|---|---|\n");
+    out.push_str("| kernel | mask | seqlen | direction | dtype | status | TFLOP/s (p50) | time p50 | correct |\n|---|---|---|---|---|---|---|---|---|\n");
     for row in rows {
         let throughput = row
             .tflops
@@ -125,11 +125,12 @@ pub fn markdown(rows: &[Row], title: &str) -> String {
             None => "–",
         };
         out.push_str(&format!(
-            "| {} | {} | {} | {} | {status} | {throughput} | {time} | {correct} |\n",
+            "| {} | {} | {} | {} | {} | {status} | {throughput} | {time} | {correct} |\n",
             row.kernel,
             row.mask,
             format_size(row.seqlen),
-            row.direction
+            row.direction,
+            row.dtype
         ));
     }
     out
