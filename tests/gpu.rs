@@ -39,6 +39,14 @@ fn without_a_gpu_the_cuda_plugin_loads_and_refuses_in_one_sentence() {
         text.contains("(searched "),
         "doctor says where it looked: {text}"
     );
+    assert!(
+        text.contains("python backends"),
+        "doctor says which Python backends import: {text}"
+    );
+    assert!(
+        text.contains("flash_attn: not importable") || text.contains("  flash_attn "),
+        "{text}"
+    );
 
     sandbox.write("g.yaml", "stages:\n  masks:\n    uses: masks/generate\n    with: {mask: causal, seqlen: 1k}\n  gemm:\n    uses: cuda/gemm\n  bench:\n    uses: cuda/benchmark\n    needs: [masks]\n");
     let run = sandbox.run(&["run", "g.yaml"]);

@@ -63,7 +63,49 @@ pub fn run(plugin_dirs: &[PathBuf], cache: &Cache) -> Result<ExitCode> {
     );
 
     gpu(&registry, cache)?;
+    python_backends();
     Ok(ExitCode::SUCCESS)
+}
+
+/// Python packages whose kernels the benchmarks compare, as the Python in use sees them.
+const PYTHON_BACKENDS: &str = r#"
+import importlib, json, sys
+found = {}
+for name in ["torch", "triton", "flash_attn", "flash_attn_interface", "flash_attn.cute", "flashinfer", "paddle", "xformers", "transformer_engine", "numpy"]:
+    try:
+        module = importlib.import_module(name)
+        found[name] = str(getattr(module, "__version__", "importable"))
+    except Exception as error:
+        found[name] = None
+print(json.dumps({"python": sys.executable, "version": sys.version.split()[0], "backends": found}))
+"#;
+
+fn python_backends() {
+    let python = std::env::var("ATTNBENCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let output = std::process::Command::new(&python)
+        .args(["-c", PYTHON_BACKENDS])
+        .stderr(std::process::Stdio::null())
+        .output();
+    let parsed = output
+        .ok()
+        .and_then(|o| serde_json::from_slice::<serde_json::Value>(&o.stdout).ok());
+    let Some(report) = parsed else {
+        println!("python backends: `{python}` did not run (set ATTNBENCH_PYTHON to the interpreter to use)");
+        return;
+    };
+    println!(
+        "python backends ({} {}):",
+        report["python"].as_str().unwrap_or(&python),
+        report["version"].as_str().unwrap_or("?")
+    );
+    if let Some(backends) = report["backends"].as_object() {
+        for (name, version) in backends {
+            match version.as_str() {
+                Some(version) => println!("  {name} {version}"),
+                None => println!("  {name}: not importable"),
+            }
+        }
+    }
 }
 
 /// The CUDA libraries found (and where attnbench looked), and the GPUs as the cuda plugin sees
