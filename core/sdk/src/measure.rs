@@ -149,6 +149,66 @@ impl Default for Harness {
     }
 }
 
+impl Harness {
+    /// Declares the harness's settings as parameters of `stage`, with this harness's values as
+    /// defaults, so pipelines can tune them per stage (read back with [`HarnessParams`]).
+    pub fn declare(&self, stage: crate::StageSpec) -> crate::StageSpec {
+        use crate::{ParamSpec, ParamType};
+        stage
+            .param(
+                ParamSpec::new("warmup_reps", ParamType::Int)
+                    .default(self.warmup_reps)
+                    .doc("Harness: warm-up repetitions."),
+            )
+            .param(
+                ParamSpec::new("min_reps", ParamType::Int)
+                    .default(self.min_reps)
+                    .doc("Harness: fewest timed repetitions."),
+            )
+            .param(
+                ParamSpec::new("max_reps", ParamType::Int)
+                    .default(self.max_reps)
+                    .doc("Harness: most timed repetitions."),
+            )
+            .param(
+                ParamSpec::new("max_time_s", ParamType::Float)
+                    .default(self.max_time_s)
+                    .doc("Harness: time cap for the timed repetitions."),
+            )
+            .param(
+                ParamSpec::new("target_rel_ci", ParamType::Float)
+                    .default(self.target_rel_ci)
+                    .doc("Harness: stop once the median's 95% CI is within ± this fraction."),
+            )
+    }
+}
+
+/// The harness settings a stage declared with [`Harness::declare`]; `#[serde(flatten)]` it into
+/// the stage's parameter struct.
+#[derive(Debug, Clone, Deserialize)]
+pub struct HarnessParams {
+    pub warmup_reps: u32,
+    pub min_reps: u32,
+    pub max_reps: u32,
+    pub max_time_s: f64,
+    pub target_rel_ci: f64,
+}
+
+impl HarnessParams {
+    /// `base` (timer, warm-up time) with these settings; at least one repetition, and no fewer
+    /// maximum than minimum repetitions.
+    pub fn apply(&self, base: Harness) -> Harness {
+        Harness {
+            warmup_reps: self.warmup_reps,
+            min_reps: self.min_reps.max(1),
+            max_reps: self.max_reps.max(self.min_reps.max(1)),
+            max_time_s: self.max_time_s,
+            target_rel_ci: self.target_rel_ci,
+            ..base
+        }
+    }
+}
+
 /// What one timing run observed.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Timing {

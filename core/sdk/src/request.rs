@@ -60,6 +60,20 @@ impl StageRequest {
             .map_err(|err| PluginError::Params(err.to_string()))
     }
 
+    /// The mask set of the `masks/generate` node this kernel stage needs.
+    pub fn mask_set(&self) -> Result<crate::mask::MaskSet, PluginError> {
+        let input = self
+            .inputs_from("masks/generate")
+            .find(|i| i.succeeded())
+            .ok_or_else(|| {
+                PluginError::Params(format!(
+                    "`{}` needs a masks/generate node in `needs`",
+                    self.stage
+                ))
+            })?;
+        crate::mask::MaskSet::load(&input.dir)
+    }
+
     /// The inputs produced by `plugin/stage` (or any stage named `stage`).
     pub fn inputs_from<'a>(
         &'a self,

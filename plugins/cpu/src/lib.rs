@@ -35,11 +35,16 @@ struct Params {
     full_check_max_seqlen: usize,
     max_scores_bytes: u64,
     outputs: bool,
-    warmup_reps: u32,
-    min_reps: u32,
-    max_reps: u32,
-    max_time_s: f64,
-    target_rel_ci: f64,
+    #[serde(flatten)]
+    harness: attnbench_sdk::measure::HarnessParams,
+}
+
+/// The CPU harness's settings when a pipeline does not change them.
+fn default_harness() -> Harness {
+    Harness {
+        max_reps: 100,
+        ..Harness::default()
+    }
 }
 
 /// Relative error allowed against the f64 reference (f32 arithmetic, inputs shared).
@@ -54,7 +59,8 @@ impl Plugin for Cpu {
         PluginManifest::new("cpu", env!("CARGO_PKG_VERSION"))
             .description("Reference attention on the CPU: any mask, forward and backward, MHA and GQA.")
             .stage(
-                StageSpec::new("benchmark")
+                default_harness()
+                    .declare(StageSpec::new("benchmark"))
                     .doc("Times one kernel on one mask (from a masks/generate node) and checks its output.")
                     .param(ParamSpec::new("kernel", choice(&["tiled", "naive"])).default("tiled").doc("`tiled` (online softmax, threads) or `naive` (f64, materialised scores)."))
                     .param(ParamSpec::new("direction", choice(&["fwd", "bwd", "fwd_bwd"])).default("fwd").doc("`bwd` is timed alone, after one forward outside the timing."))
@@ -69,11 +75,6 @@ impl Plugin for Cpu {
                     .param(ParamSpec::new("full_check_max_seqlen", ParamType::Size).default(1024).doc("Longest sequence `auto` checks in full."))
                     .param(ParamSpec::new("max_scores_bytes", ParamType::Size).default("1G").doc("The naive kernel refuses (unsupported) when its score matrix would be larger."))
                     .param(ParamSpec::new("outputs", ParamType::Bool).default(false).doc("Also write the output tensors (out.f32, lse.f32 and, with a backward, dq/dk/dv.f32) for checking."))
-                    .param(ParamSpec::new("warmup_reps", ParamType::Int).default(1).doc("Harness: warm-up repetitions."))
-                    .param(ParamSpec::new("min_reps", ParamType::Int).default(5).doc("Harness: fewest timed repetitions."))
-                    .param(ParamSpec::new("max_reps", ParamType::Int).default(100).doc("Harness: most timed repetitions."))
-                    .param(ParamSpec::new("max_time_s", ParamType::Float).default(2.0).doc("Harness: time cap for the timed repetitions."))
-                    .param(ParamSpec::new("target_rel_ci", ParamType::Float).default(0.01).doc("Harness: stop once the median's 95% CI is within ± this fraction."))
                     .input(kinds::MASK)
                     .output(kinds::MEASUREMENT)
                     .cache_scope(CacheScope::Machine)
@@ -90,10 +91,7 @@ impl Plugin for Cpu {
             });
         }
         let params: Params = request.params()?;
-        let input = request.inputs_from("generate").next().ok_or_else(|| {
-            PluginError::Params("cpu/benchmark needs a masks/generate node in `needs`".into())
-        })?;
-        let set = MaskSet::load(&input.dir)?;
+        let set = request.mask_set()?;
         let measurement = benchmark(&params, &set, request.seed, host, &request.output_dir)?;
         write_json(&request.output_dir, Measurement::FILE, &measurement)?;
         serde_json::to_value(&measurement).map_err(|err| PluginError::failed(err.to_string()))
@@ -126,14 +124,7 @@ fn benchmark(
     } else {
         params.threads
     };
-    let harness = Harness {
-        warmup_reps: params.warmup_reps,
-        min_reps: params.min_reps.max(1),
-        max_reps: params.max_reps.max(params.min_reps.max(1)),
-        max_time_s: params.max_time_s,
-        target_rel_ci: params.target_rel_ci,
-        ..Harness::default()
-    };
+    let harness = params.harness.apply(default_harness());
     let measured_shape = MeasuredShape {
         batch: 1,
         heads_q: params.heads_q as u64,

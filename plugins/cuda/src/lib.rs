@@ -12,7 +12,6 @@ mod nvml;
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use attnbench_sdk::mask::MaskSet;
 use attnbench_sdk::measure::{
     Correctness, Harness, MeasureStatus, Measurement, Memory, Quantiles, Shape as MeasuredShape,
     Throughput,
@@ -68,55 +67,16 @@ fn choice(options: &[&str]) -> ParamType {
     ParamType::Enum(options.iter().map(|o| o.to_string()).collect())
 }
 
-fn harness_params(stage: StageSpec) -> StageSpec {
-    stage
-        .param(
-            ParamSpec::new("warmup_reps", ParamType::Int)
-                .default(3)
-                .doc("Harness: warm-up repetitions."),
-        )
-        .param(
-            ParamSpec::new("min_reps", ParamType::Int)
-                .default(10)
-                .doc("Harness: fewest timed repetitions."),
-        )
-        .param(
-            ParamSpec::new("max_reps", ParamType::Int)
-                .default(200)
-                .doc("Harness: most timed repetitions."),
-        )
-        .param(
-            ParamSpec::new("max_time_s", ParamType::Float)
-                .default(5.0)
-                .doc("Harness: time cap for the timed repetitions."),
-        )
-        .param(
-            ParamSpec::new("target_rel_ci", ParamType::Float)
-                .default(0.01)
-                .doc("Harness: stop once the median's 95% CI is within ± this fraction."),
-        )
-}
-
-#[derive(Deserialize)]
-struct HarnessParams {
-    warmup_reps: u32,
-    min_reps: u32,
-    max_reps: u32,
-    max_time_s: f64,
-    target_rel_ci: f64,
-}
-
-impl HarnessParams {
-    fn harness(&self) -> Harness {
-        Harness {
-            timer: "CUDA events, L2 flushed (2× its size) before every repetition".into(),
-            warmup_reps: self.warmup_reps,
-            warmup_s: 0.1,
-            min_reps: self.min_reps.max(1),
-            max_reps: self.max_reps.max(self.min_reps.max(1)),
-            max_time_s: self.max_time_s,
-            target_rel_ci: self.target_rel_ci,
-        }
+/// The GPU harness's settings when a pipeline does not change them.
+fn default_harness() -> Harness {
+    Harness {
+        timer: "CUDA events, L2 flushed (2× its size) before every repetition".into(),
+        warmup_reps: 3,
+        warmup_s: 0.1,
+        min_reps: 10,
+        max_reps: 200,
+        max_time_s: 5.0,
+        target_rel_ci: 0.01,
     }
 }
 
@@ -126,7 +86,7 @@ impl Plugin for Cuda {
             .description("Attention on NVIDIA GPUs: NVRTC-compiled CUDA C and cuBLAS, with the GPU harness.")
             .stage(StageSpec::new("devices").doc("The GPUs, the driver and NVRTC versions.").isolation(Isolation::Worker).cache_scope(CacheScope::Machine))
             .stage(
-                harness_params(
+                default_harness().declare(
                     StageSpec::new("gemm")
                         .doc("Times a cuBLAS GEMM (C = A·B, f32 accumulation): the practical ceiling for attention kernels.")
                         .param(ParamSpec::new("m", ParamType::Size).default("8k"))
@@ -140,7 +100,7 @@ impl Plugin for Cuda {
                 .exclusive(),
             )
             .stage(
-                harness_params(
+                default_harness().declare(
                     StageSpec::new("benchmark")
                         .doc("Times one kernel on one mask (from a masks/generate node), checked against the reference first.")
                         .param(ParamSpec::new("kernel", choice(&["naive"])).default("naive").doc("`naive`: cuBLAS GEMMs around a masked softmax; S×S scores per head."))
@@ -185,7 +145,7 @@ struct GemmParams {
     k: usize,
     dtype: String,
     #[serde(flatten)]
-    harness: HarnessParams,
+    harness: attnbench_sdk::measure::HarnessParams,
 }
 
 fn gemm(request: &StageRequest) -> Result<Value, PluginError> {
@@ -199,7 +159,7 @@ fn gemm(request: &StageRequest) -> Result<Value, PluginError> {
     } else {
         (cudaDataType::CUDA_R_32F, 4)
     };
-    let harness = p.harness.harness();
+    let harness = p.harness.apply(default_harness());
     with_gpu(|state| {
         let clocks_before = state.clocks();
         let gpu = &mut state.gpu;
@@ -291,7 +251,7 @@ struct BenchParams {
     outputs: bool,
     check_max_seqlen: usize,
     #[serde(flatten)]
-    harness: HarnessParams,
+    harness: attnbench_sdk::measure::HarnessParams,
 }
 
 /// Relative error allowed against the f64 reference: f32 accumulation, P rounded to the inputs'
@@ -305,10 +265,7 @@ fn tolerance(precision: Precision) -> f64 {
 
 fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> {
     let p: BenchParams = request.params()?;
-    let input = request.inputs_from("generate").next().ok_or_else(|| {
-        PluginError::Params("cuda/benchmark needs a masks/generate node in `needs`".into())
-    })?;
-    let set = MaskSet::load(&input.dir)?;
+    let set = request.mask_set()?;
     set.check_heads(p.heads_q as u64, p.heads_kv as u64, p.head_dim as u64)
         .map_err(PluginError::Params)?;
     let shape = Shape {
@@ -317,7 +274,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         seqlen: set.seqlen as usize,
         head_dim: p.head_dim,
     };
-    let harness = p.harness.harness();
+    let harness = p.harness.apply(default_harness());
     let measured_shape = MeasuredShape {
         batch: 1,
         heads_q: p.heads_q as u64,
