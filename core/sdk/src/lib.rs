@@ -25,6 +25,7 @@ mod host;
 mod manifest;
 pub mod mask;
 pub mod measure;
+pub mod nvml;
 pub mod reference;
 mod request;
 pub mod rng;

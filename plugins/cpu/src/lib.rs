@@ -2,7 +2,6 @@
 //! kernel and the tiled multi-threaded one — timed with the SDK's harness and checked against a
 //! reference before it is timed.
 
-pub mod check;
 pub mod problem;
 pub mod tiled;
 
@@ -15,9 +14,9 @@ use attnbench_sdk::{
     PluginManifest, StageRequest, StageSpec,
 };
 use serde::Deserialize;
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
-use attnbench_sdk::reference::{self as naive, relative_error};
+use attnbench_sdk::reference::{self as naive, CheckMode};
 use problem::{Forward, Grads, HeadMasks, Inputs, Shape};
 
 struct Cpu;
@@ -222,72 +221,12 @@ fn check(
         "sampled" => false,
         _ => shape.seqlen <= params.full_check_max_seqlen && params.kernel != "naive",
     };
-    let (reference, checked, errors) = if full {
-        let expected = naive::forward(shape, masks, inputs);
-        let expected_grads = grads.map(|_| naive::backward(shape, masks, inputs, &expected));
-        let pairs = grads.zip(expected_grads.as_ref());
-        let what = if grads.is_some() {
-            "O, LSE, dQ, dK, dV: every element"
-        } else {
-            "O, LSE: every element"
-        };
-        (
-            "cpu-naive (f64 accumulation)".to_string(),
-            what.to_string(),
-            check::compare(forward, &expected, pairs),
-        )
+    let mode = if full {
+        CheckMode::Full
     } else {
-        let rows = check::sample_rows(shape.seqlen, 64);
-        let (out, lse, dq) = check::reference_rows(shape, masks, inputs, &rows, grads.is_some());
-        let mut errors = Map::new();
-        errors.insert(
-            "out".into(),
-            json!(relative_error(
-                &check::pick_rows(shape, &forward.out, &rows, shape.head_dim),
-                &out
-            )),
-        );
-        errors.insert(
-            "lse".into(),
-            json!(relative_error(
-                &check::pick_rows(shape, &forward.lse, &rows, 1),
-                &lse
-            )),
-        );
-        if let Some(grads) = grads {
-            errors.insert(
-                "dq".into(),
-                json!(relative_error(
-                    &check::pick_rows(shape, &grads.dq, &rows, shape.head_dim),
-                    &dq
-                )),
-            );
-        }
-        let what = format!(
-            "{}: {} rows of every head",
-            if grads.is_some() {
-                "O, LSE, dQ"
-            } else {
-                "O, LSE"
-            },
-            rows.len()
-        );
-        (
-            "per-row f64 reference from the mask's slices".to_string(),
-            what,
-            errors,
-        )
+        CheckMode::Sampled { rows: 64 }
     };
-    let passed = errors
-        .values()
-        .all(|e| e.as_f64().is_some_and(|e| e <= TOLERANCE));
-    Correctness {
-        reference,
-        checked,
-        errors,
-        tolerance: TOLERANCE,
-        passed,
-    }
+    naive::check(shape, masks, inputs, forward, grads, mode, TOLERANCE)
 }
 
 /// Bytes the kernel's buffers occupy at their peak: inputs, outputs and scratch.

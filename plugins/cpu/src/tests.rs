@@ -5,9 +5,9 @@ use serde_json::Map;
 
 use attnbench_sdk::reference::{self as naive, relative_error};
 
-use crate::check::{pick_rows, reference_rows, sample_rows};
 use crate::problem::{HeadMasks, Inputs, Shape};
 use crate::tiled;
+use attnbench_sdk::reference::{pick_rows, reference_rows, sample_rows};
 
 fn mask_params(mask: &str, seqlen: u64) -> MaskParams {
     MaskParams {

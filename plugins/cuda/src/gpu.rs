@@ -1,14 +1,16 @@
 //! The device, its streams and libraries, and timing on it: the GPU variant of the SDK's harness
 //! (an L2 flush of twice the L2 before every repetition, outside the timed region; device events
-//! around the call).
+//! around the call), and device memory taken through one counter so that a measurement's peak is
+//! what its kernel really held at once.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use attnbench_sdk::measure::{Harness, Timing};
 use attnbench_sdk::PluginError;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use serde_json::{json, Value};
 
 /// cudarc panics when a library it needs cannot be opened; look first and say it plainly.
@@ -31,10 +33,67 @@ pub fn require_library(stem: &str, what: &str) -> Result<(), PluginError> {
     )))
 }
 
+/// The start of the message of an allocation the device could not satisfy: such a node is
+/// recorded as `oom`, not as an error.
+pub const OUT_OF_MEMORY: &str = "out of device memory";
+
+/// Bytes held now and at most since the last [`MemoryTracker::reset_peak`], over every [`Buffer`].
+#[derive(Default)]
+pub struct MemoryTracker {
+    current: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+impl MemoryTracker {
+    pub fn current(&self) -> usize {
+        self.current.load(Ordering::Relaxed)
+    }
+
+    pub fn peak(&self) -> usize {
+        self.peak.load(Ordering::Relaxed)
+    }
+
+    /// Starts a new peak from what is held now.
+    pub fn reset_peak(&self) {
+        self.peak.store(self.current(), Ordering::Relaxed);
+    }
+
+    fn take(&self, bytes: usize) {
+        let now = self.current.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+    }
+}
+
+/// Device memory counted by the GPU's [`MemoryTracker`] until it is dropped.
+pub struct Buffer<T> {
+    pub slice: CudaSlice<T>,
+    bytes: usize,
+    tracker: Arc<MemoryTracker>,
+}
+
+impl<T> Drop for Buffer<T> {
+    fn drop(&mut self) {
+        self.tracker
+            .current
+            .fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+impl<T> Buffer<T> {
+    /// The device address, for cuBLAS and kernel arguments. One stream orders every use, so the
+    /// access guard can go at once.
+    pub fn address(&self, stream: &Arc<CudaStream>) -> u64 {
+        use cudarc::driver::DevicePtr;
+        let (pointer, _guard) = self.slice.device_ptr(stream);
+        pointer
+    }
+}
+
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     pub blas: CudaBlas,
+    pub memory: Arc<MemoryTracker>,
     flush: CudaSlice<u8>,
 }
 
@@ -60,8 +119,62 @@ impl Gpu {
             ctx,
             stream,
             blas,
+            memory: Arc::default(),
             flush,
         })
+    }
+
+    fn track<T>(
+        &self,
+        what: &str,
+        bytes: usize,
+        made: Result<CudaSlice<T>, cudarc::driver::DriverError>,
+    ) -> Result<Buffer<T>, PluginError> {
+        let slice = made.map_err(|err| {
+            if err.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                PluginError::failed(format!(
+                    "{OUT_OF_MEMORY} for {what} ({:.2} GiB)",
+                    bytes as f64 / (1u64 << 30) as f64
+                ))
+            } else {
+                PluginError::failed(format!("cannot allocate {what}: {err}"))
+            }
+        })?;
+        self.memory.take(bytes);
+        Ok(Buffer {
+            slice,
+            bytes,
+            tracker: self.memory.clone(),
+        })
+    }
+
+    /// `len` zeroed elements on the device, counted by the tracker.
+    pub fn alloc<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        what: &str,
+        len: usize,
+    ) -> Result<Buffer<T>, PluginError> {
+        let bytes = len * std::mem::size_of::<T>();
+        self.track(what, bytes, self.stream.alloc_zeros::<T>(len))
+    }
+
+    /// A device copy of `data`, counted by the tracker.
+    pub fn upload<T: DeviceRepr>(&self, what: &str, data: &[T]) -> Result<Buffer<T>, PluginError> {
+        self.track(
+            what,
+            std::mem::size_of_val(data),
+            self.stream.clone_htod(data),
+        )
+    }
+
+    /// A host copy of a device buffer.
+    pub fn download<T: DeviceRepr + Default + Clone>(
+        &self,
+        buffer: &Buffer<T>,
+    ) -> Result<Vec<T>, PluginError> {
+        self.stream
+            .clone_dtoh(&buffer.slice)
+            .map_err(|err| PluginError::failed(format!("download: {err}")))
     }
 
     pub fn l2_bytes(&self) -> usize {

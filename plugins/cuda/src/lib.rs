@@ -7,33 +7,31 @@
 
 mod gpu;
 mod naive;
-mod nvml;
 
-use std::collections::HashMap;
 use std::sync::Mutex;
 
 use attnbench_sdk::measure::{
-    Correctness, Harness, MeasureStatus, Measurement, Memory, Quantiles, Shape as MeasuredShape,
-    Throughput,
+    Harness, MeasureStatus, Measurement, Memory, Quantiles, Shape as MeasuredShape, Throughput,
 };
-use attnbench_sdk::reference::{self, relative_error, HeadMasks, Inputs, Shape};
+use attnbench_sdk::nvml;
+use attnbench_sdk::reference::{
+    self, CheckMode, Element, Forward, Grads, HeadMasks, Inputs, Shape,
+};
 use attnbench_sdk::{
     kinds, write_json, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError,
     PluginManifest, StageRequest, StageSpec,
 };
-use cudarc::driver::CudaFunction;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 use gpu::Gpu;
-use naive::Precision;
 
 struct Cuda;
 
 /// The device and the compiled kernels, kept for the life of the worker process.
 struct State {
     gpu: Gpu,
-    kernels: HashMap<&'static str, CudaFunction>,
+    naive: Option<naive::Kernels>,
     nvml: Option<nvml::Nvml>,
 }
 
@@ -56,7 +54,7 @@ fn with_gpu<T>(work: impl FnOnce(&mut State) -> Result<T, PluginError>) -> Resul
     if guard.is_none() {
         *guard = Some(State {
             gpu: Gpu::open()?,
-            kernels: HashMap::new(),
+            naive: None,
             nvml: nvml::Nvml::open(),
         });
     }
@@ -104,13 +102,13 @@ impl Plugin for Cuda {
                     StageSpec::new("benchmark")
                         .doc("Times one kernel on one mask (from a masks/generate node), checked against the reference first.")
                         .param(ParamSpec::new("kernel", choice(&["naive"])).default("naive").doc("`naive`: cuBLAS GEMMs around a masked softmax; S×S scores per head."))
-                        .param(ParamSpec::new("direction", choice(&["fwd", "bwd", "fwd_bwd"])).default("fwd").doc("The naive GPU kernel has a forward pass only, for now."))
+                        .param(ParamSpec::new("direction", choice(&["fwd", "bwd", "fwd_bwd"])).default("fwd").doc("`bwd` is timed alone: the forward runs once, outside the timed region."))
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
                         .param(ParamSpec::new("heads_kv", ParamType::Int).default(8))
                         .param(ParamSpec::new("head_dim", ParamType::Int).default(128))
                         .param(ParamSpec::new("dtype", choice(&["bf16", "f32", "fp16"])).default("bf16"))
                         .param(ParamSpec::new("outputs", ParamType::Bool).default(false).doc("Also write out.f32 and lse.f32."))
-                        .param(ParamSpec::new("check_max_seqlen", ParamType::Size).default("2k").doc("Longest sequence checked against the CPU reference (f64) before timing.")),
+                        .param(ParamSpec::new("check_max_seqlen", ParamType::Size).default("2k").doc("Longest sequence whose every output is checked against the f64 reference before timing; longer ones check 16 rows of every head against an independent per-row reference.")),
                 )
                 .input(kinds::MASK)
                 .output(kinds::MEASUREMENT)
@@ -152,19 +150,21 @@ fn gemm(request: &StageRequest) -> Result<Value, PluginError> {
     use cudarc::cublas::sys::{
         cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType,
     };
-    use cudarc::driver::DevicePtrMut;
     let p: GemmParams = request.params()?;
-    let (kind, bytes) = if p.dtype == "bf16" {
-        (cudaDataType::CUDA_R_16BF, 2)
+    let kind = if p.dtype == "bf16" {
+        cudaDataType::CUDA_R_16BF
     } else {
-        (cudaDataType::CUDA_R_32F, 4)
+        cudaDataType::CUDA_R_32F
     };
     let harness = p.harness.apply(default_harness());
     with_gpu(|state| {
         let clocks_before = state.clocks();
         let gpu = &mut state.gpu;
-        let failed =
-            |err: cudarc::driver::DriverError| PluginError::failed(format!("GEMM buffers: {err}"));
+        let element = if p.dtype == "bf16" {
+            Element::Bf16
+        } else {
+            Element::F32
+        };
         // Random operands: zeros would let the chip run cooler and faster than any real workload.
         let random = |count: usize| -> Vec<u8> {
             let shape = Shape {
@@ -173,30 +173,16 @@ fn gemm(request: &StageRequest) -> Result<Value, PluginError> {
                 seqlen: count,
                 head_dim: 1,
             };
-            let values = Inputs::random(&shape, 11, p.dtype == "bf16").q;
-            if p.dtype == "bf16" {
-                values
-                    .iter()
-                    .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
-                    .collect()
-            } else {
-                values.iter().flat_map(|v| v.to_le_bytes()).collect()
-            }
+            element.encode(&Inputs::random_as(&shape, 11, element).q)
         };
-        let mut a = gpu.stream.clone_htod(&random(p.m * p.k)).map_err(failed)?;
-        let mut b = gpu.stream.clone_htod(&random(p.k * p.n)).map_err(failed)?;
-        let mut c = gpu
-            .stream
-            .alloc_zeros::<u8>(p.m * p.n * bytes)
-            .map_err(failed)?;
-        let (pa, pb, pc) = {
-            let address = |(pointer, _guard): (u64, cudarc::driver::SyncOnDrop<'_>)| pointer;
-            (
-                address(a.device_ptr_mut(&gpu.stream)),
-                address(b.device_ptr_mut(&gpu.stream)),
-                address(c.device_ptr_mut(&gpu.stream)),
-            )
-        };
+        let a = gpu.upload("A", &random(p.m * p.k))?;
+        let b = gpu.upload("B", &random(p.k * p.n))?;
+        let c = gpu.alloc::<u8>("C", p.m * p.n * element.bytes())?;
+        let (pa, pb, pc) = (
+            a.address(&gpu.stream),
+            b.address(&gpu.stream),
+            c.address(&gpu.stream),
+        );
         let (one, zero) = (1.0f32, 0.0f32);
         let timing = gpu.time(&harness, |gpu| {
             // SAFETY: a, b and c hold m×k, k×n and m×n elements of the type given.
@@ -254,13 +240,23 @@ struct BenchParams {
     harness: attnbench_sdk::measure::HarnessParams,
 }
 
-/// Relative error allowed against the f64 reference: f32 accumulation, P rounded to the inputs'
-/// precision before P·V.
-fn tolerance(precision: Precision) -> f64 {
-    match precision {
-        Precision::F32 => 1e-4,
-        Precision::Bf16 => 2e-2,
+/// Relative error allowed against the f64 reference: f32 accumulation, P and dS rounded to the
+/// inputs' type before their products.
+fn tolerance(element: Element) -> f64 {
+    match element {
+        Element::F32 => 1e-4,
+        Element::F16 => 5e-3,
+        Element::Bf16 => 2e-2,
     }
+}
+
+fn gib(bytes: usize) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
+fn finish(request: &StageRequest, measurement: &Measurement) -> Result<Value, PluginError> {
+    write_json(&request.output_dir, Measurement::FILE, measurement)?;
+    serde_json::to_value(measurement).map_err(|err| PluginError::failed(err.to_string()))
 }
 
 fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> {
@@ -274,6 +270,9 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         seqlen: set.seqlen as usize,
         head_dim: p.head_dim,
     };
+    let element = Element::parse(&p.dtype).ok_or_else(|| {
+        PluginError::Params(format!("dtype `{}`: expected bf16, fp16 or f32", p.dtype))
+    })?;
     let harness = p.harness.apply(default_harness());
     let measured_shape = MeasuredShape {
         batch: 1,
@@ -292,27 +291,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         &p.direction,
         harness.clone(),
     );
-    let unsupported = |m: Measurement, reason: String| -> Result<Value, PluginError> {
-        let m = m.unsupported(reason);
-        write_json(&request.output_dir, Measurement::FILE, &m)?;
-        serde_json::to_value(&m).map_err(|err| PluginError::failed(err.to_string()))
-    };
-    if p.direction != "fwd" {
-        return unsupported(
-            measurement,
-            "the naive GPU kernel has no backward pass yet".into(),
-        );
-    }
-    let precision = match p.dtype.as_str() {
-        "bf16" => Precision::Bf16,
-        "f32" => Precision::F32,
-        other => {
-            return unsupported(
-                measurement,
-                format!("the naive GPU kernel does not take {other} inputs (bf16 or f32)"),
-            )
-        }
-    };
+    let backward = p.direction != "fwd";
     with_gpu(|state| {
         for (key, value) in state
             .gpu
@@ -323,73 +302,98 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         {
             measurement.environment.insert(key, value);
         }
-        let needed = naive::bytes_needed(&shape, precision);
+        let needed = naive::bytes_needed(&shape, element, backward);
         let free = state.gpu.free_bytes()?;
-        if needed > free {
-            measurement.status = MeasureStatus::Oom;
-            measurement.reason = Some(format!(
-                "needs {:.1} GiB on the device, {:.1} GiB are free",
-                needed as f64 / (1u64 << 30) as f64,
-                free as f64 / (1u64 << 30) as f64
-            ));
-            write_json(&request.output_dir, Measurement::FILE, &measurement)?;
-            return serde_json::to_value(&measurement)
-                .map_err(|err| PluginError::failed(err.to_string()));
-        }
-        let name: &'static str = if precision == Precision::Bf16 {
-            "softmax_bf16"
-        } else {
-            "softmax_f32"
+        let out_of_memory = |mut m: Measurement, reason: String| {
+            m.status = MeasureStatus::Oom;
+            m.reason = Some(reason);
+            finish(request, &m)
         };
-        if !state.kernels.contains_key(name) {
-            host.info("compiling the masked softmax with NVRTC");
-            let function = naive::compile(&state.gpu, precision)?;
-            state.kernels.insert(name, function);
+        if needed > free {
+            return out_of_memory(
+                measurement,
+                format!(
+                    "needs {:.1} GiB on the device, {:.1} GiB are free",
+                    gib(needed),
+                    gib(free)
+                ),
+            );
+        }
+        if state.naive.is_none() {
+            host.info("compiling the naive kernel's row kernels with NVRTC");
+            state.naive = Some(naive::compile(&state.gpu)?);
         }
         let masks = HeadMasks::new(&set, &shape);
-        let inputs = Inputs::random(&shape, request.seed, precision == Precision::Bf16);
-        let mut problem = naive::Problem::upload(
-            &state.gpu,
-            &state.kernels[name],
-            shape,
-            precision,
+        let inputs = Inputs::random_as(&shape, request.seed, element);
+        let gpu = &state.gpu;
+        let base = gpu.memory.current();
+        gpu.memory.reset_peak();
+        let kernels = state.naive.as_ref().expect("compiled above");
+        let uploaded =
+            naive::Problem::upload(gpu, kernels, shape, element, &masks, &inputs, backward);
+        let mut problem = match uploaded {
+            Err(PluginError::Failed(message)) if message.starts_with(gpu::OUT_OF_MEMORY) => {
+                return out_of_memory(measurement, message);
+            }
+            other => other?,
+        };
+        problem.forward(gpu)?;
+        if backward {
+            problem.backward(gpu)?;
+        }
+        let forward = Forward {
+            out: gpu.download(&problem.out)?,
+            lse: gpu.download(&problem.lse)?,
+        };
+        let grads = problem.grads(gpu)?.map(|g| Grads {
+            dq: g.dq,
+            dk: g.dk,
+            dv: g.dv,
+        });
+        if p.outputs {
+            let tensors = [
+                Some(&forward.out),
+                Some(&forward.lse),
+                grads.as_ref().map(|g| &g.dq),
+                grads.as_ref().map(|g| &g.dk),
+                grads.as_ref().map(|g| &g.dv),
+            ];
+            for (name, values) in reference::OUTPUT_TENSORS.iter().zip(tensors) {
+                if let Some(values) = values {
+                    reference::write_tensor(&request.output_dir, name, values)?;
+                }
+            }
+        }
+        let mode = if shape.seqlen <= p.check_max_seqlen {
+            CheckMode::Full
+        } else {
+            CheckMode::Sampled { rows: 16 }
+        };
+        host.debug("checking the outputs against the reference");
+        measurement.correctness = Some(reference::check(
+            &shape,
             &masks,
             &inputs,
-        )?;
-        problem.forward(&state.gpu)?;
-        let download = |slice: &cudarc::driver::CudaSlice<f32>| {
-            state
-                .gpu
-                .stream
-                .clone_dtoh(slice)
-                .map_err(|err| PluginError::failed(format!("download: {err}")))
-        };
-        let (out, lse) = (download(&problem.out)?, download(&problem.lse)?);
-        if p.outputs {
-            reference::write_tensor(&request.output_dir, "out.f32", &out)?;
-            reference::write_tensor(&request.output_dir, "lse.f32", &lse)?;
-        }
-        if shape.seqlen <= p.check_max_seqlen {
-            let expected = reference::forward(&shape, &masks, &inputs);
-            let mut errors = serde_json::Map::new();
-            errors.insert("out".into(), json!(relative_error(&out, &expected.out)));
-            errors.insert("lse".into(), json!(relative_error(&lse, &expected.lse)));
-            let limit = tolerance(precision);
-            let passed = errors
-                .values()
-                .all(|e| e.as_f64().is_some_and(|e| e <= limit));
-            measurement.correctness = Some(Correctness {
-                reference: "cpu reference (f64) on the same inputs".into(),
-                checked: "O, LSE: every element".into(),
-                errors,
-                tolerance: limit,
-                passed,
-            });
-        }
+            &forward,
+            grads.as_ref(),
+            mode,
+            tolerance(element),
+        ));
+        drop((forward, grads, inputs));
         measurement
             .environment
             .insert("clocks_before".into(), state.clocks());
-        let timing = state.gpu.time(&harness, |gpu| problem.forward(gpu))?;
+        let gpu = &mut state.gpu;
+        let timing = match p.direction.as_str() {
+            "fwd" => gpu.time(&harness, |gpu| problem.forward(gpu))?,
+            "bwd" => gpu.time(&harness, |gpu| problem.backward(gpu))?,
+            _ => gpu.time(&harness, |gpu| {
+                problem.forward(gpu)?;
+                problem.backward(gpu)
+            })?,
+        };
+        let peak = gpu.memory.peak() - base;
+        drop(problem);
         measurement
             .environment
             .insert("clocks_after".into(), state.clocks());
@@ -397,15 +401,14 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         measurement.tflops = times.map(|t| Throughput::of(measurement.flops, &t));
         measurement.time_s = times;
         measurement.timing = Some(timing);
-        let input_bytes = ((shape.q_len() + 2 * shape.kv_len())
-            * if precision == Precision::Bf16 { 2 } else { 4 }) as u64;
+        let inputs_bytes =
+            (shape.q_len() * if backward { 2 } else { 1 } + 2 * shape.kv_len()) * element.bytes();
         measurement.memory = Some(Memory {
-            peak_bytes: needed as u64,
-            above_inputs_bytes: needed as u64 - input_bytes,
-            method: "sum of the device buffers the kernel allocates".into(),
+            peak_bytes: peak as u64,
+            above_inputs_bytes: peak.saturating_sub(inputs_bytes) as u64,
+            method: "the plugin's tracking allocator: the most device memory the kernel's buffers held at once (cuBLAS's own workspace not included)".into(),
         });
-        write_json(&request.output_dir, Measurement::FILE, &measurement)?;
-        serde_json::to_value(&measurement).map_err(|err| PluginError::failed(err.to_string()))
+        finish(request, &measurement)
     })
 }
 

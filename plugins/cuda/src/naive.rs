@@ -1,31 +1,42 @@
 //! The naive GPU kernel: per head, scores = scale·Q·Kᵀ with cuBLAS (f32), a masked softmax kernel
 //! (CUDA C compiled by NVRTC for the device) that reads the mask's row intervals straight from the
-//! IR and writes P and the LSE, then O = P·V with cuBLAS. It materialises S×S scores per head, so
-//! it is the GPU's reference, not a fast kernel.
+//! IR and writes P and the LSE, then O = P·V with cuBLAS. The backward pass recomputes P per head
+//! (S² scratch per head rather than per problem), then dV += Pᵀ·dO, dP = dO·Vᵀ, dS = P∘(dP − D)
+//! with D = Σ P∘dP per row (a second kernel), dQ = dS·K, dK += dSᵀ·Q; GQA groups accumulate into
+//! their KV head. It materialises S×S scores per head, so it is the GPU's reference, not a fast
+//! kernel.
 
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use attnbench_sdk::reference::{HeadMasks, Inputs, Shape};
+use attnbench_sdk::reference::{Element, HeadMasks, Inputs, Shape};
 use attnbench_sdk::PluginError;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
-use cudarc::driver::{
-    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaFunction, CudaModule, LaunchConfig, PushKernelArg};
 
-use crate::gpu::Gpu;
+use crate::gpu::{Buffer, Gpu};
 
-/// CUDA C of the masked softmax, one block per row. P is written in the inputs' precision
-/// (bf16 as raw bits, rounded to nearest even, or f32). Rows with no allowed key: P = 0, LSE = −∞.
+/// CUDA C of the two row kernels, one block per row, for each element type (0 = f32, 1 = bf16,
+/// 2 = fp16; probabilities and dS are written in the inputs' type). Rows with no allowed key:
+/// P = 0, LSE = −∞, dS = 0.
 const SOURCE: &str = r#"
 __device__ __forceinline__ bool allowed(unsigned k, const unsigned* iv, unsigned n) {
     for (unsigned t = 0; t < n; ++t) { if (k >= iv[2 * t] && k < iv[2 * t + 1]) return true; }
     return false;
 }
-__device__ __forceinline__ unsigned short to_bf16(float x) {
-    unsigned bits = __float_as_uint(x);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (unsigned short)(bits >> 16);
+template <int E>
+__device__ __forceinline__ void store(void* base, size_t index, float x) {
+    if (E == 0) {
+        ((float*)base)[index] = x;
+    } else if (E == 1) {
+        unsigned bits = __float_as_uint(x);
+        bits += 0x7fffu + ((bits >> 16) & 1u);
+        ((unsigned short*)base)[index] = (unsigned short)(bits >> 16);
+    } else {
+        unsigned short h;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+        ((unsigned short*)base)[index] = h;
+    }
 }
 __device__ float block_reduce(float value, bool take_max) {
     __shared__ float shared[32];
@@ -50,7 +61,7 @@ __device__ float block_reduce(float value, bool take_max) {
     __syncthreads();
     return result;
 }
-template <bool BF16>
+template <int E>
 __device__ void masked_softmax(const float* scores, void* probs, float* lse,
                                const unsigned* row_start, const unsigned* intervals, int s) {
     const int row = blockIdx.x;
@@ -67,88 +78,185 @@ __device__ void masked_softmax(const float* scores, void* probs, float* lse,
     const float l = (m == minus_inf) ? minus_inf : m + logf(sum);
     for (int k = threadIdx.x; k < s; k += blockDim.x) {
         const float p = (m != minus_inf && allowed(k, iv, count)) ? expf(line[k] - l) : 0.0f;
-        if (BF16) ((unsigned short*)probs)[(size_t)row * s + k] = to_bf16(p);
-        else ((float*)probs)[(size_t)row * s + k] = p;
+        store<E>(probs, (size_t)row * s + k, p);
     }
     if (threadIdx.x == 0) lse[row] = l;
 }
-extern "C" __global__ void masked_softmax_bf16(const float* a, void* b, float* c, const unsigned* d, const unsigned* e, int s) { masked_softmax<true>(a, b, c, d, e, s); }
-extern "C" __global__ void masked_softmax_f32(const float* a, void* b, float* c, const unsigned* d, const unsigned* e, int s) { masked_softmax<false>(a, b, c, d, e, s); }
+template <int E>
+__device__ void softmax_grad(const float* scores, const float* lse, const float* dp, void* ds,
+                             const unsigned* row_start, const unsigned* intervals, int s, float scale) {
+    const int row = blockIdx.x;
+    const float* line = scores + (size_t)row * s;
+    const float* grad = dp + (size_t)row * s;
+    const unsigned begin = row_start[row], count = row_start[row + 1] - begin;
+    const unsigned* iv = intervals + 2 * begin;
+    const float l = lse[row];
+    const bool empty = l == __int_as_float(0xff800000);
+    float d = 0.0f;
+    if (!empty) for (int k = threadIdx.x; k < s; k += blockDim.x) if (allowed(k, iv, count)) d += expf(line[k] - l) * grad[k];
+    d = block_reduce(d, false);
+    for (int k = threadIdx.x; k < s; k += blockDim.x) {
+        const float p = (!empty && allowed(k, iv, count)) ? expf(line[k] - l) : 0.0f;
+        store<E>(ds, (size_t)row * s + k, p * (grad[k] - d) * scale);
+    }
+}
+#define ROW_KERNELS(SUFFIX, E) \
+extern "C" __global__ void masked_softmax_##SUFFIX(const float* a, void* b, float* c, const unsigned* d, const unsigned* e, int s) { masked_softmax<E>(a, b, c, d, e, s); } \
+extern "C" __global__ void softmax_grad_##SUFFIX(const float* a, const float* b, const float* c, void* d, const unsigned* e, const unsigned* f, int s, float scale) { softmax_grad<E>(a, b, c, d, e, f, s, scale); }
+ROW_KERNELS(f32, 0)
+ROW_KERNELS(bf16, 1)
+ROW_KERNELS(f16, 2)
 "#;
 
-/// Input precision on the device.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Precision {
-    Bf16,
-    F32,
-}
-
-impl Precision {
-    fn bytes(self) -> usize {
-        match self {
-            Precision::Bf16 => 2,
-            Precision::F32 => 4,
-        }
-    }
-
-    fn cuda_type(self) -> cudaDataType {
-        match self {
-            Precision::Bf16 => cudaDataType::CUDA_R_16BF,
-            Precision::F32 => cudaDataType::CUDA_R_32F,
-        }
+fn cuda_type(element: Element) -> cudaDataType {
+    match element {
+        Element::F32 => cudaDataType::CUDA_R_32F,
+        Element::Bf16 => cudaDataType::CUDA_R_16BF,
+        Element::F16 => cudaDataType::CUDA_R_16F,
     }
 }
 
-/// Device copies of the inputs (as raw bytes in the chosen precision) and the kernel's buffers.
-pub struct Problem {
-    pub shape: Shape,
-    precision: Precision,
-    q: CudaSlice<u8>,
-    k: CudaSlice<u8>,
-    v: CudaSlice<u8>,
-    scores: CudaSlice<f32>,
-    probs: CudaSlice<u8>,
-    pub out: CudaSlice<f32>,
-    pub lse: CudaSlice<f32>,
-    /// Per mask of the set: CSR row starts and (start, end) key intervals.
-    rows: Vec<(CudaSlice<u32>, CudaSlice<u32>)>,
-    mask_of_head: Vec<usize>,
-    softmax: CudaFunction,
-}
-
-/// Bytes the naive kernel needs on the device.
-pub fn bytes_needed(shape: &Shape, precision: Precision) -> usize {
-    let s = shape.seqlen;
-    let inputs = (shape.q_len() + 2 * shape.kv_len()) * precision.bytes();
-    inputs + s * s * (4 + precision.bytes()) + shape.q_len() * 4 + shape.heads_q * s * 4
-}
-
-fn encode(values: &[f32], precision: Precision) -> Vec<u8> {
-    match precision {
-        Precision::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        // Inputs are already bf16 values: the top 16 bits are exact.
-        Precision::Bf16 => values
-            .iter()
-            .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
-            .collect(),
+fn suffix(element: Element) -> &'static str {
+    match element {
+        Element::F32 => "f32",
+        Element::Bf16 => "bf16",
+        Element::F16 => "f16",
     }
+}
+
+/// The compiled row kernels of one device.
+pub struct Kernels {
+    module: Arc<CudaModule>,
+}
+
+impl Kernels {
+    fn function(&self, name: &str, element: Element) -> Result<CudaFunction, PluginError> {
+        self.module
+            .load_function(&format!("{name}_{}", suffix(element)))
+            .map_err(failed("load function"))
+    }
+}
+
+/// Bytes the naive kernel needs on the device for one direction.
+pub fn bytes_needed(shape: &Shape, element: Element, backward: bool) -> usize {
+    let (s, e) = (shape.seqlen, element.bytes());
+    let inputs = (shape.q_len() + 2 * shape.kv_len()) * e;
+    let forward = s * s * (4 + e) + shape.q_len() * 4 + shape.heads_q * s * 4;
+    if !backward {
+        return inputs + forward;
+    }
+    // dO, the S×S dP, and f32 dQ, dK, dV.
+    inputs + forward + shape.q_len() * e + s * s * 4 + (shape.q_len() + 2 * shape.kv_len()) * 4
 }
 
 fn failed(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> PluginError {
     move |err| PluginError::failed(format!("{what}: {err}"))
 }
 
+/// Row-major attention matrices in cuBLAS's column-major terms: a row-major r×c matrix is a
+/// column-major c×r one with leading dimension c. Every product accumulates in f32 into f32.
+struct Gemm {
+    handle: cudarc::cublas::sys::cublasHandle_t,
+    kind: cudaDataType,
+}
+
+impl Gemm {
+    /// C (m×n, column-major, f32) = alpha·op(A)·op(B) + beta·C.
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        what: &str,
+        (transpose_a, transpose_b): (bool, bool),
+        (m, n, k): (usize, usize, usize),
+        alpha: f32,
+        (a, lda): (u64, usize),
+        (b, ldb): (u64, usize),
+        beta: f32,
+        (c, ldc): (u64, usize),
+        b_kind: Option<cudaDataType>,
+    ) -> Result<(), PluginError> {
+        let op = |t| {
+            if t {
+                cublasOperation_t::CUBLAS_OP_T
+            } else {
+                cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        // SAFETY: callers pass addresses of device buffers covering these extents.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                self.handle,
+                op(transpose_a),
+                op(transpose_b),
+                m as i32,
+                n as i32,
+                k as i32,
+                &alpha as *const f32 as *const c_void,
+                a as *const c_void,
+                self.kind,
+                lda as i32,
+                b as *const c_void,
+                b_kind.unwrap_or(self.kind),
+                ldb as i32,
+                &beta as *const f32 as *const c_void,
+                c as *mut c_void,
+                cudaDataType::CUDA_R_32F,
+                ldc as i32,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|err| PluginError::failed(format!("cuBLAS {what}: {err}")))
+    }
+}
+
+/// Device copies of the inputs (raw bytes in the inputs' type) and the kernel's buffers.
+pub struct Problem {
+    pub shape: Shape,
+    element: Element,
+    q: Buffer<u8>,
+    k: Buffer<u8>,
+    v: Buffer<u8>,
+    scores: Buffer<f32>,
+    probs: Buffer<u8>,
+    pub out: Buffer<f32>,
+    pub lse: Buffer<f32>,
+    /// Per mask of the set: CSR row starts and (start, end) key intervals.
+    rows: Vec<(Buffer<u32>, Buffer<u32>)>,
+    mask_of_head: Vec<usize>,
+    softmax: CudaFunction,
+    grad: Option<Backward>,
+}
+
+/// What only the backward pass needs.
+struct Backward {
+    d_out: Buffer<u8>,
+    dp: Buffer<f32>,
+    pub dq: Buffer<f32>,
+    pub dk: Buffer<f32>,
+    pub dv: Buffer<f32>,
+    softmax_grad: CudaFunction,
+}
+
+/// The gradients, downloaded.
+pub struct Grads {
+    pub dq: Vec<f32>,
+    pub dk: Vec<f32>,
+    pub dv: Vec<f32>,
+}
+
 impl Problem {
+    #[allow(clippy::too_many_arguments)]
     pub fn upload(
         gpu: &Gpu,
-        softmax: &CudaFunction,
+        kernels: &Kernels,
         shape: Shape,
-        precision: Precision,
+        element: Element,
         masks: &HeadMasks,
         inputs: &Inputs,
+        backward: bool,
     ) -> Result<Problem, PluginError> {
         let s = shape.seqlen;
-        let stream = &gpu.stream;
         let mut rows = Vec::new();
         for index in 0..masks.set.masks.len() {
             let mut starts = vec![0u32];
@@ -161,151 +269,253 @@ impl Problem {
             }
             intervals.extend([0, 0]);
             rows.push((
-                stream.clone_htod(&starts).map_err(failed("upload mask"))?,
-                stream
-                    .clone_htod(&intervals)
-                    .map_err(failed("upload mask"))?,
+                gpu.upload("mask rows", &starts)?,
+                gpu.upload("mask intervals", &intervals)?,
             ));
         }
+        let grad = if backward {
+            Some(Backward {
+                d_out: gpu.upload("dO", &element.encode(&inputs.d_out))?,
+                dp: gpu.alloc("dP", s * s)?,
+                dq: gpu.alloc("dQ", shape.q_len())?,
+                dk: gpu.alloc("dK", shape.kv_len())?,
+                dv: gpu.alloc("dV", shape.kv_len())?,
+                softmax_grad: kernels.function("softmax_grad", element)?,
+            })
+        } else {
+            None
+        };
         Ok(Problem {
             shape,
-            precision,
-            q: stream
-                .clone_htod(&encode(&inputs.q, precision))
-                .map_err(failed("upload Q"))?,
-            k: stream
-                .clone_htod(&encode(&inputs.k, precision))
-                .map_err(failed("upload K"))?,
-            v: stream
-                .clone_htod(&encode(&inputs.v, precision))
-                .map_err(failed("upload V"))?,
-            scores: stream.alloc_zeros::<f32>(s * s).map_err(failed("scores"))?,
-            probs: stream
-                .alloc_zeros::<u8>(s * s * precision.bytes())
-                .map_err(failed("probabilities"))?,
-            out: stream
-                .alloc_zeros::<f32>(shape.q_len())
-                .map_err(failed("output"))?,
-            lse: stream
-                .alloc_zeros::<f32>(shape.heads_q * s)
-                .map_err(failed("LSE"))?,
+            element,
+            q: gpu.upload("Q", &element.encode(&inputs.q))?,
+            k: gpu.upload("K", &element.encode(&inputs.k))?,
+            v: gpu.upload("V", &element.encode(&inputs.v))?,
+            scores: gpu.alloc("scores", s * s)?,
+            probs: gpu.alloc("probabilities", s * s * element.bytes())?,
+            out: gpu.alloc("O", shape.q_len())?,
+            lse: gpu.alloc("LSE", shape.heads_q * s)?,
             rows,
             mask_of_head: masks.index_of_head.clone(),
-            softmax: softmax.clone(),
+            softmax: kernels.function("masked_softmax", element)?,
+            grad,
         })
     }
 
-    /// O and LSE of every head.
-    pub fn forward(&mut self, gpu: &Gpu) -> Result<(), PluginError> {
-        let (s, d) = (self.shape.seqlen as i32, self.shape.head_dim as i32);
-        let element = self.precision.bytes() as u64;
+    fn gemm(&self, gpu: &Gpu) -> Gemm {
+        Gemm {
+            handle: *gpu.blas.handle(),
+            kind: cuda_type(self.element),
+        }
+    }
+
+    /// Bytes of one head's Q (or K, V) block in the inputs' type.
+    fn head_bytes(&self) -> u64 {
+        (self.shape.seqlen * self.shape.head_dim * self.element.bytes()) as u64
+    }
+
+    fn launch_config(&self) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (self.shape.seqlen as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// Scores and probabilities of head `h` (and its LSE row).
+    fn probabilities(&self, gpu: &Gpu, h: usize) -> Result<(), PluginError> {
+        let (s, d) = (self.shape.seqlen, self.shape.head_dim);
         let stream = &gpu.stream;
-        let handle = *gpu.blas.handle();
-        let (scale, one, zero) = (self.shape.scale(), 1.0f32, 0.0f32);
-        let kind = self.precision.cuda_type();
-        // Raw addresses: one stream orders everything, so the guards can go at once.
-        let address = |(pointer, _guard): (u64, cudarc::driver::SyncOnDrop<'_>)| pointer;
-        let (q, k, v) = (
-            address(self.q.device_ptr(stream)),
-            address(self.k.device_ptr(stream)),
-            address(self.v.device_ptr(stream)),
+        let kv = self.shape.kv_head(h) as u64;
+        let (q, k) = (self.q.address(stream), self.k.address(stream));
+        let scores = self.scores.address(stream);
+        // Row-major S = Q·Kᵀ is column-major Sᵀ = (Kᵀ)ᵀ·Qᵀ with both stored d-major.
+        self.gemm(gpu).run(
+            "Q·Kᵀ",
+            (true, false),
+            (s, s, d),
+            self.shape.scale(),
+            (k + kv * self.head_bytes(), d),
+            (q + h as u64 * self.head_bytes(), d),
+            0.0,
+            (scores, s),
+            None,
+        )?;
+        let (row_start, intervals) = &self.rows[self.mask_of_head[h]];
+        let (row_start, intervals) = (row_start.address(stream), intervals.address(stream));
+        let probs = self.probs.address(stream);
+        let head_lse = self.lse.address(stream) + (h * s * 4) as u64;
+        let s32 = s as i32;
+        let mut launch = stream.launch_builder(&self.softmax);
+        launch
+            .arg(&scores)
+            .arg(&probs)
+            .arg(&head_lse)
+            .arg(&row_start)
+            .arg(&intervals)
+            .arg(&s32);
+        // SAFETY: the kernel reads s×s scores, writes s×s probabilities and s LSE values.
+        unsafe { launch.launch(self.launch_config()) }.map_err(failed("masked softmax"))?;
+        Ok(())
+    }
+
+    /// O and LSE of every head.
+    pub fn forward(&self, gpu: &Gpu) -> Result<(), PluginError> {
+        let (s, d) = (self.shape.seqlen, self.shape.head_dim);
+        let stream = &gpu.stream;
+        let (v, probs, out) = (
+            self.v.address(stream),
+            self.probs.address(stream),
+            self.out.address(stream),
         );
-        let scores = address(self.scores.device_ptr_mut(stream));
-        let probs = address(self.probs.device_ptr_mut(stream));
-        let out = address(self.out.device_ptr_mut(stream));
-        let lse = address(self.lse.device_ptr_mut(stream));
         for h in 0..self.shape.heads_q {
-            let kv = self.shape.kv_head(h);
-            let head = (s * d) as u64 * element;
-            // Row-major S = Q·Kᵀ is column-major Sᵀ = K·Qᵀ: (Kᵀ)ᵀ·Qᵀ with both stored d-major.
-            // SAFETY: every pointer covers the extents cuBLAS reads and writes for these sizes.
-            unsafe {
-                cudarc::cublas::result::gemm_ex(
-                    handle,
-                    cublasOperation_t::CUBLAS_OP_T,
-                    cublasOperation_t::CUBLAS_OP_N,
-                    s,
-                    s,
-                    d,
-                    &scale as *const f32 as *const c_void,
-                    (k + kv as u64 * head) as *const c_void,
-                    kind,
-                    d,
-                    (q + h as u64 * head) as *const c_void,
-                    kind,
-                    d,
-                    &zero as *const f32 as *const c_void,
-                    scores as *mut c_void,
-                    cudaDataType::CUDA_R_32F,
-                    s,
-                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                )
-                .map_err(|err| PluginError::failed(format!("cuBLAS Q·Kᵀ: {err}")))?;
-            }
-            let (row_start, intervals) = &self.rows[self.mask_of_head[h]];
-            let head_lse = lse + (h * self.shape.seqlen * 4) as u64;
-            let mut launch = stream.launch_builder(&self.softmax);
-            launch
-                .arg(&scores)
-                .arg(&probs)
-                .arg(&head_lse)
-                .arg(row_start)
-                .arg(intervals)
-                .arg(&s);
-            let config = LaunchConfig {
-                grid_dim: (s as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: the kernel reads s×s scores, writes s×s probabilities and s LSE values.
-            unsafe { launch.launch(config) }.map_err(failed("masked softmax"))?;
+            self.probabilities(gpu, h)?;
+            let kv = self.shape.kv_head(h) as u64;
             // Row-major O = P·V is column-major Oᵀ = Vᵀ·Pᵀ.
-            // SAFETY: as above.
-            unsafe {
-                cudarc::cublas::result::gemm_ex(
-                    handle,
-                    cublasOperation_t::CUBLAS_OP_N,
-                    cublasOperation_t::CUBLAS_OP_N,
-                    d,
-                    s,
-                    s,
-                    &one as *const f32 as *const c_void,
-                    (v + kv as u64 * head) as *const c_void,
-                    kind,
-                    d,
-                    probs as *const c_void,
-                    kind,
-                    s,
-                    &zero as *const f32 as *const c_void,
-                    (out + h as u64 * (s * d) as u64 * 4) as *mut c_void,
-                    cudaDataType::CUDA_R_32F,
-                    d,
-                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                )
-                .map_err(|err| PluginError::failed(format!("cuBLAS P·V: {err}")))?;
-            }
+            self.gemm(gpu).run(
+                "P·V",
+                (false, false),
+                (d, s, s),
+                1.0,
+                (v + kv * self.head_bytes(), d),
+                (probs, s),
+                0.0,
+                (out + (h * s * d * 4) as u64, d),
+                None,
+            )?;
         }
         Ok(())
     }
+
+    /// dQ, dK and dV of every head (P recomputed per head).
+    pub fn backward(&mut self, gpu: &Gpu) -> Result<(), PluginError> {
+        let stream = &gpu.stream;
+        let Some(grad) = self.grad.as_mut() else {
+            return Err(PluginError::failed(
+                "the problem was uploaded without backward buffers",
+            ));
+        };
+        // dK and dV accumulate over the heads of a group.
+        for buffer in [&mut grad.dk, &mut grad.dv] {
+            stream
+                .memset_zeros(&mut buffer.slice)
+                .map_err(failed("zero gradients"))?;
+        }
+        let grad = self.grad.as_ref().expect("checked above");
+        let (s, d) = (self.shape.seqlen, self.shape.head_dim);
+        let gemm = self.gemm(gpu);
+        let head = self.head_bytes();
+        let (q, k, v) = (
+            self.q.address(stream),
+            self.k.address(stream),
+            self.v.address(stream),
+        );
+        let (d_out, dp, probs, scores) = (
+            grad.d_out.address(stream),
+            grad.dp.address(stream),
+            self.probs.address(stream),
+            self.scores.address(stream),
+        );
+        let (dq, dk, dv) = (
+            grad.dq.address(stream),
+            grad.dk.address(stream),
+            grad.dv.address(stream),
+        );
+        let f32_head = (s * d * 4) as u64;
+        for h in 0..self.shape.heads_q {
+            self.probabilities(gpu, h)?;
+            let kv = self.shape.kv_head(h) as u64;
+            let d_out_h = d_out + h as u64 * head;
+            // dV += Pᵀ·dO: column-major dVᵀ = dOᵀ·P.
+            gemm.run(
+                "Pᵀ·dO",
+                (false, true),
+                (d, s, s),
+                1.0,
+                (d_out_h, d),
+                (probs, s),
+                1.0,
+                (dv + kv * f32_head, d),
+                None,
+            )?;
+            // dP = dO·Vᵀ, shaped like the scores.
+            gemm.run(
+                "dO·Vᵀ",
+                (true, false),
+                (s, s, d),
+                1.0,
+                (v + kv * head, d),
+                (d_out_h, d),
+                0.0,
+                (dp, s),
+                None,
+            )?;
+            let (row_start, intervals) = &self.rows[self.mask_of_head[h]];
+            let (row_start, intervals) = (row_start.address(stream), intervals.address(stream));
+            let head_lse = self.lse.address(stream) + (h * s * 4) as u64;
+            let (s32, scale) = (s as i32, self.shape.scale());
+            let mut launch = stream.launch_builder(&grad.softmax_grad);
+            launch
+                .arg(&scores)
+                .arg(&head_lse)
+                .arg(&dp)
+                .arg(&probs)
+                .arg(&row_start)
+                .arg(&intervals)
+                .arg(&s32)
+                .arg(&scale);
+            // SAFETY: reads s×s scores and dP and s LSE values, writes s×s dS over P.
+            unsafe { launch.launch(self.launch_config()) }.map_err(failed("softmax gradient"))?;
+            // dQ = dS·K: column-major dQᵀ = Kᵀ·dSᵀ.
+            gemm.run(
+                "dS·K",
+                (false, false),
+                (d, s, s),
+                1.0,
+                (k + kv * head, d),
+                (probs, s),
+                0.0,
+                (dq + h as u64 * f32_head, d),
+                None,
+            )?;
+            // dK += dSᵀ·Q: column-major dKᵀ = Qᵀ·dS.
+            gemm.run(
+                "dSᵀ·Q",
+                (false, true),
+                (d, s, s),
+                1.0,
+                (q + h as u64 * head, d),
+                (probs, s),
+                1.0,
+                (dk + kv * f32_head, d),
+                None,
+            )?;
+        }
+        Ok(())
+    }
+
+    pub fn grads(&self, gpu: &Gpu) -> Result<Option<Grads>, PluginError> {
+        let Some(grad) = &self.grad else {
+            return Ok(None);
+        };
+        Ok(Some(Grads {
+            dq: gpu.download(&grad.dq)?,
+            dk: gpu.download(&grad.dk)?,
+            dv: gpu.download(&grad.dv)?,
+        }))
+    }
 }
 
-/// Compiles the softmax for this device (once per worker process).
-pub fn compile(gpu: &Gpu, precision: Precision) -> Result<CudaFunction, PluginError> {
+/// Compiles the row kernels for this device (once per worker process).
+pub fn compile(gpu: &Gpu) -> Result<Kernels, PluginError> {
     let (major, minor) = gpu
         .ctx
         .compute_capability()
         .map_err(failed("compute capability"))?;
     let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
     let ptx = cached_ptx(arch)?;
-    let module: Arc<cudarc::driver::CudaModule> =
-        gpu.ctx.load_module(ptx).map_err(failed("load module"))?;
-    let name = match precision {
-        Precision::Bf16 => "masked_softmax_bf16",
-        Precision::F32 => "masked_softmax_f32",
-    };
-    module.load_function(name).map_err(failed("load function"))
+    let module = gpu.ctx.load_module(ptx).map_err(failed("load module"))?;
+    Ok(Kernels { module })
 }
 
 /// PTX for `arch`, from the on-disk cache when this source, architecture and NVRTC version were
@@ -326,7 +536,7 @@ fn cached_ptx(arch: &'static str) -> Result<cudarc::nvrtc::Ptx, PluginError> {
     };
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, options).map_err(|err| {
         PluginError::failed(format!(
-            "NVRTC could not compile the softmax for {arch}: {err}"
+            "NVRTC could not compile the naive kernel's row kernels for {arch}: {err}"
         ))
     })?;
     if let Some(dir) = path.parent() {

@@ -9,6 +9,7 @@
 //! Convention everywhere: a row with no allowed key has output 0 and LSE −∞ (never NaN), and
 //! contributes nothing to the gradients.
 
+mod check;
 mod naive;
 
 use std::path::Path;
@@ -16,6 +17,7 @@ use std::path::Path;
 use crate::mask::MaskSet;
 use crate::PluginError;
 
+pub use check::{check, pick_rows, reference_rows, sample_rows, CheckMode};
 pub use naive::{backward, forward, score_bytes};
 
 #[derive(Debug, Clone, Copy)]
@@ -71,9 +73,67 @@ pub struct Grads {
     pub dv: Vec<f32>,
 }
 
+/// How a kernel stores its inputs. Inputs drawn for an element type are exactly representable in
+/// it, so a kernel and the f64 reference see the same numbers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Element {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl Element {
+    /// From a stage's `dtype` parameter: `f32`, `bf16` or `fp16`.
+    pub fn parse(dtype: &str) -> Option<Element> {
+        match dtype {
+            "f32" => Some(Element::F32),
+            "bf16" => Some(Element::Bf16),
+            "fp16" => Some(Element::F16),
+            _ => None,
+        }
+    }
+
+    pub fn bytes(self) -> usize {
+        match self {
+            Element::F32 => 4,
+            Element::Bf16 | Element::F16 => 2,
+        }
+    }
+
+    /// The nearest representable value (ties to even).
+    pub fn round(self, value: f32) -> f32 {
+        match self {
+            Element::F32 => value,
+            Element::Bf16 => round_bf16(value),
+            Element::F16 => half::f16::from_f32(value).to_f32(),
+        }
+    }
+
+    /// Little-endian bytes of `values` in this type (values are rounded first).
+    pub fn encode(self, values: &[f32]) -> Vec<u8> {
+        match self {
+            Element::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Element::Bf16 => values
+                .iter()
+                .flat_map(|v| ((round_bf16(*v).to_bits() >> 16) as u16).to_le_bytes())
+                .collect(),
+            Element::F16 => values
+                .iter()
+                .flat_map(|v| half::f16::from_f32(*v).to_bits().to_le_bytes())
+                .collect(),
+        }
+    }
+}
+
 impl Inputs {
     /// Uniform values in [−1, 1) from `seed` (splitmix64), optionally rounded to bf16.
     pub fn random(shape: &Shape, seed: u64, bf16: bool) -> Inputs {
+        let element = if bf16 { Element::Bf16 } else { Element::F32 };
+        Inputs::random_as(shape, seed, element)
+    }
+
+    /// Uniform values in [−1, 1) from `seed` (splitmix64), rounded to `element`.
+    pub fn random_as(shape: &Shape, seed: u64, element: Element) -> Inputs {
         let mut state = seed ^ 0x9E37_79B9_7F4A_7C15;
         let mut next = move || {
             state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -81,12 +141,7 @@ impl Inputs {
             z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
             z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
             z ^= z >> 31;
-            let value = (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
-            if bf16 {
-                round_bf16(value)
-            } else {
-                value
-            }
+            element.round((z >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
         };
         let mut fill = |n: usize| (0..n).map(|_| next()).collect::<Vec<f32>>();
         Inputs {

@@ -1,5 +1,6 @@
-//! Clocks and throttle reasons from NVML, loaded at run time, recorded with every measurement: a
-//! number measured while the GPU was power- or heat-throttled says so.
+//! Clocks and throttle reasons from NVML, loaded at run time, for every GPU plugin's measurement
+//! records: a number measured while the GPU was power- or heat-throttled says so. Without NVML
+//! (no driver) `Nvml::open` gives `None`.
 
 use serde_json::{json, Value};
 
