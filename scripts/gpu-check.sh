@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # A GPU machine's check-up, from a staged bundle (`.device/run.sh`) or an installed attnbench:
 # doctor, the harness against a cuBLAS GEMM, the naive kernel against the CPU reference, the
-# dense pipeline, and the repeatability of one cell. Results go under $OUT (default: ./gpu-check).
+# naive kernel's pipeline, and the repeatability of one cell. Results go under $OUT (default:
+# ./gpu-check). NAIVE_ARGS are passed to the naive pipeline's run (e.g. to narrow its matrix with
+# --set).
 set -uo pipefail
 attnbench=${ATTNBENCH:-.device/run.sh}
 out=${OUT:-gpu-check}
@@ -20,7 +22,7 @@ stages:
 YAML
 $attnbench run "$out/gemm.yaml" -v 2>&1 | tail -3
 
-echo "== the naive GPU kernel against the CPU reference (every mask, 1K and 512 tokens)"
+echo "== the naive GPU kernel against the f64 reference (every mask, 512 and 1K tokens, fwd and bwd)"
 cat > "$out/check.yaml" <<'YAML'
 name: gpu-correctness
 seed: 7
@@ -35,21 +37,22 @@ stages:
   bench:
     uses: cuda/benchmark
     needs: [masks]
-    matrix: {dtype: [bf16, f32]}
-    with: {check_max_seqlen: 1k, min_reps: 3, max_time_s: 0.5}
+    matrix: {dtype: [bf16, fp16, f32], direction: [fwd, bwd]}
+    with: {check_max_seqlen: 1k, warmup_reps: 1, min_reps: 3, max_time_s: 0.2}
   report:
     uses: report/table
     needs: {bench: all}
 YAML
 $attnbench run "$out/check.yaml" -q 2>&1 | tail -4
 
-echo "== the dense pipeline"
-$attnbench run "$root/pipelines/dense-kernels.yaml" -q 2>&1 | tail -4
+echo "== the naive kernel's pipeline"
+# shellcheck disable=SC2086
+$attnbench run "$root/pipelines/naive-gpu.yaml" -q ${NAIVE_ARGS:-} 2>&1 | tail -4
 
 echo "== repeatability: the same cell twice"
 cell='bench[mask=causal,seqlen=8k,kernel=naive,direction=fwd]'
 for i in 1 2; do
-  $attnbench run "$root/pipelines/dense-kernels.yaml" -q --force "$cell" --set 'stages.masks.matrix.seqlen=[8k]' --set 'stages.masks.matrix.mask=[causal]' >/dev/null 2>&1
+  $attnbench run "$root/pipelines/naive-gpu.yaml" -q --force "$cell" --set 'stages.masks.matrix.seqlen=[8k]' --set 'stages.masks.matrix.mask=[causal]' >/dev/null 2>&1
   # The forced cell's cache entry is replaced by the next run: keep this run's measurement now.
   python3 -c "import json,sys; r=json.load(open(sys.argv[1])); n=[n for n in r['nodes'] if n['id']==sys.argv[2]][0]; print(json.dumps(json.load(open(n['artifact']+'/measurement.json'))))" \
     "$ATTNBENCH_CACHE/runs/$(cat "$ATTNBENCH_CACHE/runs/latest")/run.json" "$cell" > "$out/repeat-$i.json"

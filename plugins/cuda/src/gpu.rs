@@ -181,8 +181,23 @@ impl Gpu {
         self.flush.len() / 2
     }
 
-    /// Bytes free on the device now.
+    /// Bytes free on the device now. Freed buffers go back to the stream-ordered allocator's
+    /// pool first; the pool is trimmed so that an earlier node's memory counts as free.
     pub fn free_bytes(&self) -> Result<usize, PluginError> {
+        self.stream
+            .synchronize()
+            .map_err(|err| PluginError::failed(format!("synchronize: {err}")))?;
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: the pool handle is written by the driver for this context's device and only
+        // used to release cached memory.
+        unsafe {
+            use cudarc::driver::sys;
+            if sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device())
+                == sys::CUresult::CUDA_SUCCESS
+            {
+                sys::cuMemPoolTrimTo(pool, 0);
+            }
+        }
         self.ctx
             .mem_get_info()
             .map(|(free, _)| free)
