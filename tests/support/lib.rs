@@ -170,3 +170,60 @@ pub fn build_example_plugin(features: &[&str], dest: &Path, name: &str) -> PathB
     std::fs::copy(&built, &copy).expect("copy the built plugin");
     copy
 }
+
+/// A Python interpreter with numpy, for the bridge's tests: `ATTNBENCH_TEST_PYTHON` when set,
+/// else a virtual environment made once under `target/python-env` (python3 -m venv, then
+/// `pip install numpy`), serialised through a lock file because tests run in parallel.
+pub fn python_with_numpy() -> PathBuf {
+    if let Some(python) = std::env::var_os("ATTNBENCH_TEST_PYTHON") {
+        return PathBuf::from(python);
+    }
+    let env = workspace_root().join("target/python-env");
+    let python = env.join("bin/python3");
+    std::fs::create_dir_all(workspace_root().join("target")).expect("target dir");
+    let lock =
+        std::fs::File::create(workspace_root().join("target/python-env.lock")).expect("lock file");
+    lock.lock().expect("lock the Python environment");
+    let has_numpy = |python: &Path| {
+        Command::new(python)
+            .args(["-c", "import numpy"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if has_numpy(&python) {
+        return python;
+    }
+    let steps: [(&str, Vec<&std::ffi::OsStr>); 2] = [
+        (
+            "python3",
+            vec!["-m".as_ref(), "venv".as_ref(), env.as_os_str()],
+        ),
+        (
+            python.to_str().expect("a UTF-8 path"),
+            vec![
+                "-m".as_ref(),
+                "pip".as_ref(),
+                "install".as_ref(),
+                "--quiet".as_ref(),
+                "numpy".as_ref(),
+            ],
+        ),
+    ];
+    for (program, args) in steps {
+        let output = Command::new(program)
+            .args(&args)
+            .output()
+            .unwrap_or_else(|err| panic!("{program} did not start: {err}"));
+        assert!(
+            output.status.success(),
+            "setting up the tests' Python environment ({program} {args:?}) failed; set ATTNBENCH_TEST_PYTHON to an interpreter with numpy instead:\n{}",
+            stderr(&output)
+        );
+    }
+    assert!(
+        has_numpy(&python),
+        "numpy is not importable from {}",
+        python.display()
+    );
+    python
+}

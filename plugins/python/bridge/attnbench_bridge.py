@@ -1,0 +1,1662 @@
+#!/usr/bin/env python3
+"""attnbench's Python bridge: benchmarks attention kernels that live in Python packages.
+
+The attnbench host starts this file as ``python3 -u attnbench_bridge.py`` and keeps it running.
+It speaks JSON lines: one request per line on stdin, one response per line on stdout.
+
+Protocol (version 1)
+--------------------
+* On start: ``{"type":"hello","protocol":1,"python":"3.11.7","executable":...,"pid":N}``.
+* ``{"id":N,"op":"backends"}`` -> for every kernel name, ``{"available","version","reason"}``.
+* ``{"id":N,"op":"benchmark","params":{...}}`` -> ``{"id":N,"ok":true,"result":{...}}``; an
+  unexpected exception gives ``{"id":N,"ok":false,"error":"<one sentence>","traceback":"..."}``
+  and the bridge keeps serving.
+* ``{"id":N,"op":"shutdown"}`` -> ``{"id":N,"ok":true,"result":null}``, then exit 0; EOF -> exit 0.
+* A line that is not a JSON object, or an unknown op -> ``ok:false`` (``id`` null when unknown).
+
+Only the protocol goes to the real stdout: fd 1 and ``sys.stdout`` are pointed at stderr before
+anything else runs, so prints from libraries and kernels cannot corrupt the stream. Non-finite
+floats (an infinite error, an undefined rel_ci) are sent as ``null``, as serde_json does.
+
+A benchmark's ``result`` has ``status`` (ok, unsupported, oom), ``reason``, ``samples`` (seconds),
+``rel_ci``, ``stopped``, ``memory``, ``correctness`` (null when the host gave ``inputs_dir``: it
+checks the written outputs itself), ``phases`` and ``environment``, whose ``notes`` list, when
+present, says what a reader of the numbers should know (rows fixed up to the empty-row
+convention, an output not written). Correctness errors use
+the host's metric (reference/mod.rs): largest |actual - reference| over largest |reference|. A
+library kernel that refuses a problem on its first call (SDPA's "No available kernel", an assert
+in a FlashAttention build) is reported unsupported with the error's first line; an exception from
+a user module is a failure.
+
+Conventions: tensors are batch 1; Q, O, dO, dQ are [heads_q][seqlen][head_dim], K, V, dK, dV
+[heads_kv][seqlen][head_dim], LSE [heads_q][seqlen] (natural log of the scaled scores); scale is
+1/sqrt(head_dim); query head h reads KV head h // (heads_q / heads_kv). A row with no allowed key
+has O = 0 and LSE = -inf and contributes nothing to the gradients.
+
+Third-party kernels
+-------------------
+``"kernel": "module"`` with ``"module": "/abs/path/user_kernel.py"`` benchmarks a file of your own.
+The file is loaded afresh for every request (so edits are picked up) and must define::
+
+    def attention(q, k, v, mask, scale):
+        return out            # or (out, lse)
+
+* By default ``q`` is a torch tensor [1, heads_q, S, D] and ``k``, ``v`` are [1, heads_kv, S, D],
+  on the requested device and in the requested dtype. ``out`` has q's shape; ``lse``, when given,
+  is [1, heads_q, S] or [heads_q, S] (natural log). Backward goes through torch autograd: the
+  output must carry a graph back to q, k and v.
+* With the module attribute ``BACKEND = "numpy"``, q, k, v are float32 numpy arrays [heads, S, D]
+  (values rounded to the dtype) and the call runs on the CPU. Backward then needs
+  ``attention_backward(q, k, v, out, lse, dout, mask, scale) -> (dq, dk, dv)``; without it a
+  backward request is unsupported.
+* ``mask`` is a dict: ``"dense"``: a boolean [S, S] tensor (numpy array for numpy modules), True
+  where a key is allowed, built for masks shared by all heads up to S = 32768 (set
+  ``DENSE_MASK = False`` to skip it), else None; ``"slices"``: the shared mask's slices as
+  ``(q0, q1, k0, k1, kind)`` tuples, None when heads have different masks; ``"set"``: the raw
+  mask set (``scope``, ``masks``, ...).
+* Optional ``SUPPORTS(mask_set) -> None | str``: return a reason to report the problem as
+  unsupported without running it.
+* An exception raised while loading or running the module makes the request fail (``ok:false``),
+  except ImportError at load time, which reports the kernel as unsupported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import importlib.util
+import inspect
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+PROTOCOL = 1
+KERNELS = ("numpy", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "flex",
+           "fa2", "fa3", "fa4", "flashinfer", "flashmask", "module")
+DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
+ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "f32": 4}
+SLICE_KINDS = ("full", "causal", "inv_causal", "bi_causal")
+HARNESS_DEFAULTS = {"warmup_reps": 3, "warmup_s": 0.1, "min_reps": 10, "max_reps": 200,
+                    "max_time_s": 5.0, "target_rel_ci": 0.01}
+DENSE_FOR_MODULES_MAX_SEQLEN = 32768
+NUMPY_MASK_CACHE_BYTES = 1 << 30
+GIB = float(1 << 30)
+
+
+class Unsupported(Exception):
+    """The kernel cannot run this problem; the message is the one-sentence reason."""
+
+
+class OutOfMemory(Exception):
+    """The problem does not fit in device memory; the message says by how much."""
+
+
+class BadRequest(Exception):
+    """The request itself is wrong (missing or inconsistent parameters)."""
+
+
+def log(message: str) -> None:
+    print(f"attnbench_bridge: {message}", file=sys.stderr, flush=True)
+
+
+def first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return (lines[0] if lines else type(error).__name__)[:400]
+
+
+def need(module: str, label: Optional[str] = None) -> Any:
+    """Imports `module`, or reports the kernel as unsupported with the import's error."""
+    try:
+        return importlib.import_module(module)
+    except Exception as error:  # broken installs raise OSError, RuntimeError, ... as well
+        raise Unsupported(f"{label or module} not importable: {first_line(error)}") from None
+
+
+def _np() -> Any:
+    return need("numpy")
+
+
+# ---------------------------------------------------------------------------------------------
+# The request
+
+@dataclass
+class Problem:
+    kernel: str
+    direction: str
+    heads_q: int
+    heads_kv: int
+    seqlen: int
+    head_dim: int
+    dtype: str
+    mask_set: dict
+    seed: int
+    inputs_dir: Optional[str]
+    outputs_dir: Optional[str]
+    check_rows: int
+    harness: dict
+    device: str
+    module: Optional[str]
+    _intervals: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def backward(self) -> bool:
+        return self.direction != "fwd"
+
+    @property
+    def pattern(self) -> str:
+        return str(self.mask_set.get("pattern", "this mask"))
+
+    @property
+    def masks(self) -> List[dict]:
+        return self.mask_set["masks"]
+
+    def mask_index(self, head: int) -> int:
+        scope = self.mask_set["scope"]
+        index = 0 if scope == "shared" else head // self.group if scope == "per_kv_group" else head
+        return min(index, len(self.masks) - 1)
+
+    def shared_mask(self) -> Optional[dict]:
+        """The one mask every head uses, when there is one (identical masks count as one)."""
+        first = self.masks[0]
+        if self.mask_set["scope"] == "shared" or all(m == first for m in self.masks[1:]):
+            return first
+        return None
+
+    def intervals(self, index: int) -> Tuple[Any, Any, Any]:
+        if index not in self._intervals:
+            self._intervals[index] = row_intervals(self.masks[index])
+        return self._intervals[index]
+
+    def empty_rows(self) -> Any:
+        """[heads_q, S] booleans: rows with no allowed key."""
+        np = _np()
+        return np.stack([self.intervals(self.mask_index(h))[2] == 0 for h in range(self.heads_q)])
+
+
+def _int(params: dict, key: str, where: str = "params") -> int:
+    value = params.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise BadRequest(f"{where}.{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def parse_problem(params: Any) -> Problem:
+    if not isinstance(params, dict):
+        raise BadRequest("params must be a JSON object")
+    kernel = params.get("kernel")
+    if kernel not in KERNELS:
+        raise BadRequest(f"unknown kernel {kernel!r}; known kernels: {', '.join(KERNELS)}")
+    direction = params.get("direction", "fwd")
+    if direction not in DIRECTIONS:
+        raise BadRequest(f"direction must be one of {', '.join(DIRECTIONS)}, got {direction!r}")
+    dtype = params.get("dtype", "bf16")
+    if dtype not in ELEMENT_BYTES:
+        raise BadRequest(f"dtype must be bf16, fp16 or f32, got {dtype!r}")
+    shape = params.get("shape")
+    if not isinstance(shape, dict):
+        raise BadRequest("params.shape must be an object with heads_q, heads_kv, seqlen, head_dim")
+    hq, hkv = _int(shape, "heads_q", "shape"), _int(shape, "heads_kv", "shape")
+    seqlen, head_dim = _int(shape, "seqlen", "shape"), _int(shape, "head_dim", "shape")
+    if hq % hkv:
+        raise BadRequest(f"heads_q ({hq}) must be a multiple of heads_kv ({hkv})")
+    harness = dict(HARNESS_DEFAULTS)
+    harness.update({k: v for k, v in (params.get("harness") or {}).items() if k in HARNESS_DEFAULTS})
+    harness["min_reps"] = max(1, int(harness["min_reps"]))
+    harness["max_reps"] = max(int(harness["max_reps"]), harness["min_reps"])
+    device = "cpu" if kernel == "numpy" else params.get("device") or "cuda"
+    if device not in ("cuda", "cpu"):
+        raise BadRequest(f"device must be cuda or cpu, got {device!r}")
+    if kernel == "module" and not params.get("module"):
+        raise BadRequest("kernel module needs params.module, the path of the kernel's .py file")
+    problem = Problem(kernel, direction, hq, hkv, seqlen, head_dim, dtype, params.get("mask"),
+                      int(params.get("seed") if params.get("seed") is not None else 42),
+                      params.get("inputs_dir"), params.get("outputs_dir"),
+                      int(params.get("check_rows") or 64), harness,
+                      device, params.get("module"))
+    validate_mask_set(problem)
+    return problem
+
+
+def validate_mask_set(p: Problem) -> None:
+    mask_set = p.mask_set
+    if not isinstance(mask_set, dict) or not isinstance(mask_set.get("masks"), list):
+        raise BadRequest("params.mask must be a mask set object with a masks list")
+    expected = {"shared": 1, "per_kv_group": p.heads_kv, "per_head": p.heads_q}.get(mask_set.get("scope"))
+    if expected is None:
+        raise BadRequest(f"mask scope must be shared, per_kv_group or per_head, got {mask_set.get('scope')!r}")
+    if len(mask_set["masks"]) != expected:
+        raise BadRequest(f"the mask set has {len(mask_set['masks'])} masks ({mask_set['scope']}) "
+                         f"but {p.heads_q} heads_q / {p.heads_kv} heads_kv need {expected}")
+    for index, mask in enumerate(mask_set["masks"]):
+        if mask.get("seqlen_q") != p.seqlen or mask.get("seqlen_k") != p.seqlen:
+            raise BadRequest(f"mask {index} is {mask.get('seqlen_q')}x{mask.get('seqlen_k')} "
+                             f"but the shape's seqlen is {p.seqlen}")
+        for sl in mask.get("slices", []):
+            (q0, q1), (k0, k1) = sl["q"], sl["k"]
+            if sl.get("kind") not in SLICE_KINDS or not (0 <= q0 <= q1 <= p.seqlen and 0 <= k0 <= k1 <= p.seqlen):
+                raise BadRequest(f"mask {index} has an invalid slice {sl!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The mask IR: a mask is the union of slices; every encoding a kernel takes is derived here.
+
+def _local_bounds(np: Any, kind: str, i: Any, lk: int, d: int) -> Tuple[Any, Any]:
+    """Allowed local keys [lo, hi) of local rows `i` of one slice (lo not yet clipped at 0)."""
+    if kind == "full":
+        return np.zeros_like(i), np.full_like(i, lk)
+    if kind == "causal":
+        return np.zeros_like(i), np.minimum(i + d + 1, lk)
+    if kind == "inv_causal":
+        return i.copy(), np.full_like(i, lk)
+    return i.copy(), np.minimum(i + d + 1, lk)  # bi_causal
+
+
+def slice_bounds(sl: dict) -> Tuple[Any, Any, Any]:
+    """(rows, lo, hi) in absolute positions for the rows of a slice that allow at least one key."""
+    np = _np()
+    (q0, q1), (k0, k1) = sl["q"], sl["k"]
+    lq, lk = q1 - q0, k1 - k0
+    i = np.arange(lq, dtype=np.int64)
+    lo, hi = _local_bounds(np, sl["kind"], i, lk, lk - lq)
+    keep = (hi > lo) & (lo < lk) & (hi > 0)
+    return q0 + i[keep], k0 + np.maximum(lo[keep], 0), k0 + hi[keep]
+
+
+def row_intervals(mask: dict) -> Tuple[Any, Any, Any]:
+    """Per row: (lo, hi) hull of the allowed keys and how many disjoint intervals the union has."""
+    np = _np()
+    sq, sk = mask["seqlen_q"], mask["seqlen_k"]
+    lo_rows, hi_rows = np.zeros(sq, np.int64), np.zeros(sq, np.int64)
+    parts = [slice_bounds(sl) for sl in mask["slices"]]
+    if not parts or sum(len(r) for r, _, _ in parts) == 0:
+        return lo_rows, hi_rows, np.zeros(sq, np.int64)
+    rows, lo, hi = (np.concatenate([part[j] for part in parts]) for j in range(3))
+    order = np.lexsort((lo, rows))
+    rows, lo, hi = rows[order], lo[order], hi[order]
+    # Running maximum of `hi` within each row: rows are sorted and hi <= sk, so offsetting by
+    # row * (sk + 1) keeps one cumulative maximum from leaking into the next row.
+    reach = np.maximum.accumulate(rows * (sk + 1) + hi) - rows * (sk + 1)
+    first = np.ones(len(rows), bool)
+    first[1:] = rows[1:] != rows[:-1]
+    last = np.ones(len(rows), bool)
+    last[:-1] = first[1:]
+    previous = np.full(len(rows), -1, np.int64)
+    previous[1:] = reach[:-1]
+    starts = first | (lo > previous)
+    lo_rows[rows[first]] = lo[first]
+    hi_rows[rows[last]] = reach[last]
+    return lo_rows, hi_rows, np.bincount(rows[starts], minlength=sq)
+
+
+def row_keys(mask: dict, q: int) -> List[Tuple[int, int]]:
+    """Allowed keys of row `q` as sorted disjoint intervals, one slice at a time (no arrays)."""
+    spans = []
+    for sl in mask["slices"]:
+        (q0, q1), (k0, k1) = sl["q"], sl["k"]
+        if not q0 <= q < q1:
+            continue
+        lq, lk, i = q1 - q0, k1 - k0, q - q0
+        d, kind = lk - lq, sl["kind"]
+        lo = i if kind in ("inv_causal", "bi_causal") else 0
+        hi = min(i + d + 1, lk) if kind in ("causal", "bi_causal") else lk
+        if hi > lo and lo < lk and hi > 0:
+            spans.append((k0 + max(lo, 0), k0 + hi))
+    merged: List[Tuple[int, int]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def dense_mask(mask: dict, torch: Any = None, device: Any = None) -> Any:
+    """Boolean [S_q, S_k], True where a key is allowed: numpy, or a torch tensor on `device`."""
+    np = _np()
+    sq, sk = mask["seqlen_q"], mask["seqlen_k"]
+    if torch is None:
+        dense, as_array = np.zeros((sq, sk), bool), (lambda a: a)
+    else:
+        dense = torch.zeros((sq, sk), dtype=torch.bool, device=device)
+        as_array = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    for sl in mask["slices"]:
+        (q0, q1), (k0, k1) = sl["q"], sl["k"]
+        lq, lk = q1 - q0, k1 - k0
+        if lq == 0 or lk == 0:
+            continue
+        lo, hi = _local_bounds(np, sl["kind"], np.arange(lq, dtype=np.int64), lk, lk - lq)
+        lo = np.maximum(lo, 0)
+        keys = as_array(np.arange(lk, dtype=np.int64))[None, :]
+        step = max(1, (1 << 24) // lk)  # bounds the temporaries to ~16M cells
+        for r in range(0, lq, step):
+            a, b = as_array(lo[r:r + step])[:, None], as_array(hi[r:r + step])[:, None]
+            dense[q0 + r:q0 + min(r + step, lq), k0:k1] |= (keys >= a) & (keys < b)
+    return dense
+
+
+def classify(mask: dict) -> Optional[str]:
+    """'full' or 'causal' (top-left = bottom-right on a square) when the union is exactly that."""
+    np = _np()
+    if mask["seqlen_q"] != mask["seqlen_k"]:
+        return None
+    lo, hi, count = row_intervals(mask)
+    s = mask["seqlen_q"]
+    if not (count == 1).all() or not (lo == 0).all():
+        return None
+    if (hi == s).all():
+        return "full"
+    if (hi == np.arange(1, s + 1)).all():
+        return "causal"
+    return None
+
+
+def varlen_encoding(mask: dict) -> Tuple[Optional[dict], str]:
+    """Documents (cu_seqlens) with one sliding window inside each, as FlashAttention's varlen
+    entry points take it: within a document, q sees k when q - k <= left and k - q <= right
+    (-1 = unbounded). Returns (encoding, "") or (None, why not)."""
+    np = _np()
+    s = mask["seqlen_q"]
+    if s != mask["seqlen_k"]:
+        return None, "queries and keys have different lengths"
+    lo, hi, count = row_intervals(mask)
+    bad = np.nonzero(count != 1)[0]
+    if bad.size:
+        q = int(bad[0])
+        return None, (f"row {q} has no allowed key" if count[q] == 0
+                      else f"row {q} has {int(count[q])} separate key intervals")
+    # Document boundaries: positions p that no row's interval crosses.
+    p = np.arange(1, s)
+    reach = np.maximum.accumulate(hi)[:-1]
+    suffix_min = np.minimum.accumulate(lo[::-1])[::-1][1:]
+    cuts = p[(reach <= p) & (suffix_min >= p)]
+    cu = np.concatenate([[0], cuts, [s]]).astype(np.int64)
+    lengths = np.diff(cu)
+    start, end = np.repeat(cu[:-1], lengths), np.repeat(cu[1:], lengths)
+    q = np.arange(s)
+    clipped_left, clipped_right = lo > start, hi < end
+    left = int((q - lo)[clipped_left].max()) if clipped_left.any() else -1
+    right = int((hi - 1 - q)[clipped_right].max()) if clipped_right.any() else -1
+    left, right = max(left, -1), max(right, -1)
+    want_lo = start if left < 0 else np.maximum(start, q - left)
+    want_hi = end if right < 0 else np.minimum(end, q + right + 1)
+    wrong = np.nonzero((want_lo != lo) | (want_hi != hi))[0]
+    if wrong.size:
+        r = int(wrong[0])
+        return None, f"row {r} allows keys [{int(lo[r])}, {int(hi[r])}), which no single window gives"
+    return {"cu_seqlens": [int(c) for c in cu], "max_seqlen": int(lengths.max()),
+            "left": left, "right": right}, ""
+
+
+def flashmask_columns(mask: dict) -> Tuple[Optional[dict], str]:
+    """FlashMask's column bounds: per key, masked rows [LTS, LTE) and (non-causal) [UTS, UTE)."""
+    np = _np()
+    s = mask["seqlen_q"]
+    if s != mask["seqlen_k"]:
+        return None, "queries and keys have different lengths"
+    allowed = dense_mask(mask)
+    causal = not np.triu(allowed, 1).any()
+    masked = ~allowed
+    if causal:
+        masked &= np.tril(np.ones((s, s), bool))  # the causal flag already masks rows q < k
+    del allowed
+    above = np.zeros_like(masked)
+    above[1:] = masked[:-1]
+    below = np.zeros_like(masked)
+    below[:-1] = masked[1:]
+    starts, ends = masked & ~above, masked & ~below
+    runs = starts.sum(axis=0)
+    limit = 1 if causal else 2
+    bad = np.nonzero(runs > limit)[0]
+    if bad.size:
+        k = int(bad[0])
+        return None, f"key {k} has {int(runs[k])} masked row intervals; FlashMask allows {limit}"
+    first_start, first_end = starts.argmax(axis=0), ends.argmax(axis=0) + 1
+    last_start, last_end = s - 1 - starts[::-1].argmax(axis=0), s - ends[::-1].argmax(axis=0)
+    lts, lte = np.full(s, s, np.int32), np.full(s, s, np.int32)
+    uts, ute = np.zeros(s, np.int32), np.zeros(s, np.int32)
+    one, two = runs == 1, runs == 2
+    if causal:
+        lts[one], lte[one] = first_start[one], first_end[one]
+    else:
+        uts[one | two], ute[one | two] = first_start[one | two], first_end[one | two]
+        lts[two], lte[two] = last_start[two], last_end[two]
+    return {"causal": causal, "columns": [lts, lte] if causal else [lts, lte, uts, ute]}, ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics, the timing protocol, the error metric
+
+def median_rel_ci(samples: List[float]) -> float:
+    """Half-width of the median's distribution-free 95% CI, relative to the median."""
+    n = len(samples)
+    if n < 3:
+        return math.inf
+    ordered = sorted(samples)
+    half = 0.98 * math.sqrt(n)
+    low = max(math.floor(n / 2 - half), 0)
+    high = min(math.ceil(n / 2 + half), n - 1)
+    position = (n - 1) * 0.5
+    a, b = math.floor(position), math.ceil(position)
+    median = ordered[a] + (ordered[b] - ordered[a]) * (position - a)
+    if median <= 0:
+        return math.inf
+    return (ordered[high] - ordered[low]) / 2 / median
+
+
+def run_harness(rep: Callable[[], float], h: dict) -> dict:
+    """Warm-up, then repetitions until the median is stable, the time cap, or max_reps."""
+    warmup_start, warmups = time.perf_counter(), 0
+    while warmups < h["warmup_reps"] or time.perf_counter() - warmup_start < h["warmup_s"]:
+        rep()
+        warmups += 1
+        if warmups >= h["max_reps"]:
+            break
+    start, samples = time.perf_counter(), []
+    while True:
+        samples.append(rep())
+        rel_ci, n = median_rel_ci(samples), len(samples)
+        if n >= h["min_reps"] and rel_ci <= h["target_rel_ci"]:
+            stopped = "stable"
+        elif n >= h["max_reps"]:
+            stopped = "max reps"
+        elif n >= min(h["min_reps"], 3) and time.perf_counter() - start >= h["max_time_s"]:
+            stopped = "time cap"
+        else:
+            continue
+        return {"samples": samples, "rel_ci": rel_ci, "stopped": stopped}
+
+
+def relative_error(actual: Any, reference: Any) -> float:
+    """The host's metric: largest |a - r| over largest |r| (absolute when r is all zero), in
+    float64. Infinities must match exactly (LSE of empty rows); any NaN gives inf."""
+    np = _np()
+    a = np.asarray(actual, np.float64).ravel()
+    r = np.asarray(reference, np.float32).astype(np.float64).ravel()  # the host keeps f32 references
+    if a.shape != r.shape or np.isnan(a).any() or np.isnan(r).any():
+        return math.inf
+    infinite = np.isinf(a) | np.isinf(r)
+    if (a[infinite] != r[infinite]).any():
+        return math.inf
+    a, r = a[~infinite], r[~infinite]
+    if a.size == 0:
+        return 0.0
+    worst, largest = float(np.abs(a - r).max()), float(np.abs(r).max())
+    return worst if largest == 0 else worst / largest
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs, outputs and the correctness check
+
+def _tensor_shapes(p: Problem) -> Dict[str, Tuple[int, int, int]]:
+    return {"q": (p.heads_q, p.seqlen, p.head_dim), "k": (p.heads_kv, p.seqlen, p.head_dim),
+            "v": (p.heads_kv, p.seqlen, p.head_dim), "do": (p.heads_q, p.seqlen, p.head_dim)}
+
+
+def _wanted(p: Problem) -> List[str]:
+    return ["q", "k", "v"] + (["do"] if p.backward else [])
+
+
+def read_inputs(p: Problem) -> Dict[str, Any]:
+    np = _np()
+    arrays = {}
+    for name in _wanted(p):
+        shape = _tensor_shapes(p)[name]
+        path = os.path.join(p.inputs_dir, f"{name}.f32")
+        if not os.path.isfile(path):
+            raise BadRequest(f"inputs_dir has no {name}.f32")
+        data = np.fromfile(path, dtype="<f4")
+        if data.size != math.prod(shape):
+            raise BadRequest(f"{path} holds {data.size} values; the shape needs {math.prod(shape)}")
+        arrays[name] = data.astype(np.float32).reshape(shape)
+    return arrays
+
+
+def round_to_dtype(x: Any, dtype: str) -> Any:
+    """Rounds float32 values to bf16/fp16 (nearest, ties to even) and back to float32."""
+    np = _np()
+    if dtype == "fp16":
+        return x.astype(np.float16).astype(np.float32)
+    if dtype == "bf16":
+        bits = x.astype(np.float32).view(np.uint32)
+        bits = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+        return bits.view(np.float32)
+    return x.astype(np.float32)
+
+
+def numpy_inputs(p: Problem) -> Dict[str, Any]:
+    if p.inputs_dir:
+        return read_inputs(p)
+    np = _np()
+    rng = np.random.default_rng(p.seed)
+    arrays = {}
+    for name in ("q", "k", "v", "do"):
+        values = rng.uniform(-1.0, 1.0, size=_tensor_shapes(p)[name]).astype(np.float32)
+        arrays[name] = round_to_dtype(values, p.dtype)
+    return {name: arrays[name] for name in _wanted(p)}
+
+
+def to_numpy(x: Any, rows: Optional[List[int]] = None) -> Any:
+    """float32 numpy copy of a canonical [H, S, ...] tensor or array, optionally only `rows`."""
+    np = _np()
+    if isinstance(x, np.ndarray):  # always a copy: callers fix rows up in place
+        return np.array(x if rows is None else x[:, rows], np.float32)
+    x = x.detach()
+    if rows is not None:
+        import torch  # only reached with torch tensors
+        x = x.index_select(1, torch.as_tensor(rows, device=x.device))
+    return x.float().cpu().numpy()
+
+
+def sample_rows(seqlen: int, count: int) -> List[int]:
+    """Evenly spread rows, always including the first and the last (as the host samples)."""
+    if seqlen <= count:
+        return list(range(seqlen))
+    if count <= 1:
+        return [0]
+    return [i * (seqlen - 1) // (count - 1) for i in range(count)]
+
+
+def fix_empty_rows(empty: Any, out: Any, lse: Any, dq: Any) -> int:
+    """Applies the empty-row convention (O = 0, LSE = -inf, dQ = 0) to rows with no allowed key
+    whose values differ (NaN, say); returns how many rows it changed. Arrays are [H, R, ...]."""
+    np = _np()
+    changed = np.zeros(empty.shape, bool)
+    for array, value in ((out, 0.0), (dq, 0.0)):
+        if array is not None:
+            differs = empty & ~(array == value).all(axis=-1)
+            array[differs] = value
+            changed |= differs
+    if lse is not None:
+        differs = empty & (lse != -np.inf)
+        lse[differs] = -np.inf
+        changed |= differs
+    return int(changed.sum())
+
+
+def reference_rows(p: Problem, rows: List[int], q: Any, do: Optional[Any],
+                   kv_head: Callable[[int], Tuple[Any, Any]]) -> Tuple[Any, Any, Optional[Any]]:
+    """O, LSE (and dQ) of `rows` of every head in float64, straight from the mask's slices.
+    q, do: [heads_q, rows, D]; kv_head(i) -> (K_i, V_i) as [S, D]."""
+    np = _np()
+    n, s = len(rows), p.seqlen
+    out = np.zeros((p.heads_q, n, p.head_dim))
+    lse = np.full((p.heads_q, n), -np.inf)
+    dq = np.zeros_like(out) if do is not None else None
+    allowed_of: Dict[int, Any] = {}
+    for kvh in range(p.heads_kv):
+        k, v = (x.astype(np.float64) for x in kv_head(kvh))
+        for h in range(kvh * p.group, (kvh + 1) * p.group):
+            index = p.mask_index(h)
+            if index not in allowed_of:
+                allowed = np.zeros((n, s), bool)
+                for j, row in enumerate(rows):
+                    for a, b in row_keys(p.masks[index], row):
+                        allowed[j, a:b] = True
+                allowed_of[index] = allowed
+            allowed = allowed_of[index]
+            scores = np.where(allowed, (q[h].astype(np.float64) @ k.T) * p.scale, -np.inf)
+            top = scores.max(axis=1)
+            top = np.where(np.isfinite(top), top, 0.0)
+            weights = np.where(allowed, np.exp(scores - top[:, None]), 0.0)
+            total = weights.sum(axis=1)
+            probs = weights / np.where(total > 0, total, 1.0)[:, None]
+            out[h] = probs @ v
+            lse[h] = np.where(total > 0, top + np.log(np.where(total > 0, total, 1.0)), -np.inf)
+            if dq is not None:
+                dout = do[h].astype(np.float64)
+                dp = dout @ v.T
+                delta = (dout * out[h]).sum(axis=1)
+                dq[h] = (probs * (dp - delta[:, None])) @ k * p.scale
+    return out, lse, dq
+
+
+def check_or_write(p: Problem, t: Dict[str, Any], lse_note: Optional[str], notes: List[str]) -> Optional[dict]:
+    """With outputs_dir: writes the outputs (f32, canonical layouts). Without inputs_dir: checks
+    sampled rows against the float64 reference. `t` maps names to canonical tensors/arrays."""
+    grads = t.get("dq") is not None
+    if p.outputs_dir:
+        arrays = {name: to_numpy(t[name]) for name in ("out", "lse", "dq", "dk", "dv") if t.get(name) is not None}
+        fixed = fix_empty_rows(p.empty_rows(), arrays["out"], arrays.get("lse"), arrays.get("dq"))
+        if fixed:
+            notes.append(f"{fixed} rows with no allowed key were set to O=0, LSE=-inf, dQ=0 after "
+                         "the kernel ran (outside the timed region)")
+        if "lse" not in arrays:
+            notes.append(f"lse.f32 not written: {lse_note or 'the kernel returned no LSE'}")
+        os.makedirs(p.outputs_dir, exist_ok=True)
+        for name, array in arrays.items():
+            path = os.path.join(p.outputs_dir, f"{name}.f32")
+            array.astype("<f4").tofile(path + ".tmp")
+            os.replace(path + ".tmp", path)
+    if p.inputs_dir:
+        return None
+    rows = sample_rows(p.seqlen, max(1, p.check_rows))
+    out = to_numpy(t["out"], rows)
+    lse = to_numpy(t["lse"], rows) if t.get("lse") is not None else None
+    dq = to_numpy(t["dq"], rows) if grads else None
+    fixed = fix_empty_rows(p.empty_rows()[:, rows], out, lse, dq)
+    q, do = to_numpy(t["q"], rows), to_numpy(t["do"], rows) if grads else None
+    kv_head = lambda i: (to_numpy(t["k"][i:i + 1])[0], to_numpy(t["v"][i:i + 1])[0])  # noqa: E731
+    ref_out, ref_lse, ref_dq = reference_rows(p, rows, q, do, kv_head)
+    errors = {"out": relative_error(out, ref_out)}
+    if lse is not None:
+        errors["lse"] = relative_error(lse, ref_lse)
+    if grads:
+        errors["dq"] = relative_error(dq, ref_dq)
+    checked = ", ".join(["O"] + (["LSE"] if lse is not None else []) + (["dQ"] if grads else []))
+    checked += f": {len(rows)} rows of every head"
+    if lse is None:
+        checked += f"; no LSE ({lse_note or 'the kernel returned none'})"
+    if fixed:
+        checked += f"; {fixed} sampled rows with no allowed key set to O=0, LSE=-inf after the run"
+    return {"reference": "per-row f64 reference from the mask's slices", "checked": checked,
+            "errors": errors}
+
+
+def base_environment() -> dict:
+    env = {"python": platform.python_version()}
+    numpy = sys.modules.get("numpy")
+    env["numpy"] = getattr(numpy, "__version__", None)
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+# The numpy CPU backend and the runner for numpy kernels
+
+@dataclass
+class NumpyKernel:
+    forward: Callable              # (q, k, v) -> (out, lse or None); arrays [H, S, D] float32
+    backward: Optional[Callable]   # (q, k, v, out, lse, do) -> (dq, dk, dv)
+    no_backward: str = ""
+    setup: Optional[Callable] = None
+    lse_note: Optional[str] = None
+    env: dict = field(default_factory=dict)
+    phases: dict = field(default_factory=dict)
+
+
+def numpy_attention(p: Problem) -> NumpyKernel:
+    """Plain numpy attention, one head's S x S scores at a time, float32 accumulation."""
+    np = _np()
+    blocked: Dict[int, Any] = {}
+    distinct = sorted({p.mask_index(h) for h in range(p.heads_q)})
+    cache = len(distinct) * p.seqlen * p.seqlen <= NUMPY_MASK_CACHE_BYTES
+    kernel = NumpyKernel(forward=None, backward=None,
+                         env={"backend": "numpy (float32, one head's scores at a time)"})
+
+    def setup() -> None:
+        start = time.perf_counter()
+        if cache:
+            for index in distinct:
+                blocked[index] = ~dense_mask(p.masks[index])
+        kernel.phases["mask_build_s"] = time.perf_counter() - start
+        kernel.phases["mask_bytes"] = sum(b.nbytes for b in blocked.values())
+
+    def blocked_of(h: int) -> Any:
+        index = p.mask_index(h)
+        return blocked[index] if index in blocked else ~dense_mask(p.masks[index])
+
+    def scores(q: Any, k: Any, h: int) -> Tuple[Any, Any]:
+        s = q[h] @ k[h // p.group].T
+        s *= np.float32(p.scale)
+        mask = blocked_of(h)
+        s[mask] = -np.inf
+        return s, mask
+
+    def forward(q: Any, k: Any, v: Any) -> Tuple[Any, Any]:
+        out = np.zeros_like(q)
+        lse = np.empty(q.shape[:2], np.float32)
+        for h in range(p.heads_q):
+            s, _ = scores(q, k, h)
+            top = s.max(axis=1)
+            top = np.where(np.isfinite(top), top, np.float32(0))
+            s -= top[:, None]
+            np.exp(s, out=s)
+            total = s.sum(axis=1)
+            safe = np.where(total > 0, total, np.float32(1))
+            out[h] = (s @ v[h // p.group]) / safe[:, None]
+            with np.errstate(divide="ignore"):
+                lse[h] = np.where(total > 0, top + np.log(safe), -np.inf)
+        return out, lse
+
+    def backward(q: Any, k: Any, v: Any, out: Any, lse: Any, do: Any) -> Tuple[Any, Any, Any]:
+        dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+        for h in range(p.heads_q):
+            g = h // p.group
+            s, _ = scores(q, k, h)
+            s -= np.where(np.isfinite(lse[h]), lse[h], np.float32(0))[:, None]
+            probs = np.exp(s, out=s)  # blocked cells were -inf: exactly 0
+            dv[g] += probs.T @ do[h]
+            delta = (do[h] * out[h]).sum(axis=1)
+            ds = probs * ((do[h] @ v[g].T) - delta[:, None])
+            ds *= np.float32(p.scale)
+            dq[h] = ds @ k[g]
+            dk[g] += ds.T @ q[h]
+        return dq, dk, dv
+
+    kernel.forward, kernel.backward, kernel.setup = forward, backward, setup
+    return kernel
+
+
+def run_numpy(p: Problem, kernel: NumpyKernel) -> dict:
+    import tracemalloc
+    _np()  # unsupported, with the reason, when numpy is missing
+    if p.backward and kernel.backward is None:
+        raise Unsupported(kernel.no_backward or f"{p.kernel} has no backward")
+    phases, notes = kernel.phases, []
+    start = time.perf_counter()
+    inputs = numpy_inputs(p)
+    phases["inputs_s"] = time.perf_counter() - start
+    if kernel.setup:
+        kernel.setup()
+    q, k, v, do = inputs["q"], inputs["k"], inputs["v"], inputs.get("do")
+    start = time.perf_counter()
+    out, lse = kernel.forward(q, k, v)
+    phases["first_call_s"] = time.perf_counter() - start
+    grads = kernel.backward(q, k, v, out, lse, do) if p.backward else (None, None, None)
+    tensors = dict(inputs, out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2])
+    correctness = check_or_write(p, tensors, kernel.lse_note, notes)
+    del tensors, grads
+    steps = {"fwd": lambda: kernel.forward(q, k, v),
+             "bwd": lambda: kernel.backward(q, k, v, out, lse, do),
+             "fwd_bwd": lambda: kernel.backward(q, k, v, *kernel.forward(q, k, v), do)}
+    step = steps[p.direction]
+    held = sum(x.nbytes for x in (q, k, v, do, out, lse) if x is not None)
+    tracemalloc.start()
+    step()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    memory = {"peak_bytes": held + peak, "above_inputs_bytes": peak,
+              "method": "tracemalloc peak around one call (numpy's allocations), plus the inputs "
+                        "and saved outputs it was given"}
+
+    def rep() -> float:
+        begin = time.perf_counter()
+        step()
+        return time.perf_counter() - begin
+
+    timing = run_harness(rep, p.harness)
+    env = dict(base_environment(), device="cpu", device_name=platform.processor() or platform.machine())
+    env.update(kernel.env)
+    if notes:
+        env["notes"] = notes
+    return dict(status="ok", reason=None, memory=memory, correctness=correctness, phases=phases,
+                environment=env, **timing)
+
+
+# ---------------------------------------------------------------------------------------------
+# The runner for torch kernels
+
+@dataclass
+class Kernel:
+    """A torch kernel ready to run: `call(q, k, v) -> (out, lse or None)` on tensors in `layout`
+    ("bhsd": [1, H, S, D], "bshd": [1, S, H, D]); out must have q's layout and shape."""
+    call: Callable
+    layout: str = "bhsd"
+    setup: Optional[Callable] = None        # (native inputs) -> None; builds masks, untimed
+    grad: Optional[Callable] = None         # (out, q, k, v, do) -> (dq, dk, dv); autograd by default
+    retry: Optional[Callable] = None        # (error) -> True if it adapted and the call may be retried
+    lse_to_heads: Optional[Callable] = None
+    out_to_torch: Optional[Callable] = None  # converts a foreign output to a torch tensor
+    no_backward: Optional[str] = None       # the reason, when there is no backward
+    refusal_is_unsupported: bool = False    # a library refusing on the first call -> unsupported
+    extra_bytes: int = 0                    # device memory beyond inputs and outputs (estimate)
+    context: Callable = contextlib.nullcontext
+    sync: Optional[Callable] = None         # a non-torch stream's synchronize: times by wall clock
+    torch_memory: bool = True               # whether torch's allocator sees the kernel's buffers
+    compiles: bool = False                  # the first call compiles (JIT): report it as compile_s
+    lse_note: Optional[str] = None
+    env: dict = field(default_factory=dict)
+    phases: dict = field(default_factory=dict)
+
+
+def torch_dtype(torch: Any, name: str) -> Any:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "f32": torch.float32}[name]
+
+
+def torch_device(p: Problem, torch: Any) -> Any:
+    if p.device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise Unsupported(f"CUDA is not available to torch {torch.__version__} (device cuda was asked for)")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def require_cuda(p: Problem, device: Any) -> None:
+    if device.type != "cuda":
+        raise Unsupported(f"{p.kernel} runs on cuda only")
+
+
+def require_half(p: Problem) -> None:
+    if p.dtype == "f32":
+        raise Unsupported(f"{p.kernel} runs bf16 and fp16 only")
+
+
+def make_torch_inputs(p: Problem, torch: Any, device: Any) -> Dict[str, Any]:
+    """Canonical [1, H, S, D] inputs in the dtype: read from inputs_dir, or seeded uniform [-1, 1)."""
+    dtype = torch_dtype(torch, p.dtype)
+    if p.inputs_dir:
+        return {n: torch.from_numpy(a)[None].to(device=device, dtype=dtype) for n, a in read_inputs(p).items()}
+    generator = torch.Generator(device=device)
+    generator.manual_seed(p.seed)
+    tensors = {}
+    for name in ("q", "k", "v", "do"):
+        if name in _wanted(p):
+            x = torch.rand((1,) + _tensor_shapes(p)[name], generator=generator, device=device, dtype=torch.float32)
+            tensors[name] = x.mul_(2).sub_(1).to(dtype)
+    return tensors
+
+
+def to_layout(x: Any, layout: str) -> Any:
+    return x if layout == "bhsd" else x.transpose(1, 2).contiguous()
+
+
+def from_layout(x: Any, layout: str) -> Any:
+    """Canonical [H, S, D] view of a native [1, ...] tensor."""
+    return x[0] if layout == "bhsd" else x[0].transpose(0, 1)
+
+
+def split_result(result: Any) -> Tuple[Any, Any]:
+    """(out, lse or None) from whatever a kernel returns: out, (out, lse, ...), or (out, aux)."""
+    if isinstance(result, (tuple, list)):
+        out = result[0]
+        second = result[1] if len(result) > 1 else None
+        return out, getattr(second, "lse", second)
+    return result, None
+
+
+def lse_to_heads(p: Problem, lse: Any) -> Any:
+    """LSE as [heads_q, S] from the layouts kernels use, or None when it is something else."""
+    if lse is None or not hasattr(lse, "dim"):
+        return None
+    x = lse.detach()
+    if x.dim() == 3 and x.shape[0] == 1:
+        x = x[0]
+    if tuple(x.shape) == (p.heads_q, p.seqlen):
+        return x
+    if tuple(x.shape) == (p.seqlen, p.heads_q):
+        return x.t()
+    if x.dim() == 2 and x.shape[0] == p.heads_q and x.shape[1] > p.seqlen:
+        return x[:, :p.seqlen]  # padded to a block multiple
+    return None
+
+
+def input_bytes(p: Problem) -> int:
+    e, qo, kv = ELEMENT_BYTES[p.dtype], p.heads_q * p.seqlen * p.head_dim, p.heads_kv * p.seqlen * p.head_dim
+    total = e * (2 * qo + 2 * kv) + 4 * p.heads_q * p.seqlen + 4 * qo  # q, k, v, out, lse, f32 staging
+    if p.backward:
+        total += e * (2 * qo + 2 * kv)  # dO, dQ, dK, dV
+    return total
+
+
+def l2_flush_bytes(torch: Any, device: Any) -> int:
+    size = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or (128 << 20)
+    return 2 * int(size)
+
+
+def check_fits(p: Problem, torch: Any, device: Any, kernel: Kernel) -> None:
+    free = torch.cuda.mem_get_info(device)[0]
+    needed = input_bytes(p) + kernel.extra_bytes + l2_flush_bytes(torch, device)
+    if needed > free:
+        raise OutOfMemory(f"{p.kernel} needs about {needed / GIB:.2f} GiB ({needed} bytes) for this "
+                          f"problem but {free / GIB:.2f} GiB ({free} bytes) is free on {device}")
+
+
+def torch_environment(torch: Any, device: Any) -> dict:
+    env = dict(base_environment(), torch=torch.__version__, device=str(device),
+               cuda=getattr(torch.version, "cuda", None))
+    try:
+        env["cudnn"] = torch.backends.cudnn.version()
+    except Exception:
+        env["cudnn"] = None
+    if device.type == "cuda":
+        env["device_name"] = torch.cuda.get_device_name(device)
+        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        triton = sys.modules.get("triton")
+        env["triton"] = getattr(triton, "__version__", None)
+    else:
+        env["device_name"] = platform.processor() or platform.machine()
+    return env
+
+
+def synchronize(torch: Any, device: Any, kernel: Kernel) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if kernel.sync is not None:
+        kernel.sync()
+
+
+def first_calls(p: Problem, torch: Any, device: Any, kernel: Kernel, q: Any, k: Any, v: Any,
+                do: Any) -> Tuple[Any, Any, Any]:
+    """The untimed first forward (and backward): compile time, and refusals turned into reasons."""
+    def attempt(run: Callable, what: str, phase: str) -> Any:
+        while True:
+            try:
+                synchronize(torch, device, kernel)
+                start = time.perf_counter()
+                result = run()
+                synchronize(torch, device, kernel)
+                kernel.phases[phase] = time.perf_counter() - start
+                return result
+            except (Unsupported, OutOfMemory):
+                raise
+            except Exception as error:
+                if is_oom(error):
+                    raise
+                if what == "forward" and kernel.retry is not None and kernel.retry(error):
+                    continue
+                if not kernel.refusal_is_unsupported:
+                    raise
+                log(f"{p.kernel} refused the {what}:\n{traceback.format_exc()}")
+                raise Unsupported(f"{p.kernel} refused the {what}: {type(error).__name__}: {first_line(error)}") from None
+
+    out, lse = attempt(lambda: kernel.call(q, k, v), "forward", "first_call_s")
+    grads = None
+    if p.backward:
+        grads = attempt(lambda: kernel.grad(out, q, k, v, do), "backward", "first_backward_s")
+    return out, lse, grads
+
+
+def run_torch(p: Problem, make_kernel: Callable) -> dict:
+    torch = need("torch")
+    if p.kernel in TORCH_ADAPTERS:
+        probe(p.kernel)  # "flash_attn not importable" says more than "no CUDA" would
+    device = torch_device(p, torch)
+    kernel = make_kernel(p, torch, device)
+    if p.backward and kernel.no_backward:
+        raise Unsupported(kernel.no_backward)
+    if kernel.grad is None:
+        kernel.grad = lambda out, q, k, v, do: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+    if device.type == "cuda":
+        check_fits(p, torch, device, kernel)
+    with kernel.context():
+        return measure_torch(p, torch, device, kernel)
+
+
+def measure_torch(p: Problem, torch: Any, device: Any, kernel: Kernel) -> dict:
+    phases, notes, cuda = kernel.phases, [], device.type == "cuda"
+    start = time.perf_counter()
+    native = {n: to_layout(x, kernel.layout) for n, x in make_torch_inputs(p, torch, device).items()}
+    synchronize(torch, device, kernel)
+    phases["inputs_s"] = time.perf_counter() - start
+    if kernel.setup:
+        kernel.setup(native)
+    q, k, v, do = native["q"], native["k"], native["v"], native.get("do")
+    if p.backward:
+        for x in (q, k, v):
+            x.requires_grad_(True)
+    out, lse, grads = first_calls(p, torch, device, kernel, q, k, v, do)
+    if kernel.compiles:
+        phases["compile_s"] = phases["first_call_s"]
+        if "first_backward_s" in phases:
+            phases["compile_bwd_s"] = phases["first_backward_s"]
+
+    canonical = lambda x: from_layout(x, kernel.layout).detach()  # noqa: E731
+    tensors = {name: canonical(native[name]) for name in native}
+    tensors["out"] = canonical(kernel.out_to_torch(out) if kernel.out_to_torch else out)
+    heads_lse = (kernel.lse_to_heads or (lambda x: lse_to_heads(p, x)))(lse)
+    tensors["lse"] = heads_lse.float() if heads_lse is not None else None
+    if lse is not None and heads_lse is None:
+        notes.append(f"the kernel's LSE has an unexpected shape {tuple(lse.shape)}; not checked")
+    if grads is not None:
+        tensors.update(dq=canonical(grads[0]), dk=canonical(grads[1]), dv=canonical(grads[2]))
+    correctness = check_or_write(p, tensors, kernel.lse_note, notes)
+    del tensors, lse, grads, heads_lse
+    if p.direction != "bwd":
+        del out  # only the backward-alone step reuses the first forward's graph
+
+    def step() -> None:
+        if p.direction == "fwd":
+            kernel.call(q, k, v)
+        elif p.direction == "bwd":
+            kernel.grad(out, q, k, v, do)
+        else:
+            kernel.grad(kernel.call(q, k, v)[0], q, k, v, do)
+
+    memory = None
+    if cuda and kernel.torch_memory:
+        memory = peak_memory(torch, device, step)
+    timing = run_harness(make_rep(torch, device, kernel, step), p.harness)
+    env = torch_environment(torch, device)
+    env.update(kernel.env)
+    if cuda and not kernel.torch_memory:
+        notes.append("memory not measured: the kernel allocates outside torch's allocator")
+    if notes:
+        env["notes"] = notes
+    return dict(status="ok", reason=None, memory=memory, correctness=correctness, phases=phases,
+                environment=env, **timing)
+
+
+def peak_memory(torch: Any, device: Any, step: Callable) -> dict:
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    return {"peak_bytes": int(peak), "above_inputs_bytes": int(peak - base),
+            "method": "torch.cuda.max_memory_allocated around one call"}
+
+
+def make_rep(torch: Any, device: Any, kernel: Kernel, step: Callable) -> Callable[[], float]:
+    if device.type != "cuda":
+        def cpu_rep() -> float:
+            begin = time.perf_counter()
+            step()
+            return time.perf_counter() - begin
+        return cpu_rep
+    flush = torch.empty(l2_flush_bytes(torch, device), dtype=torch.uint8, device=device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def event_rep() -> float:
+        flush.zero_()  # evicts the inputs from L2, outside the timed region
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / 1e3
+
+    def wall_rep() -> float:  # for kernels on another framework's stream
+        flush.zero_()
+        synchronize(torch, device, kernel)
+        begin = time.perf_counter()
+        step()
+        synchronize(torch, device, kernel)
+        return time.perf_counter() - begin
+
+    return event_rep if kernel.sync is None else wall_rep
+
+
+def is_oom(error: BaseException) -> bool:
+    names = {cls.__name__ for cls in type(error).__mro__}
+    return "OutOfMemoryError" in names or "out of memory" in str(error).lower()
+
+
+def release_memory() -> None:
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# Adapters: torch SDPA, FlexAttention, FlashAttention 2/3/4, FlashInfer, FlashMask, user modules
+
+SDPA_BACKENDS = {"sdpa-math": "MATH", "sdpa-flash": "FLASH_ATTENTION",
+                 "sdpa-efficient": "EFFICIENT_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION"}
+
+
+def sdpa_backend(torch: Any, kernel: str) -> Tuple[Any, Any]:
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except Exception as error:
+        raise Unsupported(f"torch.nn.attention.sdpa_kernel not importable: {first_line(error)}") from None
+    backend = getattr(SDPBackend, SDPA_BACKENDS[kernel], None)
+    if backend is None:
+        raise Unsupported(f"torch {torch.__version__} has no SDPBackend.{SDPA_BACKENDS[kernel]}")
+    return backend, sdpa_kernel
+
+
+def sdpa_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
+    backend, select = sdpa_backend(torch, p.kernel)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    shared = p.shared_mask()
+    form = classify(shared) if shared is not None else None
+    gqa = p.heads_q != p.heads_kv
+    s, e = p.seqlen, ELEMENT_BYTES[p.dtype]
+    state = {"mask": None, "expand": False}
+    kernel = Kernel(call=None, refusal_is_unsupported=True, context=lambda: select(backend),
+                    lse_note=f"{p.kernel} returns none (scaled_dot_product_attention does not expose it)",
+                    env={"backend": f"torch.nn.functional.scaled_dot_product_attention, SDPBackend.{SDPA_BACKENDS[p.kernel]}",
+                         "gqa": "enable_gqa" if gqa else "none"})
+    mask_heads = 0
+    if form is None:
+        if p.kernel == "sdpa-flash":
+            raise Unsupported(f"sdpa-flash takes no arbitrary mask; {p.pattern} needs a dense mask "
+                              "(it runs full and causal masks only)")
+        mask_heads = 1 if shared is not None else p.heads_q
+        if mask_heads > 1 and device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+            if mask_heads * s * s > free // 2:
+                raise Unsupported(f"{p.kernel} would need per-head dense masks [1, {p.heads_q}, {s}, {s}] "
+                                  f"({mask_heads * s * s / GIB:.1f} GiB) and only {free / GIB:.1f} GiB is free")
+    kernel.phases["mask_mode"] = {"full": "no mask", "causal": "is_causal=True"}.get(
+        form, f"dense boolean attn_mask [1, {p.heads_q}, S, S]" if mask_heads > 1 else "dense boolean attn_mask [S, S]")
+    scores = p.heads_q * s * s * 4
+    grad_factor = 2 if p.backward else 1
+    kernel.extra_bytes = mask_heads * s * s + 4 * p.heads_q * s * 4
+    if p.kernel == "sdpa-math":
+        kernel.extra_bytes += 2 * scores * grad_factor + (s * s * 4 * max(mask_heads, 1) if mask_heads else 0)
+    elif mask_heads:
+        kernel.extra_bytes += mask_heads * s * (s + 16) * max(e, 4)  # the mask as an additive bias
+    if gqa:
+        kernel.extra_bytes += 2 * p.heads_q * s * p.head_dim * e * grad_factor
+
+    def setup(native: Dict[str, Any]) -> None:
+        if not mask_heads:
+            return
+        start = time.perf_counter()
+        if shared is not None:
+            dense = dense_mask(shared, torch, device)
+        else:
+            distinct = [dense_mask(m, torch, device) for m in p.masks]
+            dense = torch.stack([distinct[p.mask_index(h)] for h in range(p.heads_q)])[None]
+            del distinct
+        synchronize(torch, device, kernel)
+        state["mask"] = dense
+        kernel.phases.update(mask_build_s=time.perf_counter() - start, mask_bytes=dense.numel())
+
+    def call(q: Any, k: Any, v: Any) -> Tuple[Any, None]:
+        options = {"attn_mask": state["mask"], "is_causal": form == "causal", "scale": p.scale}
+        if state["expand"]:
+            k, v = k.repeat_interleave(p.group, dim=1), v.repeat_interleave(p.group, dim=1)
+        elif gqa:
+            options["enable_gqa"] = True
+        return sdpa(q, k, v, **options), None
+
+    def retry(error: BaseException) -> bool:
+        if gqa and not state["expand"]:
+            log(f"{p.kernel} refused enable_gqa ({first_line(error)}); expanding K and V instead")
+            state["expand"] = True
+            kernel.env["gqa"] = "expanded (K and V repeat_interleave'd inside the timed call)"
+            return True
+        return False
+
+    kernel.call, kernel.setup, kernel.retry = call, setup, retry
+    return kernel
+
+
+def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
+    try:
+        flex = importlib.import_module("torch.nn.attention.flex_attention")
+    except Exception as error:
+        raise Unsupported(f"torch.nn.attention.flex_attention not importable: {first_line(error)}") from None
+    np = _np()
+    cpu = device.type != "cuda"
+    if cpu and p.backward:
+        raise Unsupported("flex runs forward only on cpu (torch.compile's cpu FlexAttention supports inference only)")
+    dynamo = importlib.import_module("torch._dynamo")
+    dynamo.reset()  # one compile per request: compile_s stays meaningful, no recompile limit hit
+    for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
+        if hasattr(dynamo.config, name):
+            setattr(dynamo.config, name, max(getattr(dynamo.config, name), 1024))
+    functorch_config = importlib.import_module("torch._functorch.config")
+    if p.backward and hasattr(functorch_config, "donated_buffer"):
+        functorch_config.donated_buffer = False
+    compiled = torch.compile(flex.flex_attention, dynamic=False)
+    lse_options: Dict[str, Any] = {}
+    if not cpu:  # cpu flex cannot return the LSE
+        if hasattr(flex, "AuxRequest") and "return_aux" in parameters_of(flex.flex_attention):
+            lse_options["return_aux"] = flex.AuxRequest(lse=True)
+        else:
+            lse_options["return_lse"] = True
+    shared = p.shared_mask()
+    masks = [shared] if shared is not None else p.masks
+    indices = [0] if shared is not None else list(range(len(p.masks)))
+    single = all((p.intervals(i)[2] <= 1).all() for i in range(len(p.masks)))
+    form = classify(shared) if shared is not None else None
+    mode = {"full": "none", "causal": "causal"}.get(form, "row intervals" if single else "dense")
+    s, count = p.seqlen, len(masks)
+    per_group = shared is None and p.mask_set["scope"] == "per_kv_group"
+    state: Dict[str, Any] = {"block_mask": None}
+    kernel = Kernel(call=None, refusal_is_unsupported=cpu, compiles=True,
+                    lse_note="flex on cpu cannot return it" if cpu else None,
+                    env={"backend": "torch.compile(flex_attention, dynamic=False) with create_block_mask"})
+    kernel.phases["mask_mode"] = {"none": "no block mask (full)", "causal": "mask_mod q >= kv",
+                                  "row intervals": "mask_mod reads per-row key intervals",
+                                  "dense": "mask_mod reads a dense boolean mask"}[mode]
+    table_bytes = count * s * 16 if mode == "row intervals" else count * s * s if mode == "dense" else 0
+    kernel.extra_bytes = table_bytes + (2 * count * s * s if mode != "none" else 0)  # create_block_mask materialises the mask
+
+    def head_of(h: Any) -> Any:
+        return h // p.group if per_group else h
+
+    def setup(native: Dict[str, Any]) -> None:
+        if mode == "none":
+            return
+        start = time.perf_counter()
+        tables: List[Any] = []
+        if mode == "causal":
+            mask_mod = lambda b, h, q, kv: q >= kv  # noqa: E731
+        elif mode == "row intervals":
+            lo = torch.from_numpy(np.stack([p.intervals(i)[0] for i in indices])).to(device, torch.int32)
+            hi = torch.from_numpy(np.stack([p.intervals(i)[1] for i in indices])).to(device, torch.int32)
+            tables = [lo, hi]
+            if count == 1:
+                lo0, hi0 = lo[0], hi[0]
+                mask_mod = lambda b, h, q, kv: (kv >= lo0[q]) & (kv < hi0[q])  # noqa: E731
+            else:
+                mask_mod = lambda b, h, q, kv: (kv >= lo[head_of(h), q]) & (kv < hi[head_of(h), q])  # noqa: E731
+        else:
+            dense = torch.stack([dense_mask(m, torch, device) for m in masks])
+            tables = [dense]
+            if count == 1:
+                dense0 = dense[0]
+                mask_mod = lambda b, h, q, kv: dense0[q, kv]  # noqa: E731
+            else:
+                mask_mod = lambda b, h, q, kv: dense[head_of(h), q, kv]  # noqa: E731
+        block_mask = flex.create_block_mask(mask_mod, None, None if count == 1 else p.heads_q, s, s, device=device)
+        synchronize(torch, device, kernel)
+        parts = [getattr(block_mask, n, None) for n in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks",
+                                                         "full_kv_indices", "q_num_blocks", "q_indices",
+                                                         "full_q_num_blocks", "full_q_indices")]
+        kernel.phases.update(
+            mask_build_s=time.perf_counter() - start,
+            mask_bytes=sum(t.numel() * t.element_size() for t in tables + parts if hasattr(t, "numel")),
+            block_size=list(getattr(block_mask, "BLOCK_SIZE", ())) or None)
+        state["block_mask"] = block_mask
+
+    def call(q: Any, k: Any, v: Any) -> Tuple[Any, Any]:
+        return split_result(compiled(q, k, v, block_mask=state["block_mask"], scale=p.scale,
+                                     enable_gqa=p.heads_q != p.heads_kv, **lse_options))
+
+    kernel.call, kernel.setup = call, setup
+    return kernel
+
+
+FLASH_MODULES = {"fa2": "flash_attn", "fa3": "flash_attn_interface", "fa4": "flash_attn.cute"}
+
+
+def parameters_of(function: Callable) -> set:
+    try:
+        return set(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def lse_options_of(function: Callable) -> Dict[str, bool]:
+    """The keyword that makes a FlashAttention-style function also return the LSE."""
+    parameters = parameters_of(function)
+    for name in ("return_lse", "return_softmax_lse", "return_attn_probs"):
+        if name in parameters:
+            return {name: True}
+    return {}
+
+
+def flash_plan(p: Problem, supports: str) -> dict:
+    """The varlen + window encoding of the (shared) mask, or unsupported with the reason."""
+    shared = p.shared_mask()
+    if shared is None:
+        raise Unsupported(f"{p.kernel} runs one mask for every head; {p.pattern} has "
+                          f"{p.mask_set['scope']} masks that differ")
+    encoding, why = varlen_encoding(shared)
+    if encoding is None:
+        raise Unsupported(f"{p.kernel} runs {supports}; {p.pattern} is not expressible that way ({why})")
+    return encoding
+
+
+def flash_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
+    name = FLASH_MODULES[p.kernel]
+    module = need(name)
+    dense_call, varlen_call = getattr(module, "flash_attn_func", None), getattr(module, "flash_attn_varlen_func", None)
+    if dense_call is None:
+        raise Unsupported(f"{name} has no flash_attn_func")
+    require_cuda(p, device)
+    require_half(p)
+    plan = flash_plan(p, "full, causal, sliding-window and document (varlen) masks")
+    unbounded = None if p.kernel == "fa4" else -1  # FA4 writes an open window side as None
+    left, right = plan["left"], plan["right"]
+    options: Dict[str, Any] = {"softmax_scale": p.scale}
+    if left < 0 and right == 0:
+        options["causal"] = True
+    elif left >= 0 or right >= 0:
+        options["window_size"] = (left if left >= 0 else unbounded, right if right >= 0 else unbounded)
+    documents = len(plan["cu_seqlens"]) - 1
+    if documents == 1:
+        options.update(lse_options_of(dense_call))
+
+        def call(q: Any, k: Any, v: Any) -> Tuple[Any, Any]:
+            return split_result(dense_call(q, k, v, **options))
+        entry = "flash_attn_func"
+    else:
+        if varlen_call is None:
+            raise Unsupported(f"{name} has no flash_attn_varlen_func for {p.pattern}'s {documents} documents")
+        options.update(lse_options_of(varlen_call))
+        cu = torch.tensor(plan["cu_seqlens"], dtype=torch.int32, device=device)
+        options.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=plan["max_seqlen"], max_seqlen_k=plan["max_seqlen"])
+
+        def call(q: Any, k: Any, v: Any) -> Tuple[Any, Any]:
+            out, lse = split_result(varlen_call(q[0], k[0], v[0], **options))
+            return out.unsqueeze(0), lse
+        entry = "flash_attn_varlen_func"
+    version = getattr(module, "__version__", None) or getattr(sys.modules.get(name.split(".")[0]), "__version__", None)
+    kernel = Kernel(call=call, layout="bshd", refusal_is_unsupported=True, compiles=p.kernel == "fa4",
+                    extra_bytes=16 * p.heads_q * p.seqlen * 4,
+                    env={"backend": f"{name}.{entry}", "package_version": version})
+    kernel.phases["mask_mode"] = (f"{documents} documents (cu_seqlens), " if documents > 1 else "") + \
+        ("causal" if options.get("causal") else f"window {options['window_size']}" if "window_size" in options else "full")
+    return kernel
+
+
+def flashinfer_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
+    flashinfer = need("flashinfer")
+    require_cuda(p, device)
+    require_half(p)
+    if p.backward:
+        raise Unsupported("flashinfer has no backward (single_prefill_with_kv_cache is forward only)")
+    supports = "full, causal and causal sliding-window masks on one sequence"
+    plan = flash_plan(p, supports)
+    left, right = plan["left"], plan["right"]
+    if len(plan["cu_seqlens"]) != 2 or not (right == 0 or (left < 0 and right < 0)):
+        raise Unsupported(f"flashinfer (single_prefill_with_kv_cache) runs {supports}; {p.pattern} is not one of them")
+    function = flashinfer.single_prefill_with_kv_cache
+    options: Dict[str, Any] = {"causal": right == 0, "kv_layout": "NHD", "sm_scale": p.scale}
+    if left >= 0:
+        options["window_left"] = left
+    if "return_lse" in parameters_of(function):
+        options["return_lse"] = True
+    elif hasattr(flashinfer, "single_prefill_with_kv_cache_return_lse"):
+        function = flashinfer.single_prefill_with_kv_cache_return_lse
+
+    def call(q: Any, k: Any, v: Any) -> Tuple[Any, Any]:
+        out, lse = split_result(function(q[0], k[0], v[0], **options))
+        return out.unsqueeze(0), lse
+
+    def heads(lse: Any) -> Any:  # [S, H] in log base 2 -> [H, S] natural log
+        return None if lse is None else lse.detach().float().t() * math.log(2.0)
+
+    return Kernel(call=call, layout="bshd", lse_to_heads=heads, refusal_is_unsupported=True, compiles=True,
+                  env={"backend": f"flashinfer.{function.__name__}", "package_version": flashinfer.__version__},
+                  phases={"mask_mode": "causal" if right == 0 else "full", "lse": "converted from log2"})
+
+
+def flashmask_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
+    paddle = need("paddle")
+    function = getattr(paddle.nn.functional, "flashmask_attention", None)
+    if function is None:
+        raise Unsupported(f"paddle {paddle.__version__} has no nn.functional.flashmask_attention")
+    require_cuda(p, device)
+    require_half(p)
+    if p.backward:
+        raise Unsupported("the bridge runs flashmask forward only (its backward lives in paddle's autograd)")
+    shared = p.shared_mask()
+    if shared is None:
+        raise Unsupported(f"flashmask runs one mask for every head here; {p.pattern} has masks that differ")
+    columns, why = flashmask_columns(shared)
+    if columns is None:
+        raise Unsupported(f"flashmask takes column bounds; {p.pattern} is not expressible that way ({why})")
+    np, dlpack = _np(), importlib.import_module("torch.utils.dlpack")
+    to_paddle = lambda t: paddle.utils.dlpack.from_dlpack(dlpack.to_dlpack(t))  # noqa: E731
+    to_torch = lambda t: dlpack.from_dlpack(paddle.utils.dlpack.to_dlpack(t))  # noqa: E731
+    options: Dict[str, Any] = {"causal": columns["causal"]}
+    if "return_softmax_lse" in parameters_of(function):
+        options["return_softmax_lse"] = True
+    state: Dict[str, Any] = {}
+
+    def setup(native: Dict[str, Any]) -> None:
+        bounds = np.stack(columns["columns"], axis=-1)[None, None].astype(np.int32)  # [1, 1, S, 2 or 4]
+        state["inputs"] = [to_paddle(native[n]) for n in ("q", "k", "v")]
+        options["startend_row_indices"] = to_paddle(torch.from_numpy(bounds).to(device))
+
+    def call(q: Any, k: Any, v: Any) -> Tuple[Any, Any]:
+        return split_result(function(*state["inputs"], **options))
+
+    def heads(lse: Any) -> Any:
+        return None if lse is None else lse_to_heads(p, to_torch(lse))
+
+    return Kernel(call=call, layout="bshd", setup=setup, lse_to_heads=heads, out_to_torch=to_torch,
+                  refusal_is_unsupported=True, sync=paddle.device.synchronize, torch_memory=False,
+                  env={"backend": "paddle.nn.functional.flashmask_attention", "paddle": paddle.__version__},
+                  phases={"mask_mode": f"{'causal + ' if columns['causal'] else ''}{len(columns['columns'])} column bounds"})
+
+
+def load_user_module(path: str) -> Any:
+    if not os.path.isfile(path):
+        raise BadRequest(f"module {path!r} is not a file")
+    name = f"attnbench_user_kernel_{abs(hash((path, time.time())))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise BadRequest(f"module {path!r} cannot be loaded as Python")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as error:
+        raise Unsupported(f"{os.path.basename(path)} not importable: {first_line(error)}") from None
+    finally:
+        sys.modules.pop(name, None)
+    if not callable(getattr(module, "attention", None)):
+        raise BadRequest(f"{path} defines no attention(q, k, v, mask, scale) function")
+    return module
+
+
+def user_mask(p: Problem, module: Any, build: Callable) -> dict:
+    shared = p.shared_mask()
+    slices = None if shared is None else [(sl["q"][0], sl["q"][1], sl["k"][0], sl["k"][1], sl["kind"])
+                                          for sl in shared["slices"]]
+    dense = None
+    if shared is not None and p.seqlen <= DENSE_FOR_MODULES_MAX_SEQLEN and getattr(module, "DENSE_MASK", True):
+        dense = build(shared)
+    return {"dense": dense, "slices": slices, "set": p.mask_set}
+
+
+def run_module(p: Problem) -> dict:
+    module = load_user_module(p.module)
+    supports = getattr(module, "SUPPORTS", None)
+    if callable(supports):
+        reason = supports(p.mask_set)
+        if reason:
+            raise Unsupported(str(reason))
+    label = {"backend": f"module {os.path.basename(p.module)}", "module": p.module}
+    if getattr(module, "BACKEND", "torch") == "numpy":
+        return run_numpy(p, numpy_module_kernel(p, module, label))
+    return run_torch(p, lambda p, torch, device: torch_module_kernel(p, torch, device, module, label))
+
+
+def numpy_module_kernel(p: Problem, module: Any, label: dict) -> NumpyKernel:
+    kernel = NumpyKernel(forward=None, backward=None, env=label,
+                         no_backward=f"{os.path.basename(p.module)} defines no attention_backward")
+    mask: Dict[str, Any] = {}
+
+    def setup() -> None:
+        start = time.perf_counter()
+        mask.update(user_mask(p, module, dense_mask))
+        kernel.phases["mask_build_s"] = time.perf_counter() - start
+
+    kernel.setup = setup
+    kernel.forward = lambda q, k, v: split_result(module.attention(q, k, v, mask, p.scale))
+    backward = getattr(module, "attention_backward", None)
+    if callable(backward):
+        kernel.backward = lambda q, k, v, out, lse, do: tuple(backward(q, k, v, out, lse, do, mask, p.scale))
+    return kernel
+
+
+def torch_module_kernel(p: Problem, torch: Any, device: Any, module: Any, label: dict) -> Kernel:
+    mask: Dict[str, Any] = {}
+    kernel = Kernel(call=lambda q, k, v: split_result(module.attention(q, k, v, mask, p.scale)), env=label)
+
+    def setup(native: Dict[str, Any]) -> None:
+        start = time.perf_counter()
+        mask.update(user_mask(p, module, lambda m: dense_mask(m, torch, device)))
+        synchronize(torch, device, kernel)
+        kernel.phases["mask_build_s"] = time.perf_counter() - start
+
+    def grad(out: Any, q: Any, k: Any, v: Any, do: Any) -> Any:
+        if not getattr(out, "requires_grad", False):
+            raise Unsupported(f"{os.path.basename(p.module)}'s output carries no autograd graph, so it has no backward")
+        return torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+
+    kernel.setup, kernel.grad = setup, grad
+    return kernel
+
+
+TORCH_ADAPTERS = {"sdpa-math": sdpa_adapter, "sdpa-flash": sdpa_adapter, "sdpa-efficient": sdpa_adapter,
+                  "sdpa-cudnn": sdpa_adapter, "flex": flex_adapter, "fa2": flash_adapter,
+                  "fa3": flash_adapter, "fa4": flash_adapter, "flashinfer": flashinfer_adapter,
+                  "flashmask": flashmask_adapter}
+
+
+# ---------------------------------------------------------------------------------------------
+# Operations
+
+def outcome(status: str, reason: str, p: Problem) -> dict:
+    env = base_environment()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        env["torch"] = torch.__version__
+    return {"status": status, "reason": reason, "samples": [], "rel_ci": None, "stopped": None,
+            "memory": None, "correctness": None, "phases": {}, "environment": env}
+
+
+def benchmark(params: Any) -> dict:
+    p = parse_problem(params)
+    log(f"benchmark {p.kernel} {p.direction} {p.dtype} {p.pattern} "
+        f"hq={p.heads_q} hkv={p.heads_kv} s={p.seqlen} d={p.head_dim} on {p.device}")
+    result = None
+    try:
+        if p.kernel == "numpy":
+            result = run_numpy(p, numpy_attention(p))
+        elif p.kernel == "module":
+            result = run_module(p)
+        else:
+            result = run_torch(p, TORCH_ADAPTERS[p.kernel])
+    except Unsupported as error:
+        result = outcome("unsupported", str(error), p)
+    except OutOfMemory as error:
+        result = outcome("oom", str(error), p)
+    except Exception as error:
+        if not is_oom(error):
+            raise
+        result = outcome("oom", f"{p.kernel} ran out of device memory: {first_line(error)}", p)
+    release_memory()  # the exception (and the tensors its frames held) is gone by now
+    return result
+
+
+def _package_version(module: Any, *distributions: str) -> Optional[str]:
+    version = getattr(module, "__version__", None)
+    if version is None:
+        from importlib import metadata
+        for dist in distributions:
+            try:
+                return metadata.version(dist)
+            except Exception:
+                continue
+    return None if version is None else str(version)
+
+
+def probe(kernel: str) -> Optional[str]:
+    """The version of what runs `kernel`; raises Unsupported with the reason when it cannot run."""
+    if kernel == "numpy":
+        return _np().__version__
+    if kernel == "module":
+        return None
+    if kernel == "fa3":
+        return _package_version(need("flash_attn_interface"), "flash_attn_3", "flash-attn-3")
+    if kernel == "fa4":
+        return _package_version(need("flash_attn.cute"), "flash-attn-4", "fa4")
+    if kernel == "flashinfer":
+        return _package_version(need("flashinfer"), "flashinfer-python", "flashinfer")
+    if kernel == "flashmask":
+        paddle = need("paddle")
+        if not hasattr(paddle.nn.functional, "flashmask_attention"):
+            raise Unsupported(f"paddle {paddle.__version__} has no nn.functional.flashmask_attention")
+        return paddle.__version__
+    if kernel == "fa2":
+        flash_attn = need("flash_attn")
+        if not hasattr(flash_attn, "flash_attn_func"):
+            raise Unsupported("flash_attn has no flash_attn_func (an FA2 install provides it)")
+        return _package_version(flash_attn, "flash_attn", "flash-attn")
+    torch = need("torch")
+    if kernel == "flex":
+        need("torch.nn.attention.flex_attention")
+    else:
+        sdpa_backend(torch, kernel)
+    return torch.__version__
+
+
+def backends(params: Any) -> dict:
+    report = {}
+    for kernel in KERNELS:
+        try:
+            report[kernel] = {"available": True, "version": probe(kernel), "reason": None}
+        except Unsupported as error:
+            report[kernel] = {"available": False, "version": None, "reason": str(error)}
+    return report
+
+
+OPS = {"backends": backends, "benchmark": benchmark}
+
+
+def plain(value: Any) -> Any:
+    """JSON-ready copy: numpy scalars to Python, non-finite floats to null."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)) and getattr(value, "ndim", 1) == 0:
+        value = value.item()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    return str(value)
+
+
+def handle(line: str) -> Tuple[dict, bool]:
+    """The response to one request line, and whether to stop afterwards."""
+    try:
+        request = json.loads(line)
+    except ValueError as error:
+        return {"id": None, "ok": False, "error": f"malformed request: the line is not JSON ({error})"}, False
+    if not isinstance(request, dict):
+        return {"id": None, "ok": False, "error": "malformed request: expected a JSON object with id and op"}, False
+    rid, op = request.get("id"), request.get("op")
+    if op == "shutdown":
+        return {"id": rid, "ok": True, "result": None}, True
+    if op not in OPS:
+        return {"id": rid, "ok": False,
+                "error": f"unknown op {op!r}; the bridge knows backends, benchmark and shutdown"}, False
+    params = request.get("params") or {}
+    try:
+        return {"id": rid, "ok": True, "result": OPS[op](params)}, False
+    except BadRequest as error:
+        reply = {"id": rid, "ok": False, "error": f"bad {op} request: {error}"}
+    except (Exception, SystemExit) as error:
+        trace = traceback.format_exc()
+        log(trace)
+        who = params.get("kernel", op) if isinstance(params, dict) else op
+        reply = {"id": rid, "ok": False, "error": f"{who} raised {type(error).__name__}: {first_line(error)}",
+                 "traceback": trace}
+    release_memory()
+    return reply, False
+
+
+def serve() -> int:
+    sys.stdout.flush()
+    protocol = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)  # anything written to fd 1 from now on (C libraries included) lands on stderr
+    sys.stdout = sys.stderr
+
+    def send(message: dict) -> None:
+        protocol.write(json.dumps(plain(message), allow_nan=False, separators=(",", ":")) + "\n")
+        protocol.flush()
+
+    send({"type": "hello", "protocol": PROTOCOL, "python": platform.python_version(),
+          "executable": sys.executable, "pid": os.getpid()})
+    while True:
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        if not line.strip():
+            continue
+        reply, stop = handle(line)
+        send(reply)
+        if stop:
+            return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve())

@@ -1,0 +1,724 @@
+#!/usr/bin/env python3
+"""Stand-alone checks of attnbench_bridge.py over its JSON-lines protocol.
+
+    python3 test_bridge.py [--python /path/to/python] [--quick]
+
+Starts the bridge with the given interpreter (default: this one), drives it like the host does,
+and compares its outputs with a float64 reference written here from the slice definitions with
+plain loops. Needs numpy in this interpreter; torch paths (sdpa-math, flex on the CPU, torch user
+modules) are exercised when the bridge's interpreter has torch.
+"""
+
+import argparse
+import json
+import math
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BRIDGE = os.path.join(HERE, "attnbench_bridge.py")
+QUICK_HARNESS = {"warmup_reps": 1, "warmup_s": 0.0, "min_reps": 3, "max_reps": 6,
+                 "max_time_s": 0.5, "target_rel_ci": 0.05}
+OUTPUTS = ("out", "lse", "dq", "dk", "dv")
+
+results = {"pass": 0, "fail": 0, "skip": 0}
+scratch = []  # temporary folders and files, removed at the end
+
+
+def temporary_dir(prefix):
+    path = tempfile.mkdtemp(prefix=prefix)
+    scratch.append(path)
+    return path
+
+
+def check(name, condition, detail=""):
+    if condition:
+        results["pass"] += 1
+        print(f"PASS {name}")
+    else:
+        results["fail"] += 1
+        print(f"FAIL {name}: {detail}")
+    return condition
+
+
+def skip(name, why):
+    results["skip"] += 1
+    print(f"SKIP {name}: {why}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The bridge as a subprocess
+
+class Bridge:
+    def __init__(self, python, timeout=300.0, flags=()):
+        self.stderr = tempfile.NamedTemporaryFile("w+", prefix="bridge-stderr-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([python, *flags, "-u", BRIDGE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.stderr, text=True, bufsize=1)
+        self.lines = queue.Queue()
+        self.timeout = timeout
+        self.next_id = 0
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.hello = self.read()
+
+    def _pump(self):
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def read(self):
+        line = self.lines.get(timeout=self.timeout)
+        if line is None:
+            raise RuntimeError(f"the bridge closed stdout; stderr tail:\n{self.stderr_tail()}")
+        try:
+            return json.loads(line)
+        except ValueError:
+            raise RuntimeError(f"the bridge wrote a non-JSON line on stdout: {line!r}") from None
+
+    def send_raw(self, text):
+        self.proc.stdin.write(text + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def request(self, op, params=None):
+        self.next_id += 1
+        message = {"id": self.next_id, "op": op}
+        if params is not None:
+            message["params"] = params
+        reply = self.send_raw(json.dumps(message))
+        if reply.get("id") != self.next_id:
+            raise RuntimeError(f"reply id {reply.get('id')} != request id {self.next_id}")
+        return reply
+
+    def stderr_tail(self, n=3000):
+        self.stderr.flush()
+        with open(self.stderr.name) as f:
+            return f.read()[-n:]
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks and the independent reference
+
+def sl(q0, q1, k0, k1, kind):
+    return {"q": [q0, q1], "k": [k0, k1], "kind": kind}
+
+
+def mask_set(pattern, s, slice_lists, scope="shared"):
+    masks = [{"seqlen_q": s, "seqlen_k": s, "slices": slices} for slices in slice_lists]
+    return {"pattern": pattern, "seqlen": s, "params": {}, "documents": [], "scope": scope, "masks": masks}
+
+
+def causal(s):
+    return [sl(0, s, 0, s, "causal")]
+
+
+def window(s, w):
+    return [sl(0, w, 0, w, "causal"), sl(w, s, 0, s, "bi_causal")]
+
+
+def documents(lengths, kind):
+    slices, start = [], 0
+    for n in lengths:
+        slices.append(sl(start, start + n, start, start + n, kind))
+        start += n
+    return slices
+
+
+def mask_sets(s):
+    half, quarter = s // 2, s // 4
+    return {
+        "causal": mask_set("causal", s, [causal(s)]),
+        "full": mask_set("full", s, [[sl(0, s, 0, s, "full")]]),
+        "causal_document": mask_set("causal_document", s, [documents([s // 3, s // 2, s - s // 3 - s // 2], "causal")]),
+        "full_document": mask_set("full_document", s, [documents([quarter, s - quarter], "full")]),
+        "sliding_window": mask_set("sliding_window_causal", s, [window(s, 16)]),
+        # overlapping slices, rows [3s/4, s) with no key, and a slice with no cell at all
+        "empty_rows": mask_set("prefix_with_gaps", s, [[sl(0, half, 0, s, "full"),
+                                                         sl(quarter, s, half, s, "inv_causal"),
+                                                         sl(0, s, 0, half, "bi_causal")]]),
+        # two key intervals per row (global tokens + window): dense-only for most kernels
+        "global_window": mask_set("global_window", s, [window(s, 8) + [sl(0, s, 0, 4, "full")]]),
+        "per_kv_group": mask_set("per_group", s, [causal(s), window(s, 12)], scope="per_kv_group"),
+        "per_head": mask_set("per_head", s, [causal(s), window(s, 5), documents([half, s - half], "full"),
+                                            [sl(0, half, 0, s, "full")]], scope="per_head"),
+    }
+
+
+def cell_allowed(slice_, q, k):
+    (q0, q1), (k0, k1) = slice_["q"], slice_["k"]
+    if not (q0 <= q < q1 and k0 <= k < k1):
+        return False
+    i, j, d = q - q0, k - k0, (k1 - k0) - (q1 - q0)
+    kind = slice_["kind"]
+    if kind == "full":
+        return True
+    if kind == "causal":
+        return j <= i + d
+    if kind == "inv_causal":
+        return j >= i
+    return i <= j <= i + d  # bi_causal
+
+
+def dense_reference(mask):
+    s = mask["seqlen_q"]
+    return np.array([[any(cell_allowed(x, q, k) for x in mask["slices"]) for k in range(s)] for q in range(s)])
+
+
+def head_masks(mset, hq, hkv):
+    dense = [dense_reference(m) for m in mset["masks"]]
+    scope = mset["scope"]
+    return [dense[0 if scope == "shared" else h // (hq // hkv) if scope == "per_kv_group" else h] for h in range(hq)]
+
+
+def reference(q, k, v, do, masks, group, scale):
+    """Row-by-row float64 attention forward and backward."""
+    q, k, v, do = (x.astype(np.float64) for x in (q, k, v, do))
+    hq, s, _ = q.shape
+    out, lse, dq = np.zeros_like(q), np.full((hq, s), -np.inf), np.zeros_like(q)
+    dk, dv = np.zeros_like(k), np.zeros_like(v)
+    for h in range(hq):
+        g = h // group
+        for i in range(s):
+            keys = np.nonzero(masks[h][i])[0]
+            if keys.size == 0:
+                continue
+            scores = k[g][keys] @ q[h, i] * scale
+            top = scores.max()
+            weights = np.exp(scores - top)
+            probs = weights / weights.sum()
+            out[h, i] = probs @ v[g][keys]
+            lse[h, i] = top + math.log(weights.sum())
+            ds = probs * (v[g][keys] @ do[h, i] - do[h, i] @ out[h, i]) * scale
+            dq[h, i] = ds @ k[g][keys]
+            dk[g][keys] += np.outer(ds, q[h, i])
+            dv[g][keys] += np.outer(probs, do[h, i])
+    return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+
+
+def rel_error(actual, expected):
+    """Largest |a - r| over largest |r|; -inf must match -inf; NaN fails."""
+    a, r = np.asarray(actual, np.float64).ravel(), np.asarray(expected, np.float64).ravel()
+    if a.shape != r.shape or np.isnan(a).any():
+        return math.inf
+    inf = np.isinf(a) | np.isinf(r)
+    if (a[inf] != r[inf]).any():
+        return math.inf
+    largest = np.abs(r[~inf]).max() if (~inf).any() else 0.0
+    worst = np.abs(a[~inf] - r[~inf]).max() if (~inf).any() else 0.0
+    return worst / largest if largest else worst
+
+
+def median_rel_ci(samples):
+    n = len(samples)
+    if n < 3:
+        return math.inf
+    ordered = sorted(samples)
+    half = 0.98 * math.sqrt(n)
+    low, high = max(math.floor(n / 2 - half), 0), min(math.ceil(n / 2 + half), n - 1)
+    median = float(np.quantile(ordered, 0.5))
+    return math.inf if median <= 0 else (ordered[high] - ordered[low]) / 2 / median
+
+
+# ---------------------------------------------------------------------------------------------
+# Scenarios
+
+def round_bf16(x):
+    bits = x.astype(np.float32).view(np.uint32)
+    bits = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return bits.view(np.float32)
+
+
+class Case:
+    def __init__(self, hq=4, hkv=2, s=64, d=32, seed=7, bf16=False):
+        self.hq, self.hkv, self.s, self.d = hq, hkv, s, d
+        rng = np.random.default_rng(seed)
+        shape_q, shape_kv = (hq, s, d), (hkv, s, d)
+        self.inputs = {"q": rng.uniform(-1, 1, shape_q), "k": rng.uniform(-1, 1, shape_kv),
+                       "v": rng.uniform(-1, 1, shape_kv), "do": rng.uniform(-1, 1, shape_q)}
+        self.inputs = {n: (round_bf16 if bf16 else np.float32)(x.astype(np.float32)) for n, x in self.inputs.items()}
+        self.dir = temporary_dir("bridge-case-")
+        for name, x in self.inputs.items():
+            x.astype("<f4").tofile(os.path.join(self.dir, f"{name}.f32"))
+        self.expected = {}
+
+    def shape(self):
+        return {"heads_q": self.hq, "heads_kv": self.hkv, "seqlen": self.s, "head_dim": self.d}
+
+    def params(self, kernel, mset, direction="fwd", dtype="f32", with_inputs=True, **extra):
+        outputs = temporary_dir("bridge-out-") if with_inputs else None
+        params = {"kernel": kernel, "direction": direction, "shape": self.shape(), "dtype": dtype,
+                  "mask": mset, "seed": 42, "inputs_dir": self.dir if with_inputs else None,
+                  "outputs_dir": outputs, "check_rows": 16, "harness": QUICK_HARNESS, "device": "cpu"}
+        params.update(extra)
+        return params
+
+    def reference(self, name, mset):
+        if name not in self.expected:
+            masks = head_masks(mset, self.hq, self.hkv)
+            x = self.inputs
+            self.expected[name] = reference(x["q"], x["k"], x["v"], x["do"], masks, self.hq // self.hkv, 1 / math.sqrt(self.d))
+        return self.expected[name]
+
+    def compare(self, label, name, mset, params, result, tolerance, expect_lse=True):
+        """Checks the written outputs against the reference."""
+        want = self.reference(name, mset)
+        names = ["out", "lse"] + (["dq", "dk", "dv"] if params["direction"] != "fwd" else [])
+        worst = {}
+        for n in names:
+            path = os.path.join(params["outputs_dir"], f"{n}.f32")
+            if n == "lse" and not expect_lse:
+                check(f"{label}: no lse.f32 written", not os.path.exists(path))
+                continue
+            if not os.path.exists(path):
+                check(f"{label}: {n}.f32 written", False, "missing")
+                continue
+            worst[n] = rel_error(np.fromfile(path, "<f4").reshape(want[n].shape), want[n])
+        ok = all(e <= tolerance for e in worst.values())
+        check(f"{label}: outputs match the float64 reference", ok,
+              f"errors {worst} > {tolerance}; notes {result['environment'].get('notes')}")
+
+
+def check_timing(label, result, harness):
+    samples = result["samples"]
+    n = len(samples)
+    fine = 1 <= n <= harness["max_reps"] and all(x > 0 for x in samples)
+    if result["stopped"] == "stable":
+        fine &= n >= harness["min_reps"] and result["rel_ci"] is not None and result["rel_ci"] <= harness["target_rel_ci"]
+    elif result["stopped"] == "max reps":
+        fine &= n == harness["max_reps"]
+    elif result["stopped"] == "time cap":
+        fine &= n >= min(harness["min_reps"], 3)
+    else:
+        fine = False
+    mine = median_rel_ci(samples)
+    theirs = result["rel_ci"] if result["rel_ci"] is not None else math.inf
+    fine &= (mine == theirs) or abs(mine - theirs) <= 1e-12 * max(1.0, abs(mine))
+    check(f"{label}: timing follows the harness ({n} samples, {result['stopped']})", fine,
+          json.dumps({k: result[k] for k in ("samples", "rel_ci", "stopped")}))
+
+
+def run_ok(bridge, label, params):
+    reply = bridge.request("benchmark", params)
+    if not check(f"{label}: ok reply", reply.get("ok") and reply["result"]["status"] == "ok",
+                 json.dumps(reply)[:1500]):
+        return None
+    return reply["result"]
+
+
+def expect_unsupported(bridge, label, params, needle):
+    reply = bridge.request("benchmark", params)
+    result = reply.get("result") or {}
+    reason = result.get("reason") or ""
+    check(f"{label}: unsupported ({reason})", reply.get("ok") and result.get("status") == "unsupported"
+          and needle.lower() in reason.lower(), json.dumps(reply)[:1500])
+
+
+def test_protocol(bridge, python):
+    hello = bridge.hello
+    check("hello line", hello.get("type") == "hello" and hello.get("protocol") == 1
+          and hello.get("pid") == bridge.proc.pid and hello.get("executable"), json.dumps(hello))
+    reply = bridge.send_raw("this is not json")
+    check("malformed line -> ok:false, id null", reply == {**reply, "id": None, "ok": False}
+          and "not JSON" in reply.get("error", ""), json.dumps(reply))
+    reply = bridge.send_raw("[1, 2]")
+    check("non-object line -> ok:false", reply.get("ok") is False and reply.get("id") is None, json.dumps(reply))
+    reply = bridge.request("dance")
+    check("unknown op -> ok:false naming it", reply.get("ok") is False and "dance" in reply.get("error", ""), json.dumps(reply))
+    case = Case()
+    bad = case.params("numpy", mask_sets(case.s)["causal"])
+    bad["shape"] = dict(bad["shape"], heads_q=6, heads_kv=4)
+    reply = bridge.request("benchmark", bad)
+    check("bad heads -> ok:false", reply.get("ok") is False and "multiple" in reply.get("error", ""), json.dumps(reply))
+    bad = case.params("no-such-kernel", mask_sets(case.s)["causal"])
+    reply = bridge.request("benchmark", bad)
+    check("unknown kernel -> ok:false", reply.get("ok") is False and "unknown kernel" in reply.get("error", ""), json.dumps(reply))
+    bad = case.params("numpy", mask_sets(case.s)["per_kv_group"])
+    bad["shape"] = dict(bad["shape"], heads_kv=4)
+    reply = bridge.request("benchmark", bad)
+    check("mask count mismatch -> ok:false", reply.get("ok") is False and "masks" in reply.get("error", ""), json.dumps(reply))
+
+
+def test_backends(bridge):
+    reply = bridge.request("backends")
+    report = reply.get("result") or {}
+    kernels = ["numpy", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "flex", "fa2", "fa3",
+               "fa4", "flashinfer", "flashmask", "module"]
+    check("backends lists every kernel", reply.get("ok") and sorted(report) == sorted(kernels), json.dumps(reply))
+    check("backends: numpy available", report.get("numpy", {}).get("available"), json.dumps(report.get("numpy")))
+    for name, entry in report.items():
+        if not entry["available"]:
+            check(f"backends: {name} unavailable with a reason ({entry['reason']})",
+                  bool(entry["reason"]) and entry["version"] is None, json.dumps(entry))
+    return report
+
+
+def test_numpy(bridge, quick):
+    case = Case()
+    sets = mask_sets(case.s)
+    names = ["causal", "empty_rows", "per_head"] if quick else list(sets)
+    for name in names:
+        for direction in ("fwd", "fwd_bwd"):
+            params = case.params("numpy", sets[name], direction)
+            result = run_ok(bridge, f"numpy {name} {direction}", params)
+            if result:
+                case.compare(f"numpy {name} {direction}", name, sets[name], params, result, 1e-5)
+                if name == "causal" and direction == "fwd_bwd":
+                    check_timing("numpy causal fwd_bwd", result, QUICK_HARNESS)
+                    memory = result.get("memory") or {}
+                    check("numpy memory via tracemalloc", "tracemalloc" in memory.get("method", "")
+                          and memory.get("peak_bytes", 0) >= memory.get("above_inputs_bytes", -1) > 0, json.dumps(memory))
+    # bwd alone, and the sampled self-check with generated inputs in every dtype
+    params = case.params("numpy", sets["sliding_window"], "bwd")
+    result = run_ok(bridge, "numpy sliding_window bwd", params)
+    if result:
+        case.compare("numpy sliding_window bwd", "sliding_window", sets["sliding_window"], params, result, 1e-5)
+    for dtype in ("f32", "bf16", "fp16"):
+        params = case.params("numpy", sets["empty_rows"], "fwd_bwd", dtype, with_inputs=False)
+        result = run_ok(bridge, f"numpy sampled check {dtype}", params)
+        if result:
+            corr = result.get("correctness") or {}
+            errors = corr.get("errors", {})
+            check(f"numpy sampled check {dtype}: errors small ({errors})",
+                  set(errors) == {"out", "lse", "dq"} and all(e is not None and e < 1e-5 for e in errors.values())
+                  and "16 rows of every head" in corr.get("checked", ""), json.dumps(corr))
+    params = case.params("numpy", sets["causal"], "fwd", with_inputs=False)
+    params["outputs_dir"] = None
+    result = run_ok(bridge, "numpy with generated inputs and no outputs", params)
+    if result:
+        check("numpy: correctness present without inputs_dir", result.get("correctness") is not None)
+    params = case.params("numpy", sets["causal"], "fwd")
+    result = run_ok(bridge, "numpy with inputs_dir", params)
+    if result:
+        check("numpy: correctness null with inputs_dir", result.get("correctness") is None)
+
+
+def write_module(text):
+    handle = tempfile.NamedTemporaryFile("w", suffix=".py", prefix="user_kernel_", delete=False)
+    handle.write(text)
+    handle.close()
+    scratch.append(handle.name)
+    return handle.name
+
+
+NUMPY_MODULE = '''
+import numpy as np
+BACKEND = "numpy"
+
+def attention(q, k, v, mask, scale):
+    print("a chatty kernel prints to stdout")   # must not reach the protocol
+    import os; os.write(1, b"and writes to fd 1 directly\\n")
+    group = q.shape[0] // k.shape[0]
+    allowed = mask["dense"]
+    out = np.zeros_like(q); lse = np.full(q.shape[:2], -np.inf, np.float32)
+    for h in range(q.shape[0]):
+        s = (q[h] @ k[h // group].T) * scale
+        s = np.where(allowed, s, -np.inf)
+        top = s.max(axis=1, keepdims=True); top = np.where(np.isfinite(top), top, 0)
+        w = np.exp(s - top); total = w.sum(axis=1, keepdims=True)
+        out[h] = (w @ v[h // group]) / np.where(total > 0, total, 1)
+        with np.errstate(divide="ignore"):
+            lse[h] = np.where(total[:, 0] > 0, top[:, 0] + np.log(np.where(total[:, 0] > 0, total[:, 0], 1)), -np.inf)
+    return out, lse
+
+def SUPPORTS(mask_set):
+    if mask_set["scope"] != "shared":
+        return "this kernel takes one shared mask only"
+    return None
+'''
+
+TORCH_MODULE = '''
+import torch
+
+def attention(q, k, v, mask, scale):
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1); v = v.repeat_interleave(group, dim=1)
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask["dense"], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
+    return (p @ v.float()).to(q.dtype), lse
+'''
+
+RAISING_MODULE = '''
+def attention(q, k, v, mask, scale):
+    raise ValueError("kernel exploded on purpose")
+BACKEND = "numpy"
+'''
+
+
+def test_modules(bridge, has_torch):
+    case = Case()
+    sets = mask_sets(case.s)
+    path = write_module(NUMPY_MODULE)
+    params = case.params("module", sets["causal_document"], "fwd", module=path)
+    result = run_ok(bridge, "numpy module fwd (prints to stdout)", params)
+    if result:
+        case.compare("numpy module fwd", "causal_document", sets["causal_document"], params, result, 1e-5)
+    expect_unsupported(bridge, "numpy module without attention_backward",
+                       case.params("module", sets["causal"], "bwd", module=path), "attention_backward")
+    expect_unsupported(bridge, "module SUPPORTS refusal",
+                       case.params("module", sets["per_kv_group"], "fwd", module=path), "one shared mask")
+    path = write_module(RAISING_MODULE)
+    reply = bridge.request("benchmark", case.params("module", sets["causal"], "fwd", module=path))
+    error = reply.get("error", "")
+    check("raising kernel -> ok:false with one sentence", reply.get("ok") is False
+          and "ValueError: kernel exploded on purpose" in error and "\n" not in error
+          and "Traceback" in reply.get("traceback", ""), json.dumps(reply)[:800])
+    check("bridge still serves after a raising kernel", bridge.request("backends").get("ok") is True)
+    path = write_module("import a_package_that_does_not_exist_anywhere\n")
+    expect_unsupported(bridge, "module with a missing import", case.params("module", sets["causal"], "fwd", module=path),
+                       "not importable")
+    path = write_module("def attention(:\n")
+    reply = bridge.request("benchmark", case.params("module", sets["causal"], "fwd", module=path))
+    check("module with a syntax error -> ok:false", reply.get("ok") is False and "SyntaxError" in reply.get("error", ""),
+          json.dumps(reply)[:800])
+    if not has_torch:
+        skip("torch module", "the bridge's python has no torch")
+        return
+    path = write_module(TORCH_MODULE)
+    for direction in ("fwd", "fwd_bwd"):
+        params = case.params("module", sets["empty_rows"], direction, module=path)
+        result = run_ok(bridge, f"torch module {direction}", params)
+        if result:
+            case.compare(f"torch module {direction}", "empty_rows", sets["empty_rows"], params, result, 1e-5)
+
+
+def test_torch(bridge, report, quick):
+    if not report.get("sdpa-math", {}).get("available"):
+        skip("torch kernels", "the bridge's python has no torch")
+        return
+    case = Case()
+    sets = mask_sets(case.s)
+    names = ["causal", "empty_rows", "per_kv_group"] if quick else ["causal", "full", "causal_document", "empty_rows",
+                                                                    "global_window", "per_kv_group", "per_head"]
+    for name in names:
+        params = case.params("sdpa-math", sets[name], "fwd_bwd")
+        result = run_ok(bridge, f"sdpa-math {name} fwd_bwd", params)
+        if result:
+            case.compare(f"sdpa-math {name}", name, sets[name], params, result, 1e-5, expect_lse=False)
+            mode = result["phases"].get("mask_mode")
+            if name == "causal":
+                check("sdpa-math recognises causal from the slices", mode == "is_causal=True", mode)
+                check_timing("sdpa-math causal fwd_bwd", result, QUICK_HARNESS)
+                check("sdpa-math reports the environment", result["environment"].get("torch")
+                      and result["environment"].get("backend", "").endswith("MATH"), json.dumps(result["environment"]))
+    params = case.params("sdpa-math", sets["sliding_window"], "bwd", dtype="bf16", with_inputs=False)
+    result = run_ok(bridge, "sdpa-math bf16 bwd sampled check", params)
+    if result:
+        corr = result["correctness"]
+        check(f"sdpa-math bf16 sampled errors ({corr['errors']})", set(corr["errors"]) == {"out", "dq"}
+              and all(e < 2e-2 for e in corr["errors"].values()) and "no LSE" in corr["checked"], json.dumps(corr))
+    expect_unsupported(bridge, "sdpa-flash with a document mask", case.params("sdpa-flash", sets["causal_document"]),
+                       "takes no arbitrary mask")
+    reply = bridge.request("benchmark", case.params("sdpa-efficient", sets["causal"]))
+    result = reply.get("result") or {}
+    check(f"sdpa-efficient on cpu: ok or unsupported with a reason ({result.get('reason')})", reply.get("ok")
+          and (result.get("status") == "ok" or (result.get("status") == "unsupported" and result.get("reason"))),
+          json.dumps(reply)[:800])
+    expect_unsupported(bridge, "sdpa-math on cuda without CUDA", dict(case.params("sdpa-math", sets["causal"]), device="cuda"),
+                       "CUDA is not available")
+    for kernel, needle in (("fa2", "flash_attn not importable"), ("fa3", "flash_attn_interface not importable"),
+                           ("fa4", "not importable"), ("flashinfer", "flashinfer not importable"),
+                           ("flashmask", "paddle not importable")):
+        if report.get(kernel, {}).get("available"):
+            skip(kernel, "installed here")
+        else:
+            expect_unsupported(bridge, kernel, case.params(kernel, sets["causal"], device="cuda"), needle)
+    if not report.get("flex", {}).get("available"):
+        skip("flex", "not importable")
+        return
+    flex_names = ["causal_document"] if quick else ["causal", "causal_document", "empty_rows", "global_window", "per_kv_group"]
+    for name in flex_names:
+        params = case.params("flex", sets[name], "fwd")
+        reply = bridge.request("benchmark", params)
+        result = reply.get("result") or {}
+        if reply.get("ok") and result.get("status") == "unsupported":
+            skip(f"flex {name} on cpu", result.get("reason"))
+            continue
+        if check(f"flex {name} fwd on cpu: ok", reply.get("ok") and result.get("status") == "ok", json.dumps(reply)[:1500]):
+            case.compare(f"flex {name}", name, sets[name], params, result, 1e-5, expect_lse=False)
+            check(f"flex {name}: compile and mask phases recorded", "compile_s" in result["phases"]
+                  and "mask_build_s" in result["phases"], json.dumps(result["phases"]))
+    expect_unsupported(bridge, "flex backward on cpu", case.params("flex", sets["causal"], "fwd_bwd"), "forward only")
+
+
+def test_gpu(bridge, report):
+    """CUDA kernels at bf16: full outputs against the reference at a small size, the sampled
+    self-check at a larger one, and the memory estimate's refusal of a problem that cannot fit."""
+    case = Case(hq=8, hkv=2, s=256, d=64, bf16=True)
+    sets = mask_sets(case.s)
+    kernels = [k for k in ("sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "flex", "fa2", "fa3",
+                           "fa4", "flashinfer", "flashmask") if report.get(k, {}).get("available")]
+    for kernel in kernels:
+        names = ("causal_document", "empty_rows", "per_kv_group") if kernel == "flex" else \
+            ("causal", "causal_document", "sliding_window", "empty_rows", "per_kv_group")
+        for name in names:  # flex compiles once per request: fewer masks keep the run short
+            direction = "fwd" if kernel in ("flashinfer", "flashmask") else "fwd_bwd"
+            params = case.params(kernel, sets[name], direction, dtype="bf16", device="cuda")
+            reply = bridge.request("benchmark", params)
+            result = reply.get("result") or {}
+            label = f"cuda {kernel} {name}"
+            if reply.get("ok") and result.get("status") == "unsupported" and result.get("reason"):
+                print(f"INFO {label}: unsupported ({result['reason']})")
+                continue
+            if check(f"{label}: ok", reply.get("ok") and result.get("status") == "ok", json.dumps(reply)[:1500]):
+                lse = os.path.exists(os.path.join(params["outputs_dir"], "lse.f32"))
+                case.compare(label, name, sets[name], params, result, 2e-2, expect_lse=lse)
+                print(f"INFO {label}: lse {'written' if lse else 'absent'}, memory {result['memory']}, "
+                      f"phases {result['phases']}, notes {result['environment'].get('notes')}")
+    big = {"heads_q": 16, "heads_kv": 4, "seqlen": 4096, "head_dim": 128}
+    mset = mask_set("causal_document", 4096, [documents([1000, 2000, 1096], "causal")])
+    for kernel in kernels:
+        direction = "fwd" if kernel in ("flashinfer", "flashmask") else "fwd_bwd"
+        params = {"kernel": kernel, "direction": direction, "shape": big, "dtype": "bf16", "mask": mset,
+                  "seed": 1, "inputs_dir": None, "outputs_dir": None, "check_rows": 64, "device": "cuda",
+                  "harness": {"warmup_reps": 3, "warmup_s": 0.1, "min_reps": 10, "max_reps": 50, "max_time_s": 2.0,
+                              "target_rel_ci": 0.01}}
+        reply = bridge.request("benchmark", params)
+        result = reply.get("result") or {}
+        label = f"cuda {kernel} 16x4 heads, 4k causal_document {direction}"
+        if reply.get("ok") and result.get("status") == "unsupported":
+            print(f"INFO {label}: unsupported ({result['reason']})")
+            continue
+        if check(f"{label}: ok", reply.get("ok") and result.get("status") == "ok", json.dumps(reply)[:1500]):
+            errors = result["correctness"]["errors"]
+            check(f"{label}: sampled errors {errors}", all(e is not None and e < 2e-2 for e in errors.values()))
+            median = float(np.median(result["samples"]))
+            print(f"INFO {label}: median {median * 1e3:.3f} ms over {len(result['samples'])} ({result['stopped']}), "
+                  f"memory {result['memory']}, phases {result['phases']}, env {result['environment']}")
+    huge = {"heads_q": 64, "heads_kv": 8, "seqlen": 1 << 18, "head_dim": 128}
+    params = {"kernel": "sdpa-math", "direction": "fwd", "shape": huge, "dtype": "bf16", "seed": 1,
+              "mask": mask_set("causal", 1 << 18, [causal(1 << 18)]), "inputs_dir": None, "outputs_dir": None,
+              "check_rows": 8, "device": "cuda", "harness": QUICK_HARNESS}
+    reply = bridge.request("benchmark", params)
+    result = reply.get("result") or {}
+    check(f"cuda sdpa-math at 256k tokens: oom from the estimate ({result.get('reason')})",
+          reply.get("ok") and result.get("status") == "oom" and "GiB" in (result.get("reason") or ""), json.dumps(reply)[:800])
+
+
+def test_encodings():
+    """The bridge's mask encodings (imported, no subprocess) against the slice definitions."""
+    sys.path.insert(0, HERE)
+    sys.dont_write_bytecode = True  # leave no __pycache__ beside the bridge
+    import attnbench_bridge as bridge
+    s = 64
+    for name, mset in mask_sets(s).items():
+        for index, mask in enumerate(mset["masks"]):
+            label = f"{name}[{index}]"
+            want = dense_reference(mask)
+            check(f"encodings {label}: dense mask", (bridge.dense_mask(mask) == want).all())
+            rows = np.zeros_like(want)
+            for q in range(s):
+                for a, b in bridge.row_keys(mask, q):
+                    rows[q, a:b] = True
+            check(f"encodings {label}: row keys", (rows == want).all())
+            lo, hi, count = bridge.row_intervals(mask)
+            runs = [(np.diff(np.concatenate([[0], r.astype(int), [0]])) == 1).sum() for r in want]
+            check(f"encodings {label}: row intervals", list(count) == runs)
+            encoding, why = bridge.varlen_encoding(mask)
+            if encoding is not None:
+                cu, left, right = encoding["cu_seqlens"], encoding["left"], encoding["right"]
+                decoded = np.zeros_like(want)
+                for start, end in zip(cu[:-1], cu[1:]):
+                    for q in range(start, end):
+                        for k in range(start, end):
+                            decoded[q, k] = (left < 0 or q - k <= left) and (right < 0 or k - q <= right)
+                check(f"encodings {label}: varlen {encoding} decodes back", (decoded == want).all())
+            else:
+                check(f"encodings {label}: varlen refused with a reason ({why})", bool(why) and any(c != 1 for c in runs))
+            columns, why = bridge.flashmask_columns(mask)
+            if columns is not None:
+                lts, lte = columns["columns"][0], columns["columns"][1]
+                uts, ute = (columns["columns"][2], columns["columns"][3]) if len(columns["columns"]) == 4 else (np.zeros(s), np.zeros(s))
+                q, k = np.arange(s)[:, None], np.arange(s)[None, :]
+                decoded = ~((columns["causal"] & (q < k)) | ((lts[k] <= q) & (q < lte[k])) | ((uts[k] <= q) & (q < ute[k])))
+                check(f"encodings {label}: flashmask columns decode back", (decoded == want).all())
+            else:
+                check(f"encodings {label}: flashmask refused with a reason ({why})", bool(why))
+    sets = mask_sets(s)
+    forms = {name: bridge.classify(sets[name]["masks"][0]) for name in ("causal", "full", "causal_document", "sliding_window")}
+    check(f"encodings: classify {forms}", forms == {"causal": "causal", "full": "full", "causal_document": None,
+                                                    "sliding_window": None})
+    encoding, _ = bridge.varlen_encoding(sets["sliding_window"]["masks"][0])
+    check(f"encodings: sliding window is one document with left 16 ({encoding})",
+          encoding == {"cu_seqlens": [0, s], "max_seqlen": s, "left": 16, "right": 0})
+    check("encodings: rel_ci of equal samples is 0", bridge.median_rel_ci([1.0] * 10) == 0.0)
+    check("encodings: rel_ci of 2 samples is inf", bridge.median_rel_ci([1.0, 2.0]) == math.inf)
+    check("encodings: relative error, -inf matches", bridge.relative_error([1.0, -np.inf], [1.0, -np.inf]) == 0.0)
+    check("encodings: relative error, NaN fails", bridge.relative_error([np.nan, 1.0], [0.0, 1.0]) == math.inf)
+    check("encodings: relative error, all-zero reference is absolute",
+          abs(bridge.relative_error([0.5, 0.0], [0.0, 0.0]) - 0.5) < 1e-12)
+
+
+def test_lifecycle(python):
+    bridge = Bridge(python)
+    bridge.proc.stdin.close()
+    code = bridge.proc.wait(timeout=60)
+    check("EOF on stdin -> exit 0", code == 0, f"exit code {code}")
+    bridge = Bridge(python)
+    reply = bridge.request("shutdown")
+    code = bridge.proc.wait(timeout=60)
+    check("shutdown -> reply then exit 0", reply == {"id": 1, "ok": True, "result": None} and code == 0,
+          f"{reply} exit {code}")
+    # -S: no site-packages, so neither numpy nor torch; the bridge must still start and answer
+    bare = Bridge(python, flags=("-S",))
+    report = bare.request("backends").get("result") or {}
+    check("without numpy: backends answers", report.get("numpy", {}).get("available") is False
+          and "numpy not importable" in (report.get("numpy", {}).get("reason") or ""), json.dumps(report)[:600])
+    case = Case()
+    reply = bare.request("benchmark", case.params("numpy", mask_sets(case.s)["causal"]))
+    check("without numpy: numpy kernel unsupported", reply.get("ok") and reply["result"]["status"] == "unsupported"
+          and "numpy not importable" in reply["result"]["reason"], json.dumps(reply)[:600])
+    bare.request("shutdown")
+    check("without numpy: shutdown exits 0", bare.proc.wait(timeout=60) == 0)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--python", default=sys.executable, help="interpreter that runs the bridge")
+    parser.add_argument("--quick", action="store_true", help="fewer masks")
+    parser.add_argument("--cuda", action="store_true", help="also run the CUDA kernels (needs a GPU)")
+    args = parser.parse_args()
+    bridge = Bridge(args.python)
+    try:
+        for step in (lambda: test_protocol(bridge, args.python),):
+            step()
+        report = test_backends(bridge)
+        has_torch = bool(report.get("sdpa-math", {}).get("available"))
+        test_numpy(bridge, args.quick)
+        test_modules(bridge, has_torch)
+        test_torch(bridge, report, args.quick)
+        if args.cuda:
+            test_gpu(bridge, report)
+        test_encodings()
+        test_lifecycle(args.python)
+    except Exception:
+        results["fail"] += 1
+        print("FAIL the driver stopped:\n" + traceback.format_exc())
+        print("bridge stderr tail:\n" + bridge.stderr_tail())
+    finally:
+        bridge.close()
+        for path in scratch:
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+    print(f"\n{results['pass']} passed, {results['fail']} failed, {results['skip']} skipped "
+          f"(bridge python: {args.python}; bridge stderr: {bridge.stderr.name})")
+    return 1 if results["fail"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

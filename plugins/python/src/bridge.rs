@@ -1,0 +1,221 @@
+//! The Python worker: one interpreter per native worker process, started on first use and kept
+//! for the nodes that follow, speaking JSON lines — requests on its stdin, one reply per line on
+//! its stdout. Its stderr is passed through to the node's log (the last lines are kept to explain
+//! a death). It is killed with the native worker (PR_SET_PDEATHSIG), so a node timeout ends both.
+
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::{Arc, Mutex};
+
+use attnbench_sdk::PluginError;
+use serde_json::{json, Value};
+
+/// The worker's source, embedded so that the plugin library is all a user installs.
+const SCRIPT: &str = include_str!("../bridge/attnbench_bridge.py");
+
+/// The protocol version the worker's greeting must state.
+const PROTOCOL: u64 = 1;
+
+/// Lines of the worker's stderr kept to explain how it died.
+const TAIL_LINES: usize = 30;
+
+pub struct Bridge {
+    python: String,
+    child: Child,
+    requests: ChildStdin,
+    replies: BufReader<ChildStdout>,
+    stderr_tail: Arc<Mutex<VecDeque<String>>>,
+    next_id: u64,
+    /// The worker's greeting: protocol, Python version and executable.
+    pub hello: Value,
+}
+
+/// What a request came back with.
+pub enum Reply {
+    Ok(Value),
+    /// The worker raised: its one-sentence error (the traceback went to the log).
+    Failed(String),
+    /// The worker is gone: how it ended and its last stderr lines.
+    Died(String),
+}
+
+/// The interpreter a stage's `python` parameter, `ATTNBENCH_PYTHON` or the PATH names.
+pub fn interpreter(param: &str) -> String {
+    if !param.is_empty() {
+        return param.to_string();
+    }
+    std::env::var("ATTNBENCH_PYTHON")
+        .ok()
+        .filter(|p| !p.is_empty())
+        .unwrap_or_else(|| "python3".into())
+}
+
+/// The script on disk, named by its hash so that versions never overwrite each other in use.
+fn script_path() -> Result<PathBuf, PluginError> {
+    let hash = blake3::hash(SCRIPT.as_bytes()).to_hex();
+    let dir = std::env::temp_dir().join("attnbench-python");
+    let path = dir.join(format!("attnbench_bridge-{}.py", &hash[..16]));
+    if !path.exists() {
+        std::fs::create_dir_all(&dir).map_err(|err| PluginError::io(&dir, err))?;
+        let partial = path.with_extension(format!("{}.partial", std::process::id()));
+        std::fs::write(&partial, SCRIPT)
+            .and_then(|_| std::fs::rename(&partial, &path))
+            .map_err(|err| PluginError::io(&path, err))?;
+    }
+    Ok(path)
+}
+
+impl Bridge {
+    pub fn start(python: &str) -> Result<Bridge, PluginError> {
+        let script = script_path()?;
+        let mut command = Command::new(python);
+        command
+            .arg("-u")
+            .arg(&script)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
+        unsafe {
+            command.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let mut child = command.spawn().map_err(|err| {
+            PluginError::failed(format!(
+                "cannot start the Python interpreter `{python}`: {err}; set the stage's `python` parameter or ATTNBENCH_PYTHON to an interpreter"
+            ))
+        })?;
+        let stderr_tail = Arc::new(Mutex::new(VecDeque::new()));
+        let stderr = child.stderr.take().expect("piped above");
+        let tail = stderr_tail.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                eprintln!("[python] {line}");
+                let mut tail = tail.lock().unwrap_or_else(|e| e.into_inner());
+                if tail.len() == TAIL_LINES {
+                    tail.pop_front();
+                }
+                tail.push_back(line);
+            }
+        });
+        let mut bridge = Bridge {
+            python: python.to_string(),
+            requests: child.stdin.take().expect("piped above"),
+            replies: BufReader::new(child.stdout.take().expect("piped above")),
+            child,
+            stderr_tail,
+            next_id: 1,
+            hello: Value::Null,
+        };
+        let hello = match bridge.read_line() {
+            Some(value) => value,
+            None => return Err(PluginError::failed(bridge.death())),
+        };
+        if hello["type"] != "hello" || hello["protocol"] != PROTOCOL {
+            return Err(PluginError::failed(format!(
+                "`{python}` ran the attnbench bridge but greeted with {hello} (expected protocol {PROTOCOL})"
+            )));
+        }
+        bridge.hello = hello;
+        Ok(bridge)
+    }
+
+    pub fn python(&self) -> &str {
+        &self.python
+    }
+
+    fn read_line(&mut self) -> Option<Value> {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            match self.replies.read_line(&mut line) {
+                Ok(0) | Err(_) => return None,
+                Ok(_) if line.trim().is_empty() => continue,
+                Ok(_) => return serde_json::from_str(line.trim()).ok(),
+            }
+        }
+    }
+
+    /// Sends one request and waits for its reply.
+    pub fn request(&mut self, op: &str, params: Value) -> Reply {
+        let id = self.next_id;
+        self.next_id += 1;
+        let line = json!({"id": id, "op": op, "params": params}).to_string();
+        if writeln!(self.requests, "{line}")
+            .and_then(|_| self.requests.flush())
+            .is_err()
+        {
+            return Reply::Died(self.death());
+        }
+        let Some(reply) = self.read_line() else {
+            return Reply::Died(self.death());
+        };
+        if reply["id"] != id {
+            return Reply::Failed(format!(
+                "the Python worker answered request {id} with {reply}"
+            ));
+        }
+        if reply["ok"] == true {
+            Reply::Ok(reply["result"].clone())
+        } else {
+            Reply::Failed(
+                reply["error"]
+                    .as_str()
+                    .unwrap_or("the Python worker failed without saying why")
+                    .to_string(),
+            )
+        }
+    }
+
+    /// How the worker ended, with its last stderr lines.
+    fn death(&mut self) -> String {
+        let _ = self.child.kill();
+        let how = match self.child.wait() {
+            Ok(status) => match (status.code(), status.signal()) {
+                (Some(code), _) => format!("exited with status {code}"),
+                (None, Some(signal)) => format!("was killed by signal {signal}"),
+                _ => "ended".to_string(),
+            },
+            Err(err) => format!("could not be waited for ({err})"),
+        };
+        // Give the stderr thread a moment to take the last lines.
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let tail = self.stderr_tail.lock().unwrap_or_else(|e| e.into_inner());
+        let last: Vec<&str> = tail
+            .iter()
+            .rev()
+            .take(5)
+            .rev()
+            .map(String::as_str)
+            .collect();
+        format!(
+            "the Python worker (`{}`) {how}; its last stderr lines: {}",
+            self.python,
+            if last.is_empty() {
+                "(none)".to_string()
+            } else {
+                last.join(" | ")
+            }
+        )
+    }
+}
+
+impl Drop for Bridge {
+    fn drop(&mut self) {
+        let _ = writeln!(self.requests, "{}", json!({"id": 0, "op": "shutdown"}));
+        let _ = self.requests.flush();
+        for _ in 0..40 {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

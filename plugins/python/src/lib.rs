@@ -1,0 +1,444 @@
+//! `python`: attention kernels that live in Python packages, benchmarked under the same protocol as
+//! the native ones — the SDPA backends, FlexAttention, FlashAttention 2/3/4, FlashInfer, FlashMask,
+//! a numpy reference on the CPU, and any module with the documented `attention` function.
+//!
+//! The plugin starts a Python worker (see `bridge`), hands it the mask set and the shape, and turns
+//! its reply into a measurement record. Up to `check_max_seqlen` the inputs come from the SDK's
+//! generator and every output is checked here against the f64 reference; beyond that the worker
+//! draws its own inputs and checks sampled rows against an independent f64 reference.
+
+mod bridge;
+
+use std::sync::Mutex;
+
+use attnbench_sdk::measure::{
+    Correctness, Harness, MeasureStatus, Measurement, Memory, Quantiles, Shape as MeasuredShape,
+    Throughput, Timing,
+};
+use attnbench_sdk::nvml::Nvml;
+use attnbench_sdk::reference::{
+    self, CheckMode, Element, Forward, Grads, HeadMasks, Inputs, Shape,
+};
+use attnbench_sdk::{
+    kinds, write_json, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError,
+    PluginManifest, StageRequest, StageSpec,
+};
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+
+use bridge::{Bridge, Reply};
+
+struct Python;
+
+/// The kernels the worker knows, as the `kernel` parameter names them.
+const KERNELS: [&str; 12] = [
+    "numpy",
+    "sdpa-math",
+    "sdpa-flash",
+    "sdpa-efficient",
+    "sdpa-cudnn",
+    "flex",
+    "fa2",
+    "fa3",
+    "fa4",
+    "flashinfer",
+    "flashmask",
+    "module",
+];
+
+/// The worker, kept for the life of the native worker process.
+static BRIDGE: Mutex<Option<Bridge>> = Mutex::new(None);
+
+/// Runs one request on a worker for `python`, starting one (or replacing one for another
+/// interpreter) as needed. A worker that died is dropped, so the next node starts afresh.
+fn with_bridge(python: &str, op: &str, params: Value) -> Result<(Reply, Value), PluginError> {
+    let mut guard = BRIDGE.lock().unwrap_or_else(|e| e.into_inner());
+    if guard.as_ref().is_some_and(|b| b.python() != python) {
+        *guard = None;
+    }
+    if guard.is_none() {
+        *guard = Some(Bridge::start(python)?);
+    }
+    let bridge = guard.as_mut().expect("started above");
+    let hello = bridge.hello.clone();
+    let reply = bridge.request(op, params);
+    if matches!(reply, Reply::Died(_)) {
+        *guard = None;
+    }
+    Ok((reply, hello))
+}
+
+fn choice(options: &[&str]) -> ParamType {
+    ParamType::Enum(options.iter().map(|o| o.to_string()).collect())
+}
+
+/// The harness's settings when a pipeline does not change them (the GPU plugin's).
+fn default_harness() -> Harness {
+    Harness {
+        timer: "CUDA events, L2 flushed (2× its size) before every repetition; time.perf_counter on the CPU".into(),
+        warmup_reps: 3,
+        warmup_s: 0.1,
+        min_reps: 10,
+        max_reps: 200,
+        max_time_s: 5.0,
+        target_rel_ci: 0.01,
+    }
+}
+
+impl Plugin for Python {
+    fn manifest() -> PluginManifest {
+        PluginManifest::new("python", env!("CARGO_PKG_VERSION"))
+            .description("Attention kernels from Python packages through a JSON-lines Python worker, on the same mask IR, harness and checks.")
+            .stage(
+                StageSpec::new("backends")
+                    .doc("Which kernels the interpreter can run, with versions or the reason they cannot.")
+                    .param(ParamSpec::new("python", ParamType::String).default("").doc("The interpreter; empty: ATTNBENCH_PYTHON, then python3."))
+                    .isolation(Isolation::Worker)
+                    .cache_scope(CacheScope::Machine),
+            )
+            .stage(
+                default_harness().declare(
+                    StageSpec::new("benchmark")
+                        .doc("Times one Python kernel on one mask (from a masks/generate node), checked against the reference first.")
+                        .param(ParamSpec::new("kernel", choice(&KERNELS)).default("numpy").doc("`numpy` runs on the CPU; `module` runs the `attention` function of the file given as `module`."))
+                        .param(ParamSpec::new("module", ParamType::File).default("").doc("For kernel `module`: a Python file defining `attention(q, k, v, mask, scale)` (README: third-party kernels)."))
+                        .param(ParamSpec::new("python", ParamType::String).default("").doc("The interpreter; empty: ATTNBENCH_PYTHON, then python3."))
+                        .param(ParamSpec::new("device", choice(&["cuda", "cpu"])).default("cuda").doc("Where torch kernels run (`numpy` always runs on the CPU)."))
+                        .param(ParamSpec::new("direction", choice(&["fwd", "bwd", "fwd_bwd"])).default("fwd").doc("`bwd` is timed alone: the forward runs once, outside the timed region."))
+                        .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
+                        .param(ParamSpec::new("heads_kv", ParamType::Int).default(8))
+                        .param(ParamSpec::new("head_dim", ParamType::Int).default(128))
+                        .param(ParamSpec::new("dtype", choice(&["bf16", "fp16", "f32"])).default("bf16"))
+                        .param(ParamSpec::new("outputs", ParamType::Bool).default(false).doc("Also write out.f32, lse.f32 (and dq/dk/dv.f32) when the inputs are the SDK's (up to check_max_seqlen)."))
+                        .param(ParamSpec::new("check_max_seqlen", ParamType::Size).default("2k").doc("Up to this length the inputs are the SDK's and every output is checked against the f64 reference; beyond it the worker checks `check_rows` rows of every head."))
+                        .param(ParamSpec::new("check_rows", ParamType::Int).default(16).doc("Rows of every head checked beyond check_max_seqlen.")),
+                )
+                .input(kinds::MASK)
+                .output(kinds::MEASUREMENT)
+                .cache_scope(CacheScope::Machine)
+                .isolation(Isolation::Worker)
+                .exclusive(),
+            )
+    }
+
+    fn run(stage: &str, request: StageRequest, host: &Host) -> Result<Value, PluginError> {
+        match stage {
+            "backends" => backends(&request),
+            "benchmark" => benchmark(&request, host),
+            other => Err(PluginError::UnknownStage {
+                stage: other.into(),
+                known: "backends, benchmark".into(),
+            }),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct BackendsParams {
+    python: String,
+}
+
+fn backends(request: &StageRequest) -> Result<Value, PluginError> {
+    let p: BackendsParams = request.params()?;
+    let python = bridge::interpreter(&p.python);
+    let (reply, hello) = with_bridge(&python, "backends", Value::Null)?;
+    let backends = match reply {
+        Reply::Ok(value) => value,
+        Reply::Failed(message) | Reply::Died(message) => return Err(PluginError::failed(message)),
+    };
+    let result = json!({"python": hello, "backends": backends});
+    write_json(&request.output_dir, "backends.json", &result)?;
+    Ok(result)
+}
+
+#[derive(Deserialize)]
+struct BenchParams {
+    kernel: String,
+    module: String,
+    python: String,
+    device: String,
+    direction: String,
+    heads_q: usize,
+    heads_kv: usize,
+    head_dim: usize,
+    dtype: String,
+    outputs: bool,
+    check_max_seqlen: usize,
+    check_rows: usize,
+    #[serde(flatten)]
+    harness: attnbench_sdk::measure::HarnessParams,
+}
+
+/// Relative error allowed against the f64 reference: most Python kernels write O in the inputs'
+/// type, so the bound follows its precision.
+fn tolerance(element: Element) -> f64 {
+    match element {
+        Element::F32 => 2e-3,
+        Element::F16 => 5e-3,
+        Element::Bf16 => 2e-2,
+    }
+}
+
+fn finish(request: &StageRequest, measurement: &Measurement) -> Result<Value, PluginError> {
+    write_json(&request.output_dir, Measurement::FILE, measurement)?;
+    serde_json::to_value(measurement).map_err(|err| PluginError::failed(err.to_string()))
+}
+
+fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> {
+    let p: BenchParams = request.params()?;
+    if p.kernel == "module" && p.module.is_empty() {
+        return Err(PluginError::Params(
+            "kernel `module` needs `module`: the path of a Python file defining `attention(q, k, v, mask, scale)`".into(),
+        ));
+    }
+    let set = request.mask_set()?;
+    set.check_heads(p.heads_q as u64, p.heads_kv as u64, p.head_dim as u64)
+        .map_err(PluginError::Params)?;
+    let element = Element::parse(&p.dtype).ok_or_else(|| {
+        PluginError::Params(format!("dtype `{}`: expected bf16, fp16 or f32", p.dtype))
+    })?;
+    let shape = Shape {
+        heads_q: p.heads_q,
+        heads_kv: p.heads_kv,
+        seqlen: set.seqlen as usize,
+        head_dim: p.head_dim,
+    };
+    let harness = p.harness.apply(default_harness());
+    let kernel = if p.kernel == "module" {
+        let stem = std::path::Path::new(&p.module)
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        format!("module:{stem}")
+    } else {
+        p.kernel.clone()
+    };
+    let measured_shape = MeasuredShape {
+        batch: 1,
+        heads_q: p.heads_q as u64,
+        heads_kv: p.heads_kv as u64,
+        head_dim: p.head_dim as u64,
+        dtype: p.dtype.clone(),
+    };
+    let mut measurement = Measurement::for_kernel(
+        &kernel,
+        ("python", env!("CARGO_PKG_VERSION")),
+        &set,
+        measured_shape,
+        &p.direction,
+        harness.clone(),
+    );
+    let on_gpu = p.device == "cuda" && p.kernel != "numpy";
+
+    // Up to check_max_seqlen the worker reads the SDK's inputs and writes every output.
+    let full_check = shape.seqlen <= p.check_max_seqlen;
+    let exchange = request.output_dir.join("exchange");
+    let inputs = if full_check {
+        std::fs::create_dir_all(&exchange).map_err(|err| PluginError::io(&exchange, err))?;
+        let inputs = Inputs::random_as(&shape, request.seed, element);
+        for (name, values) in [
+            ("q.f32", &inputs.q),
+            ("k.f32", &inputs.k),
+            ("v.f32", &inputs.v),
+            ("do.f32", &inputs.d_out),
+        ] {
+            reference::write_tensor(&exchange, name, values)?;
+        }
+        Some(inputs)
+    } else {
+        None
+    };
+    let nvml = on_gpu.then(Nvml::open).flatten();
+    let clocks = || nvml.as_ref().map(Nvml::sample).unwrap_or(Value::Null);
+    measurement
+        .environment
+        .insert("clocks_before".into(), clocks());
+    let params = json!({
+        "kernel": p.kernel,
+        "module": p.module,
+        "direction": p.direction,
+        "shape": {"heads_q": p.heads_q, "heads_kv": p.heads_kv, "seqlen": shape.seqlen, "head_dim": p.head_dim},
+        "dtype": p.dtype,
+        "mask": set,
+        "seed": request.seed,
+        "inputs_dir": full_check.then(|| exchange.display().to_string()),
+        "outputs_dir": full_check.then(|| exchange.display().to_string()),
+        "check_rows": p.check_rows,
+        "harness": harness,
+        "device": if on_gpu { "cuda" } else { "cpu" },
+    });
+    let python = bridge::interpreter(&p.python);
+    host.debug(&format!("running {kernel} in `{python}`"));
+    let (reply, hello) = with_bridge(&python, "benchmark", params)?;
+    measurement
+        .environment
+        .insert("clocks_after".into(), clocks());
+    measurement.environment.insert("python".into(), hello);
+    let result = match reply {
+        Reply::Ok(result) => result,
+        Reply::Failed(message) => {
+            let _ = std::fs::remove_dir_all(&exchange);
+            return Err(PluginError::failed(format!("{kernel}: {message}")));
+        }
+        Reply::Died(message) => {
+            let _ = std::fs::remove_dir_all(&exchange);
+            return Err(PluginError::failed(format!("{kernel} crashed: {message}")));
+        }
+    };
+    let outcome = record(
+        &mut measurement,
+        &result,
+        &shape,
+        &set,
+        inputs.as_ref(),
+        &exchange,
+        element,
+        &p,
+    );
+    let _ = std::fs::remove_dir_all(&exchange);
+    outcome?;
+    finish(request, &measurement)
+}
+
+/// Fills the measurement from the worker's reply; with the SDK's inputs, checks every output.
+#[allow(clippy::too_many_arguments)]
+fn record(
+    measurement: &mut Measurement,
+    result: &Value,
+    shape: &Shape,
+    set: &attnbench_sdk::mask::MaskSet,
+    inputs: Option<&Inputs>,
+    exchange: &std::path::Path,
+    element: Element,
+    p: &BenchParams,
+) -> Result<(), PluginError> {
+    if let Some(environment) = result["environment"].as_object() {
+        for (key, value) in environment {
+            measurement.environment.insert(key.clone(), value.clone());
+        }
+    }
+    if !result["phases"].is_null() {
+        measurement
+            .environment
+            .insert("phases".into(), result["phases"].clone());
+    }
+    let reason = result["reason"].as_str().map(String::from);
+    match result["status"].as_str() {
+        Some("ok") => {}
+        Some("unsupported") => {
+            measurement.status = MeasureStatus::Unsupported;
+            measurement.reason = reason;
+            return Ok(());
+        }
+        Some("oom") => {
+            measurement.status = MeasureStatus::Oom;
+            measurement.reason = reason;
+            return Ok(());
+        }
+        other => {
+            return Err(PluginError::failed(format!(
+                "the Python worker replied with status {other:?}"
+            )))
+        }
+    }
+    let limit = tolerance(element);
+    measurement.correctness = Some(match inputs {
+        Some(inputs) => {
+            let read = |name: &str| reference::read_tensor(&exchange.join(name));
+            let forward = Forward {
+                out: read("out.f32")?,
+                lse: read("lse.f32").unwrap_or_default(),
+            };
+            let grads = if p.direction != "fwd" {
+                Some(Grads {
+                    dq: read("dq.f32")?,
+                    dk: read("dk.f32")?,
+                    dv: read("dv.f32")?,
+                })
+            } else {
+                None
+            };
+            if p.outputs {
+                for name in reference::OUTPUT_TENSORS {
+                    if exchange.join(name).exists() {
+                        let target = exchange.parent().expect("inside the output dir");
+                        std::fs::copy(exchange.join(name), target.join(name))
+                            .map_err(|err| PluginError::io(&target.join(name), err))?;
+                    }
+                }
+            }
+            let masks = HeadMasks::new(set, shape);
+            let has_lse = !forward.lse.is_empty();
+            let mut correctness = reference::check(
+                shape,
+                &masks,
+                inputs,
+                &forward,
+                grads.as_ref(),
+                CheckMode::Full,
+                limit,
+            );
+            if !has_lse {
+                // The kernel's API gives no LSE: O (and the gradients) carry the check.
+                correctness.errors.remove("lse");
+                correctness.checked = correctness.checked.replace("O, LSE", "O");
+                correctness.passed = correctness
+                    .errors
+                    .values()
+                    .all(|e| e.as_f64().is_some_and(|e| e <= limit));
+            }
+            correctness
+        }
+        None => {
+            let reported = &result["correctness"];
+            let errors: Map<String, Value> =
+                reported["errors"].as_object().cloned().unwrap_or_default();
+            Correctness {
+                reference: reported["reference"]
+                    .as_str()
+                    .unwrap_or("per-row f64 reference in the worker")
+                    .into(),
+                checked: reported["checked"]
+                    .as_str()
+                    .unwrap_or("sampled rows")
+                    .into(),
+                passed: !errors.is_empty()
+                    && errors
+                        .values()
+                        .all(|e| e.as_f64().is_some_and(|e| e <= limit)),
+                errors,
+                tolerance: limit,
+            }
+        }
+    });
+    let samples: Vec<f64> = result["samples"]
+        .as_array()
+        .map(|a| a.iter().filter_map(Value::as_f64).collect())
+        .unwrap_or_default();
+    let timing = Timing {
+        rel_ci: attnbench_sdk::measure::median_rel_ci(&samples),
+        stopped: result["stopped"].as_str().unwrap_or("").into(),
+        samples,
+    };
+    let times = Quantiles::of(&timing.samples);
+    measurement.tflops = times.map(|t| Throughput::of(measurement.flops, &t));
+    measurement.time_s = times;
+    measurement.timing = Some(timing);
+    let memory = &result["memory"];
+    if let (Some(peak), Some(above)) = (
+        memory["peak_bytes"].as_u64(),
+        memory["above_inputs_bytes"].as_u64(),
+    ) {
+        measurement.memory = Some(Memory {
+            peak_bytes: peak,
+            above_inputs_bytes: above,
+            method: memory["method"]
+                .as_str()
+                .unwrap_or("reported by the Python worker")
+                .into(),
+        });
+    }
+    Ok(())
+}
+
+attnbench_sdk::export_plugin!(Python);

@@ -1,0 +1,249 @@
+//! The Python bridge with a real interpreter: the numpy backend against the f64 reference (the
+//! SDK's inputs and every output, and the worker's own inputs with sampled rows), a third-party
+//! module, backends that cannot import, a worker that dies mid-node, and a missing interpreter.
+
+use std::path::Path;
+
+use attnbench_tests::{python_with_numpy, stderr, Sandbox};
+use serde_json::Value;
+
+fn node<'a>(record: &'a Value, id: &str) -> &'a Value {
+    record["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .find(|n| n["id"] == id)
+        .unwrap_or_else(|| panic!("no node {id} in {record}"))
+}
+
+fn measurement(record: &Value, id: &str) -> Value {
+    let artifact = node(record, id)["artifact"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{id} has no artifact: {}", node(record, id)));
+    let text = std::fs::read_to_string(Path::new(artifact).join("measurement.json"))
+        .expect("measurement.json");
+    serde_json::from_str(&text).expect("JSON")
+}
+
+fn python() -> String {
+    python_with_numpy().display().to_string()
+}
+
+#[test]
+fn the_numpy_backend_matches_the_reference_forward_and_backward() {
+    let sandbox = Sandbox::new();
+    let python = python();
+    sandbox.write(
+        "p.yaml",
+        &format!(
+            r#"name: numpy-bridge
+seed: 3
+defaults: {{heads_q: 4, heads_kv: 2, head_dim: 16}}
+stages:
+  masks:
+    uses: masks/generate
+    matrix: {{mask: [full, causal_document, share_question, sliding_window, global_sliding_window], seqlen: [192]}}
+    with: {{window: 24}}
+  bench:
+    uses: python/benchmark
+    needs: [masks]
+    matrix: {{dtype: [f32, bf16], direction: [fwd, bwd]}}
+    with: {{kernel: numpy, python: "{python}", min_reps: 3, max_time_s: 0.2}}
+"#
+        ),
+    );
+    let run = sandbox.run(&["run", "p.yaml", "-q"]);
+    assert!(run.status.success(), "{}", stderr(&run));
+    let record = sandbox.last_record();
+    let mut checked = 0;
+    for n in record["nodes"].as_array().unwrap() {
+        let id = n["id"].as_str().unwrap();
+        if !id.starts_with("bench") {
+            continue;
+        }
+        let m = measurement(&record, id);
+        assert_eq!(m["status"], "ok", "{id}: {m}");
+        let correctness = &m["correctness"];
+        assert_eq!(correctness["passed"], true, "{id}: {correctness}");
+        let errors = correctness["errors"].as_object().unwrap();
+        let expected = if m["direction"] == "fwd" { 2 } else { 5 };
+        assert_eq!(
+            errors.len(),
+            expected,
+            "{id}: every output checked: {correctness}"
+        );
+        assert!(m["time_s"]["p50"].as_f64().unwrap() > 0.0);
+        assert!(m["memory"]["peak_bytes"].as_u64().unwrap() > 0, "{m}");
+        checked += 1;
+    }
+    assert_eq!(checked, 20);
+}
+
+#[test]
+fn beyond_the_full_check_the_worker_draws_inputs_and_checks_sampled_rows() {
+    let sandbox = Sandbox::new();
+    let python = python();
+    sandbox.write(
+        "p.yaml",
+        &format!(
+            r#"stages:
+  masks:
+    uses: masks/generate
+    with: {{mask: causal_document, seqlen: 320}}
+  bench:
+    uses: python/benchmark
+    needs: [masks]
+    matrix: {{direction: [fwd, bwd]}}
+    with: {{kernel: numpy, python: "{python}", dtype: f32, heads_q: 4, heads_kv: 1, head_dim: 32, check_max_seqlen: 256, check_rows: 8, min_reps: 3, max_time_s: 0.2}}
+"#
+        ),
+    );
+    let run = sandbox.run(&["run", "p.yaml", "-q"]);
+    assert!(run.status.success(), "{}", stderr(&run));
+    let record = sandbox.last_record();
+    for id in ["bench[direction=fwd]", "bench[direction=bwd]"] {
+        let m = measurement(&record, id);
+        let correctness = &m["correctness"];
+        assert_eq!(correctness["passed"], true, "{id}: {correctness}");
+        assert!(
+            correctness["checked"].as_str().unwrap().contains("8 rows"),
+            "{correctness}"
+        );
+    }
+    let bwd = measurement(&record, "bench[direction=bwd]");
+    assert!(
+        bwd["correctness"]["errors"]["dq"].as_f64().unwrap() < 1e-4,
+        "{bwd}"
+    );
+}
+
+#[test]
+fn a_third_party_module_is_benchmarked_and_a_missing_package_is_unsupported() {
+    let sandbox = Sandbox::new();
+    let python = python();
+    sandbox.write(
+        "my_kernel.py",
+        r#"import numpy as np
+
+BACKEND = "numpy"
+
+def attention(q, k, v, mask, scale):
+    heads, s, _ = q.shape
+    group = heads // k.shape[0]
+    allowed = mask["dense"]
+    out = np.zeros(q.shape, dtype=np.float32)
+    lse = np.full((heads, s), -np.inf, dtype=np.float32)
+    for h in range(heads):
+        scores = (q[h].astype(np.float64) @ k[h // group].T.astype(np.float64)) * scale
+        scores = np.where(allowed, scores, -np.inf)
+        top = scores.max(axis=1, keepdims=True)
+        live = np.isfinite(top[:, 0])
+        top[~live] = 0.0
+        weights = np.exp(scores - top)
+        total = weights.sum(axis=1, keepdims=True)
+        total[~live] = 1.0
+        out[h] = (weights / total) @ v[h // group]
+        lse[h][live] = (top[:, 0] + np.log(total[:, 0]))[live]
+    return out, lse
+"#,
+    );
+    sandbox.write(
+        "p.yaml",
+        &format!(
+            r#"stages:
+  masks:
+    uses: masks/generate
+    with: {{mask: prefix_lm_document, seqlen: 128}}
+  mine:
+    uses: python/benchmark
+    needs: [masks]
+    with: {{kernel: module, module: my_kernel.py, python: "{python}", dtype: f32, heads_q: 4, heads_kv: 2, head_dim: 16, min_reps: 3, max_time_s: 0.2}}
+  flash:
+    uses: python/benchmark
+    needs: [masks]
+    with: {{kernel: fa2, python: "{python}", heads_q: 4, heads_kv: 2, head_dim: 16}}
+"#
+        ),
+    );
+    let run = sandbox.run(&["run", "p.yaml", "-q"]);
+    assert!(run.status.success(), "{}", stderr(&run));
+    let record = sandbox.last_record();
+    let mine = measurement(&record, "mine");
+    assert_eq!(mine["status"], "ok", "{mine}");
+    assert_eq!(mine["kernel"], "module:my_kernel");
+    assert_eq!(mine["correctness"]["passed"], true, "{mine}");
+    let flash = measurement(&record, "flash");
+    assert_eq!(flash["status"], "unsupported", "{flash}");
+    let reason = flash["reason"].as_str().unwrap();
+    assert!(reason.contains("not importable"), "{reason}");
+}
+
+#[test]
+fn a_worker_that_dies_fails_its_node_and_the_next_node_gets_a_fresh_one() {
+    let sandbox = Sandbox::new();
+    let python = python();
+    sandbox.write(
+        "dies.py",
+        "import os, signal\nBACKEND = \"numpy\"\n\ndef attention(q, k, v, mask, scale):\n    os.kill(os.getpid(), signal.SIGSEGV)\n",
+    );
+    sandbox.write(
+        "p.yaml",
+        &format!(
+            r#"stages:
+  masks:
+    uses: masks/generate
+    with: {{mask: causal, seqlen: 64}}
+  dies:
+    uses: python/benchmark
+    needs: [masks]
+    with: {{kernel: module, module: dies.py, python: "{python}", dtype: f32, heads_q: 2, heads_kv: 1, head_dim: 8}}
+  after:
+    uses: python/benchmark
+    needs: [masks, dies]
+    with: {{kernel: numpy, python: "{python}", dtype: f32, heads_q: 2, heads_kv: 1, head_dim: 8, min_reps: 3, max_time_s: 0.1}}
+  alone:
+    uses: python/benchmark
+    needs: [masks]
+    with: {{kernel: numpy, python: "{python}", dtype: f32, heads_q: 2, heads_kv: 1, head_dim: 8, min_reps: 3, max_time_s: 0.1}}
+"#
+        ),
+    );
+    let run = sandbox.run(&["run", "p.yaml", "-q"]);
+    assert_eq!(run.status.code(), Some(1), "{}", stderr(&run));
+    let record = sandbox.last_record();
+    let dies = node(&record, "dies");
+    assert_eq!(dies["status"], "error", "{dies}");
+    let error = dies["error"].as_str().unwrap();
+    assert!(
+        error.contains("crashed") && error.contains("signal 11"),
+        "{error}"
+    );
+    assert_eq!(node(&record, "after")["status"], "skipped");
+    let alone = measurement(&record, "alone");
+    assert_eq!(
+        alone["status"], "ok",
+        "a fresh worker served the next node: {alone}"
+    );
+}
+
+#[test]
+fn a_missing_interpreter_is_one_sentence() {
+    let sandbox = Sandbox::new();
+    sandbox.write(
+        "p.yaml",
+        "stages:\n  masks:\n    uses: masks/generate\n    with: {mask: causal, seqlen: 64}\n  bench:\n    uses: python/benchmark\n    needs: [masks]\n    with: {kernel: numpy, python: /nonexistent/python3}\n",
+    );
+    let run = sandbox.run(&["run", "p.yaml", "-q"]);
+    assert_eq!(run.status.code(), Some(1));
+    let record = sandbox.last_record();
+    let error = node(&record, "bench")["error"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        error.contains("cannot start the Python interpreter `/nonexistent/python3`")
+            && error.contains("ATTNBENCH_PYTHON"),
+        "{error}"
+    );
+    assert!(!error.contains('\n'), "{error}");
+}
