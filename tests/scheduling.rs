@@ -57,3 +57,36 @@ fn independent_nodes_overlap_and_exclusive_ones_run_alone() {
         }
     }
 }
+
+#[test]
+fn sigterm_lets_running_nodes_finish_and_writes_the_record() {
+    let sandbox = Sandbox::new();
+    sandbox.write(
+        "p.yaml",
+        "stages:\n  work:\n    uses: testkit/echo-worker\n    with: {sleep_ms: 700}\n    matrix: {value: [1, 2, 3, 4, 5, 6]}\n",
+    );
+    let mut child = sandbox
+        .command(&["run", "p.yaml", "-j", "1", "-q"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("attnbench starts");
+    std::thread::sleep(std::time::Duration::from_millis(1200));
+    // SAFETY: signals our own child process.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let output = child.wait_with_output().expect("attnbench ends");
+    assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
+    let statuses = sandbox.statuses();
+    let ok = statuses.values().filter(|s| *s == "ok").count();
+    let skipped = statuses.values().filter(|s| *s == "skipped").count();
+    assert!(ok >= 1 && skipped >= 1 && ok + skipped == 6, "{statuses:?}");
+    // What finished is cached: the next run only computes the rest.
+    let rerun = sandbox.run(&["run", "p.yaml", "-q"]);
+    assert!(rerun.status.success(), "{}", stderr(&rerun));
+    let cached = sandbox
+        .statuses()
+        .values()
+        .filter(|s| *s == "cached")
+        .count();
+    assert_eq!(cached, ok, "{:?}", sandbox.statuses());
+}

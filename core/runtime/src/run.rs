@@ -423,6 +423,19 @@ fn bare_record(plan: &Plan, index: usize, status: Status, error: Option<String>)
 fn run_node(shared: &Shared, task: Task) -> Finished {
     let plan = shared.plan;
     let index = task.node;
+    // Queued before an interrupt, not yet started: it does not start now.
+    if INTERRUPTED.load(Ordering::Relaxed) {
+        return Finished {
+            node: index,
+            record: bare_record(
+                plan,
+                index,
+                Status::Skipped,
+                Some("the run was interrupted".into()),
+            ),
+            output: None,
+        };
+    }
     let parts = key_parts(plan, index, task.digests, &shared.fingerprint);
     let key = parts.key();
     let mut record = bare_record(plan, index, Status::Ok, None);
@@ -658,22 +671,25 @@ fn now() -> String {
     humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string()
 }
 
-/// Set by the first Ctrl-C: no new node starts, running in-process nodes see `is_cancelled`, and
-/// the run record is still written. A second Ctrl-C ends the process at once.
+/// Set by the first Ctrl-C or SIGTERM (a job scheduler's or `timeout`'s stop): no new node
+/// starts, running in-process nodes see `is_cancelled`, running nodes finish, and the run record
+/// is still written. A second signal of the same kind ends the process at once.
 pub static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
-extern "C" fn on_interrupt(_: libc::c_int) {
+extern "C" fn on_interrupt(signal: libc::c_int) {
     INTERRUPTED.store(true, Ordering::SeqCst);
     // SAFETY: restoring the default disposition is async-signal-safe.
-    unsafe { libc::signal(libc::SIGINT, libc::SIG_DFL) };
+    unsafe { libc::signal(signal, libc::SIG_DFL) };
 }
 
 pub fn install_interrupt_handler() {
-    // SAFETY: the handler only stores to an atomic and resets the disposition.
-    unsafe {
-        libc::signal(
-            libc::SIGINT,
-            on_interrupt as extern "C" fn(libc::c_int) as libc::sighandler_t,
-        )
-    };
+    for signal in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: the handler only stores to an atomic and resets the disposition.
+        unsafe {
+            libc::signal(
+                signal,
+                on_interrupt as extern "C" fn(libc::c_int) as libc::sighandler_t,
+            )
+        };
+    }
 }
