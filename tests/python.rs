@@ -247,3 +247,20 @@ fn a_missing_interpreter_is_one_sentence() {
     );
     assert!(!error.contains('\n'), "{error}");
 }
+
+#[test]
+fn the_bridge_passes_its_own_protocol_and_adapter_checks() {
+    let python = python();
+    let script = attnbench_tests::workspace_root().join("plugins/python/bridge/test_bridge.py");
+    let output = std::process::Command::new(&python)
+        .arg(&script)
+        .args(["--python", &python, "--quick"])
+        .output()
+        .expect("python starts");
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success() && text.contains(" 0 failed"),
+        "{text}\n{}",
+        stderr(&output)
+    );
+}

@@ -157,11 +157,12 @@ fn benchmark(
     let masks = HeadMasks::new(set, &shape);
     let inputs = Inputs::random(&shape, seed, params.dtype == "bf16");
     let run_forward = || match params.kernel.as_str() {
-        "naive" => naive::forward(&shape, &masks, &inputs),
+        // The naive kernel is the single-threaded textbook one (its measurement says threads: 1).
+        "naive" => naive::forward_with_threads(&shape, &masks, &inputs, 1),
         _ => tiled::forward(&shape, &masks, &inputs, threads),
     };
     let run_backward = |forward: &Forward| match params.kernel.as_str() {
-        "naive" => naive::backward(&shape, &masks, &inputs, forward),
+        "naive" => naive::backward_with_threads(&shape, &masks, &inputs, forward, 1),
         _ => tiled::backward(&shape, &masks, &inputs, forward, threads),
     };
     let backward_needed = params.direction != "fwd";

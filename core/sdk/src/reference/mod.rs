@@ -18,7 +18,7 @@ use crate::mask::MaskSet;
 use crate::PluginError;
 
 pub use check::{check, pick_rows, reference_rows, sample_rows, CheckMode};
-pub use naive::{backward, forward, score_bytes};
+pub use naive::{backward, backward_with_threads, forward, forward_with_threads, score_bytes};
 
 #[derive(Debug, Clone, Copy)]
 pub struct Shape {
@@ -244,6 +244,38 @@ pub const OUTPUT_TENSORS: [&str; 5] = ["out.f32", "lse.f32", "dq.f32", "dk.f32",
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_reference_gives_the_same_bits_on_any_number_of_threads() {
+        use crate::mask::{HeadScope, Mask, Slice, SliceKind};
+        let shape = Shape {
+            heads_q: 6,
+            heads_kv: 3,
+            seqlen: 40,
+            head_dim: 8,
+        };
+        let slices = vec![
+            Slice::new([0, 25], [0, 25], SliceKind::Causal),
+            Slice::new([25, 40], [10, 40], SliceKind::Full),
+        ];
+        let set = MaskSet {
+            pattern: "test".into(),
+            seqlen: 40,
+            params: Default::default(),
+            documents: vec![],
+            scope: HeadScope::Shared,
+            masks: vec![Mask::new(40, 40, slices).unwrap()],
+        };
+        let masks = HeadMasks::new(&set, &shape);
+        let inputs = Inputs::random(&shape, 5, false);
+        let one = forward_with_threads(&shape, &masks, &inputs, 1);
+        let many = forward_with_threads(&shape, &masks, &inputs, 4);
+        assert_eq!(one, many);
+        assert_eq!(
+            backward_with_threads(&shape, &masks, &inputs, &one, 1),
+            backward_with_threads(&shape, &masks, &inputs, &one, 3)
+        );
+    }
 
     #[test]
     fn bf16_rounding_keeps_eight_bits_of_mantissa() {

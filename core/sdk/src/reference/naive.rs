@@ -55,66 +55,132 @@ fn probabilities(
     lse
 }
 
+/// Heads computed at once by [`forward`] and [`backward`]: every core, as long as their f64
+/// score matrices fit in 4 GiB together.
+fn reference_threads(shape: &Shape) -> usize {
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let by_memory = ((4u64 << 30) / score_bytes(shape).max(1)).max(1) as usize;
+    cores.min(by_memory).max(1)
+}
+
+/// Runs `work` on each item, spread over `threads` scoped threads (contiguous runs of items, so
+/// each thread keeps one scratch buffer); results are the same for any thread count.
+fn spread<T: Send>(items: Vec<T>, threads: usize, work: impl Fn(Vec<T>) + Sync) {
+    let threads = threads.clamp(1, items.len().max(1));
+    let per_thread = items.len().div_ceil(threads).max(1);
+    let mut items = items.into_iter();
+    std::thread::scope(|scope| loop {
+        let batch: Vec<T> = items.by_ref().take(per_thread).collect();
+        if batch.is_empty() {
+            break;
+        }
+        let work = &work;
+        scope.spawn(move || work(batch));
+    });
+}
+
+/// O and LSE of every head, heads spread over the machine's cores.
 pub fn forward(shape: &Shape, masks: &HeadMasks, inputs: &Inputs) -> Forward {
+    forward_with_threads(shape, masks, inputs, reference_threads(shape))
+}
+
+/// [`forward`] on `threads` threads (1: the textbook single-threaded kernel).
+pub fn forward_with_threads(
+    shape: &Shape,
+    masks: &HeadMasks,
+    inputs: &Inputs,
+    threads: usize,
+) -> Forward {
     let (s, d) = (shape.seqlen, shape.head_dim);
     let mut out = vec![0f32; shape.q_len()];
     let mut lse_out = vec![f32::NEG_INFINITY; shape.heads_q * s];
-    let mut p = vec![0f64; s * s];
-    let mut acc = vec![0f64; d];
-    for h in 0..shape.heads_q {
-        let kv = shape.kv_head(h);
-        let lse = probabilities(shape, masks, inputs, h, &mut p);
-        for q in 0..s {
-            acc.fill(0.0);
-            for k in 0..s {
-                let weight = p[q * s + k];
-                if weight != 0.0 {
-                    for (a, value) in acc.iter_mut().zip(row(&inputs.v, kv, k, shape)) {
-                        *a += weight * *value as f64;
+    let heads: Vec<_> = out
+        .chunks_mut(s * d)
+        .zip(lse_out.chunks_mut(s))
+        .enumerate()
+        .collect();
+    spread(heads, threads, |heads| {
+        let mut p = vec![0f64; s * s];
+        let mut acc = vec![0f64; d];
+        for (h, (out, lse_out)) in heads {
+            let kv = shape.kv_head(h);
+            let lse = probabilities(shape, masks, inputs, h, &mut p);
+            for q in 0..s {
+                acc.fill(0.0);
+                for k in 0..s {
+                    let weight = p[q * s + k];
+                    if weight != 0.0 {
+                        for (a, value) in acc.iter_mut().zip(row(&inputs.v, kv, k, shape)) {
+                            *a += weight * *value as f64;
+                        }
                     }
                 }
+                for (o, a) in out[q * d..(q + 1) * d].iter_mut().zip(&acc) {
+                    *o = *a as f32;
+                }
+                lse_out[q] = lse[q] as f32;
             }
-            let start = (h * s + q) * d;
-            for (o, a) in out[start..start + d].iter_mut().zip(&acc) {
-                *o = *a as f32;
-            }
-            lse_out[h * s + q] = lse[q] as f32;
         }
-    }
+    });
     Forward { out, lse: lse_out }
 }
 
+/// dQ, dK and dV, KV groups spread over the machine's cores.
 pub fn backward(shape: &Shape, masks: &HeadMasks, inputs: &Inputs, forward: &Forward) -> Grads {
+    backward_with_threads(shape, masks, inputs, forward, reference_threads(shape))
+}
+
+/// [`backward`] on `threads` threads. Each KV group is summed by one thread in head order, so
+/// the result does not depend on the thread count.
+pub fn backward_with_threads(
+    shape: &Shape,
+    masks: &HeadMasks,
+    inputs: &Inputs,
+    forward: &Forward,
+    threads: usize,
+) -> Grads {
     let (s, d) = (shape.seqlen, shape.head_dim);
     let scale = shape.scale() as f64;
+    let group = shape.group();
     let mut dq = vec![0f64; shape.q_len()];
     let mut dk = vec![0f64; shape.kv_len()];
     let mut dv = vec![0f64; shape.kv_len()];
-    let mut p = vec![0f64; s * s];
-    for h in 0..shape.heads_q {
-        let kv = shape.kv_head(h);
-        probabilities(shape, masks, inputs, h, &mut p);
-        for q in 0..s {
-            let d_out = row(&inputs.d_out, h, q, shape);
-            let delta = dot64(d_out, row(&forward.out, h, q, shape));
-            for k in 0..s {
-                let weight = p[q * s + k];
-                if weight == 0.0 {
-                    continue;
-                }
-                let value = row(&inputs.v, kv, k, shape);
-                let dp = dot64(d_out, value);
-                let ds = weight * (dp - delta) * scale;
-                let (key, query) = (row(&inputs.k, kv, k, shape), row(&inputs.q, h, q, shape));
-                let (dq_row, kv_row) = ((h * s + q) * d, (kv * s + k) * d);
-                for i in 0..d {
-                    dv[kv_row + i] += weight * d_out[i] as f64;
-                    dq[dq_row + i] += ds * key[i] as f64;
-                    dk[kv_row + i] += ds * query[i] as f64;
+    let groups: Vec<_> = dq
+        .chunks_mut(group * s * d)
+        .zip(dk.chunks_mut(s * d).zip(dv.chunks_mut(s * d)))
+        .enumerate()
+        .collect();
+    spread(groups, threads, |groups| {
+        let mut p = vec![0f64; s * s];
+        for (kv, (dq, (dk, dv))) in groups {
+            for h in kv * group..(kv + 1) * group {
+                probabilities(shape, masks, inputs, h, &mut p);
+                let dq = &mut dq[(h - kv * group) * s * d..(h - kv * group + 1) * s * d];
+                for q in 0..s {
+                    let d_out = row(&inputs.d_out, h, q, shape);
+                    let delta = dot64(d_out, row(&forward.out, h, q, shape));
+                    for k in 0..s {
+                        let weight = p[q * s + k];
+                        if weight == 0.0 {
+                            continue;
+                        }
+                        let value = row(&inputs.v, kv, k, shape);
+                        let dp = dot64(d_out, value);
+                        let ds = weight * (dp - delta) * scale;
+                        let (key, query) =
+                            (row(&inputs.k, kv, k, shape), row(&inputs.q, h, q, shape));
+                        for i in 0..d {
+                            dv[k * d + i] += weight * d_out[i] as f64;
+                            dq[q * d + i] += ds * key[i] as f64;
+                            dk[k * d + i] += ds * query[i] as f64;
+                        }
+                    }
                 }
             }
         }
-    }
+    });
     let narrow = |x: Vec<f64>| x.into_iter().map(|v| v as f32).collect();
     Grads {
         dq: narrow(dq),
