@@ -12,6 +12,10 @@
 #       the container; the CUDA 13 runtime libraries (NVRTC, cuBLAS) come from the base image.
 #       The host driver must support CUDA 13 (driver 580 or newer).
 #
+# Python kernels (`python/benchmark`): both images have python3 with numpy (the CPU backend); for
+# SDPA, FlexAttention and the FlashAttention family, derive an image that pip-installs torch (and
+# those packages) and set ATTNBENCH_PYTHON to its interpreter.
+#
 # The builder stage runs scripts/stage-install.sh, the same script CI runs, so these steps are
 # exercised on every change even where no Docker engine is available.
 
@@ -21,7 +25,7 @@ COPY . .
 RUN scripts/stage-install.sh /opt/attnbench
 
 FROM debian:bookworm-slim AS cpu
-RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates python3 \
+RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates python3 python3-numpy \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=builder /opt/attnbench /opt/attnbench
 ENV PATH=/opt/attnbench/bin:$PATH \
@@ -31,7 +35,7 @@ WORKDIR /work
 CMD ["attnbench", "run", "/opt/attnbench/pipelines/quickstart.yaml"]
 
 FROM nvidia/cuda:13.0.0-runtime-ubuntu24.04 AS gpu
-RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates python3 \
+RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates python3 python3-numpy \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=builder /opt/attnbench /opt/attnbench
 ENV PATH=/opt/attnbench/bin:$PATH \
