@@ -1,0 +1,242 @@
+//! The communicator the context-parallel methods are written against, and its `threads` backend:
+//! ranks are threads of one process, messages are vectors handed over through per-rank mailboxes,
+//! and every element sent is counted, so a method's traffic can be compared with its formula.
+//!
+//! Sends never block (a posted send is a handed-over buffer), receives wait for their message:
+//! a method that posts its next send before it computes overlaps the two, as on a GPU.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+
+/// Point-to-point and collective operations among the members of one group.
+pub trait Communicator: Send + Sync {
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+    /// Hands `data` to member `to` (does not wait).
+    fn send(&self, to: usize, tag: u32, data: Vec<f64>);
+    /// The next message from member `from` with `tag`, waiting for it.
+    fn recv(&self, from: usize, tag: u32) -> Vec<f64>;
+    /// Waits until every member has reached the barrier.
+    fn barrier(&self);
+
+    /// Member j receives `chunks[j]`; returns what each member sent here, by member.
+    fn all_to_all(&self, tag: u32, mut chunks: Vec<Vec<f64>>) -> Vec<Vec<f64>> {
+        let (me, n) = (self.rank(), self.size());
+        for (to, chunk) in chunks.iter_mut().enumerate() {
+            if to != me {
+                self.send(to, tag, std::mem::take(chunk));
+            }
+        }
+        let own = std::mem::take(&mut chunks[me]);
+        (0..n)
+            .map(|from| {
+                if from == me {
+                    own.clone()
+                } else {
+                    self.recv(from, tag)
+                }
+            })
+            .collect()
+    }
+
+    /// Every member's `data`, by member, through a ring: N − 1 steps, each passing one block on.
+    fn all_gather(&self, tag: u32, data: Vec<f64>) -> Vec<Vec<f64>> {
+        let (me, n) = (self.rank(), self.size());
+        let mut blocks = vec![Vec::new(); n];
+        blocks[me] = data;
+        for step in 0..n - 1 {
+            let outgoing = (me + n - step) % n;
+            self.send((me + 1) % n, tag, blocks[outgoing].clone());
+            let incoming = (me + n - step - 1) % n;
+            blocks[incoming] = self.recv((me + n - 1) % n, tag);
+        }
+        blocks
+    }
+
+    /// The sum over members of their `chunks[me]`, through a ring: N − 1 steps, each passing one
+    /// partial sum on.
+    fn reduce_scatter(&self, tag: u32, chunks: Vec<Vec<f64>>) -> Vec<f64> {
+        let (me, n) = (self.rank(), self.size());
+        // Partial sums travel towards their owner: the one started here for member
+        // (me + n − 1) mod n goes first, each member adding its own share.
+        let mut partial = chunks[(me + n - 1) % n].clone();
+        for step in 0..n - 1 {
+            self.send((me + 1) % n, tag, partial);
+            let received = self.recv((me + n - 1) % n, tag);
+            let owner = (me + 2 * n - step - 2) % n;
+            partial = received
+                .iter()
+                .zip(&chunks[owner])
+                .map(|(a, b)| a + b)
+                .collect();
+        }
+        partial
+    }
+}
+
+/// A message waiting in a mailbox: from whom, and with which tag.
+type Key = (usize, u32);
+
+/// One mailbox per rank of the world.
+struct Mailbox {
+    queues: Mutex<HashMap<Key, VecDeque<Vec<f64>>>>,
+    ready: Condvar,
+}
+
+/// The ranks of one process, their mailboxes and traffic counters.
+pub struct World {
+    mailboxes: Vec<Mailbox>,
+    sent_elements: Vec<AtomicU64>,
+    barrier: std::sync::Barrier,
+}
+
+impl World {
+    pub fn new(size: usize) -> Arc<World> {
+        Arc::new(World {
+            mailboxes: (0..size)
+                .map(|_| Mailbox {
+                    queues: Mutex::new(HashMap::new()),
+                    ready: Condvar::new(),
+                })
+                .collect(),
+            sent_elements: (0..size).map(|_| AtomicU64::new(0)).collect(),
+            barrier: std::sync::Barrier::new(size),
+        })
+    }
+
+    pub fn size(&self) -> usize {
+        self.mailboxes.len()
+    }
+
+    /// Elements world rank `rank` has sent so far, over every group.
+    pub fn sent_elements(&self, rank: usize) -> u64 {
+        self.sent_elements[rank].load(Ordering::Relaxed)
+    }
+}
+
+/// A group of world ranks (in group order) as seen by one of them. Groups keep their messages
+/// apart by tag space, so a rank can be in several (Ulysses and ring) at once.
+pub struct ThreadGroup {
+    world: Arc<World>,
+    members: Vec<usize>,
+    me: usize,
+    space: u32,
+}
+
+impl ThreadGroup {
+    /// `members` are world ranks; `space` must differ between groups a rank belongs to.
+    pub fn new(world: Arc<World>, members: Vec<usize>, world_rank: usize, space: u32) -> Self {
+        let me = members
+            .iter()
+            .position(|&m| m == world_rank)
+            .expect("a rank builds only the groups it belongs to");
+        ThreadGroup {
+            world,
+            members,
+            me,
+            space,
+        }
+    }
+
+    fn tag(&self, tag: u32) -> u32 {
+        self.space << 16 | tag
+    }
+}
+
+impl Communicator for ThreadGroup {
+    fn rank(&self) -> usize {
+        self.me
+    }
+
+    fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    fn send(&self, to: usize, tag: u32, data: Vec<f64>) {
+        let from = self.members[self.me];
+        self.world.sent_elements[from].fetch_add(data.len() as u64, Ordering::Relaxed);
+        let mailbox = &self.world.mailboxes[self.members[to]];
+        let mut queues = mailbox.queues.lock().unwrap_or_else(|e| e.into_inner());
+        queues
+            .entry((from, self.tag(tag)))
+            .or_default()
+            .push_back(data);
+        mailbox.ready.notify_all();
+    }
+
+    fn recv(&self, from: usize, tag: u32) -> Vec<f64> {
+        let key = (self.members[from], self.tag(tag));
+        let mailbox = &self.world.mailboxes[self.members[self.me]];
+        let mut queues = mailbox.queues.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(data) = queues.get_mut(&key).and_then(VecDeque::pop_front) {
+                return data;
+            }
+            queues = mailbox
+                .ready
+                .wait(queues)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    fn barrier(&self) {
+        // Only whole-world barriers are needed by the methods.
+        assert_eq!(
+            self.members.len(),
+            self.world.size(),
+            "barrier on a sub-group"
+        );
+        self.world.barrier.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn on_threads<T: Send>(
+        n: usize,
+        work: impl Fn(ThreadGroup) -> T + Sync,
+    ) -> (Vec<T>, Arc<World>) {
+        let world = World::new(n);
+        let results = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..n)
+                .map(|rank| {
+                    let group = ThreadGroup::new(world.clone(), (0..n).collect(), rank, 0);
+                    let work = &work;
+                    scope.spawn(move || work(group))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        (results, world)
+    }
+
+    #[test]
+    fn collectives_deliver_and_count_what_the_ring_algorithms_send() {
+        for n in [1, 2, 3, 5] {
+            let (results, world) = on_threads(n, |group| {
+                let me = group.rank() as f64;
+                let gathered = group.all_gather(1, vec![me; 4]);
+                let chunks = (0..n).map(|j| vec![me * 10.0 + j as f64; 2]).collect();
+                let exchanged = group.all_to_all(2, chunks);
+                let reduced =
+                    group.reduce_scatter(3, (0..n).map(|j| vec![me + j as f64; 3]).collect());
+                (gathered, exchanged, reduced)
+            });
+            for (rank, (gathered, exchanged, reduced)) in results.iter().enumerate() {
+                for (j, block) in gathered.iter().enumerate() {
+                    assert_eq!(block, &vec![j as f64; 4]);
+                }
+                for (j, block) in exchanged.iter().enumerate() {
+                    assert_eq!(block, &vec![j as f64 * 10.0 + rank as f64; 2]);
+                }
+                let expected: f64 = (0..n).map(|j| (j + rank) as f64).sum();
+                assert_eq!(reduced, &vec![expected; 3], "n={n} rank={rank}");
+                // all-gather (n−1)·4, all-to-all (n−1)·2, reduce-scatter (n−1)·3
+                assert_eq!(world.sent_elements(rank), (n as u64 - 1) * 9);
+            }
+        }
+    }
+}

@@ -1,0 +1,165 @@
+//! Every method on the threads backend, at 2, 3, 4 and 8 ranks: O, LSE, dQ, dK, dV equal the
+//! single-device f64 reference, and every rank sent exactly the bytes of the method's formula.
+
+use attnbench_mask_catalogue::{generate, Params as MaskParams};
+use attnbench_sdk::histogram::{Bucket, Histogram};
+use attnbench_sdk::mask::MaskSet;
+use attnbench_sdk::reference::{self, relative_error, HeadMasks, Inputs, Shape};
+
+use crate::methods::{Method, Setup};
+use crate::volume::{self, Sizes};
+use crate::{setup, threads, Placement};
+
+const SEQLEN: usize = 96;
+
+fn mask(pattern: &str) -> MaskSet {
+    let histogram = Histogram {
+        buckets: vec![Bucket {
+            lo: 5,
+            hi: 40,
+            weight: 1.0,
+        }],
+    };
+    let params = MaskParams {
+        window: 13,
+        ..MaskParams::new(pattern, SEQLEN as u64)
+    };
+    generate(&params, &histogram, 3).unwrap()
+}
+
+fn shape_for(world: usize) -> Shape {
+    let (heads_q, heads_kv) = if world % 3 == 0 { (6, 3) } else { (8, 2) };
+    Shape {
+        heads_q,
+        heads_kv,
+        seqlen: SEQLEN,
+        head_dim: 8,
+    }
+}
+
+/// Runs `setup` forward and backward and checks outputs and traffic.
+fn check(setup: Setup, pattern: &str, set: &MaskSet) {
+    let world = setup.layout.world();
+    let shape = shape_for(world);
+    let inputs = Inputs::random(&shape, 9, true);
+    let outcome = threads::run(setup, &shape, set, &inputs, true)
+        .unwrap_or_else(|err| panic!("{setup:?} {pattern}: {err}"));
+    let masks = HeadMasks::new(set, &shape);
+    let expected = reference::forward(&shape, &masks, &inputs);
+    let grads = reference::backward(&shape, &masks, &inputs, &expected);
+    let [dq, dk, dv] = outcome.grads.as_ref().unwrap();
+    for (name, actual, reference) in [
+        ("out", &outcome.out, &expected.out),
+        ("lse", &outcome.lse, &expected.lse),
+        ("dq", dq, &grads.dq),
+        ("dk", dk, &grads.dk),
+        ("dv", dv, &grads.dv),
+    ] {
+        let error = relative_error(actual, reference);
+        assert!(error < 1e-5, "{setup:?} {pattern} {name}: error {error}");
+    }
+    let sizes = Sizes {
+        tokens: (SEQLEN / world) as u64,
+        heads_q: shape.heads_q as u64,
+        heads_kv: shape.heads_kv as u64,
+        head_dim: shape.head_dim as u64,
+        element: 2,
+    };
+    let (forward, backward) = volume::bytes(&setup, &sizes);
+    for rank in 0..world {
+        assert_eq!(
+            outcome.sent_forward[rank] * 2,
+            forward,
+            "{setup:?}: forward bytes of rank {rank}"
+        );
+        assert_eq!(
+            outcome.sent_backward[rank] * 2,
+            backward,
+            "{setup:?}: backward bytes of rank {rank}"
+        );
+    }
+}
+
+#[test]
+fn every_method_is_exact_and_sends_its_formula_at_2_3_4_and_8_ranks() {
+    let masks: Vec<(&str, MaskSet)> = [
+        "full",
+        "causal",
+        "causal_document",
+        "full_document",
+        "sliding_window_causal",
+        "share_question",
+    ]
+    .into_iter()
+    .map(|p| (p, mask(p)))
+    .collect();
+    for world in [2, 3, 4, 8] {
+        for method in Method::ALL {
+            let setup = setup(method, world, 0, 0, Placement::RingInner, SEQLEN).unwrap();
+            for (pattern, set) in &masks {
+                check(setup, pattern, set);
+            }
+        }
+    }
+}
+
+#[test]
+fn group_shapes_windows_and_placement_are_options() {
+    let set = mask("causal_document");
+    for (method, world, ulysses, windows, placement) in [
+        (Method::Usp, 8, 4, 0, Placement::UlyssesInner),
+        (Method::Usp, 8, 2, 0, Placement::UlyssesInner),
+        (Method::LoongTrain, 8, 1, 2, Placement::RingInner),
+        (Method::LoongTrain, 8, 1, 4, Placement::RingInner),
+        (Method::LoongTrain, 8, 1, 8, Placement::RingInner),
+        (Method::LoongTrain, 8, 2, 2, Placement::UlyssesInner),
+        (Method::LoongTrain, 4, 1, 1, Placement::RingInner),
+    ] {
+        let setup = setup(method, world, ulysses, windows, placement, SEQLEN).unwrap();
+        check(setup, "causal_document", &set);
+    }
+}
+
+#[test]
+fn sizes_that_do_not_shard_are_refused_with_a_reason() {
+    let error = setup(Method::RingP2p, 5, 0, 0, Placement::RingInner, SEQLEN).unwrap_err();
+    assert!(error.contains("multiple of 2·ring·ulysses = 10"), "{error}");
+    let error = setup(Method::LoongTrain, 8, 1, 3, Placement::RingInner, SEQLEN).unwrap_err();
+    assert!(
+        error.contains("windows (3) must divide the ring size (8)"),
+        "{error}"
+    );
+    let setup = setup(Method::Ulysses, 4, 0, 0, Placement::RingInner, SEQLEN).unwrap();
+    let shape = Shape {
+        heads_q: 6,
+        heads_kv: 3,
+        seqlen: SEQLEN,
+        head_dim: 8,
+    };
+    let set = mask("causal");
+    let inputs = Inputs::random(&shape, 1, false);
+    let error = threads::run(setup, &shape, &set, &inputs, false)
+        .err()
+        .unwrap();
+    assert!(
+        error.contains("6 query heads cannot be split over 4 Ulysses ranks"),
+        "{error}"
+    );
+}
+
+#[test]
+fn the_paper_worked_example_of_traffic_holds() {
+    // T = 8192, h_q = 64, h_kv = 8, d = 128, bf16, N = 8 (longca-spec §7.6).
+    let sizes = Sizes {
+        tokens: 8192,
+        heads_q: 64,
+        heads_kv: 8,
+        head_dim: 128,
+        element: 2,
+    };
+    let mib = 1u64 << 20;
+    let ulysses = setup(Method::Ulysses, 8, 0, 0, Placement::RingInner, 8192 * 8).unwrap();
+    assert_eq!(volume::bytes(&ulysses, &sizes).0, 252 * mib);
+    let ring = setup(Method::RingP2p, 8, 0, 0, Placement::RingInner, 8192 * 8).unwrap();
+    assert_eq!(volume::bytes(&ring, &sizes), (224 * mib, 448 * mib));
+}

@@ -1,0 +1,188 @@
+//! Runs a method with every rank a thread of this process: shards the inputs, runs forward (and
+//! backward) on all ranks at once, gathers the outputs back into global tensors, and reports what
+//! each rank sent and how long each took.
+
+use std::time::Instant;
+
+use attnbench_sdk::mask::MaskSet;
+use attnbench_sdk::reference::{HeadMasks, Inputs, Shape};
+
+use crate::comm::{Communicator, ThreadGroup, World};
+use crate::local::{Problem, Tokens};
+use crate::methods::{Groups, Rank, Setup};
+
+/// Global outputs and per-rank traffic and times.
+pub struct Outcome {
+    pub out: Vec<f32>,
+    pub lse: Vec<f32>,
+    /// dQ, dK, dV when the backward pass ran.
+    pub grads: Option<[Vec<f32>; 3]>,
+    /// Elements each rank sent in the forward and in the backward pass.
+    pub sent_forward: Vec<u64>,
+    pub sent_backward: Vec<u64>,
+    pub forward_s: Vec<f64>,
+    pub backward_s: Vec<f64>,
+}
+
+fn gather(data: &[f32], positions: &[u32], heads: &[usize], shape: &Shape) -> Tokens {
+    let d = shape.head_dim;
+    let mut gathered = Vec::with_capacity(heads.len() * positions.len() * d);
+    for &h in heads {
+        for &p in positions {
+            let start = (h * shape.seqlen + p as usize) * d;
+            gathered.extend(data[start..start + d].iter().map(|&x| x as f64));
+        }
+    }
+    Tokens {
+        positions: positions.to_vec(),
+        heads: heads.to_vec(),
+        data: gathered,
+    }
+}
+
+/// Writes a rank's tokens into a global `[heads][seqlen][width]` tensor.
+fn scatter(global: &mut [f32], tokens: &Tokens, seqlen: usize, width: usize) {
+    for (hi, &h) in tokens.heads.iter().enumerate() {
+        for (t, &p) in tokens.positions.iter().enumerate() {
+            let from = (hi * tokens.len() + t) * width;
+            let to = (h * seqlen + p as usize) * width;
+            for i in 0..width {
+                global[to + i] = tokens.data[from + i] as f32;
+            }
+        }
+    }
+}
+
+struct RankResult {
+    out: Tokens,
+    lse: Tokens,
+    grads: Option<[Tokens; 3]>,
+    sent: (u64, u64),
+    seconds: (f64, f64),
+}
+
+pub fn run(
+    setup: Setup,
+    shape: &Shape,
+    set: &MaskSet,
+    inputs: &Inputs,
+    backward: bool,
+) -> Result<Outcome, String> {
+    let layout = setup.layout;
+    layout.check()?;
+    if layout.seqlen != shape.seqlen {
+        return Err(format!(
+            "the layout is for {} tokens, the mask for {}",
+            layout.seqlen, shape.seqlen
+        ));
+    }
+    crate::methods::kv_repeat(shape.heads_q, shape.heads_kv, layout.ulysses)?;
+    let n = layout.world();
+    let world = World::new(n);
+    let head_masks = HeadMasks::new(set, shape);
+    let problem = Problem {
+        masks: &set.masks,
+        mask_of_head: &head_masks.index_of_head,
+        group: shape.group(),
+        head_dim: shape.head_dim,
+        scale: 1.0 / (shape.head_dim as f64).sqrt(),
+    };
+    let q_heads: Vec<usize> = (0..shape.heads_q).collect();
+    let kv_heads: Vec<usize> = (0..shape.heads_kv).collect();
+    let results: Vec<Result<RankResult, String>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..n)
+            .map(|w| {
+                let world = world.clone();
+                let (problem, q_heads, kv_heads) = (&problem, &q_heads, &kv_heads);
+                scope.spawn(move || -> Result<RankResult, String> {
+                    let (u, r) = layout.coords(w);
+                    let everyone = ThreadGroup::new(world.clone(), (0..n).collect(), w, 0);
+                    let ulysses = ThreadGroup::new(
+                        world.clone(),
+                        (0..layout.ulysses)
+                            .map(|i| layout.world_rank(i, r))
+                            .collect(),
+                        w,
+                        1,
+                    );
+                    let ring = ThreadGroup::new(
+                        world.clone(),
+                        (0..layout.ring).map(|i| layout.world_rank(u, i)).collect(),
+                        w,
+                        2,
+                    );
+                    let groups = Groups {
+                        ulysses: &ulysses,
+                        ring: &ring,
+                    };
+                    let rank = Rank {
+                        setup,
+                        world_rank: w,
+                        problem: Problem { ..*problem },
+                        heads_q: shape.heads_q,
+                        heads_kv: shape.heads_kv,
+                    };
+                    let positions = layout.positions(w);
+                    let q = gather(&inputs.q, &positions, q_heads, shape);
+                    let k = gather(&inputs.k, &positions, kv_heads, shape);
+                    let v = gather(&inputs.v, &positions, kv_heads, shape);
+                    everyone.barrier();
+                    let start = Instant::now();
+                    let forward = rank.forward(&groups, &q, &k, &v)?;
+                    let forward_s = start.elapsed().as_secs_f64();
+                    let sent_forward = world.sent_elements(w);
+                    let mut grads = None;
+                    let mut backward_s = 0.0;
+                    if backward {
+                        let d_out = gather(&inputs.d_out, &positions, q_heads, shape);
+                        everyone.barrier();
+                        let start = Instant::now();
+                        let g = rank.backward(&groups, &forward.saved, &d_out);
+                        backward_s = start.elapsed().as_secs_f64();
+                        grads = Some([g.dq, g.dk, g.dv]);
+                    }
+                    Ok(RankResult {
+                        out: forward.out,
+                        lse: forward.lse,
+                        grads,
+                        sent: (sent_forward, world.sent_elements(w) - sent_forward),
+                        seconds: (forward_s, backward_s),
+                    })
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err("a rank panicked".into())))
+            .collect()
+    });
+    let results: Vec<RankResult> = results.into_iter().collect::<Result<_, _>>()?;
+    let (s, d) = (shape.seqlen, shape.head_dim);
+    let mut out = vec![0f32; shape.q_len()];
+    let mut lse = vec![f32::NEG_INFINITY; shape.heads_q * s];
+    let mut grads = backward.then(|| {
+        [
+            vec![0f32; shape.q_len()],
+            vec![0f32; shape.kv_len()],
+            vec![0f32; shape.kv_len()],
+        ]
+    });
+    for result in &results {
+        scatter(&mut out, &result.out, s, d);
+        scatter(&mut lse, &result.lse, s, 1);
+        if let (Some(global), Some(local)) = (grads.as_mut(), result.grads.as_ref()) {
+            for (g, l) in global.iter_mut().zip(local) {
+                scatter(g, l, s, d);
+            }
+        }
+    }
+    Ok(Outcome {
+        out,
+        lse,
+        grads,
+        sent_forward: results.iter().map(|r| r.sent.0).collect(),
+        sent_backward: results.iter().map(|r| r.sent.1).collect(),
+        forward_s: results.iter().map(|r| r.seconds.0).collect(),
+        backward_s: results.iter().map(|r| r.seconds.1).collect(),
+    })
+}
