@@ -1,0 +1,59 @@
+//! The CPU context-parallel pipeline end to end (narrowed to CI size): every method at every
+//! world size is exact against the single-device reference, every rank's bytes equal the
+//! method's formula, and the report is written.
+
+use attnbench_tests::{stderr, stdout, workspace_root, Sandbox};
+
+#[test]
+fn the_cpu_context_parallel_pipeline_is_exact_and_its_traffic_matches_the_formulas() {
+    let sandbox = Sandbox::new();
+    let pipeline = workspace_root().join("pipelines/context-parallel-cpu.yaml");
+    let run = sandbox.run(&[
+        "run",
+        pipeline.to_str().unwrap(),
+        "--set",
+        "stages.masks.matrix.seqlen=[96]",
+        "--set",
+        "stages.cp.matrix.world=[2, 4]",
+        "--set",
+        "stages.cp.with.min_reps=1",
+        "--set",
+        "stages.cp.with.warmup_reps=0",
+    ]);
+    assert!(run.status.success(), "{}", stderr(&run));
+    let said = format!("{}{}", stdout(&run), stderr(&run));
+    assert!(said.contains("report: "), "{said}");
+    let record = sandbox.last_record();
+    let mut checked = 0;
+    for node in record["nodes"].as_array().unwrap() {
+        let id = node["id"].as_str().unwrap();
+        if !id.starts_with("cp[") {
+            continue;
+        }
+        let path =
+            std::path::Path::new(node["artifact"].as_str().unwrap()).join("measurement.json");
+        let m: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        assert_eq!(m["status"], "ok", "{id}: {m}");
+        assert_eq!(
+            m["correctness"]["passed"], true,
+            "{id}: {}",
+            m["correctness"]
+        );
+        let cp = &m["environment"]["context_parallel"];
+        let formula_forward = cp["formula_forward"].as_u64().unwrap();
+        assert!(formula_forward > 0, "{id}: {cp}");
+        for sent in cp["bytes_sent_forward"].as_array().unwrap() {
+            assert_eq!(sent.as_u64().unwrap(), formula_forward, "{id}: {cp}");
+        }
+        if m["direction"] != "fwd" {
+            let formula_backward = cp["formula_backward"].as_u64().unwrap();
+            for sent in cp["bytes_sent_backward"].as_array().unwrap() {
+                assert_eq!(sent.as_u64().unwrap(), formula_backward, "{id}: {cp}");
+            }
+        }
+        checked += 1;
+    }
+    // 3 masks × 5 methods × 2 world sizes × 2 directions
+    assert_eq!(checked, 60);
+}
