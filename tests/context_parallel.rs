@@ -57,3 +57,43 @@ fn the_cpu_context_parallel_pipeline_is_exact_and_its_traffic_matches_the_formul
     // 3 masks × 5 methods × 2 world sizes × 2 directions
     assert_eq!(checked, 60);
 }
+
+#[test]
+fn the_cost_model_pipeline_predicts_every_method_and_its_report_plots_the_curves() {
+    let sandbox = Sandbox::new();
+    let pipeline = workspace_root().join("pipelines/context-parallel-model.yaml");
+    let run = sandbox.run(&["run", pipeline.to_str().unwrap(), "-q"]);
+    assert!(run.status.success(), "{}", stderr(&run));
+    let record = sandbox.last_record();
+    let nodes = record["nodes"].as_array().unwrap();
+    let model = nodes
+        .iter()
+        .find(|n| n["id"] == "model[mask=causal,direction=fwd]")
+        .unwrap();
+    let path = std::path::Path::new(model["artifact"].as_str().unwrap()).join("predictions.json");
+    let predictions: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let points = predictions["points"].as_array().unwrap();
+    assert_eq!(points.len(), 5 * 8, "5 methods × 8 world sizes");
+    for point in points {
+        match point["tflops_per_gpu"].as_f64() {
+            Some(tflops) => assert!(tflops > 0.0 && tflops <= 350.6 + 1e-6, "{point}"),
+            // Ulysses cannot split 64 heads over more than 64 ranks.
+            None => assert!(
+                point["method"] == "ulysses" && point["world"].as_u64().unwrap() > 64,
+                "{point}"
+            ),
+        }
+    }
+    let report = nodes.iter().find(|n| n["id"] == "report").unwrap();
+    let html = std::fs::read_to_string(
+        std::path::Path::new(report["artifact"].as_str().unwrap()).join("report.html"),
+    )
+    .unwrap();
+    assert!(html.contains("Predicted context-parallel throughput"));
+    assert_eq!(
+        html.matches("<figure><svg").count(),
+        4,
+        "one chart per mask and direction"
+    );
+}

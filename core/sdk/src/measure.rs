@@ -367,6 +367,34 @@ impl Measurement {
     }
 }
 
+/// One point of a cost model's curve: a method's predicted per-GPU throughput at a world size.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Prediction {
+    pub method: String,
+    pub mask: String,
+    pub direction: String,
+    pub world: u64,
+    pub tokens_per_gpu: u64,
+    /// `None` when the method cannot run at this size; `reason` says why.
+    pub tflops_per_gpu: Option<f64>,
+    pub time_s: Option<f64>,
+    pub compute_s: Option<f64>,
+    /// Communication time not hidden behind compute.
+    pub exposed_communication_s: Option<f64>,
+    pub reason: Option<String>,
+}
+
+/// What a cost model writes: its assumptions and its curves.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Predictions {
+    pub model: Map<String, Value>,
+    pub points: Vec<Prediction>,
+}
+
+impl Predictions {
+    pub const FILE: &'static str = "predictions.json";
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,12 +1,14 @@
 //! `cp`: context-parallel attention. `cp/threads` runs one of the five methods with its ranks as
 //! threads of one process on CPU tensors: outputs checked against the single-device reference,
 //! bytes each rank sent checked against the method's formula, per-rank time as the paper defines
-//! per-GPU throughput (global FLOPs / ranks / the slowest rank's time).
+//! per-GPU throughput (global FLOPs / ranks / the slowest rank's time). `cp/model` predicts each
+//! method's per-GPU throughput from 8 to 1024 GPUs (see `model`).
 
 mod comm;
 mod layout;
 mod local;
 mod methods;
+mod model;
 mod threads;
 mod volume;
 
@@ -71,14 +73,36 @@ impl Plugin for Cp {
                 .isolation(Isolation::Worker)
                 .exclusive(),
             )
+            .stage(
+                StageSpec::new("model")
+                    .doc("Predicts each method's per-GPU TFLOP/s at every world size from a kernel's throughput, the links and the traffic formulas.")
+                    .param(ParamSpec::new("mask", choice(&["full", "causal"])).default("causal"))
+                    .param(ParamSpec::new("direction", choice(&["fwd", "bwd"])).default("fwd"))
+                    .param(ParamSpec::new("tokens_per_gpu", ParamType::Size).default("8k"))
+                    .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
+                    .param(ParamSpec::new("heads_kv", ParamType::Int).default(8))
+                    .param(ParamSpec::new("head_dim", ParamType::Int).default(128))
+                    .param(ParamSpec::new("dtype", choice(&["bf16", "fp16", "f32"])).default("bf16"))
+                    .param(ParamSpec::new("kernel_tflops", ParamType::Float).default(0.0).doc("The attention kernel's measured TFLOP/s; 0: sdpa-flash (FA2) on one H200 at 8K tokens, full mask, as measured by pipelines/dense-kernels.yaml (351 forward, 296 backward)."))
+                    .param(ParamSpec::new("worlds", ParamType::List(Box::new(ParamType::Int))).default(json!([8, 16, 32, 64, 128, 256, 512, 1024])))
+                    .param(ParamSpec::new("gpus_per_node", ParamType::Int).default(8))
+                    .param(ParamSpec::new("nvlink_gbs", ParamType::Float).default(370.0).doc("NVLink bandwidth per GPU, GB/s."))
+                    .param(ParamSpec::new("infiniband_gbs", ParamType::Float).default(48.0).doc("InfiniBand bandwidth per GPU, GB/s."))
+                    .param(ParamSpec::new("nvlink_latency_us", ParamType::Float).default(5.0))
+                    .param(ParamSpec::new("infiniband_latency_us", ParamType::Float).default(10.0))
+                    .param(ParamSpec::new("placement", choice(&["ulysses_inner", "ring_inner"])).default("ulysses_inner").doc("Which group is made of consecutive ranks (on one node first)."))
+                    .output("predictions")
+                    .cache_scope(CacheScope::Pure),
+            )
     }
 
     fn run(stage: &str, request: StageRequest, host: &Host) -> Result<Value, PluginError> {
         match stage {
             "threads" => threads_stage(&request, host),
+            "model" => model_stage(&request),
             other => Err(PluginError::UnknownStage {
                 stage: other.into(),
-                known: "threads".into(),
+                known: "threads, model".into(),
             }),
         }
     }
@@ -260,6 +284,99 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
     );
     write_json(&request.output_dir, Measurement::FILE, &measurement)?;
     serde_json::to_value(&measurement).map_err(|err| PluginError::failed(err.to_string()))
+}
+
+#[derive(Deserialize)]
+struct ModelParams {
+    mask: String,
+    direction: String,
+    tokens_per_gpu: u64,
+    heads_q: u64,
+    heads_kv: u64,
+    head_dim: u64,
+    dtype: String,
+    kernel_tflops: f64,
+    worlds: Vec<usize>,
+    gpus_per_node: usize,
+    nvlink_gbs: f64,
+    infiniband_gbs: f64,
+    nvlink_latency_us: f64,
+    infiniband_latency_us: f64,
+    placement: String,
+}
+
+fn model_stage(request: &StageRequest) -> Result<Value, PluginError> {
+    let p: ModelParams = request.params()?;
+    let element = Element::parse(&p.dtype)
+        .ok_or_else(|| PluginError::Params(format!("dtype `{}`", p.dtype)))?;
+    let backward = p.direction == "bwd";
+    let kernel_tflops = match (p.kernel_tflops, backward) {
+        (t, _) if t > 0.0 => t,
+        (_, false) => 350.6,
+        (_, true) => 295.7,
+    };
+    if p.gpus_per_node == 0 || p.nvlink_gbs <= 0.0 || p.infiniband_gbs <= 0.0 {
+        return Err(PluginError::Params(
+            "gpus_per_node, nvlink_gbs and infiniband_gbs must be positive".into(),
+        ));
+    }
+    if let Some(world) = p.worlds.iter().find(|&&w| w == 0) {
+        return Err(PluginError::Params(format!(
+            "worlds: {world} is not a world size"
+        )));
+    }
+    let machine = model::Machine {
+        gpus_per_node: p.gpus_per_node,
+        nvlink: p.nvlink_gbs * 1e9,
+        infiniband: p.infiniband_gbs * 1e9,
+        nvlink_latency: p.nvlink_latency_us * 1e-6,
+        infiniband_latency: p.infiniband_latency_us * 1e-6,
+    };
+    let workload = model::Workload {
+        sizes: volume::Sizes {
+            tokens: p.tokens_per_gpu,
+            heads_q: p.heads_q,
+            heads_kv: p.heads_kv,
+            head_dim: p.head_dim,
+            element: element.bytes() as u64,
+        },
+        causal: p.mask == "causal",
+        backward,
+        kernel_flops: kernel_tflops * 1e12,
+    };
+    let placement = if p.placement == "ring_inner" {
+        Placement::RingInner
+    } else {
+        Placement::UlyssesInner
+    };
+    let points = Method::ALL
+        .iter()
+        .flat_map(|&method| p.worlds.iter().map(move |&world| (method, world)))
+        .map(|(method, world)| model::predict(method, world, placement, &machine, &workload))
+        .collect();
+    let mut assumptions = serde_json::Map::new();
+    for (key, value) in [
+        ("kernel_tflops", json!(kernel_tflops)),
+        ("gpus_per_node", json!(p.gpus_per_node)),
+        ("nvlink_gbs", json!(p.nvlink_gbs)),
+        ("infiniband_gbs", json!(p.infiniband_gbs)),
+        ("nvlink_latency_us", json!(p.nvlink_latency_us)),
+        ("infiniband_latency_us", json!(p.infiniband_latency_us)),
+        ("placement", json!(p.placement)),
+        ("groups", json!("USP and LoongTrain: Ulysses groups of min(world, 8), LoongTrain windows: the largest m with m² ≤ ring size (LongCA-bench's choices)")),
+    ] {
+        assumptions.insert(key.into(), value);
+    }
+    let predictions = attnbench_sdk::measure::Predictions {
+        model: assumptions,
+        points,
+    };
+    write_json(
+        &request.output_dir,
+        attnbench_sdk::measure::Predictions::FILE,
+        &predictions,
+    )?;
+    serde_json::to_value(&predictions).map_err(|err| PluginError::failed(err.to_string()))
 }
 
 attnbench_sdk::export_plugin!(Cp);

@@ -41,6 +41,27 @@ pub struct Page<'a> {
     pub rows: &'a [Row],
     pub throughput: Vec<(String, String)>,
     pub memory: Vec<(String, String)>,
+    pub predictions: &'a [attnbench_sdk::measure::Prediction],
+    pub predicted: Vec<(String, String)>,
+}
+
+/// The cost model's points, with the reason of every size a method cannot run.
+fn predictions(out: &mut String, points: &[attnbench_sdk::measure::Prediction]) {
+    out.push_str("<table id=\"predictions\"><tr><th>method</th><th>mask</th><th>direction</th><th>GPUs</th><th>TFLOP/s per GPU</th><th>time</th><th>compute</th><th>exposed communication</th></tr>");
+    let ms = |s: Option<f64>| s.map(|s| format!("{:.3} ms", s * 1e3)).unwrap_or_default();
+    for p in points {
+        let tflops = match (p.tflops_per_gpu, &p.reason) {
+            (Some(t), _) => format!("{t:.1}"),
+            (None, Some(reason)) => format!("<span title=\"{}\">cannot run</span>", escape(reason)),
+            (None, None) => String::new(),
+        };
+        out.push_str(&format!(
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td class=num>{}</td><td class=num>{tflops}</td><td class=num>{}</td><td class=num>{}</td><td class=num>{}</td></tr>",
+            escape(&p.method), escape(&p.mask), escape(&p.direction), p.world,
+            ms(p.time_s), ms(p.compute_s), ms(p.exposed_communication_s)
+        ));
+    }
+    out.push_str("</table>");
 }
 
 fn figures(out: &mut String, plots: &[(String, String)]) {
@@ -203,6 +224,11 @@ pub fn render(page: &Page) -> String {
     figures(&mut out, &page.throughput);
     out.push_str("<h2>Peak memory</h2>");
     figures(&mut out, &page.memory);
+    if !page.predictions.is_empty() {
+        out.push_str("<h2>Predicted context-parallel throughput</h2><p class=\"sub\">A cost model from the kernel's throughput, link bandwidths and latencies and each method's traffic; not a measurement.</p>");
+        figures(&mut out, &page.predicted);
+        predictions(&mut out, page.predictions);
+    }
     out.push_str("<h2>Support matrix</h2><p class=\"sub\">Statuses over all lengths and directions; hover a cell for the details.</p>");
     support_matrix(&mut out, page.rows);
     out.push_str("<h2>Measurements</h2>");

@@ -52,9 +52,10 @@ impl Plugin for Report {
             .unwrap_or("attnbench report")
             .to_string();
         let rows = rows::collect(&request.inputs).map_err(PluginError::failed)?;
-        if rows.is_empty() {
+        let predictions = rows::predictions(&request.inputs).map_err(PluginError::failed)?;
+        if rows.is_empty() && predictions.is_empty() {
             return Err(PluginError::Params(
-                "no measurements reached the report; give it `needs: {bench: all}`".into(),
+                "no measurements (or cost-model predictions) reached the report; give it `needs: {bench: all}`".into(),
             ));
         }
         let dir = &request.output_dir;
@@ -87,11 +88,14 @@ impl Plugin for Report {
         };
         let throughput = render(plots::throughput_charts(&rows))?;
         let memory = render(plots::memory_charts(&rows))?;
+        let predicted = render(plots::prediction_charts(&predictions))?;
         let page = html::render(&html::Page {
             title: &title,
             rows: &rows,
             throughput,
             memory,
+            predictions: &predictions,
+            predicted,
         });
         write_atomically(dir, "report.html", page.as_bytes())?;
         host.info(&format!("report with {} plots", pngs.len()));

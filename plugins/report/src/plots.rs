@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use attnbench_sdk::format_size;
+use attnbench_sdk::measure::Prediction;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
@@ -30,8 +31,16 @@ pub struct Chart {
     /// A file-name-safe id.
     pub id: String,
     pub title: String,
+    pub x_axis: XAxis,
     pub y_label: String,
     pub series: Vec<Series>,
+}
+
+/// What the (log₂) x axis counts.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum XAxis {
+    SequenceLength,
+    Gpus,
 }
 
 /// Registers the bundled font once per process.
@@ -89,6 +98,7 @@ pub fn throughput_charts(rows: &[Row]) -> Vec<Chart> {
             Chart {
                 id: format!("tflops-{}", safe_id(&title)),
                 title,
+                x_axis: XAxis::SequenceLength,
                 y_label: "TFLOP/s".into(),
                 series,
             }
@@ -123,9 +133,51 @@ pub fn memory_charts(rows: &[Row]) -> Vec<Chart> {
             Chart {
                 id: format!("memory-{}", safe_id(&direction)),
                 title: format!("peak memory · {direction}"),
+                x_axis: XAxis::SequenceLength,
                 y_label: "GiB".into(),
                 series,
             }
+        })
+        .collect()
+}
+
+/// A cost model's predicted per-GPU TFLOP/s against GPUs: one chart per mask and direction, a
+/// line per method (sizes a method cannot run are left out).
+pub fn prediction_charts(predictions: &[Prediction]) -> Vec<Chart> {
+    let mut charts: BTreeMap<String, BTreeMap<String, Vec<Point>>> = BTreeMap::new();
+    for p in predictions {
+        let Some(tflops) = p.tflops_per_gpu else {
+            continue;
+        };
+        let title = format!(
+            "{} · {} · {} tokens per GPU",
+            p.mask,
+            p.direction,
+            format_size(p.tokens_per_gpu)
+        );
+        charts
+            .entry(title)
+            .or_default()
+            .entry(p.method.clone())
+            .or_default()
+            .push(Point {
+                x: p.world as f64,
+                y: tflops,
+                low: tflops,
+                high: tflops,
+            });
+    }
+    charts
+        .into_iter()
+        .map(|(title, methods)| Chart {
+            id: format!("model-{}", safe_id(&title)),
+            title: format!("predicted · {title}"),
+            x_axis: XAxis::Gpus,
+            y_label: "TFLOP/s per GPU".into(),
+            series: methods
+                .into_iter()
+                .map(|(name, points)| Series { name, points })
+                .collect(),
         })
         .collect()
 }
@@ -153,15 +205,21 @@ fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, chart: &Chart) -> Res
         .map_err(error)?;
     context
         .configure_mesh()
-        .x_desc("sequence length (tokens)")
+        .x_desc(match chart.x_axis {
+            XAxis::SequenceLength => "sequence length (tokens)",
+            XAxis::Gpus => "GPUs",
+        })
         .y_desc(chart.y_label.as_str())
-        // Label only the powers of two the sequence lengths are.
+        // Label only the powers of two the sizes are.
         .x_label_formatter(&|x| {
             let rounded = x.round() as u64;
-            if rounded.is_power_of_two() && (x - rounded as f64).abs() < 1e-6 * x.abs().max(1.0) {
-                format_size(rounded)
-            } else {
+            if !(rounded.is_power_of_two() && (x - rounded as f64).abs() < 1e-6 * x.abs().max(1.0))
+            {
                 String::new()
+            } else if chart.x_axis == XAxis::Gpus {
+                rounded.to_string()
+            } else {
+                format_size(rounded)
             }
         })
         .label_style((FONT, 12))

@@ -116,6 +116,23 @@ pub fn from_failure(input: &InputArtifact) -> Row {
 }
 
 /// Rows from every input: measurement records where they exist, failures otherwise.
+/// The cost-model curves among the inputs.
+pub fn predictions(
+    inputs: &[InputArtifact],
+) -> Result<Vec<attnbench_sdk::measure::Prediction>, String> {
+    let mut points = Vec::new();
+    for input in inputs.iter().filter(|i| i.succeeded()) {
+        let path = input.dir.join(attnbench_sdk::measure::Predictions::FILE);
+        let Ok(bytes) = std::fs::read(&path) else {
+            continue;
+        };
+        let predictions: attnbench_sdk::measure::Predictions = serde_json::from_slice(&bytes)
+            .map_err(|err| format!("{}: not a cost model's predictions: {err}", path.display()))?;
+        points.extend(predictions.points);
+    }
+    Ok(points)
+}
+
 pub fn collect(inputs: &[InputArtifact]) -> Result<Vec<Row>, String> {
     let mut rows = Vec::new();
     for input in inputs {
