@@ -33,7 +33,7 @@ for node in record["nodes"]:
     cells = [
         node["id"],
         m.get("status", ""),
-        f"{tflops:.1f}" if tflops else "",
+        f"{tflops:.4g}" if tflops else "",
         f"{time_s * 1e3:.3f}" if time_s else "",
         f"{peak / 2**30:.2f}" if peak else "",
         "" if not check else ("yes" if check.get("passed") else "NO"),

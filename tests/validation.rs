@@ -184,3 +184,21 @@ fn sizes_and_overrides_expand_the_matrix() {
         assert!(text.contains(id), "{id} in {text}");
     }
 }
+
+#[test]
+fn a_matrix_key_shared_with_the_upstream_stage_pairs_equal_values_only() {
+    let sandbox = Sandbox::new();
+    let pipeline = sandbox.write(
+        "p.yaml",
+        "stages:\n  a:\n    uses: testkit/echo\n    matrix: {size: [1, 2], value: [x, y]}\n  b:\n    uses: testkit/echo\n    needs: [a]\n    matrix: {size: [1, 2, 3]}\n",
+    );
+    let output = sandbox.run(&["plan", pipeline.to_str().unwrap()]);
+    let text = attnbench_tests::stdout(&output);
+    assert!(output.status.success(), "{}", stderr(&output));
+    // Each b node joins the a node of its own size: 2 sizes × 2 values, no size 3 (no a has it).
+    for id in ["b[size=1,value=x]", "b[size=2,value=y]"] {
+        assert!(text.contains(id), "{id} in {text}");
+    }
+    assert_eq!(text.matches("b[").count(), 4, "{text}");
+    assert!(!text.contains("size=3"), "{text}");
+}

@@ -65,6 +65,15 @@ impl Plan {
             let mut ids = Vec::with_capacity(combos.len() * assignments.len());
             for (coords, inputs) in &combos {
                 for assignment in &assignments {
+                    // A matrix key the upstream nodes already fixed joins too: only the
+                    // upstream node with the same value pairs with this assignment.
+                    let disagrees = assignment.iter().any(|(key, value)| {
+                        let shown = display_value(stage.param_type(key), value);
+                        coords.iter().any(|(k, v)| k == key && *v != shown)
+                    });
+                    if disagrees {
+                        continue;
+                    }
                     let mut params = stage.params.clone();
                     let mut node_coords = coords.clone();
                     for (key, value) in assignment {
