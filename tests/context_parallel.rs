@@ -2,7 +2,7 @@
 //! world size is exact against the single-device reference, every rank's bytes equal the
 //! method's formula, and the report is written.
 
-use attnbench_tests::{stderr, stdout, workspace_root, Sandbox};
+use attnbench_tests::{measurements, node, stderr, stdout, workspace_root, Sandbox};
 
 #[test]
 fn the_cpu_context_parallel_pipeline_is_exact_and_its_traffic_matches_the_formulas() {
@@ -25,15 +25,7 @@ fn the_cpu_context_parallel_pipeline_is_exact_and_its_traffic_matches_the_formul
     assert!(said.contains("report: "), "{said}");
     let record = sandbox.last_record();
     let mut checked = 0;
-    for node in record["nodes"].as_array().unwrap() {
-        let id = node["id"].as_str().unwrap();
-        if !id.starts_with("cp[") {
-            continue;
-        }
-        let path =
-            std::path::Path::new(node["artifact"].as_str().unwrap()).join("measurement.json");
-        let m: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    for (id, m) in measurements(&record, "cp[") {
         assert_eq!(m["status"], "ok", "{id}: {m}");
         assert_eq!(
             m["correctness"]["passed"], true,
@@ -85,7 +77,7 @@ fn the_cost_model_pipeline_predicts_every_method_and_its_report_plots_the_curves
             ),
         }
     }
-    let report = nodes.iter().find(|n| n["id"] == "report").unwrap();
+    let report = node(&record, "report");
     let html = std::fs::read_to_string(
         std::path::Path::new(report["artifact"].as_str().unwrap()).join("report.html"),
     )

@@ -2,27 +2,18 @@
 //! SDK's inputs and every output, and the worker's own inputs with sampled rows), a third-party
 //! module, backends that cannot import, a worker that dies mid-node, and a missing interpreter.
 
-use std::path::Path;
-
-use attnbench_tests::{python_with_numpy, stderr, Sandbox};
+use attnbench_tests::{measurement_of, measurements, node, python_with_numpy, stderr, Sandbox};
 use serde_json::Value;
 
-fn node<'a>(record: &'a Value, id: &str) -> &'a Value {
-    record["nodes"]
-        .as_array()
-        .expect("nodes")
-        .iter()
-        .find(|n| n["id"] == id)
-        .unwrap_or_else(|| panic!("no node {id} in {record}"))
+fn measurement(record: &Value, id: &str) -> Value {
+    measurement_of(node(record, id))
 }
 
-fn measurement(record: &Value, id: &str) -> Value {
-    let artifact = node(record, id)["artifact"]
-        .as_str()
-        .unwrap_or_else(|| panic!("{id} has no artifact: {}", node(record, id)));
-    let text = std::fs::read_to_string(Path::new(artifact).join("measurement.json"))
-        .expect("measurement.json");
-    serde_json::from_str(&text).expect("JSON")
+/// Runs the sandbox's `p.yaml`, which must succeed, and returns its record.
+fn run_ok(sandbox: &Sandbox) -> Value {
+    let run = sandbox.run(&["run", "p.yaml", "-q"]);
+    assert!(run.status.success(), "{}", stderr(&run));
+    sandbox.last_record()
 }
 
 fn python() -> String {
@@ -52,16 +43,9 @@ stages:
 "#
         ),
     );
-    let run = sandbox.run(&["run", "p.yaml", "-q"]);
-    assert!(run.status.success(), "{}", stderr(&run));
-    let record = sandbox.last_record();
+    let record = run_ok(&sandbox);
     let mut checked = 0;
-    for n in record["nodes"].as_array().unwrap() {
-        let id = n["id"].as_str().unwrap();
-        if !id.starts_with("bench") {
-            continue;
-        }
-        let m = measurement(&record, id);
+    for (id, m) in measurements(&record, "bench") {
         assert_eq!(m["status"], "ok", "{id}: {m}");
         let correctness = &m["correctness"];
         assert_eq!(correctness["passed"], true, "{id}: {correctness}");
@@ -98,9 +82,7 @@ fn beyond_the_full_check_the_worker_draws_inputs_and_checks_sampled_rows() {
 "#
         ),
     );
-    let run = sandbox.run(&["run", "p.yaml", "-q"]);
-    assert!(run.status.success(), "{}", stderr(&run));
-    let record = sandbox.last_record();
+    let record = run_ok(&sandbox);
     for id in ["bench[direction=fwd]", "bench[direction=bwd]"] {
         let m = measurement(&record, id);
         let correctness = &m["correctness"];
@@ -165,9 +147,7 @@ def attention(q, k, v, mask, scale):
 "#
         ),
     );
-    let run = sandbox.run(&["run", "p.yaml", "-q"]);
-    assert!(run.status.success(), "{}", stderr(&run));
-    let record = sandbox.last_record();
+    let record = run_ok(&sandbox);
     let mine = measurement(&record, "mine");
     assert_eq!(mine["status"], "ok", "{mine}");
     assert_eq!(mine["kernel"], "module:my_kernel");

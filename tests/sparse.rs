@@ -2,7 +2,7 @@
 //! the reference, and FLOPs come from the exact selected area — `k = floor(ρ·n)` key blocks per
 //! query block — never from the nominal `ρ·S²`.
 
-use attnbench_tests::{stderr, workspace_root, Sandbox};
+use attnbench_tests::{measurements, stderr, workspace_root, Sandbox};
 
 #[test]
 fn sparse_cells_are_correct_and_count_the_flops_of_the_blocks_they_keep() {
@@ -24,15 +24,7 @@ fn sparse_cells_are_correct_and_count_the_flops_of_the_blocks_they_keep() {
     assert!(run.status.success(), "{}", stderr(&run));
     let record = sandbox.last_record();
     let mut uniform = 0;
-    for node in record["nodes"].as_array().unwrap() {
-        let id = node["id"].as_str().unwrap();
-        if !id.starts_with("tiled_") {
-            continue;
-        }
-        let path =
-            std::path::Path::new(node["artifact"].as_str().unwrap()).join("measurement.json");
-        let m: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    for (id, m) in measurements(&record, "tiled_") {
         assert_eq!(m["status"], "ok", "{id}: {m}");
         assert_eq!(
             m["correctness"]["passed"], true,

@@ -227,3 +227,34 @@ pub fn python_with_numpy() -> PathBuf {
     );
     python
 }
+
+/// The node `id` of a run record.
+pub fn node<'a>(record: &'a Value, id: &str) -> &'a Value {
+    record["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .find(|n| n["id"] == id)
+        .unwrap_or_else(|| panic!("no node {id} in {record}"))
+}
+
+/// The measurement record a node wrote into its artifact.
+pub fn measurement_of(node: &Value) -> Value {
+    let artifact = node["artifact"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{} has no artifact: {node}", node["id"]));
+    let text = std::fs::read_to_string(Path::new(artifact).join("measurement.json"))
+        .unwrap_or_else(|err| panic!("{}: measurement.json: {err}", node["id"]));
+    serde_json::from_str(&text).expect("measurement.json is JSON")
+}
+
+/// (id, measurement) of every node whose id starts with `prefix`.
+pub fn measurements(record: &Value, prefix: &str) -> Vec<(String, Value)> {
+    record["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .filter(|n| n["id"].as_str().is_some_and(|id| id.starts_with(prefix)))
+        .map(|n| (n["id"].as_str().unwrap().to_string(), measurement_of(n)))
+        .collect()
+}

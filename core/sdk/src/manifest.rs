@@ -373,6 +373,11 @@ pub enum ParamType {
 }
 
 impl ParamType {
+    /// An enum of these names.
+    pub fn one_of(options: &[&str]) -> ParamType {
+        ParamType::Enum(options.iter().map(|o| o.to_string()).collect())
+    }
+
     /// Checks `value` against the type and returns its canonical form (sizes become integers).
     pub fn coerce(&self, value: &Value) -> Result<Value, String> {
         let wrong = || {

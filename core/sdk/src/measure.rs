@@ -150,6 +150,20 @@ impl Default for Harness {
 }
 
 impl Harness {
+    /// The GPU plugins' settings when a pipeline does not change them: device events with the
+    /// L2 flushed before every repetition, a 1% confidence bound, at most 5 s of repetitions.
+    pub fn gpu() -> Harness {
+        Harness {
+            timer: "CUDA events, L2 flushed (2× its size) before every repetition".into(),
+            warmup_reps: 3,
+            warmup_s: 0.1,
+            min_reps: 10,
+            max_reps: 200,
+            max_time_s: 5.0,
+            target_rel_ci: 0.01,
+        }
+    }
+
     /// Declares the harness's settings as parameters of `stage`, with this harness's values as
     /// defaults, so pipelines can tune them per stage (read back with [`HarnessParams`]).
     pub fn declare(&self, stage: crate::StageSpec) -> crate::StageSpec {
@@ -320,6 +334,12 @@ pub struct Measurement {
 }
 
 impl Measurement {
+    /// Writes the record as the node's `measurement.json` and returns it as the node's result.
+    pub fn write(&self, dir: &std::path::Path) -> Result<Value, crate::PluginError> {
+        crate::write_json(dir, Self::FILE, self)?;
+        serde_json::to_value(self).map_err(|err| crate::PluginError::failed(err.to_string()))
+    }
+
     pub const FILE: &'static str = "measurement.json";
 
     /// The record of a kernel run on `set` before anything was timed: the mask, the shape, the

@@ -28,10 +28,6 @@ pub use methods::{Method, Setup};
 
 struct Cp;
 
-fn choice(options: &[&str]) -> ParamType {
-    ParamType::Enum(options.iter().map(|o| o.to_string()).collect())
-}
-
 fn default_harness() -> Harness {
     Harness {
         timer: "wall clock of the slowest rank (threads of one process)".into(),
@@ -56,16 +52,16 @@ impl Plugin for Cp {
                 default_harness().declare(
                     StageSpec::new("threads")
                         .doc("Runs one method with its ranks as threads on CPU tensors: exact outputs, counted bytes.")
-                        .param(ParamSpec::new("method", choice(&Method::ALL.map(Method::name))).default("ring_p2p"))
+                        .param(ParamSpec::new("method", ParamType::one_of(&Method::ALL.map(Method::name))).default("ring_p2p"))
                         .param(ParamSpec::new("world", ParamType::Int).default(4).doc("Ranks."))
                         .param(ParamSpec::new("ulysses", ParamType::Int).default(0).doc("Ulysses group size for usp and loongtrain (0: the largest divisor U of world with U² ≤ world)."))
                         .param(ParamSpec::new("windows", ParamType::Int).default(0).doc("LoongTrain's ring windows (0: the largest divisor m of the ring size R with m² ≤ R, as LongCA-bench)."))
-                        .param(ParamSpec::new("placement", choice(&["ring_inner", "ulysses_inner"])).default("ring_inner").doc("Which group is made of consecutive ranks."))
-                        .param(ParamSpec::new("direction", choice(&["fwd", "bwd", "fwd_bwd"])).default("fwd"))
+                        .param(ParamSpec::new("placement", ParamType::one_of(&["ring_inner", "ulysses_inner"])).default("ring_inner").doc("Which group is made of consecutive ranks."))
+                        .param(ParamSpec::new("direction", ParamType::one_of(&["fwd", "bwd", "fwd_bwd"])).default("fwd"))
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(8))
                         .param(ParamSpec::new("heads_kv", ParamType::Int).default(4))
                         .param(ParamSpec::new("head_dim", ParamType::Int).default(16))
-                        .param(ParamSpec::new("dtype", choice(&["bf16", "fp16", "f32"])).default("bf16").doc("Inputs are rounded to it; bytes are counted in it.")),
+                        .param(ParamSpec::new("dtype", ParamType::one_of(&["bf16", "fp16", "f32"])).default("bf16").doc("Inputs are rounded to it; bytes are counted in it.")),
                 )
                 .input(kinds::MASK)
                 .output(kinds::MEASUREMENT)
@@ -76,13 +72,13 @@ impl Plugin for Cp {
             .stage(
                 StageSpec::new("model")
                     .doc("Predicts each method's per-GPU TFLOP/s at every world size from a kernel's throughput, the links and the traffic formulas.")
-                    .param(ParamSpec::new("mask", choice(&["full", "causal"])).default("causal"))
-                    .param(ParamSpec::new("direction", choice(&["fwd", "bwd"])).default("fwd"))
+                    .param(ParamSpec::new("mask", ParamType::one_of(&["full", "causal"])).default("causal"))
+                    .param(ParamSpec::new("direction", ParamType::one_of(&["fwd", "bwd"])).default("fwd"))
                     .param(ParamSpec::new("tokens_per_gpu", ParamType::Size).default("8k"))
                     .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
                     .param(ParamSpec::new("heads_kv", ParamType::Int).default(8))
                     .param(ParamSpec::new("head_dim", ParamType::Int).default(128))
-                    .param(ParamSpec::new("dtype", choice(&["bf16", "fp16", "f32"])).default("bf16"))
+                    .param(ParamSpec::new("dtype", ParamType::one_of(&["bf16", "fp16", "f32"])).default("bf16"))
                     .param(ParamSpec::new("kernel_tflops", ParamType::Float).default(0.0).doc("The attention kernel's measured TFLOP/s; 0: sdpa-flash (FA2) on one H200 at 8K tokens, full mask, as measured by pipelines/dense-kernels.yaml (351 forward, 296 backward)."))
                     .param(ParamSpec::new("worlds", ParamType::List(Box::new(ParamType::Int))).default(json!([8, 16, 32, 64, 128, 256, 512, 1024])))
                     .param(ParamSpec::new("gpus_per_node", ParamType::Int).default(8))
@@ -90,7 +86,7 @@ impl Plugin for Cp {
                     .param(ParamSpec::new("infiniband_gbs", ParamType::Float).default(48.0).doc("InfiniBand bandwidth per GPU, GB/s."))
                     .param(ParamSpec::new("nvlink_latency_us", ParamType::Float).default(5.0))
                     .param(ParamSpec::new("infiniband_latency_us", ParamType::Float).default(10.0))
-                    .param(ParamSpec::new("placement", choice(&["ulysses_inner", "ring_inner"])).default("ulysses_inner").doc("Which group is made of consecutive ranks (on one node first)."))
+                    .param(ParamSpec::new("placement", ParamType::one_of(&["ulysses_inner", "ring_inner"])).default("ulysses_inner").doc("Which group is made of consecutive ranks (on one node first)."))
                     .output("predictions")
                     .cache_scope(CacheScope::Pure),
             )
@@ -282,8 +278,7 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
             "forward_s_per_rank": first.forward_s, "backward_s_per_rank": first.backward_s,
         }),
     );
-    write_json(&request.output_dir, Measurement::FILE, &measurement)?;
-    serde_json::to_value(&measurement).map_err(|err| PluginError::failed(err.to_string()))
+    measurement.write(&request.output_dir)
 }
 
 #[derive(Deserialize)]

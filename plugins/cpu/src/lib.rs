@@ -10,8 +10,8 @@ use attnbench_sdk::measure::{
     Correctness, Harness, Measurement, Memory, Quantiles, Shape as MeasuredShape, Throughput,
 };
 use attnbench_sdk::{
-    kinds, write_json, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError,
-    PluginManifest, StageRequest, StageSpec,
+    kinds, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError, PluginManifest,
+    StageRequest, StageSpec,
 };
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -49,10 +49,6 @@ fn default_harness() -> Harness {
 /// Relative error allowed against the f64 reference (f32 arithmetic, inputs shared).
 const TOLERANCE: f64 = 2e-3;
 
-fn choice(options: &[&str]) -> ParamType {
-    ParamType::Enum(options.iter().map(|o| o.to_string()).collect())
-}
-
 impl Plugin for Cpu {
     fn manifest() -> PluginManifest {
         PluginManifest::new("cpu", env!("CARGO_PKG_VERSION"))
@@ -61,14 +57,14 @@ impl Plugin for Cpu {
                 default_harness()
                     .declare(StageSpec::new("benchmark"))
                     .doc("Times one kernel on one mask (from a masks/generate node) and checks its output.")
-                    .param(ParamSpec::new("kernel", choice(&["tiled", "naive"])).default("tiled").doc("`tiled` (online softmax, threads) or `naive` (f64, materialised scores)."))
-                    .param(ParamSpec::new("direction", choice(&["fwd", "bwd", "fwd_bwd"])).default("fwd").doc("`bwd` is timed alone, after one forward outside the timing."))
+                    .param(ParamSpec::new("kernel", ParamType::one_of(&["tiled", "naive"])).default("tiled").doc("`tiled` (online softmax, threads) or `naive` (f64, materialised scores)."))
+                    .param(ParamSpec::new("direction", ParamType::one_of(&["fwd", "bwd", "fwd_bwd"])).default("fwd").doc("`bwd` is timed alone, after one forward outside the timing."))
                     .param(ParamSpec::new("heads_q", ParamType::Int).default(64).doc("Query heads."))
                     .param(ParamSpec::new("heads_kv", ParamType::Int).default(8).doc("Key/value heads (GQA when fewer than heads_q)."))
                     .param(ParamSpec::new("head_dim", ParamType::Int).default(128).doc("Head dimension."))
-                    .param(ParamSpec::new("dtype", choice(&["f32", "bf16"])).default("f32").doc("Input precision (bf16 rounds the inputs; arithmetic is f32, or f64 for naive)."))
+                    .param(ParamSpec::new("dtype", ParamType::one_of(&["f32", "bf16"])).default("f32").doc("Input precision (bf16 rounds the inputs; arithmetic is f32, or f64 for naive)."))
                     .param(ParamSpec::new("threads", ParamType::Int).default(0).doc("Threads for the tiled kernel (0 = one per CPU)."))
-                    .param(ParamSpec::new("check", choice(&["auto", "full", "sampled", "off"])).default("auto").doc(
+                    .param(ParamSpec::new("check", ParamType::one_of(&["auto", "full", "sampled", "off"])).default("auto").doc(
                         "Correctness: `full` compares every output with the naive kernel, `sampled` 64 rows per head with an independent per-row reference; `auto` is full up to full_check_max_seqlen.",
                     ))
                     .param(ParamSpec::new("full_check_max_seqlen", ParamType::Size).default(1024).doc("Longest sequence `auto` checks in full."))
@@ -91,9 +87,8 @@ impl Plugin for Cpu {
         }
         let params: Params = request.params()?;
         let set = request.mask_set()?;
-        let measurement = benchmark(&params, &set, request.seed, host, &request.output_dir)?;
-        write_json(&request.output_dir, Measurement::FILE, &measurement)?;
-        serde_json::to_value(&measurement).map_err(|err| PluginError::failed(err.to_string()))
+        benchmark(&params, &set, request.seed, host, &request.output_dir)?
+            .write(&request.output_dir)
     }
 }
 

@@ -61,21 +61,8 @@ fn with_gpu<T>(work: impl FnOnce(&mut State) -> Result<T, PluginError>) -> Resul
     work(guard.as_mut().expect("initialised above"))
 }
 
-fn choice(options: &[&str]) -> ParamType {
-    ParamType::Enum(options.iter().map(|o| o.to_string()).collect())
-}
-
-/// The GPU harness's settings when a pipeline does not change them.
 fn default_harness() -> Harness {
-    Harness {
-        timer: "CUDA events, L2 flushed (2× its size) before every repetition".into(),
-        warmup_reps: 3,
-        warmup_s: 0.1,
-        min_reps: 10,
-        max_reps: 200,
-        max_time_s: 5.0,
-        target_rel_ci: 0.01,
-    }
+    Harness::gpu()
 }
 
 impl Plugin for Cuda {
@@ -90,7 +77,7 @@ impl Plugin for Cuda {
                         .param(ParamSpec::new("m", ParamType::Size).default("8k"))
                         .param(ParamSpec::new("n", ParamType::Size).default("8k"))
                         .param(ParamSpec::new("k", ParamType::Size).default("8k"))
-                        .param(ParamSpec::new("dtype", choice(&["bf16", "f32"])).default("bf16")),
+                        .param(ParamSpec::new("dtype", ParamType::one_of(&["bf16", "f32"])).default("bf16")),
                 )
                 .output("gemm")
                 .cache_scope(CacheScope::Machine)
@@ -101,12 +88,12 @@ impl Plugin for Cuda {
                 default_harness().declare(
                     StageSpec::new("benchmark")
                         .doc("Times one kernel on one mask (from a masks/generate node), checked against the reference first.")
-                        .param(ParamSpec::new("kernel", choice(&["naive"])).default("naive").doc("`naive`: cuBLAS GEMMs around a masked softmax; S×S scores per head."))
-                        .param(ParamSpec::new("direction", choice(&["fwd", "bwd", "fwd_bwd"])).default("fwd").doc("`bwd` is timed alone: the forward runs once, outside the timed region."))
+                        .param(ParamSpec::new("kernel", ParamType::one_of(&["naive"])).default("naive").doc("`naive`: cuBLAS GEMMs around a masked softmax; S×S scores per head."))
+                        .param(ParamSpec::new("direction", ParamType::one_of(&["fwd", "bwd", "fwd_bwd"])).default("fwd").doc("`bwd` is timed alone: the forward runs once, outside the timed region."))
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
                         .param(ParamSpec::new("heads_kv", ParamType::Int).default(8))
                         .param(ParamSpec::new("head_dim", ParamType::Int).default(128))
-                        .param(ParamSpec::new("dtype", choice(&["bf16", "f32", "fp16"])).default("bf16"))
+                        .param(ParamSpec::new("dtype", ParamType::one_of(&["bf16", "f32", "fp16"])).default("bf16"))
                         .param(ParamSpec::new("outputs", ParamType::Bool).default(false).doc("Also write out.f32 and lse.f32."))
                         .param(ParamSpec::new("check_max_seqlen", ParamType::Size).default("2k").doc("Longest sequence whose every output is checked against the f64 reference before timing; longer ones check 16 rows of every head against an independent per-row reference.")),
                 )
@@ -254,11 +241,6 @@ fn gib(bytes: usize) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
 }
 
-fn finish(request: &StageRequest, measurement: &Measurement) -> Result<Value, PluginError> {
-    write_json(&request.output_dir, Measurement::FILE, measurement)?;
-    serde_json::to_value(measurement).map_err(|err| PluginError::failed(err.to_string()))
-}
-
 fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> {
     let p: BenchParams = request.params()?;
     let set = request.mask_set()?;
@@ -307,7 +289,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         let out_of_memory = |mut m: Measurement, reason: String| {
             m.status = MeasureStatus::Oom;
             m.reason = Some(reason);
-            finish(request, &m)
+            m.write(&request.output_dir)
         };
         if needed > free {
             return out_of_memory(
@@ -408,7 +390,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
             above_inputs_bytes: peak.saturating_sub(inputs_bytes) as u64,
             method: "the plugin's tracking allocator: the most device memory the kernel's buffers held at once (cuBLAS's own workspace not included)".into(),
         });
-        finish(request, &measurement)
+        measurement.write(&request.output_dir)
     })
 }
 

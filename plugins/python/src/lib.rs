@@ -68,20 +68,11 @@ fn with_bridge(python: &str, op: &str, params: Value) -> Result<(Reply, Value), 
     Ok((reply, hello))
 }
 
-fn choice(options: &[&str]) -> ParamType {
-    ParamType::Enum(options.iter().map(|o| o.to_string()).collect())
-}
-
-/// The harness's settings when a pipeline does not change them (the GPU plugin's).
+/// The GPU plugins' harness; on the CPU (numpy) the worker times with `time.perf_counter`.
 fn default_harness() -> Harness {
     Harness {
         timer: "CUDA events, L2 flushed (2× its size) before every repetition; time.perf_counter on the CPU".into(),
-        warmup_reps: 3,
-        warmup_s: 0.1,
-        min_reps: 10,
-        max_reps: 200,
-        max_time_s: 5.0,
-        target_rel_ci: 0.01,
+        ..Harness::gpu()
     }
 }
 
@@ -100,15 +91,15 @@ impl Plugin for Python {
                 default_harness().declare(
                     StageSpec::new("benchmark")
                         .doc("Times one Python kernel on one mask (from a masks/generate node), checked against the reference first.")
-                        .param(ParamSpec::new("kernel", choice(&KERNELS)).default("numpy").doc("`numpy` runs on the CPU; `module` runs the `attention` function of the file given as `module`."))
+                        .param(ParamSpec::new("kernel", ParamType::one_of(&KERNELS)).default("numpy").doc("`numpy` runs on the CPU; `module` runs the `attention` function of the file given as `module`."))
                         .param(ParamSpec::new("module", ParamType::File).default("").doc("For kernel `module`: a Python file defining `attention(q, k, v, mask, scale)` (README: third-party kernels)."))
                         .param(ParamSpec::new("python", ParamType::String).default("").doc("The interpreter; empty: ATTNBENCH_PYTHON, then python3."))
-                        .param(ParamSpec::new("device", choice(&["cuda", "cpu"])).default("cuda").doc("Where torch kernels run (`numpy` always runs on the CPU)."))
-                        .param(ParamSpec::new("direction", choice(&["fwd", "bwd", "fwd_bwd"])).default("fwd").doc("`bwd` is timed alone: the forward runs once, outside the timed region."))
+                        .param(ParamSpec::new("device", ParamType::one_of(&["cuda", "cpu"])).default("cuda").doc("Where torch kernels run (`numpy` always runs on the CPU)."))
+                        .param(ParamSpec::new("direction", ParamType::one_of(&["fwd", "bwd", "fwd_bwd"])).default("fwd").doc("`bwd` is timed alone: the forward runs once, outside the timed region."))
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
                         .param(ParamSpec::new("heads_kv", ParamType::Int).default(8))
                         .param(ParamSpec::new("head_dim", ParamType::Int).default(128))
-                        .param(ParamSpec::new("dtype", choice(&["bf16", "fp16", "f32"])).default("bf16"))
+                        .param(ParamSpec::new("dtype", ParamType::one_of(&["bf16", "fp16", "f32"])).default("bf16"))
                         .param(ParamSpec::new("outputs", ParamType::Bool).default(false).doc("Also write out.f32, lse.f32 (and dq/dk/dv.f32) when the inputs are the SDK's (up to check_max_seqlen)."))
                         .param(ParamSpec::new("check_max_seqlen", ParamType::Size).default("2k").doc("Up to this length the inputs are the SDK's and every output is checked against the f64 reference; beyond it the worker checks `check_rows` rows of every head."))
                         .param(ParamSpec::new("check_rows", ParamType::Int).default(16).doc("Rows of every head checked beyond check_max_seqlen.")),
@@ -177,11 +168,6 @@ fn tolerance(element: Element) -> f64 {
         Element::F16 => 5e-3,
         Element::Bf16 => 2e-2,
     }
-}
-
-fn finish(request: &StageRequest, measurement: &Measurement) -> Result<Value, PluginError> {
-    write_json(&request.output_dir, Measurement::FILE, measurement)?;
-    serde_json::to_value(measurement).map_err(|err| PluginError::failed(err.to_string()))
 }
 
 fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> {
@@ -297,7 +283,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
     );
     let _ = std::fs::remove_dir_all(&exchange);
     outcome?;
-    finish(request, &measurement)
+    measurement.write(&request.output_dir)
 }
 
 /// Fills the measurement from the worker's reply; with the SDK's inputs, checks every output.
