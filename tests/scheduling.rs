@@ -65,7 +65,7 @@ fn sigterm_lets_running_nodes_finish_and_writes_the_record() {
         "p.yaml",
         "stages:\n  work:\n    uses: testkit/echo-worker\n    with: {sleep_ms: 700}\n    matrix: {value: [1, 2, 3, 4, 5, 6]}\n",
     );
-    let mut child = sandbox
+    let child = sandbox
         .command(&["run", "p.yaml", "-j", "1", "-q"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())

@@ -21,7 +21,7 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
 pub fn format_size(value: u64) -> String {
     for (shift, suffix) in [(30, "G"), (20, "M"), (10, "k")] {
         let unit = 1u64 << shift;
-        if value >= unit && value % unit == 0 {
+        if value >= unit && value.is_multiple_of(unit) {
             return format!("{}{suffix}", value / unit);
         }
     }

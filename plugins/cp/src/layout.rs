@@ -48,7 +48,7 @@ impl Layout {
     /// Why this layout cannot shard the sequence, if it cannot.
     pub fn check(&self) -> Result<(), String> {
         let pieces = 2 * self.ring * self.ulysses;
-        if self.ulysses == 0 || self.ring == 0 || self.seqlen % pieces != 0 {
+        if self.ulysses == 0 || self.ring == 0 || !self.seqlen.is_multiple_of(pieces) {
             return Err(format!(
                 "seqlen {} must be a multiple of 2·ring·ulysses = {pieces}",
                 self.seqlen

@@ -123,7 +123,7 @@ struct Params {
 /// The largest divisor x of n with x² ≤ n.
 fn balanced_divisor(n: usize) -> usize {
     (1..=n)
-        .filter(|x| n % x == 0 && x * x <= n)
+        .filter(|x| n.is_multiple_of(*x) && x * x <= n)
         .max()
         .unwrap_or(1)
 }
@@ -146,7 +146,7 @@ pub fn setup(
         Method::Usp | Method::LoongTrain if ulysses == 0 => balanced_divisor(world),
         Method::Usp | Method::LoongTrain => ulysses,
     };
-    if world % u != 0 {
+    if !world.is_multiple_of(u) {
         return Err(format!("ulysses ({u}) must divide world ({world})"));
     }
     let ring = world / u;
@@ -155,7 +155,7 @@ pub fn setup(
         Method::LoongTrain => windows,
         _ => 1,
     };
-    if ring % windows != 0 {
+    if !ring.is_multiple_of(windows) {
         return Err(format!(
             "windows ({windows}) must divide the ring size ({ring})"
         ));

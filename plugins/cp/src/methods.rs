@@ -557,14 +557,14 @@ impl RingStep<'_> {
 /// How many times each KV head is repeated so that Ulysses can split KV heads over `ulysses`
 /// ranks, or why it cannot.
 pub fn kv_repeat(heads_q: usize, heads_kv: usize, ulysses: usize) -> Result<usize, String> {
-    if heads_q % ulysses != 0 {
+    if !heads_q.is_multiple_of(ulysses) {
         return Err(format!(
             "{heads_q} query heads cannot be split over {ulysses} Ulysses ranks"
         ));
     }
-    if heads_kv % ulysses == 0 {
+    if heads_kv.is_multiple_of(ulysses) {
         Ok(1)
-    } else if ulysses % heads_kv == 0 {
+    } else if ulysses.is_multiple_of(heads_kv) {
         Ok(ulysses / heads_kv)
     } else {
         Err(format!("{heads_kv} KV heads cannot be split over {ulysses} Ulysses ranks, nor repeated to fill them"))

@@ -48,7 +48,7 @@ pub fn paper_setup(method: Method, world: usize, placement: Placement, seqlen: u
     let ring = world / ulysses;
     let windows = if method == Method::LoongTrain {
         (1..=ring)
-            .filter(|m| ring % m == 0 && m * m <= ring)
+            .filter(|m| ring.is_multiple_of(*m) && m * m <= ring)
             .max()
             .unwrap_or(1)
     } else {

@@ -28,7 +28,11 @@ fn mask(pattern: &str) -> MaskSet {
 }
 
 fn shape_for(world: usize) -> Shape {
-    let (heads_q, heads_kv) = if world % 3 == 0 { (6, 3) } else { (8, 2) };
+    let (heads_q, heads_kv) = if world.is_multiple_of(3) {
+        (6, 3)
+    } else {
+        (8, 2)
+    };
     Shape {
         heads_q,
         heads_kv,

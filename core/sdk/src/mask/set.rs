@@ -51,7 +51,7 @@ impl MaskSet {
 
     /// Checks a kernel's head counts against each other and against this set's scope.
     pub fn check_heads(&self, heads_q: u64, heads_kv: u64, head_dim: u64) -> Result<(), String> {
-        if heads_q == 0 || heads_kv == 0 || head_dim == 0 || heads_q % heads_kv != 0 {
+        if heads_q == 0 || heads_kv == 0 || head_dim == 0 || !heads_q.is_multiple_of(heads_kv) {
             return Err(format!("heads_q ({heads_q}) must be a positive multiple of heads_kv ({heads_kv}), and head_dim positive"));
         }
         let expected = match self.scope {

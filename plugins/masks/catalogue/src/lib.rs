@@ -221,7 +221,7 @@ pub fn generate(params: &Params, histogram: &Histogram, seed: u64) -> Result<Mas
         }
         "block_causal_document" => {
             let b = params.block_size;
-            if b == 0 || s % b != 0 {
+            if b == 0 || !s.is_multiple_of(b) {
                 return Err(format!(
                     "block_causal_document needs seqlen ({s}) to be a multiple of block_size ({b})"
                 ));
@@ -365,7 +365,7 @@ fn block_sparse(
             ))
         }
     };
-    if params.heads_kv == 0 || params.heads_q % params.heads_kv != 0 {
+    if params.heads_kv == 0 || !params.heads_q.is_multiple_of(params.heads_kv) {
         return Err(format!(
             "heads_q ({}) must be a multiple of heads_kv ({})",
             params.heads_q, params.heads_kv
