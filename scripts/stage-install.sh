@@ -11,6 +11,8 @@ target=${CARGO_TARGET_DIR:-$root/target}/release
 rm -rf "$prefix"
 mkdir -p "$prefix/bin" "$prefix/plugins"
 install -m 0755 "$target/attnbench" "$prefix/bin/attnbench"
+# One rank of a multi-process context-parallel run; the cp plugin looks for it beside attnbench.
+install -m 0755 "$target/attnbench-cp-rank" "$prefix/bin/attnbench-cp-rank"
 for library in "$target"/lib*.so; do
   # The test plugin misbehaves on purpose; it is not part of an installation.
   case "$(basename "$library")" in libattnbench_testkit.so) continue ;; esac

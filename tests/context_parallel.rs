@@ -89,3 +89,39 @@ fn the_cost_model_pipeline_predicts_every_method_and_its_report_plots_the_curves
         "one chart per mask and direction"
     );
 }
+
+#[test]
+fn ranks_as_processes_joined_over_tcp_give_the_same_exact_results_and_traffic() {
+    let sandbox = Sandbox::new();
+    sandbox.write(
+        "p.yaml",
+        "stages:\n  masks:\n    uses: masks/generate\n    with: {mask: causal_document, seqlen: 96}\n  cp:\n    uses: cp/threads\n    needs: [masks]\n    matrix: {method: [ulysses, ring_p2p, ring_allgather, usp, loongtrain], direction: [bwd]}\n    with: {backend: processes, world: 4, heads_q: 8, heads_kv: 2, head_dim: 8, min_reps: 1, warmup_reps: 0}\n",
+    );
+    let run = sandbox.run(&["run", "p.yaml", "-q"]);
+    assert!(run.status.success(), "{}", stderr(&run));
+    let record = sandbox.last_record();
+    let cells = measurements(&record, "cp[");
+    assert_eq!(cells.len(), 5);
+    for (id, m) in cells {
+        assert_eq!(
+            m["correctness"]["passed"], true,
+            "{id}: {}",
+            m["correctness"]
+        );
+        let cp = &m["environment"]["context_parallel"];
+        for (sent, formula) in [
+            ("bytes_sent_forward", "formula_forward"),
+            ("bytes_sent_backward", "formula_backward"),
+        ] {
+            for bytes in cp[sent].as_array().unwrap() {
+                assert_eq!(bytes, &cp[formula], "{id}: {cp}");
+            }
+        }
+        assert_eq!(
+            cp["bytes_sent_forward"].as_array().unwrap().len(),
+            4,
+            "{id}: four ranks"
+        );
+        assert_eq!(cp["backend"], "processes", "{id}");
+    }
+}

@@ -1,13 +1,24 @@
-//! The communicator the context-parallel methods are written against, and its `threads` backend:
-//! ranks are threads of one process, messages are vectors handed over through per-rank mailboxes,
-//! and every element sent is counted, so a method's traffic can be compared with its formula.
+//! The communicator the context-parallel methods are written against, and the world its groups
+//! live in: ranks are threads of this process (`threads`), or processes joined over TCP (`tcp`,
+//! see `tcp.rs`), one rank each. Messages are vectors delivered into per-rank mailboxes, and every
+//! element sent is counted, so a method's traffic can be compared with its formula.
 //!
-//! Sends never block (a posted send is a handed-over buffer), receives wait for their message:
-//! a method that posts its next send before it computes overlaps the two, as on a GPU.
+//! Sends never block (a posted send is a handed-over buffer, or a frame written to a socket),
+//! receives wait for their message: a method that posts its next send before it computes overlaps
+//! the two, as on a GPU.
 
 use std::collections::{HashMap, VecDeque};
+use std::io::Write;
+use std::net::TcpStream;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+/// How long a receive waits before it gives up on its peer.
+const RECEIVE_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The tag barriers use.
+const BARRIER_TAG: u32 = 0xffff;
 
 /// Point-to-point and collective operations among the members of one group.
 pub trait Communicator: Send + Sync {
@@ -17,8 +28,11 @@ pub trait Communicator: Send + Sync {
     fn send(&self, to: usize, tag: u32, data: Vec<f64>);
     /// The next message from member `from` with `tag`, waiting for it.
     fn recv(&self, from: usize, tag: u32) -> Vec<f64>;
-    /// Waits until every member has reached the barrier.
-    fn barrier(&self);
+
+    /// Waits until every member has reached the barrier (an all-gather of nothing).
+    fn barrier(&self) {
+        self.all_gather(BARRIER_TAG, Vec::new());
+    }
 
     /// Member j receives `chunks[j]`; returns what each member sent here, by member.
     fn all_to_all(&self, tag: u32, mut chunks: Vec<Vec<f64>>) -> Vec<Vec<f64>> {
@@ -84,15 +98,23 @@ struct Mailbox {
     ready: Condvar,
 }
 
-/// The ranks of one process, their mailboxes and traffic counters.
+/// All ranks: the mailboxes of those in this process, links to those in others, and what each
+/// local rank has sent.
 pub struct World {
     mailboxes: Vec<Mailbox>,
     sent_elements: Vec<AtomicU64>,
-    barrier: std::sync::Barrier,
+    /// Streams to ranks in other processes; `None` for ranks in this one.
+    links: Vec<Option<Mutex<TcpStream>>>,
 }
 
 impl World {
+    /// `size` ranks, all threads of this process.
     pub fn new(size: usize) -> Arc<World> {
+        World::with_links((0..size).map(|_| None).collect())
+    }
+
+    pub(crate) fn with_links(links: Vec<Option<Mutex<TcpStream>>>) -> Arc<World> {
+        let size = links.len();
         Arc::new(World {
             mailboxes: (0..size)
                 .map(|_| Mailbox {
@@ -101,37 +123,81 @@ impl World {
                 })
                 .collect(),
             sent_elements: (0..size).map(|_| AtomicU64::new(0)).collect(),
-            barrier: std::sync::Barrier::new(size),
+            links,
         })
-    }
-
-    pub fn size(&self) -> usize {
-        self.mailboxes.len()
     }
 
     /// Elements world rank `rank` has sent so far, over every group.
     pub fn sent_elements(&self, rank: usize) -> u64 {
         self.sent_elements[rank].load(Ordering::Relaxed)
     }
+
+    /// Puts a message from `from` into the mailbox of local rank `to`.
+    pub(crate) fn deliver(&self, from: usize, to: usize, tag: u32, data: Vec<f64>) {
+        let mailbox = &self.mailboxes[to];
+        let mut queues = mailbox.queues.lock().unwrap_or_else(|e| e.into_inner());
+        queues.entry((from, tag)).or_default().push_back(data);
+        mailbox.ready.notify_all();
+    }
+
+    fn post(&self, from: usize, to: usize, tag: u32, data: Vec<f64>) {
+        self.sent_elements[from].fetch_add(data.len() as u64, Ordering::Relaxed);
+        match &self.links[to] {
+            None => self.deliver(from, to, tag, data),
+            Some(link) => {
+                let mut frame = Vec::with_capacity(16 + data.len() * 8);
+                frame.extend((from as u32).to_le_bytes());
+                frame.extend(tag.to_le_bytes());
+                frame.extend((data.len() as u64).to_le_bytes());
+                for value in &data {
+                    frame.extend(value.to_le_bytes());
+                }
+                let mut stream = link.lock().unwrap_or_else(|e| e.into_inner());
+                if let Err(err) = stream.write_all(&frame) {
+                    panic!("rank {from} could not send to rank {to}: {err}");
+                }
+            }
+        }
+    }
+
+    fn take(&self, me: usize, from: usize, tag: u32) -> Vec<f64> {
+        let mailbox = &self.mailboxes[me];
+        let mut queues = mailbox.queues.lock().unwrap_or_else(|e| e.into_inner());
+        let deadline = std::time::Instant::now() + RECEIVE_TIMEOUT;
+        loop {
+            if let Some(data) = queues.get_mut(&(from, tag)).and_then(VecDeque::pop_front) {
+                return data;
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                panic!("rank {me} waited {} s for a message from rank {from} (tag {tag:#x}); is that rank alive?", RECEIVE_TIMEOUT.as_secs());
+            }
+            queues = mailbox
+                .ready
+                .wait_timeout(queues, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
 }
 
 /// A group of world ranks (in group order) as seen by one of them. Groups keep their messages
 /// apart by tag space, so a rank can be in several (Ulysses and ring) at once.
-pub struct ThreadGroup {
+pub struct Group {
     world: Arc<World>,
     members: Vec<usize>,
     me: usize,
     space: u32,
 }
 
-impl ThreadGroup {
+impl Group {
     /// `members` are world ranks; `space` must differ between groups a rank belongs to.
     pub fn new(world: Arc<World>, members: Vec<usize>, world_rank: usize, space: u32) -> Self {
         let me = members
             .iter()
             .position(|&m| m == world_rank)
             .expect("a rank builds only the groups it belongs to");
-        ThreadGroup {
+        Group {
             world,
             members,
             me,
@@ -144,7 +210,7 @@ impl ThreadGroup {
     }
 }
 
-impl Communicator for ThreadGroup {
+impl Communicator for Group {
     fn rank(&self) -> usize {
         self.me
     }
@@ -154,40 +220,13 @@ impl Communicator for ThreadGroup {
     }
 
     fn send(&self, to: usize, tag: u32, data: Vec<f64>) {
-        let from = self.members[self.me];
-        self.world.sent_elements[from].fetch_add(data.len() as u64, Ordering::Relaxed);
-        let mailbox = &self.world.mailboxes[self.members[to]];
-        let mut queues = mailbox.queues.lock().unwrap_or_else(|e| e.into_inner());
-        queues
-            .entry((from, self.tag(tag)))
-            .or_default()
-            .push_back(data);
-        mailbox.ready.notify_all();
+        let (from, to) = (self.members[self.me], self.members[to]);
+        self.world.post(from, to, self.tag(tag), data);
     }
 
     fn recv(&self, from: usize, tag: u32) -> Vec<f64> {
-        let key = (self.members[from], self.tag(tag));
-        let mailbox = &self.world.mailboxes[self.members[self.me]];
-        let mut queues = mailbox.queues.lock().unwrap_or_else(|e| e.into_inner());
-        loop {
-            if let Some(data) = queues.get_mut(&key).and_then(VecDeque::pop_front) {
-                return data;
-            }
-            queues = mailbox
-                .ready
-                .wait(queues)
-                .unwrap_or_else(|e| e.into_inner());
-        }
-    }
-
-    fn barrier(&self) {
-        // Only whole-world barriers are needed by the methods.
-        assert_eq!(
-            self.members.len(),
-            self.world.size(),
-            "barrier on a sub-group"
-        );
-        self.world.barrier.wait();
+        let (me, from) = (self.members[self.me], self.members[from]);
+        self.world.take(me, from, self.tag(tag))
     }
 }
 
@@ -195,15 +234,12 @@ impl Communicator for ThreadGroup {
 mod tests {
     use super::*;
 
-    fn on_threads<T: Send>(
-        n: usize,
-        work: impl Fn(ThreadGroup) -> T + Sync,
-    ) -> (Vec<T>, Arc<World>) {
+    fn on_threads<T: Send>(n: usize, work: impl Fn(Group) -> T + Sync) -> (Vec<T>, Arc<World>) {
         let world = World::new(n);
         let results = std::thread::scope(|scope| {
             let handles: Vec<_> = (0..n)
                 .map(|rank| {
-                    let group = ThreadGroup::new(world.clone(), (0..n).collect(), rank, 0);
+                    let group = Group::new(world.clone(), (0..n).collect(), rank, 0);
                     let work = &work;
                     scope.spawn(move || work(group))
                 })

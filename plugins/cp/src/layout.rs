@@ -9,7 +9,8 @@
 
 /// Which of the two groups is made of consecutive world ranks (the fast, intra-node, dimension
 /// when ranks are numbered node by node).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Placement {
     /// Ring groups are consecutive ranks: world rank = u·R + r.
     RingInner,
@@ -17,7 +18,7 @@ pub enum Placement {
     UlyssesInner,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
 pub struct Layout {
     pub seqlen: usize,
     pub ulysses: usize,

@@ -5,10 +5,13 @@
 //! method's per-GPU throughput from 8 to 1024 GPUs (see `model`).
 
 mod comm;
+mod launch;
 mod layout;
 mod local;
 mod methods;
 mod model;
+mod processes;
+mod tcp;
 mod threads;
 mod volume;
 
@@ -25,6 +28,7 @@ use serde_json::{json, Value};
 
 pub use layout::{Layout, Placement};
 pub use methods::{Method, Setup};
+pub use processes::rank_main;
 
 struct Cp;
 
@@ -57,6 +61,7 @@ impl Plugin for Cp {
                         .param(ParamSpec::new("ulysses", ParamType::Int).default(0).doc("Ulysses group size for usp and loongtrain (0: the largest divisor U of world with U² ≤ world)."))
                         .param(ParamSpec::new("windows", ParamType::Int).default(0).doc("LoongTrain's ring windows (0: the largest divisor m of the ring size R with m² ≤ R, as LongCA-bench)."))
                         .param(ParamSpec::new("placement", ParamType::one_of(&["ring_inner", "ulysses_inner"])).default("ring_inner").doc("Which group is made of consecutive ranks."))
+                        .param(ParamSpec::new("backend", ParamType::one_of(&["threads", "processes"])).default("threads").doc("`threads`: ranks as threads of the worker; `processes`: one `attnbench-cp-rank` process per rank, joined over TCP on loopback (as srun/mpirun/torchrun would start them across machines)."))
                         .param(ParamSpec::new("direction", ParamType::one_of(&["fwd", "bwd", "fwd_bwd"])).default("fwd"))
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(8))
                         .param(ParamSpec::new("heads_kv", ParamType::Int).default(4))
@@ -111,6 +116,7 @@ struct Params {
     ulysses: usize,
     windows: usize,
     placement: String,
+    backend: String,
     direction: String,
     heads_q: usize,
     heads_kv: usize,
@@ -220,8 +226,23 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
     );
     let inputs = Inputs::random_as(&shape, request.seed, element);
     let backward = p.direction != "fwd";
-    let first =
-        threads::run(setup, &shape, &set, &inputs, backward).map_err(PluginError::Params)?;
+    let ranks_dir = request.output_dir.join("ranks");
+    let job = processes::Job {
+        setup,
+        heads_q: p.heads_q,
+        heads_kv: p.heads_kv,
+        head_dim: p.head_dim,
+        dtype: p.dtype.clone(),
+        seed: request.seed,
+        backward,
+        mask: set.clone(),
+        results: ranks_dir.clone(),
+    };
+    let execute = || match p.backend.as_str() {
+        "processes" => processes::run(&job, &ranks_dir, std::time::Duration::from_secs(600)),
+        _ => threads::run(setup, &shape, &set, &inputs, backward),
+    };
+    let first = execute().map_err(PluginError::failed)?;
     host.debug("checking the gathered outputs against the single-device reference");
     let forward = Forward {
         out: first.out.clone(),
@@ -252,8 +273,15 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
             .map(|e| e * element.bytes() as u64)
             .collect::<Vec<_>>()
     };
+    let mut failure = None;
     let timing = harness.time_with(|| {
-        let outcome = threads::run(setup, &shape, &set, &inputs, backward).expect("ran once above");
+        let outcome = match execute() {
+            Ok(outcome) => outcome,
+            Err(err) => {
+                failure.get_or_insert(err);
+                return 0.0;
+            }
+        };
         let slowest = |times: &[f64]| times.iter().copied().fold(0.0, f64::max);
         match p.direction.as_str() {
             "fwd" => slowest(&outcome.forward_s),
@@ -261,6 +289,11 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
             _ => slowest(&outcome.forward_s) + slowest(&outcome.backward_s),
         }
     });
+    // The ranks' job, logs and results were the means, not the artifact.
+    let _ = std::fs::remove_dir_all(&ranks_dir);
+    if let Some(err) = failure {
+        return Err(PluginError::failed(err));
+    }
     let ranks = setup.layout.world() as u64;
     let per_rank_flops = measurement.flops / ranks;
     let times = Quantiles::of(&timing.samples);
@@ -271,7 +304,7 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
         "context_parallel".into(),
         json!({
             "method": method.name(), "world": ranks, "ulysses": setup.layout.ulysses, "ring": setup.layout.ring,
-            "windows": setup.windows, "placement": p.placement, "backend": "threads",
+            "windows": setup.windows, "placement": p.placement, "backend": p.backend,
             "throughput": "per rank: global FLOPs / ranks / slowest rank's time",
             "bytes_sent_forward": counted(&first.sent_forward), "formula_forward": formula_fwd,
             "bytes_sent_backward": counted(&first.sent_backward), "formula_backward": formula_bwd,

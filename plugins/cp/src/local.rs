@@ -7,7 +7,7 @@
 use attnbench_sdk::mask::Mask;
 
 /// Tokens of one side of a block: their global positions and, per head, their vectors.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Tokens {
     pub positions: Vec<u32>,
     /// Global head indices of the heads held (query heads for Q, KV heads for K and V).

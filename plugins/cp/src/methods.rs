@@ -8,7 +8,8 @@ use crate::comm::Communicator;
 use crate::layout::Layout;
 use crate::local::{Partial, Problem, Tokens};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Method {
     Ulysses,
     RingP2p,
@@ -43,7 +44,7 @@ impl Method {
 
 /// A method with its group sizes: `ulysses × ring` ranks, the ring in `windows` windows
 /// (LoongTrain; 1 otherwise).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
 pub struct Setup {
     pub method: Method,
     pub layout: Layout,

@@ -1,13 +1,15 @@
-//! Runs a method with every rank a thread of this process: shards the inputs, runs forward (and
-//! backward) on all ranks at once, gathers the outputs back into global tensors, and reports what
-//! each rank sent and how long each took.
+//! Runs a method's ranks — as threads of this process, or as processes joined over TCP (see
+//! `processes`) — and gathers what they computed back into global tensors, with what each rank
+//! sent and how long each took.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use attnbench_sdk::mask::MaskSet;
 use attnbench_sdk::reference::{HeadMasks, Inputs, Shape};
+use serde::{Deserialize, Serialize};
 
-use crate::comm::{Communicator, ThreadGroup, World};
+use crate::comm::{Communicator, Group, World};
 use crate::local::{Problem, Tokens};
 use crate::methods::{Groups, Rank, Setup};
 
@@ -22,6 +24,16 @@ pub struct Outcome {
     pub sent_backward: Vec<u64>,
     pub forward_s: Vec<f64>,
     pub backward_s: Vec<f64>,
+}
+
+/// What one rank computed, in its own tokens and heads.
+#[derive(Serialize, Deserialize)]
+pub struct RankResult {
+    out: Tokens,
+    lse: Tokens,
+    grads: Option<[Tokens; 3]>,
+    sent: (u64, u64),
+    seconds: (f64, f64),
 }
 
 fn gather(data: &[f32], positions: &[u32], heads: &[usize], shape: &Shape) -> Tokens {
@@ -53,14 +65,98 @@ fn scatter(global: &mut [f32], tokens: &Tokens, seqlen: usize, width: usize) {
     }
 }
 
-struct RankResult {
-    out: Tokens,
-    lse: Tokens,
-    grads: Option<[Tokens; 3]>,
-    sent: (u64, u64),
-    seconds: (f64, f64),
+/// Why this problem cannot run with `setup`, if it cannot.
+pub fn check(setup: &Setup, shape: &Shape) -> Result<(), String> {
+    setup.layout.check()?;
+    if setup.layout.seqlen != shape.seqlen {
+        return Err(format!(
+            "the layout is for {} tokens, the mask for {}",
+            setup.layout.seqlen, shape.seqlen
+        ));
+    }
+    crate::methods::kv_repeat(shape.heads_q, shape.heads_kv, setup.layout.ulysses).map(|_| ())
 }
 
+/// World rank `w`'s part: its shard of the inputs, forward (and backward), timed.
+pub fn run_rank(
+    world: Arc<World>,
+    w: usize,
+    setup: Setup,
+    shape: &Shape,
+    set: &MaskSet,
+    inputs: &Inputs,
+    backward: bool,
+) -> Result<RankResult, String> {
+    let layout = setup.layout;
+    let n = layout.world();
+    let head_masks = HeadMasks::new(set, shape);
+    let (u, r) = layout.coords(w);
+    let everyone = Group::new(world.clone(), (0..n).collect(), w, 0);
+    let ulysses = Group::new(
+        world.clone(),
+        (0..layout.ulysses)
+            .map(|i| layout.world_rank(i, r))
+            .collect(),
+        w,
+        1,
+    );
+    let ring = Group::new(
+        world.clone(),
+        (0..layout.ring).map(|i| layout.world_rank(u, i)).collect(),
+        w,
+        2,
+    );
+    let groups = Groups {
+        ulysses: &ulysses,
+        ring: &ring,
+    };
+    let rank = Rank {
+        setup,
+        world_rank: w,
+        problem: Problem {
+            masks: &set.masks,
+            mask_of_head: &head_masks.index_of_head,
+            group: shape.group(),
+            head_dim: shape.head_dim,
+            scale: 1.0 / (shape.head_dim as f64).sqrt(),
+        },
+        heads_q: shape.heads_q,
+        heads_kv: shape.heads_kv,
+    };
+    let (q_heads, kv_heads): (Vec<usize>, Vec<usize>) =
+        ((0..shape.heads_q).collect(), (0..shape.heads_kv).collect());
+    let positions = layout.positions(w);
+    let q = gather(&inputs.q, &positions, &q_heads, shape);
+    let k = gather(&inputs.k, &positions, &kv_heads, shape);
+    let v = gather(&inputs.v, &positions, &kv_heads, shape);
+    everyone.barrier();
+    let start = Instant::now();
+    let forward = rank.forward(&groups, &q, &k, &v)?;
+    let forward_s = start.elapsed().as_secs_f64();
+    let sent_forward = world.sent_elements(w);
+    let mut grads = None;
+    let mut backward_s = 0.0;
+    if backward {
+        let d_out = gather(&inputs.d_out, &positions, &q_heads, shape);
+        everyone.barrier();
+        let start = Instant::now();
+        let g = rank.backward(&groups, &forward.saved, &d_out);
+        backward_s = start.elapsed().as_secs_f64();
+        grads = Some([g.dq, g.dk, g.dv]);
+    }
+    // Nobody leaves (or closes its links) before everyone is done.
+    let sent_backward = world.sent_elements(w) - sent_forward;
+    everyone.barrier();
+    Ok(RankResult {
+        out: forward.out,
+        lse: forward.lse,
+        grads,
+        sent: (sent_forward, sent_backward),
+        seconds: (forward_s, backward_s),
+    })
+}
+
+/// All ranks as threads of this process.
 pub fn run(
     setup: Setup,
     shape: &Shape,
@@ -68,87 +164,14 @@ pub fn run(
     inputs: &Inputs,
     backward: bool,
 ) -> Result<Outcome, String> {
-    let layout = setup.layout;
-    layout.check()?;
-    if layout.seqlen != shape.seqlen {
-        return Err(format!(
-            "the layout is for {} tokens, the mask for {}",
-            layout.seqlen, shape.seqlen
-        ));
-    }
-    crate::methods::kv_repeat(shape.heads_q, shape.heads_kv, layout.ulysses)?;
-    let n = layout.world();
+    check(&setup, shape)?;
+    let n = setup.layout.world();
     let world = World::new(n);
-    let head_masks = HeadMasks::new(set, shape);
-    let problem = Problem {
-        masks: &set.masks,
-        mask_of_head: &head_masks.index_of_head,
-        group: shape.group(),
-        head_dim: shape.head_dim,
-        scale: 1.0 / (shape.head_dim as f64).sqrt(),
-    };
-    let q_heads: Vec<usize> = (0..shape.heads_q).collect();
-    let kv_heads: Vec<usize> = (0..shape.heads_kv).collect();
     let results: Vec<Result<RankResult, String>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..n)
             .map(|w| {
                 let world = world.clone();
-                let (problem, q_heads, kv_heads) = (&problem, &q_heads, &kv_heads);
-                scope.spawn(move || -> Result<RankResult, String> {
-                    let (u, r) = layout.coords(w);
-                    let everyone = ThreadGroup::new(world.clone(), (0..n).collect(), w, 0);
-                    let ulysses = ThreadGroup::new(
-                        world.clone(),
-                        (0..layout.ulysses)
-                            .map(|i| layout.world_rank(i, r))
-                            .collect(),
-                        w,
-                        1,
-                    );
-                    let ring = ThreadGroup::new(
-                        world.clone(),
-                        (0..layout.ring).map(|i| layout.world_rank(u, i)).collect(),
-                        w,
-                        2,
-                    );
-                    let groups = Groups {
-                        ulysses: &ulysses,
-                        ring: &ring,
-                    };
-                    let rank = Rank {
-                        setup,
-                        world_rank: w,
-                        problem: Problem { ..*problem },
-                        heads_q: shape.heads_q,
-                        heads_kv: shape.heads_kv,
-                    };
-                    let positions = layout.positions(w);
-                    let q = gather(&inputs.q, &positions, q_heads, shape);
-                    let k = gather(&inputs.k, &positions, kv_heads, shape);
-                    let v = gather(&inputs.v, &positions, kv_heads, shape);
-                    everyone.barrier();
-                    let start = Instant::now();
-                    let forward = rank.forward(&groups, &q, &k, &v)?;
-                    let forward_s = start.elapsed().as_secs_f64();
-                    let sent_forward = world.sent_elements(w);
-                    let mut grads = None;
-                    let mut backward_s = 0.0;
-                    if backward {
-                        let d_out = gather(&inputs.d_out, &positions, q_heads, shape);
-                        everyone.barrier();
-                        let start = Instant::now();
-                        let g = rank.backward(&groups, &forward.saved, &d_out);
-                        backward_s = start.elapsed().as_secs_f64();
-                        grads = Some([g.dq, g.dk, g.dv]);
-                    }
-                    Ok(RankResult {
-                        out: forward.out,
-                        lse: forward.lse,
-                        grads,
-                        sent: (sent_forward, world.sent_elements(w) - sent_forward),
-                        seconds: (forward_s, backward_s),
-                    })
-                })
+                scope.spawn(move || run_rank(world, w, setup, shape, set, inputs, backward))
             })
             .collect();
         handles
@@ -156,7 +179,15 @@ pub fn run(
             .map(|h| h.join().unwrap_or_else(|_| Err("a rank panicked".into())))
             .collect()
     });
-    let results: Vec<RankResult> = results.into_iter().collect::<Result<_, _>>()?;
+    Ok(assemble(
+        shape,
+        results.into_iter().collect::<Result<_, _>>()?,
+        backward,
+    ))
+}
+
+/// The global tensors and per-rank figures from every rank's result.
+pub fn assemble(shape: &Shape, results: Vec<RankResult>, backward: bool) -> Outcome {
     let (s, d) = (shape.seqlen, shape.head_dim);
     let mut out = vec![0f32; shape.q_len()];
     let mut lse = vec![f32::NEG_INFINITY; shape.heads_q * s];
@@ -176,7 +207,7 @@ pub fn run(
             }
         }
     }
-    Ok(Outcome {
+    Outcome {
         out,
         lse,
         grads,
@@ -184,5 +215,5 @@ pub fn run(
         sent_backward: results.iter().map(|r| r.sent.1).collect(),
         forward_s: results.iter().map(|r| r.seconds.0).collect(),
         backward_s: results.iter().map(|r| r.seconds.1).collect(),
-    })
+    }
 }

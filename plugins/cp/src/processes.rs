@@ -1,0 +1,204 @@
+//! Ranks as processes: `attnbench-cp-rank JOB` runs one rank of a job file, joining the others
+//! over TCP with the launcher's variables (`launch`). The `cp` stage's `processes` backend starts
+//! them itself on this machine (torchrun-style variables, a free port on loopback) and gathers
+//! their results; under Slurm, MPI or torchrun the same binary runs one rank per task:
+//!
+//! ```sh
+//! srun --ntasks 16 --ntasks-per-node 8 attnbench-cp-rank job.json
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use attnbench_sdk::mask::MaskSet;
+use attnbench_sdk::reference::{Element, Inputs, Shape};
+use serde::{Deserialize, Serialize};
+
+use crate::launch::RankInfo;
+use crate::methods::Setup;
+use crate::threads::{self, Outcome, RankResult};
+
+/// Everything a rank needs: the method, the problem (inputs are drawn from the seed, so every
+/// rank draws the same), and where to write its result.
+#[derive(Serialize, Deserialize)]
+pub struct Job {
+    pub setup: Setup,
+    pub heads_q: usize,
+    pub heads_kv: usize,
+    pub head_dim: usize,
+    pub dtype: String,
+    pub seed: u64,
+    pub backward: bool,
+    pub mask: MaskSet,
+    /// Each rank writes `rank-<r>.json` here.
+    pub results: PathBuf,
+}
+
+impl Job {
+    fn shape(&self) -> Shape {
+        Shape {
+            heads_q: self.heads_q,
+            heads_kv: self.heads_kv,
+            seqlen: self.mask.seqlen as usize,
+            head_dim: self.head_dim,
+        }
+    }
+
+    fn inputs(&self) -> Result<Inputs, String> {
+        let element =
+            Element::parse(&self.dtype).ok_or_else(|| format!("dtype `{}`", self.dtype))?;
+        Ok(Inputs::random_as(&self.shape(), self.seed, element))
+    }
+}
+
+/// Runs this process's rank of the job at `path`.
+pub fn rank_main(path: &Path) -> Result<(), String> {
+    let text = std::fs::read(path).map_err(|err| format!("{}: {err}", path.display()))?;
+    let job: Job = serde_json::from_slice(&text)
+        .map_err(|err| format!("{}: not a job: {err}", path.display()))?;
+    let info = RankInfo::from_env()?;
+    if info.world != job.setup.layout.world() {
+        return Err(format!(
+            "{} ranks were started ({}), the job needs {}",
+            info.world,
+            info.source,
+            job.setup.layout.world()
+        ));
+    }
+    let shape = job.shape();
+    threads::check(&job.setup, &shape)?;
+    let inputs = job.inputs()?;
+    let world = crate::tcp::join(&info)?;
+    let result = threads::run_rank(
+        world,
+        info.rank,
+        job.setup,
+        &shape,
+        &job.mask,
+        &inputs,
+        job.backward,
+    )?;
+    let bytes = serde_json::to_vec(&result).map_err(|err| err.to_string())?;
+    let target = job.results.join(format!("rank-{}.json", info.rank));
+    let partial = target.with_extension("partial");
+    std::fs::write(&partial, bytes)
+        .and_then(|_| std::fs::rename(&partial, &target))
+        .map_err(|err| format!("{}: {err}", target.display()))
+}
+
+/// The rank binary: beside the running `attnbench` (how it is installed and built), else on PATH.
+fn rank_binary() -> PathBuf {
+    const NAME: &str = "attnbench-cp-rank";
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(|dir| dir.join(NAME)))
+        .filter(|path| path.is_file())
+        .unwrap_or_else(|| PathBuf::from(NAME))
+}
+
+/// A port nobody listens on now, below Linux's ephemeral range (32768–60999) so that the ranks'
+/// own listeners, which take ephemeral ports, cannot take it before rank 0 binds it.
+fn free_port() -> Result<u16, String> {
+    let start = 20000 + (std::process::id() % 10000) as u16;
+    (0..2000)
+        .map(|offset| 20000 + (start - 20000 + offset) % 12000)
+        .find(|&port| std::net::TcpListener::bind(("0.0.0.0", port)).is_ok())
+        .ok_or_else(|| "no free port between 20000 and 32000 for the ranks to meet on".to_string())
+}
+
+/// Starts every rank of `job` as a process on this machine and gathers their results.
+pub fn run(job: &Job, dir: &Path, timeout: Duration) -> Result<Outcome, String> {
+    let shape = job.shape();
+    threads::check(&job.setup, &shape)?;
+    std::fs::create_dir_all(&job.results)
+        .map_err(|err| format!("{}: {err}", job.results.display()))?;
+    let path = dir.join("job.json");
+    std::fs::write(
+        &path,
+        serde_json::to_vec(job).map_err(|err| err.to_string())?,
+    )
+    .map_err(|err| format!("{}: {err}", path.display()))?;
+    let n = job.setup.layout.world();
+    let port = free_port()?;
+    let binary = rank_binary();
+    let mut children: Vec<(Child, PathBuf)> = Vec::new();
+    for rank in 0..n {
+        let log = dir.join(format!("rank-{rank}.log"));
+        let stderr =
+            std::fs::File::create(&log).map_err(|err| format!("{}: {err}", log.display()))?;
+        let child = Command::new(&binary)
+            .arg(&path)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", n.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .map_err(|err| {
+                format!(
+                    "cannot start {}: {err}; it is built and installed beside the attnbench binary",
+                    binary.display()
+                )
+            });
+        match child {
+            Ok(child) => children.push((child, log)),
+            Err(err) => {
+                for (mut child, _) in children {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                }
+                return Err(err);
+            }
+        }
+    }
+    let deadline = Instant::now() + timeout;
+    let mut failure = None;
+    for (rank, (child, log)) in children.iter_mut().enumerate() {
+        let status = loop {
+            if let Some(status) = child.try_wait().map_err(|err| err.to_string())? {
+                break Some(status);
+            }
+            if Instant::now() > deadline || failure.is_some() {
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        let tail = || {
+            std::fs::read_to_string(&*log)
+                .unwrap_or_default()
+                .lines()
+                .rev()
+                .take(3)
+                .collect::<Vec<_>>()
+                .join(" | ")
+        };
+        match status {
+            Some(status) if status.success() => {}
+            Some(status) => failure = failure.or(Some(format!("rank {rank} {status}: {}", tail()))),
+            None => {
+                failure = failure.or(Some(format!(
+                    "rank {rank} did not finish within {} s",
+                    timeout.as_secs()
+                )))
+            }
+        }
+    }
+    if let Some(failure) = failure {
+        for (child, _) in &mut children {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        return Err(failure);
+    }
+    let results: Vec<RankResult> = (0..n)
+        .map(|rank| {
+            let file = job.results.join(format!("rank-{rank}.json"));
+            let bytes = std::fs::read(&file).map_err(|err| format!("{}: {err}", file.display()))?;
+            serde_json::from_slice(&bytes).map_err(|err| format!("{}: {err}", file.display()))
+        })
+        .collect::<Result<_, String>>()?;
+    Ok(threads::assemble(&shape, results, job.backward))
+}
