@@ -238,8 +238,12 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
         mask: set.clone(),
         results: ranks_dir.clone(),
     };
+    // The job as `attnbench-cp-rank` reads it: kept with the measurement, so the same run can be
+    // started on a cluster (srun … attnbench-cp-rank job.json).
+    write_json(&request.output_dir, "job.json", &job)?;
+    let job_file = request.output_dir.join("job.json");
     let execute = || match p.backend.as_str() {
-        "processes" => processes::run(&job, &ranks_dir, std::time::Duration::from_secs(600)),
+        "processes" => processes::run(&job, &job_file, std::time::Duration::from_secs(600)),
         _ => threads::run(setup, &shape, &set, &inputs, backward),
     };
     let first = execute().map_err(PluginError::failed)?;

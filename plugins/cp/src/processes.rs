@@ -107,18 +107,13 @@ fn free_port() -> Result<u16, String> {
         .ok_or_else(|| "no free port between 20000 and 32000 for the ranks to meet on".to_string())
 }
 
-/// Starts every rank of `job` as a process on this machine and gathers their results.
-pub fn run(job: &Job, dir: &Path, timeout: Duration) -> Result<Outcome, String> {
+/// Starts every rank of `job` (written at `path`) as a process on this machine and gathers their
+/// results; their logs go into the job's results folder.
+pub fn run(job: &Job, path: &Path, timeout: Duration) -> Result<Outcome, String> {
     let shape = job.shape();
     threads::check(&job.setup, &shape)?;
-    std::fs::create_dir_all(&job.results)
-        .map_err(|err| format!("{}: {err}", job.results.display()))?;
-    let path = dir.join("job.json");
-    std::fs::write(
-        &path,
-        serde_json::to_vec(job).map_err(|err| err.to_string())?,
-    )
-    .map_err(|err| format!("{}: {err}", path.display()))?;
+    let dir = &job.results;
+    std::fs::create_dir_all(dir).map_err(|err| format!("{}: {err}", dir.display()))?;
     let n = job.setup.layout.world();
     let port = free_port()?;
     let binary = rank_binary();
