@@ -244,3 +244,54 @@ fn the_bridge_passes_its_own_protocol_and_adapter_checks() {
         stderr(&output)
     );
 }
+
+#[test]
+fn a_hanging_kernel_times_out_and_takes_its_python_worker_with_it() {
+    let sandbox = Sandbox::new();
+    let python = python();
+    let pid_file = sandbox.path().join("hung.pid");
+    sandbox.write(
+        "hangs.py",
+        &format!(
+            "import os, time\nBACKEND = \"numpy\"\n\ndef attention(q, k, v, mask, scale):\n    open({:?}, \"w\").write(str(os.getpid()))\n    time.sleep(3600)\n",
+            pid_file.display().to_string()
+        ),
+    );
+    sandbox.write(
+        "p.yaml",
+        &format!(
+            r#"stages:
+  masks:
+    uses: masks/generate
+    with: {{mask: causal, seqlen: 64}}
+  hangs:
+    uses: python/benchmark
+    needs: [masks]
+    timeout: 3s
+    with: {{kernel: module, module: hangs.py, python: "{python}", dtype: f32, heads_q: 2, heads_kv: 1, head_dim: 8}}
+  alone:
+    uses: python/benchmark
+    needs: [masks]
+    with: {{kernel: numpy, python: "{python}", dtype: f32, heads_q: 2, heads_kv: 1, head_dim: 8, min_reps: 3, max_time_s: 0.1}}
+"#
+        ),
+    );
+    let started = std::time::Instant::now();
+    let run = sandbox.run(&["run", "p.yaml", "-q"]);
+    assert_eq!(run.status.code(), Some(1), "{}", stderr(&run));
+    assert!(started.elapsed().as_secs() < 60, "the hang was cut short");
+    let record = sandbox.last_record();
+    assert_eq!(node(&record, "hangs")["status"], "timeout");
+    assert_eq!(measurement(&record, "alone")["status"], "ok");
+    // The hung interpreter died with its worker (PR_SET_PDEATHSIG).
+    let pid = std::fs::read_to_string(&pid_file).expect("the module ran");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    // Gone, or a zombie waiting for whoever inherited it to reap it.
+    let state = std::fs::read_to_string(format!("/proc/{}/stat", pid.trim())).unwrap_or_default();
+    let running = state
+        .rsplit(')')
+        .next()
+        .and_then(|rest| rest.split_whitespace().next())
+        .is_some_and(|state| state != "Z" && state != "X");
+    assert!(!running, "the hung Python worker {pid} still runs: {state}");
+}

@@ -72,7 +72,9 @@ impl Plugin for Cp {
                 .output(kinds::MEASUREMENT)
                 .cache_scope(CacheScope::Machine)
                 .isolation(Isolation::Worker)
-                .exclusive(),
+                .exclusive()
+                // A hung kernel or worker ends the node, not the run; `timeout:` in a pipeline overrides.
+                .timeout_s(1800.0),
             )
             .stage(
                 StageSpec::new("model")

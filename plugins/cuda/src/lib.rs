@@ -82,7 +82,9 @@ impl Plugin for Cuda {
                 .output("gemm")
                 .cache_scope(CacheScope::Machine)
                 .isolation(Isolation::Worker)
-                .exclusive(),
+                .exclusive()
+                // A hung kernel or worker ends the node, not the run; `timeout:` in a pipeline overrides.
+                .timeout_s(1800.0),
             )
             .stage(
                 default_harness().declare(
@@ -101,7 +103,9 @@ impl Plugin for Cuda {
                 .output(kinds::MEASUREMENT)
                 .cache_scope(CacheScope::Machine)
                 .isolation(Isolation::Worker)
-                .exclusive(),
+                .exclusive()
+                // A hung kernel or worker ends the node, not the run; `timeout:` in a pipeline overrides.
+                .timeout_s(1800.0),
             )
     }
 

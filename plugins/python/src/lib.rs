@@ -108,7 +108,9 @@ impl Plugin for Python {
                 .output(kinds::MEASUREMENT)
                 .cache_scope(CacheScope::Machine)
                 .isolation(Isolation::Worker)
-                .exclusive(),
+                .exclusive()
+                // A hung kernel or worker ends the node, not the run; `timeout:` in a pipeline overrides.
+                .timeout_s(1800.0),
             )
     }
 
