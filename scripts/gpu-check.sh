@@ -37,7 +37,7 @@ stages:
   bench:
     uses: cuda/benchmark
     needs: [masks]
-    matrix: {dtype: [bf16, fp16, f32], direction: [fwd, bwd]}
+    matrix: {kernel: [naive, flash], dtype: [bf16, fp16, f32], direction: [fwd, bwd]}
     with: {check_max_seqlen: 1k, warmup_reps: 1, min_reps: 3, max_time_s: 0.2}
   report:
     uses: report/table

@@ -65,3 +65,30 @@ fn without_a_gpu_the_cuda_plugin_loads_and_refuses_in_one_sentence() {
         assert_eq!(error.lines().count(), 1, "{error}");
     }
 }
+
+#[test]
+fn every_cuda_kernel_source_compiles_with_nvrtc_for_hopper() {
+    let python = attnbench_tests::python_with_nvrtc();
+    let root = attnbench_tests::workspace_root();
+    let mut sources: Vec<_> = std::fs::read_dir(root.join("plugins/cuda/kernels"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "cu"))
+        .collect();
+    sources.sort();
+    assert!(sources.len() >= 2, "{sources:?}");
+    let output = std::process::Command::new(&python)
+        .arg(root.join("scripts/nvrtc-check.py"))
+        .args(["--arch", "sm_90"])
+        .args(&sources)
+        .output()
+        .expect("python runs");
+    let text = stdout(&output);
+    assert!(output.status.success(), "{text}\n{}", stderr(&output));
+    for source in &sources {
+        assert!(
+            text.contains(&format!("{}: compiles for sm_90", source.display())),
+            "{text}"
+        );
+    }
+}

@@ -258,3 +258,38 @@ pub fn measurements(record: &Value, prefix: &str) -> Vec<(String, Value)> {
         .map(|n| (n["id"].as_str().unwrap().to_string(), measurement_of(n)))
         .collect()
 }
+
+/// The tests' Python environment (see [`python_with_numpy`]) with NVRTC from the
+/// `nvidia-cuda-nvrtc` wheel (CUDA 13.0, the GPU machines' version), for compiling the CUDA C
+/// sources on a machine without CUDA.
+pub fn python_with_nvrtc() -> PathBuf {
+    let python = python_with_numpy();
+    let lock =
+        std::fs::File::create(workspace_root().join("target/python-env.lock")).expect("lock file");
+    lock.lock().expect("lock the Python environment");
+    let probe = "import glob, sys; sys.exit(0 if any(glob.glob(p + '/nvidia/cu13/lib/libnvrtc.so.13') for p in sys.path) else 1)";
+    let has = |python: &Path| {
+        Command::new(python)
+            .args(["-c", probe])
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !has(&python) {
+        let output = Command::new(&python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "nvidia-cuda-nvrtc==13.0.*",
+            ])
+            .output()
+            .expect("pip runs");
+        assert!(
+            output.status.success(),
+            "installing NVRTC into the tests' Python environment failed:\n{}",
+            stderr(&output)
+        );
+    }
+    python
+}

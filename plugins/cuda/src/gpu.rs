@@ -167,6 +167,47 @@ impl Gpu {
         )
     }
 
+    /// CUDA C compiled by NVRTC for this device and loaded; the PTX is cached on disk
+    /// (`$ATTNBENCH_CACHE/nvrtc/<key>.ptx`, key: source, architecture, NVRTC version).
+    pub fn compile(
+        &self,
+        what: &str,
+        source: &str,
+    ) -> Result<Arc<cudarc::driver::CudaModule>, PluginError> {
+        let failed =
+            |err: cudarc::driver::DriverError| PluginError::failed(format!("{what}: {err}"));
+        let (major, minor) = self.ctx.compute_capability().map_err(failed)?;
+        let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
+        let key =
+            blake3::hash(format!("{source}\n{arch}\n{}", nvrtc_version()).as_bytes()).to_hex();
+        let root = std::env::var_os("ATTNBENCH_CACHE")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| "artifacts".into());
+        let path = root.join("nvrtc").join(format!("{key}.ptx"));
+        let ptx = match std::fs::read_to_string(&path) {
+            Ok(text) => cudarc::nvrtc::Ptx::from_src(text),
+            Err(_) => {
+                let options = cudarc::nvrtc::CompileOptions {
+                    arch: Some(arch),
+                    ..Default::default()
+                };
+                let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, options).map_err(|err| {
+                    PluginError::failed(format!("NVRTC could not compile {what} for {arch}: {err}"))
+                })?;
+                if let Some(dir) = path.parent() {
+                    // A cache that cannot be written only costs a compile next time.
+                    let _ = std::fs::create_dir_all(dir).and_then(|_| {
+                        let partial = path.with_extension("partial");
+                        std::fs::write(&partial, ptx.to_src())
+                            .and_then(|_| std::fs::rename(&partial, &path))
+                    });
+                }
+                ptx
+            }
+        };
+        self.ctx.load_module(ptx).map_err(failed)
+    }
+
     /// A host copy of a device buffer.
     pub fn download<T: DeviceRepr + Default + Clone>(
         &self,

@@ -5,6 +5,7 @@
 //! the machine's ceiling) and `benchmark` (attention kernels over any mask of the IR). On a
 //! machine without a GPU the plugin loads, and its stages fail with one sentence.
 
+mod flash;
 mod gpu;
 mod naive;
 
@@ -32,6 +33,7 @@ struct Cuda;
 struct State {
     gpu: Gpu,
     naive: Option<naive::Kernels>,
+    flash: Option<flash::Kernels>,
     nvml: Option<nvml::Nvml>,
 }
 
@@ -55,6 +57,7 @@ fn with_gpu<T>(work: impl FnOnce(&mut State) -> Result<T, PluginError>) -> Resul
         *guard = Some(State {
             gpu: Gpu::open()?,
             naive: None,
+            flash: None,
             nvml: nvml::Nvml::open(),
         });
     }
@@ -90,7 +93,7 @@ impl Plugin for Cuda {
                 default_harness().declare(
                     StageSpec::new("benchmark")
                         .doc("Times one kernel on one mask (from a masks/generate node), checked against the reference first.")
-                        .param(ParamSpec::new("kernel", ParamType::one_of(&["naive"])).default("naive").doc("`naive`: cuBLAS GEMMs around a masked softmax; S×S scores per head."))
+                        .param(ParamSpec::new("kernel", ParamType::one_of(&["naive", "flash"])).default("naive").doc("`naive`: cuBLAS GEMMs around a masked softmax, S×S scores per head (the GPU reference). `flash`: tiled tensor-core kernel driven by the mask IR (forward; bf16/fp16; head_dim 64 or 128)."))
                         .param(ParamSpec::new("direction", ParamType::one_of(&["fwd", "bwd", "fwd_bwd"])).default("fwd").doc("`bwd` is timed alone: the forward runs once, outside the timed region."))
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
                         .param(ParamSpec::new("heads_kv", ParamType::Int).default(8))
@@ -288,7 +291,20 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         {
             measurement.environment.insert(key, value);
         }
-        let needed = naive::bytes_needed(&shape, element, backward);
+        let flash = p.kernel == "flash";
+        if flash {
+            let reason = flash::unsupported(&shape, element).or_else(|| {
+                backward.then(|| "the flash kernel's backward pass is not written yet".to_string())
+            });
+            if let Some(reason) = reason {
+                return measurement.unsupported(reason).write(&request.output_dir);
+            }
+        }
+        let needed = if flash {
+            flash::bytes_needed(&shape, element)
+        } else {
+            naive::bytes_needed(&shape, element, backward)
+        };
         let free = state.gpu.free_bytes()?;
         let out_of_memory = |mut m: Measurement, reason: String| {
             m.status = MeasureStatus::Oom;
@@ -305,7 +321,11 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
                 ),
             );
         }
-        if state.naive.is_none() {
+        if flash && state.flash.is_none() {
+            host.info("compiling the flash kernel with NVRTC");
+            state.flash = Some(flash::compile(&state.gpu)?);
+        }
+        if !flash && state.naive.is_none() {
             host.info("compiling the naive kernel's row kernels with NVRTC");
             state.naive = Some(naive::compile(&state.gpu)?);
         }
@@ -314,9 +334,17 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         let gpu = &state.gpu;
         let base = gpu.memory.current();
         gpu.memory.reset_peak();
-        let kernels = state.naive.as_ref().expect("compiled above");
-        let uploaded =
-            naive::Problem::upload(gpu, kernels, shape, element, &masks, &inputs, backward);
+        let uploaded = match (&state.flash, &state.naive) {
+            (Some(kernels), _) if flash => {
+                flash::Problem::upload(gpu, kernels, shape, element, &masks, &inputs)
+                    .map(Problem::Flash)
+            }
+            (_, Some(kernels)) => {
+                naive::Problem::upload(gpu, kernels, shape, element, &masks, &inputs, backward)
+                    .map(Problem::Naive)
+            }
+            _ => unreachable!("the kernel was compiled above"),
+        };
         let mut problem = match uploaded {
             Err(PluginError::Failed(message)) if message.starts_with(gpu::OUT_OF_MEMORY) => {
                 return out_of_memory(measurement, message);
@@ -327,10 +355,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         if backward {
             problem.backward(gpu)?;
         }
-        let forward = Forward {
-            out: gpu.download(&problem.out)?,
-            lse: gpu.download(&problem.lse)?,
-        };
+        let forward = problem.outputs(gpu)?;
         let grads = problem.grads(gpu)?.map(|g| Grads {
             dq: g.dq,
             dk: g.dk,
@@ -396,6 +421,48 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         });
         measurement.write(&request.output_dir)
     })
+}
+
+/// One kernel's device problem.
+enum Problem {
+    Naive(naive::Problem),
+    Flash(flash::Problem),
+}
+
+impl Problem {
+    fn forward(&self, gpu: &Gpu) -> Result<(), PluginError> {
+        match self {
+            Problem::Naive(p) => p.forward(gpu),
+            Problem::Flash(p) => p.forward(gpu),
+        }
+    }
+
+    fn backward(&mut self, gpu: &Gpu) -> Result<(), PluginError> {
+        match self {
+            Problem::Naive(p) => p.backward(gpu),
+            Problem::Flash(_) => Err(PluginError::failed(
+                "the flash kernel's backward pass is not written yet",
+            )),
+        }
+    }
+
+    fn outputs(&self, gpu: &Gpu) -> Result<Forward, PluginError> {
+        let (out, lse) = match self {
+            Problem::Naive(p) => (&p.out, &p.lse),
+            Problem::Flash(p) => (&p.out, &p.lse),
+        };
+        Ok(Forward {
+            out: gpu.download(out)?,
+            lse: gpu.download(lse)?,
+        })
+    }
+
+    fn grads(&self, gpu: &Gpu) -> Result<Option<naive::Grads>, PluginError> {
+        match self {
+            Problem::Naive(p) => p.grads(gpu),
+            Problem::Flash(_) => Ok(None),
+        }
+    }
 }
 
 attnbench_sdk::export_plugin!(Cuda);
