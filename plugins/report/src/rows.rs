@@ -50,9 +50,18 @@ pub fn from_measurement(node: &str, m: Measurement) -> Row {
             .filter_map(Value::as_f64)
             .fold(0.0, f64::max)
     });
+    // Context-parallel results are per method and world size: one line each.
+    let world = m
+        .environment
+        .get("context_parallel")
+        .and_then(|cp| cp["world"].as_u64());
+    let kernel = match world {
+        Some(world) => format!("{} ×{world}", m.kernel),
+        None => m.kernel,
+    };
     Row {
         node: node.to_string(),
-        kernel: m.kernel,
+        kernel,
         mask: m.mask.pattern,
         seqlen: m.mask.seqlen,
         direction: m.direction,
