@@ -93,7 +93,7 @@ impl Plugin for Cuda {
                 default_harness().declare(
                     StageSpec::new("benchmark")
                         .doc("Times one kernel on one mask (from a masks/generate node), checked against the reference first.")
-                        .param(ParamSpec::new("kernel", ParamType::one_of(&["naive", "flash"])).default("naive").doc("`naive`: cuBLAS GEMMs around a masked softmax, S×S scores per head (the GPU reference). `flash`: tiled tensor-core kernel driven by the mask IR (forward; bf16/fp16; head_dim 64 or 128)."))
+                        .param(ParamSpec::new("kernel", ParamType::one_of(&["naive", "flash"])).default("naive").doc("`naive`: cuBLAS GEMMs around a masked softmax, S×S scores per head (the GPU reference). `flash`: tiled tensor-core kernel driven by the mask IR (forward and a deterministic backward; bf16/fp16; head_dim 64 or 128)."))
                         .param(ParamSpec::new("direction", ParamType::one_of(&["fwd", "bwd", "fwd_bwd"])).default("fwd").doc("`bwd` is timed alone: the forward runs once, outside the timed region."))
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
                         .param(ParamSpec::new("heads_kv", ParamType::Int).default(8))
@@ -292,16 +292,11 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
             measurement.environment.insert(key, value);
         }
         let flash = p.kernel == "flash";
-        if flash {
-            let reason = flash::unsupported(&shape, element).or_else(|| {
-                backward.then(|| "the flash kernel's backward pass is not written yet".to_string())
-            });
-            if let Some(reason) = reason {
-                return measurement.unsupported(reason).write(&request.output_dir);
-            }
+        if let Some(reason) = flash.then(|| flash::unsupported(&shape, element)).flatten() {
+            return measurement.unsupported(reason).write(&request.output_dir);
         }
         let needed = if flash {
-            flash::bytes_needed(&shape, element)
+            flash::bytes_needed(&shape, element, backward)
         } else {
             naive::bytes_needed(&shape, element, backward)
         };
@@ -336,7 +331,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         gpu.memory.reset_peak();
         let uploaded = match (&state.flash, &state.naive) {
             (Some(kernels), _) if flash => {
-                flash::Problem::upload(gpu, kernels, shape, element, &masks, &inputs)
+                flash::Problem::upload(gpu, kernels, shape, element, &masks, &inputs, backward)
                     .map(Problem::Flash)
             }
             (_, Some(kernels)) => {
@@ -440,9 +435,7 @@ impl Problem {
     fn backward(&mut self, gpu: &Gpu) -> Result<(), PluginError> {
         match self {
             Problem::Naive(p) => p.backward(gpu),
-            Problem::Flash(_) => Err(PluginError::failed(
-                "the flash kernel's backward pass is not written yet",
-            )),
+            Problem::Flash(p) => p.backward(gpu),
         }
     }
 
@@ -460,7 +453,7 @@ impl Problem {
     fn grads(&self, gpu: &Gpu) -> Result<Option<naive::Grads>, PluginError> {
         match self {
             Problem::Naive(p) => p.grads(gpu),
-            Problem::Flash(_) => Ok(None),
+            Problem::Flash(p) => p.grads(gpu),
         }
     }
 }
