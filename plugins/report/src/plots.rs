@@ -41,6 +41,8 @@ pub struct Chart {
 pub enum XAxis {
     SequenceLength,
     Gpus,
+    /// A block-sparse mask's kept fraction.
+    Density,
 }
 
 /// Registers the bundled font once per process.
@@ -72,38 +74,81 @@ fn safe_id(text: &str) -> String {
         .collect()
 }
 
-/// TFLOP/s (median, p20–p80) against sequence length: one chart per mask and direction.
+/// TFLOP/s (median, p20–p80): against sequence length, one chart per mask and direction; for
+/// block-sparse masks against density, one chart per mask, length, block size and direction, a
+/// line per kernel and head layout.
 pub fn throughput_charts(rows: &[Row]) -> Vec<Chart> {
     let measured = rows.iter().filter(|r| r.is_ok() && r.tflops.is_some());
-    group(measured, |r| format!("{} · {}", r.mask, r.direction))
+    let (sparse, dense): (Vec<&Row>, Vec<&Row>) = measured.partition(|r| r.density.is_some());
+    let dense_charts = group(dense.into_iter(), |r| {
+        format!("{} · {}", r.mask, r.direction)
+    })
+    .into_iter()
+    .map(|(title, rows)| {
+        throughput_chart(
+            title,
+            XAxis::SequenceLength,
+            rows,
+            |r| r.kernel.clone(),
+            |r| r.seqlen as f64,
+        )
+    });
+    let sparse_charts = group(sparse.into_iter(), |r| {
+        let block = r
+            .sparse_block
+            .map(|b| format!(" · blocks of {b}"))
+            .unwrap_or_default();
+        format!(
+            "{} · {}{block} · {}",
+            r.mask,
+            format_size(r.seqlen),
+            r.direction
+        )
+    })
+    .into_iter()
+    .map(|(title, rows)| {
+        throughput_chart(
+            title,
+            XAxis::Density,
+            rows,
+            |r| format!("{} {}:{}", r.kernel, r.heads_q, r.heads_kv),
+            |r| r.density.unwrap_or(0.0),
+        )
+    });
+    dense_charts.chain(sparse_charts).collect()
+}
+
+fn throughput_chart(
+    title: String,
+    x_axis: XAxis,
+    rows: Vec<&Row>,
+    series_of: impl Fn(&Row) -> String,
+    x_of: impl Fn(&Row) -> f64,
+) -> Chart {
+    let series = group(rows.into_iter(), series_of)
         .into_iter()
-        .map(|(title, rows)| {
-            let series = group(rows.into_iter(), |r| r.kernel.clone())
-                .into_iter()
-                .map(|(kernel, rows)| Series {
-                    name: kernel,
-                    points: rows
-                        .iter()
-                        .filter_map(|r| {
-                            r.tflops.map(|t| Point {
-                                x: r.seqlen as f64,
-                                y: t.p50,
-                                low: t.p80,
-                                high: t.p20,
-                            })
-                        })
-                        .collect(),
+        .map(|(name, rows)| Series {
+            name,
+            points: rows
+                .iter()
+                .filter_map(|r| {
+                    r.tflops.map(|t| Point {
+                        x: x_of(r),
+                        y: t.p50,
+                        low: t.p80,
+                        high: t.p20,
+                    })
                 })
-                .collect();
-            Chart {
-                id: format!("tflops-{}", safe_id(&title)),
-                title,
-                x_axis: XAxis::SequenceLength,
-                y_label: "TFLOP/s".into(),
-                series,
-            }
+                .collect(),
         })
-        .collect()
+        .collect();
+    Chart {
+        id: format!("tflops-{}", safe_id(&title)),
+        title,
+        x_axis,
+        y_label: "TFLOP/s".into(),
+        series,
+    }
 }
 
 /// Peak memory (GiB) against sequence length: one chart per direction, a line per kernel and mask.
@@ -208,10 +253,14 @@ fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, chart: &Chart) -> Res
         .x_desc(match chart.x_axis {
             XAxis::SequenceLength => "sequence length (tokens)",
             XAxis::Gpus => "GPUs",
+            XAxis::Density => "density (kept fraction of key blocks, log scale)",
         })
         .y_desc(chart.y_label.as_str())
         // Label only the powers of two the sizes are.
         .x_label_formatter(&|x| {
+            if chart.x_axis == XAxis::Density {
+                return format!("{x:.2}");
+            }
             let rounded = x.round() as u64;
             if !(rounded.is_power_of_two() && (x - rounded as f64).abs() < 1e-6 * x.abs().max(1.0))
             {

@@ -26,6 +26,9 @@ pub struct Row {
     pub above_inputs_bytes: Option<u64>,
     pub correct: Option<bool>,
     pub max_error: Option<f64>,
+    /// Block-sparse masks: the kept fraction and the block size.
+    pub density: Option<f64>,
+    pub sparse_block: Option<u64>,
     #[serde(skip)]
     pub environment: Map<String, Value>,
 }
@@ -78,6 +81,8 @@ pub fn from_measurement(node: &str, m: Measurement) -> Row {
         above_inputs_bytes: m.memory.as_ref().map(|x| x.above_inputs_bytes),
         correct: m.correctness.as_ref().map(|c| c.passed),
         max_error,
+        density: m.mask.params.get("density").and_then(Value::as_f64),
+        sparse_block: m.mask.params.get("sparse_block").and_then(Value::as_u64),
         environment: m.environment,
     }
 }
@@ -120,6 +125,11 @@ pub fn from_failure(input: &InputArtifact) -> Row {
         above_inputs_bytes: None,
         correct: None,
         max_error: None,
+        density: input
+            .coords
+            .get("density")
+            .and_then(|v| v.as_str()?.parse().ok()),
+        sparse_block: None,
         environment: Map::new(),
     }
 }
