@@ -4,11 +4,13 @@ use attnbench_sdk::format_size;
 
 use crate::rows::Row;
 
-const COLUMNS: [&str; 25] = [
+const COLUMNS: [&str; 27] = [
     "node",
     "kernel",
     "mask",
     "seqlen",
+    "density",
+    "sparse_block",
     "direction",
     "heads_q",
     "heads_kv",
@@ -55,6 +57,8 @@ pub fn csv(rows: &[Row]) -> String {
             row.kernel.clone(),
             row.mask.clone(),
             row.seqlen.to_string(),
+            field(row.density),
+            field(row.sparse_block),
             row.direction.clone(),
             row.heads_q.to_string(),
             row.heads_kv.to_string(),
