@@ -387,6 +387,47 @@ impl Measurement {
     }
 }
 
+/// The parameters every kernel stage takes ([`crate::KERNEL_PARAMS`]) and the harness's, as a stage
+/// reads them: `#[serde(flatten)] common: KernelParams` beside the stage's own.
+#[derive(Debug, Clone, Deserialize)]
+pub struct KernelParams {
+    pub direction: String,
+    pub heads_q: usize,
+    pub heads_kv: usize,
+    pub head_dim: usize,
+    pub dtype: String,
+    pub outputs: bool,
+    #[serde(flatten)]
+    pub harness: HarnessParams,
+}
+
+impl KernelParams {
+    pub fn backward(&self) -> bool {
+        self.direction != "fwd"
+    }
+
+    /// The problem's layout for a mask of `seqlen` tokens.
+    pub fn shape(&self, seqlen: usize) -> crate::reference::Shape {
+        crate::reference::Shape {
+            heads_q: self.heads_q,
+            heads_kv: self.heads_kv,
+            seqlen,
+            head_dim: self.head_dim,
+        }
+    }
+
+    /// The shape as a measurement records it (batch 1).
+    pub fn measured_shape(&self) -> Shape {
+        Shape {
+            batch: 1,
+            heads_q: self.heads_q as u64,
+            heads_kv: self.heads_kv as u64,
+            head_dim: self.head_dim as u64,
+            dtype: self.dtype.clone(),
+        }
+    }
+}
+
 /// One point of a cost model's curve: a method's predicted per-GPU throughput at a world size.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Prediction {

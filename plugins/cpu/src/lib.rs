@@ -6,9 +6,7 @@ pub mod problem;
 pub mod tiled;
 
 use attnbench_sdk::mask::MaskSet;
-use attnbench_sdk::measure::{
-    Correctness, Harness, Measurement, Memory, Quantiles, Shape as MeasuredShape, Throughput,
-};
+use attnbench_sdk::measure::{Correctness, Harness, Measurement, Memory, Quantiles, Throughput};
 use attnbench_sdk::{
     kinds, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError, PluginManifest,
     StageRequest, StageSpec,
@@ -24,18 +22,12 @@ struct Cpu;
 #[derive(Deserialize)]
 struct Params {
     kernel: String,
-    direction: String,
-    heads_q: usize,
-    heads_kv: usize,
-    head_dim: usize,
-    dtype: String,
     threads: usize,
     check: String,
     full_check_max_seqlen: usize,
     max_scores_bytes: u64,
-    outputs: bool,
     #[serde(flatten)]
-    harness: attnbench_sdk::measure::HarnessParams,
+    common: attnbench_sdk::measure::KernelParams,
 }
 
 /// The CPU harness's settings when a pipeline does not change them.
@@ -100,17 +92,12 @@ fn benchmark(
     output_dir: &std::path::Path,
 ) -> Result<Measurement, PluginError> {
     set.check_heads(
-        params.heads_q as u64,
-        params.heads_kv as u64,
-        params.head_dim as u64,
+        params.common.heads_q as u64,
+        params.common.heads_kv as u64,
+        params.common.head_dim as u64,
     )
     .map_err(PluginError::Params)?;
-    let shape = Shape {
-        heads_q: params.heads_q,
-        heads_kv: params.heads_kv,
-        seqlen: set.seqlen as usize,
-        head_dim: params.head_dim,
-    };
+    let shape = params.common.shape(set.seqlen as usize);
     let threads = if params.threads == 0 {
         std::thread::available_parallelism()
             .map(|n| n.get())
@@ -118,14 +105,8 @@ fn benchmark(
     } else {
         params.threads
     };
-    let harness = params.harness.apply(default_harness());
-    let measured_shape = MeasuredShape {
-        batch: 1,
-        heads_q: params.heads_q as u64,
-        heads_kv: params.heads_kv as u64,
-        head_dim: params.head_dim as u64,
-        dtype: params.dtype.clone(),
-    };
+    let harness = params.common.harness.apply(default_harness());
+    let measured_shape = params.common.measured_shape();
     let kernel = format!("cpu-{}", params.kernel);
     let plugin = ("cpu", env!("CARGO_PKG_VERSION"));
     let mut measurement = Measurement::for_kernel(
@@ -133,7 +114,7 @@ fn benchmark(
         plugin,
         set,
         measured_shape,
-        &params.direction,
+        &params.common.direction,
         harness.clone(),
     );
     measurement.environment.insert(
@@ -150,7 +131,7 @@ fn benchmark(
         )));
     }
     let masks = HeadMasks::new(set, &shape);
-    let inputs = Inputs::random(&shape, seed, params.dtype == "bf16");
+    let inputs = Inputs::random(&shape, seed, params.common.dtype == "bf16");
     let run_forward = || match params.kernel.as_str() {
         // The naive kernel is the single-threaded textbook one (its measurement says threads: 1).
         "naive" => naive::forward_with_threads(&shape, &masks, &inputs, 1),
@@ -160,7 +141,7 @@ fn benchmark(
         "naive" => naive::backward_with_threads(&shape, &masks, &inputs, forward, 1),
         _ => tiled::backward(&shape, &masks, &inputs, forward, threads),
     };
-    let backward_needed = params.direction != "fwd";
+    let backward_needed = params.common.backward();
 
     // Checked before it is timed.
     let forward = run_forward();
@@ -176,7 +157,7 @@ fn benchmark(
             grads.as_ref(),
         ));
     }
-    if params.outputs {
+    if params.common.outputs {
         let tensors: [(&str, Option<&Vec<f32>>); 5] = [
             ("out.f32", Some(&forward.out)),
             ("lse.f32", Some(&forward.lse)),
@@ -191,7 +172,7 @@ fn benchmark(
         }
     }
 
-    let timing = match params.direction.as_str() {
+    let timing = match params.common.direction.as_str() {
         "fwd" => harness.time(|| {}, || drop(run_forward())),
         "bwd" => harness.time(|| {}, || drop(run_backward(&forward))),
         _ => harness.time(|| {}, || drop(run_backward(&run_forward()))),
@@ -231,7 +212,7 @@ fn memory(params: &Params, shape: &Shape, threads: usize) -> Memory {
     let q = shape.q_len() as u64 * float;
     let kv = shape.kv_len() as u64 * float;
     let lse = (shape.heads_q * shape.seqlen) as u64 * float;
-    let backward = params.direction != "fwd";
+    let backward = params.common.backward();
     let inputs = q + 2 * kv + if backward { 2 * q + lse } else { 0 };
     let outputs = if backward { q + 2 * kv } else { q + lse };
     let scratch = match params.kernel.as_str() {

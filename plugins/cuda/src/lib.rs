@@ -11,9 +11,7 @@ mod naive;
 
 use std::sync::Mutex;
 
-use attnbench_sdk::measure::{
-    Harness, MeasureStatus, Measurement, Memory, Quantiles, Shape as MeasuredShape, Throughput,
-};
+use attnbench_sdk::measure::{Harness, MeasureStatus, Measurement, Memory, Quantiles, Throughput};
 use attnbench_sdk::nvml;
 use attnbench_sdk::reference::{
     self, CheckMode, Element, Forward, Grads, HeadMasks, Inputs, Shape,
@@ -223,15 +221,9 @@ fn gemm(request: &StageRequest) -> Result<Value, PluginError> {
 #[derive(Deserialize)]
 struct BenchParams {
     kernel: String,
-    direction: String,
-    heads_q: usize,
-    heads_kv: usize,
-    head_dim: usize,
-    dtype: String,
-    outputs: bool,
     check_max_seqlen: usize,
     #[serde(flatten)]
-    harness: attnbench_sdk::measure::HarnessParams,
+    common: attnbench_sdk::measure::KernelParams,
 }
 
 /// Relative error allowed against the f64 reference: f32 accumulation, P and dS rounded to the
@@ -251,25 +243,21 @@ fn gib(bytes: usize) -> f64 {
 fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> {
     let p: BenchParams = request.params()?;
     let set = request.mask_set()?;
-    set.check_heads(p.heads_q as u64, p.heads_kv as u64, p.head_dim as u64)
-        .map_err(PluginError::Params)?;
-    let shape = Shape {
-        heads_q: p.heads_q,
-        heads_kv: p.heads_kv,
-        seqlen: set.seqlen as usize,
-        head_dim: p.head_dim,
-    };
-    let element = Element::parse(&p.dtype).ok_or_else(|| {
-        PluginError::Params(format!("dtype `{}`: expected bf16, fp16 or f32", p.dtype))
+    set.check_heads(
+        p.common.heads_q as u64,
+        p.common.heads_kv as u64,
+        p.common.head_dim as u64,
+    )
+    .map_err(PluginError::Params)?;
+    let shape = p.common.shape(set.seqlen as usize);
+    let element = Element::parse(&p.common.dtype).ok_or_else(|| {
+        PluginError::Params(format!(
+            "dtype `{}`: expected bf16, fp16 or f32",
+            p.common.dtype
+        ))
     })?;
-    let harness = p.harness.apply(default_harness());
-    let measured_shape = MeasuredShape {
-        batch: 1,
-        heads_q: p.heads_q as u64,
-        heads_kv: p.heads_kv as u64,
-        head_dim: p.head_dim as u64,
-        dtype: p.dtype.clone(),
-    };
+    let harness = p.common.harness.apply(default_harness());
+    let measured_shape = p.common.measured_shape();
     let kernel = format!("cuda-{}", p.kernel);
     let plugin = ("cuda", env!("CARGO_PKG_VERSION"));
     let mut measurement = Measurement::for_kernel(
@@ -277,10 +265,10 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         plugin,
         &set,
         measured_shape,
-        &p.direction,
+        &p.common.direction,
         harness.clone(),
     );
-    let backward = p.direction != "fwd";
+    let backward = p.common.backward();
     with_gpu(|state| {
         for (key, value) in state
             .gpu
@@ -356,7 +344,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
             dk: g.dk,
             dv: g.dv,
         });
-        if p.outputs {
+        if p.common.outputs {
             let tensors = [
                 Some(&forward.out),
                 Some(&forward.lse),
@@ -390,7 +378,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
             .environment
             .insert("clocks_before".into(), state.clocks());
         let gpu = &mut state.gpu;
-        let timing = match p.direction.as_str() {
+        let timing = match p.common.direction.as_str() {
             "fwd" => gpu.time(&harness, |gpu| problem.forward(gpu))?,
             "bwd" => gpu.time(&harness, |gpu| problem.backward(gpu))?,
             _ => gpu.time(&harness, |gpu| {

@@ -12,8 +12,7 @@ mod bridge;
 use std::sync::Mutex;
 
 use attnbench_sdk::measure::{
-    Correctness, Harness, MeasureStatus, Measurement, Memory, Quantiles, Shape as MeasuredShape,
-    Throughput, Timing,
+    Correctness, Harness, MeasureStatus, Measurement, Memory, Quantiles, Throughput, Timing,
 };
 use attnbench_sdk::nvml::Nvml;
 use attnbench_sdk::reference::{
@@ -150,16 +149,10 @@ struct BenchParams {
     module: String,
     python: String,
     device: String,
-    direction: String,
-    heads_q: usize,
-    heads_kv: usize,
-    head_dim: usize,
-    dtype: String,
-    outputs: bool,
     check_max_seqlen: usize,
     check_rows: usize,
     #[serde(flatten)]
-    harness: attnbench_sdk::measure::HarnessParams,
+    common: attnbench_sdk::measure::KernelParams,
 }
 
 /// Relative error allowed against the f64 reference: most Python kernels write O in the inputs'
@@ -180,18 +173,20 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         ));
     }
     let set = request.mask_set()?;
-    set.check_heads(p.heads_q as u64, p.heads_kv as u64, p.head_dim as u64)
-        .map_err(PluginError::Params)?;
-    let element = Element::parse(&p.dtype).ok_or_else(|| {
-        PluginError::Params(format!("dtype `{}`: expected bf16, fp16 or f32", p.dtype))
+    set.check_heads(
+        p.common.heads_q as u64,
+        p.common.heads_kv as u64,
+        p.common.head_dim as u64,
+    )
+    .map_err(PluginError::Params)?;
+    let element = Element::parse(&p.common.dtype).ok_or_else(|| {
+        PluginError::Params(format!(
+            "dtype `{}`: expected bf16, fp16 or f32",
+            p.common.dtype
+        ))
     })?;
-    let shape = Shape {
-        heads_q: p.heads_q,
-        heads_kv: p.heads_kv,
-        seqlen: set.seqlen as usize,
-        head_dim: p.head_dim,
-    };
-    let harness = p.harness.apply(default_harness());
+    let shape = p.common.shape(set.seqlen as usize);
+    let harness = p.common.harness.apply(default_harness());
     let kernel = if p.kernel == "module" {
         let stem = std::path::Path::new(&p.module)
             .file_stem()
@@ -201,19 +196,13 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
     } else {
         p.kernel.clone()
     };
-    let measured_shape = MeasuredShape {
-        batch: 1,
-        heads_q: p.heads_q as u64,
-        heads_kv: p.heads_kv as u64,
-        head_dim: p.head_dim as u64,
-        dtype: p.dtype.clone(),
-    };
+    let measured_shape = p.common.measured_shape();
     let mut measurement = Measurement::for_kernel(
         &kernel,
         ("python", env!("CARGO_PKG_VERSION")),
         &set,
         measured_shape,
-        &p.direction,
+        &p.common.direction,
         harness.clone(),
     );
     let on_gpu = p.device == "cuda" && p.kernel != "numpy";
@@ -244,9 +233,9 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
     let params = json!({
         "kernel": p.kernel,
         "module": p.module,
-        "direction": p.direction,
-        "shape": {"heads_q": p.heads_q, "heads_kv": p.heads_kv, "seqlen": shape.seqlen, "head_dim": p.head_dim},
-        "dtype": p.dtype,
+        "direction": p.common.direction,
+        "shape": {"heads_q": p.common.heads_q, "heads_kv": p.common.heads_kv, "seqlen": shape.seqlen, "head_dim": p.common.head_dim},
+        "dtype": p.common.dtype,
         "mask": set,
         "seed": request.seed,
         "inputs_dir": full_check.then(|| exchange.display().to_string()),
@@ -337,7 +326,7 @@ fn record(
                 out: read("out.f32")?,
                 lse: read("lse.f32").unwrap_or_default(),
             };
-            let grads = if p.direction != "fwd" {
+            let grads = if p.common.backward() {
                 Some(Grads {
                     dq: read("dq.f32")?,
                     dk: read("dk.f32")?,
@@ -346,7 +335,7 @@ fn record(
             } else {
                 None
             };
-            if p.outputs {
+            if p.common.outputs {
                 for name in reference::OUTPUT_TENSORS {
                     if exchange.join(name).exists() {
                         let target = exchange.parent().expect("inside the output dir");
