@@ -20,6 +20,15 @@ impl Tokens {
         self.positions.len()
     }
 
+    /// Other values over the same tokens and heads.
+    pub fn like(&self, data: Vec<f64>) -> Tokens {
+        Tokens {
+            positions: self.positions.clone(),
+            heads: self.heads.clone(),
+            data,
+        }
+    }
+
     fn row(&self, head: usize, token: usize, d: usize) -> &[f64] {
         let start = (head * self.len() + token) * d;
         &self.data[start..start + d]

@@ -595,8 +595,19 @@ impl Rank<'_> {
         }
     }
 
-    fn ring_of(&self) -> impl Fn(usize) -> Vec<u32> + '_ {
-        move |r| self.setup.layout.ring_positions(r)
+    /// Runs `work` with this rank's ring step, for KV heads repeated `repeat` times.
+    fn with_ring<T>(&self, groups: &Groups, repeat: usize, work: impl FnOnce(&RingStep) -> T) -> T {
+        let problem = Problem {
+            group: self.heads_q / (self.heads_kv * repeat),
+            ..self.problem
+        };
+        let ring_of = |r| self.setup.layout.ring_positions(r);
+        work(&RingStep {
+            problem: &problem,
+            comm: groups.ring,
+            positions_of: &ring_of,
+            windows: self.setup.windows,
+        })
     }
 
     pub fn forward(
@@ -609,10 +620,6 @@ impl Rank<'_> {
         let layout = self.setup.layout;
         let d = self.problem.head_dim;
         let repeat = kv_repeat(self.heads_q, self.heads_kv, layout.ulysses)?;
-        let problem = Problem {
-            group: self.heads_q / (self.heads_kv * repeat),
-            ..self.problem
-        };
         let (k, v) = (repeat_heads(k, repeat, d), repeat_heads(v, repeat, d));
         let piece_of = self.piece_of();
         let (q, k, v) = if layout.ulysses > 1 {
@@ -625,29 +632,16 @@ impl Rank<'_> {
         } else {
             (q.clone(), k, v)
         };
-        let ring_of = self.ring_of();
-        let ring = RingStep {
-            problem: &problem,
-            comm: groups.ring,
-            positions_of: &ring_of,
-            windows: self.setup.windows,
-        };
-        let done = ring.forward(self.setup.method, &q, &k, &v);
-        let out = Tokens {
-            positions: q.positions.clone(),
-            heads: q.heads.clone(),
-            data: done.out.clone(),
-        };
+        let done = self.with_ring(groups, repeat, |ring| {
+            ring.forward(self.setup.method, &q, &k, &v)
+        });
+        let out = q.like(done.out.clone());
         let out = if layout.ulysses > 1 {
             heads_to_seq(groups.ulysses, A2A[3], &out, &piece_of, d)
         } else {
             out
         };
-        let lse = Tokens {
-            positions: q.positions.clone(),
-            heads: q.heads.clone(),
-            data: done.lse.clone(),
-        };
+        let lse = q.like(done.lse.clone());
         Ok(Forward {
             out,
             lse,
@@ -664,30 +658,16 @@ impl Rank<'_> {
     pub fn backward(&self, groups: &Groups, saved: &Saved, d_out: &Tokens) -> Gradients {
         let layout = self.setup.layout;
         let d = self.problem.head_dim;
-        let problem = Problem {
-            group: self.heads_q / (self.heads_kv * saved.kv_repeat),
-            ..self.problem
-        };
         let piece_of = self.piece_of();
         let d_out = if layout.ulysses > 1 {
             seq_to_heads(groups.ulysses, A2A[4], d_out, &piece_of, d)
         } else {
             d_out.clone()
         };
-        let ring_of = self.ring_of();
-        let ring = RingStep {
-            problem: &problem,
-            comm: groups.ring,
-            positions_of: &ring_of,
-            windows: self.setup.windows,
-        };
-        let (dq, dk, dv) = ring.backward(self.setup.method, saved, &d_out.data);
-        let like = |x: &Tokens, data: Vec<f64>| Tokens {
-            positions: x.positions.clone(),
-            heads: x.heads.clone(),
-            data,
-        };
-        let (dq, dk, dv) = (like(&saved.q, dq), like(&saved.k, dk), like(&saved.v, dv));
+        let (dq, dk, dv) = self.with_ring(groups, saved.kv_repeat, |ring| {
+            ring.backward(self.setup.method, saved, &d_out.data)
+        });
+        let (dq, dk, dv) = (saved.q.like(dq), saved.k.like(dk), saved.v.like(dv));
         let (dq, dk, dv) = if layout.ulysses > 1 {
             let u = groups.ulysses;
             (
