@@ -10,9 +10,9 @@ use std::sync::Arc;
 
 use attnbench_sdk::reference::{Element, HeadMasks, Inputs, Shape};
 use attnbench_sdk::PluginError;
-use cudarc::driver::{CudaFunction, CudaModule, DriverError, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaModule, LaunchConfig, PushKernelArg};
 
-use crate::gpu::{Buffer, Gpu};
+use crate::gpu::{failed, Buffer, Gpu};
 use crate::naive::Grads;
 
 const SOURCE: &str = include_str!("../kernels/flash.cu");
@@ -134,10 +134,6 @@ pub struct Problem {
     mask_of_head: Buffer<i32>,
     forward_kernel: CudaFunction,
     grad: Option<Backward>,
-}
-
-fn failed(what: &'static str) -> impl Fn(DriverError) -> PluginError {
-    move |err| PluginError::failed(format!("{what}: {err}"))
 }
 
 /// A grid of one 128-thread CTA per (tile, head).

@@ -89,6 +89,11 @@ impl<T> Buffer<T> {
     }
 }
 
+/// A driver error as a plugin error that says what was being done.
+pub fn failed(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> PluginError {
+    move |err| PluginError::failed(format!("{what}: {err}"))
+}
+
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
@@ -102,9 +107,6 @@ impl Gpu {
         require_library("libcuda", "NVIDIA driver")?;
         require_library("libcublas", "cuBLAS")?;
         require_library("libnvrtc", "NVRTC")?;
-        fn failed(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> PluginError {
-            move |err| PluginError::failed(format!("{what}: {err}"))
-        }
         let ctx = CudaContext::new(0).map_err(failed("cannot open GPU 0"))?;
         let stream = ctx.default_stream();
         let blas = CudaBlas::new(stream.clone())

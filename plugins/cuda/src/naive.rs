@@ -14,7 +14,7 @@ use attnbench_sdk::PluginError;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::driver::{CudaFunction, CudaModule, LaunchConfig, PushKernelArg};
 
-use crate::gpu::{Buffer, Gpu};
+use crate::gpu::{failed, Buffer, Gpu};
 
 /// CUDA C of the two row kernels, one block per row, for each element type (0 = f32, 1 = bf16,
 /// 2 = fp16; probabilities and dS are written in the inputs' type). Rows with no allowed key:
@@ -60,10 +60,6 @@ pub fn bytes_needed(shape: &Shape, element: Element, backward: bool) -> usize {
     }
     // dO, the S×S dP, and f32 dQ, dK, dV.
     inputs + forward + shape.q_len() * e + s * s * 4 + (shape.q_len() + 2 * shape.kv_len()) * 4
-}
-
-fn failed(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> PluginError {
-    move |err| PluginError::failed(format!("{what}: {err}"))
 }
 
 /// Row-major attention matrices in cuBLAS's column-major terms: a row-major r×c matrix is a
