@@ -173,12 +173,10 @@ impl Gpu {
     /// (`$ATTNBENCH_CACHE/nvrtc/<key>.ptx`, key: source, architecture, NVRTC version).
     pub fn compile(
         &self,
-        what: &str,
+        what: &'static str,
         source: &str,
     ) -> Result<Arc<cudarc::driver::CudaModule>, PluginError> {
-        let failed =
-            |err: cudarc::driver::DriverError| PluginError::failed(format!("{what}: {err}"));
-        let (major, minor) = self.ctx.compute_capability().map_err(failed)?;
+        let (major, minor) = self.ctx.compute_capability().map_err(failed(what))?;
         let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
         let key =
             blake3::hash(format!("{source}\n{arch}\n{}", nvrtc_version()).as_bytes()).to_hex();
@@ -207,7 +205,7 @@ impl Gpu {
                 ptx
             }
         };
-        self.ctx.load_module(ptx).map_err(failed)
+        self.ctx.load_module(ptx).map_err(failed(what))
     }
 
     /// A host copy of a device buffer.
@@ -217,7 +215,7 @@ impl Gpu {
     ) -> Result<Vec<T>, PluginError> {
         self.stream
             .clone_dtoh(&buffer.slice)
-            .map_err(|err| PluginError::failed(format!("download: {err}")))
+            .map_err(failed("download"))
     }
 
     pub fn l2_bytes(&self) -> usize {
@@ -227,9 +225,7 @@ impl Gpu {
     /// Bytes free on the device now. Freed buffers go back to the stream-ordered allocator's
     /// pool first; the pool is trimmed so that an earlier node's memory counts as free.
     pub fn free_bytes(&self) -> Result<usize, PluginError> {
-        self.stream
-            .synchronize()
-            .map_err(|err| PluginError::failed(format!("synchronize: {err}")))?;
+        self.stream.synchronize().map_err(failed("synchronize"))?;
         let mut pool = std::ptr::null_mut();
         // SAFETY: the pool handle is written by the driver for this context's device and only
         // used to release cached memory.
@@ -244,7 +240,7 @@ impl Gpu {
         self.ctx
             .mem_get_info()
             .map(|(free, _)| free)
-            .map_err(|err| PluginError::failed(format!("memory info: {err}")))
+            .map_err(failed("memory info"))
     }
 
     /// Times `work` with the harness: before each repetition the L2 is flushed (outside the timed
@@ -255,24 +251,21 @@ impl Gpu {
         mut work: impl FnMut(&mut Gpu) -> Result<(), PluginError>,
     ) -> Result<Timing, PluginError> {
         let events = |ctx: &Arc<CudaContext>| ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
-        let start =
-            events(&self.ctx).map_err(|err| PluginError::failed(format!("event: {err}")))?;
-        let end = events(&self.ctx).map_err(|err| PluginError::failed(format!("event: {err}")))?;
+        let start = events(&self.ctx).map_err(failed("event"))?;
+        let end = events(&self.ctx).map_err(failed("event"))?;
         let mut failure: Option<PluginError> = None;
         let timing = harness.time_with(|| {
             if failure.is_some() {
                 return 0.0;
             }
             let rep = (|| -> Result<f64, PluginError> {
-                let failed = |err: cudarc::driver::DriverError| {
-                    PluginError::failed(format!("timing: {err}"))
-                };
-                self.stream.memset_zeros(&mut self.flush).map_err(failed)?;
-                start.record(&self.stream).map_err(failed)?;
+                let failed = failed("timing");
+                self.stream.memset_zeros(&mut self.flush).map_err(&failed)?;
+                start.record(&self.stream).map_err(&failed)?;
                 work(self)?;
-                end.record(&self.stream).map_err(failed)?;
-                end.synchronize().map_err(failed)?;
-                Ok(start.elapsed_ms(&end).map_err(failed)? as f64 / 1e3)
+                end.record(&self.stream).map_err(&failed)?;
+                end.synchronize().map_err(&failed)?;
+                Ok(start.elapsed_ms(&end).map_err(&failed)? as f64 / 1e3)
             })();
             rep.unwrap_or_else(|err| {
                 failure = Some(err);
