@@ -212,17 +212,6 @@ fn pack(k: &Tokens, v: &Tokens) -> Vec<f64> {
     [k.data.as_slice(), v.data.as_slice()].concat()
 }
 
-fn unpack(message: Vec<f64>, positions: Vec<u32>, heads: &[usize]) -> (Tokens, Tokens) {
-    let half = message.len() / 2;
-    let (k, v) = message.split_at(half);
-    let tokens = |data: &[f64]| Tokens {
-        positions: positions.clone(),
-        heads: heads.to_vec(),
-        data: data.to_vec(),
-    };
-    (tokens(k), tokens(v))
-}
-
 fn add(target: &mut [f64], source: &[f64]) {
     for (t, s) in target.iter_mut().zip(source) {
         *t += s;
@@ -281,6 +270,26 @@ impl RingStep<'_> {
         self.problem.head_dim
     }
 
+    /// The K and V block of ring member `source`, received from member `from` (a [`pack`]ed
+    /// message: the positions are known from the layout, so they never travel).
+    fn receive_kv(
+        &self,
+        from: usize,
+        tag: u32,
+        source: usize,
+        heads: &[usize],
+    ) -> (Tokens, Tokens) {
+        let message = self.comm.recv(from, tag);
+        let (k, v) = message.split_at(message.len() / 2);
+        let positions = (self.positions_of)(source);
+        let tokens = |data: &[f64]| Tokens {
+            positions: positions.clone(),
+            heads: heads.to_vec(),
+            data: data.to_vec(),
+        };
+        (tokens(k), tokens(v))
+    }
+
     fn p2p_forward(&self, q: &Tokens, k: &Tokens, v: &Tokens) -> Partial {
         let (r, n, d) = (self.comm.rank(), self.comm.size(), self.d());
         let mut done = Partial::empty(q.heads.len(), q.len(), d);
@@ -293,11 +302,7 @@ impl RingStep<'_> {
             done.merge(&self.problem.forward(q, &k_now, &v_now), d);
             if step + 1 < n {
                 let source = (r + n - step - 1) % n;
-                (k_now, v_now) = unpack(
-                    self.comm.recv((r + n - 1) % n, FWD_KV),
-                    (self.positions_of)(source),
-                    &k.heads,
-                );
+                (k_now, v_now) = self.receive_kv((r + n - 1) % n, FWD_KV, source, &k.heads);
             }
         }
         done
@@ -321,11 +326,7 @@ impl RingStep<'_> {
         for step in 1..n {
             self.comm.send(next, BWD_KV, pack(&k_now, &v_now));
             let source = (r + n - step) % n;
-            (k_now, v_now) = unpack(
-                self.comm.recv(prev, BWD_KV),
-                (self.positions_of)(source),
-                &k.heads,
-            );
+            (k_now, v_now) = self.receive_kv(prev, BWD_KV, source, &k.heads);
             let grads = self.problem.backward(q, &k_now, &v_now, done, d_out);
             add(&mut dq, &grads.dq);
             let mut accumulator = [grads.dk, grads.dv].concat();
@@ -432,20 +433,14 @@ impl RingStep<'_> {
                 done.merge(&self.problem.forward(q, &k_now, &v_now), d);
                 if i + 1 < w {
                     let source = self.member(j + m - t, a + w - i - 1);
-                    (k_now, v_now) = unpack(
-                        self.comm.recv(self.member(j, a + w - 1), FWD_KV),
-                        (self.positions_of)(source),
-                        &k.heads,
-                    );
+                    (k_now, v_now) =
+                        self.receive_kv(self.member(j, a + w - 1), FWD_KV, source, &k.heads);
                 }
             }
             if t + 1 < m {
                 let source = self.member(j + m - t - 1, a);
-                (k_window, v_window) = unpack(
-                    self.comm.recv(self.member(j + m - 1, a), FWD_INTER_KV),
-                    (self.positions_of)(source),
-                    &k.heads,
-                );
+                (k_window, v_window) =
+                    self.receive_kv(self.member(j + m - 1, a), FWD_INTER_KV, source, &k.heads);
             }
         }
         done
@@ -495,11 +490,7 @@ impl RingStep<'_> {
                 }
                 if i + 1 < w {
                     let source = self.member(j + m - t, a + w - i - 1);
-                    (k_now, v_now) = unpack(
-                        self.comm.recv(intra_prev, BWD_KV),
-                        (self.positions_of)(source),
-                        &k.heads,
-                    );
+                    (k_now, v_now) = self.receive_kv(intra_prev, BWD_KV, source, &k.heads);
                 }
             }
             if w > 1 {
@@ -513,11 +504,7 @@ impl RingStep<'_> {
             }
             if t + 1 < m {
                 let source = self.member(j + m - t - 1, a);
-                (k_window, v_window) = unpack(
-                    self.comm.recv(inter_prev, BWD_INTER_KV),
-                    (self.positions_of)(source),
-                    &k.heads,
-                );
+                (k_window, v_window) = self.receive_kv(inter_prev, BWD_INTER_KV, source, &k.heads);
             }
         }
         if m > 1 {
