@@ -169,6 +169,16 @@ impl StageSpec {
         self.masks.is_empty() || self.masks.iter().any(|m| m == pattern)
     }
 
+    /// A benchmark stage: one mask set in, one measurement out, in a worker process with the
+    /// machine to itself, cached per machine.
+    pub fn measures_masks(self) -> Self {
+        self.input(kinds::MASK)
+            .output(kinds::MEASUREMENT)
+            .cache_scope(CacheScope::Machine)
+            .isolation(Isolation::Worker)
+            .exclusive()
+    }
+
     /// Marks the stage's nodes as needing the machine to themselves (benchmarks).
     pub fn exclusive(mut self) -> Self {
         self.exclusive = true;

@@ -20,8 +20,8 @@ use attnbench_sdk::reference::{
     self, CheckMode, Element, Forward, Grads, HeadMasks, Inputs, Shape,
 };
 use attnbench_sdk::{
-    kinds, write_json, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError,
-    PluginManifest, StageRequest, StageSpec,
+    write_json, CacheScope, Host, ParamSpec, ParamType, Plugin, PluginError, PluginManifest,
+    StageRequest, StageSpec,
 };
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -68,11 +68,7 @@ impl Plugin for Cp {
                         .param(ParamSpec::new("head_dim", ParamType::Int).default(16))
                         .param(ParamSpec::new("dtype", ParamType::one_of(&["bf16", "fp16", "f32"])).default("bf16").doc("Inputs are rounded to it; bytes are counted in it.")),
                 )
-                .input(kinds::MASK)
-                .output(kinds::MEASUREMENT)
-                .cache_scope(CacheScope::Machine)
-                .isolation(Isolation::Worker)
-                .exclusive()
+                .measures_masks()
                 // A hung kernel or worker ends the node, not the run; `timeout:` in a pipeline overrides.
                 .timeout_s(1800.0),
             )

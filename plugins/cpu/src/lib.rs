@@ -8,8 +8,7 @@ pub mod tiled;
 use attnbench_sdk::mask::MaskSet;
 use attnbench_sdk::measure::{Correctness, Harness, Measurement, Memory, Quantiles, Throughput};
 use attnbench_sdk::{
-    kinds, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError, PluginManifest,
-    StageRequest, StageSpec,
+    Host, ParamSpec, ParamType, Plugin, PluginError, PluginManifest, StageRequest, StageSpec,
 };
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -62,11 +61,7 @@ impl Plugin for Cpu {
                     .param(ParamSpec::new("full_check_max_seqlen", ParamType::Size).default(1024).doc("Longest sequence `auto` checks in full."))
                     .param(ParamSpec::new("max_scores_bytes", ParamType::Size).default("1G").doc("The naive kernel refuses (unsupported) when its score matrix would be larger."))
                     .param(ParamSpec::new("outputs", ParamType::Bool).default(false).doc("Also write the output tensors (out.f32, lse.f32 and, with a backward, dq/dk/dv.f32) for checking."))
-                    .input(kinds::MASK)
-                    .output(kinds::MEASUREMENT)
-                    .cache_scope(CacheScope::Machine)
-                    .isolation(Isolation::Worker)
-                    .exclusive(),
+                    .measures_masks(),
             )
     }
 

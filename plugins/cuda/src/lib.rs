@@ -17,7 +17,7 @@ use attnbench_sdk::reference::{
     self, CheckMode, Element, Forward, Grads, HeadMasks, Inputs, Shape,
 };
 use attnbench_sdk::{
-    kinds, write_json, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError,
+    write_json, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError,
     PluginManifest, StageRequest, StageSpec,
 };
 use serde::Deserialize;
@@ -100,11 +100,7 @@ impl Plugin for Cuda {
                         .param(ParamSpec::new("outputs", ParamType::Bool).default(false).doc("Also write out.f32 and lse.f32."))
                         .param(ParamSpec::new("check_max_seqlen", ParamType::Size).default("2k").doc("Longest sequence whose every output is checked against the f64 reference before timing; longer ones check 16 rows of every head against an independent per-row reference.")),
                 )
-                .input(kinds::MASK)
-                .output(kinds::MEASUREMENT)
-                .cache_scope(CacheScope::Machine)
-                .isolation(Isolation::Worker)
-                .exclusive()
+                .measures_masks()
                 // A hung kernel or worker ends the node, not the run; `timeout:` in a pipeline overrides.
                 .timeout_s(1800.0),
             )

@@ -19,7 +19,7 @@ use attnbench_sdk::reference::{
     self, CheckMode, Element, Forward, Grads, HeadMasks, Inputs, Shape,
 };
 use attnbench_sdk::{
-    kinds, write_json, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError,
+    write_json, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError,
     PluginManifest, StageRequest, StageSpec,
 };
 use serde::Deserialize;
@@ -103,11 +103,7 @@ impl Plugin for Python {
                         .param(ParamSpec::new("check_max_seqlen", ParamType::Size).default("2k").doc("Up to this length the inputs are the SDK's and every output is checked against the f64 reference; beyond it the worker checks `check_rows` rows of every head."))
                         .param(ParamSpec::new("check_rows", ParamType::Int).default(16).doc("Rows of every head checked beyond check_max_seqlen.")),
                 )
-                .input(kinds::MASK)
-                .output(kinds::MEASUREMENT)
-                .cache_scope(CacheScope::Machine)
-                .isolation(Isolation::Worker)
-                .exclusive()
+                .measures_masks()
                 // A hung kernel or worker ends the node, not the run; `timeout:` in a pipeline overrides.
                 .timeout_s(1800.0),
             )
