@@ -496,11 +496,13 @@ impl Mask {
         for bounds in cu_seqlens.windows(2) {
             for q in bounds[0]..bounds[1] {
                 let (a, b) = rows[q as usize];
+                // Signed: a row whose keys do not surround its query is no window; the check
+                // below refuses it.
                 if a > bounds[0] {
-                    left = left.max((q - a) as i64);
+                    left = left.max(q as i64 - a as i64);
                 }
                 if b < bounds[1] {
-                    right = right.max((b - 1 - q) as i64);
+                    right = right.max(b as i64 - 1 - q as i64);
                 }
             }
         }

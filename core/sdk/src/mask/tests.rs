@@ -191,3 +191,20 @@ fn sliding_windows_are_expressible_as_varlen_but_not_as_two_documents() {
         "{err}"
     );
 }
+
+#[test]
+fn rows_whose_keys_end_before_the_query_are_refused_as_varlen_not_a_panic() {
+    // Found by the property test: rows 7–15 allow keys 0–6, which lie wholly before them.
+    let mask = Mask::new(16, 16, vec![Slice::new([0, 16], [0, 7], SliceKind::Full)]).unwrap();
+    match mask.varlen() {
+        Ok(encoding) => {
+            for q in 0..16 {
+                let (a, b) = encoding.keys_of_row(q);
+                for k in 0..16 {
+                    assert_eq!(a <= k && k < b, mask.allows(q, k), "cell ({q}, {k})");
+                }
+            }
+        }
+        Err(reason) => assert!(!reason.to_string().is_empty()),
+    }
+}
