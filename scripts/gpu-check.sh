@@ -3,27 +3,35 @@
 # doctor, the harness against a cuBLAS GEMM, the naive kernel against the CPU reference, the
 # naive kernel's pipeline, and the repeatability of one cell. Results go under $OUT (default:
 # ./gpu-check). NAIVE_ARGS are passed to the naive pipeline's run (e.g. to narrow its matrix with
-# --set).
+# --set); STEPS picks steps (default: all of doctor gemm check naive repeat); CHECK_KERNELS the
+# native kernels the correctness step runs (default: naive, flash).
 set -uo pipefail
+steps=" ${STEPS:-doctor gemm check naive repeat} "
+want() { [[ $steps == *" $1 "* ]]; }
 attnbench=${ATTNBENCH:-.device/run.sh}
 out=${OUT:-gpu-check}
 mkdir -p "$out"
 export ATTNBENCH_CACHE=${ATTNBENCH_CACHE:-$out/cache}
 root=$(cd "$(dirname "$0")/.." && pwd)
 
-echo "== doctor"
-$attnbench doctor | tee "$out/doctor.txt"
+if want doctor; then
+  echo "== doctor"
+  $attnbench doctor | tee "$out/doctor.txt"
+fi
 
-echo "== cuBLAS bf16 GEMM 8192³ through the harness"
-cat > "$out/gemm.yaml" <<'YAML'
+if want gemm; then
+  echo "== cuBLAS bf16 GEMM 8192³ through the harness"
+  cat > "$out/gemm.yaml" <<'YAML'
 name: gemm
 stages:
   gemm: {uses: cuda/gemm, matrix: {dtype: [bf16]}}
 YAML
-$attnbench run "$out/gemm.yaml" -v 2>&1 | tail -3
+  $attnbench run "$out/gemm.yaml" -v 2>&1 | tail -3
+fi
 
-echo "== the naive GPU kernel against the f64 reference (every mask, 512 and 1K tokens, fwd and bwd)"
-cat > "$out/check.yaml" <<'YAML'
+if want check; then
+  echo "== native kernels (${CHECK_KERNELS:-naive, flash}) against the f64 reference (every mask, 512 and 1K tokens, fwd and bwd)"
+  cat > "$out/check.yaml" <<YAML
 name: gpu-correctness
 seed: 7
 defaults: {heads_q: 8, heads_kv: 2, head_dim: 128}
@@ -37,26 +45,31 @@ stages:
   bench:
     uses: cuda/benchmark
     needs: [masks]
-    matrix: {kernel: [naive, flash], dtype: [bf16, fp16, f32], direction: [fwd, bwd]}
+    matrix: {kernel: [${CHECK_KERNELS:-naive, flash}], dtype: [bf16, fp16, f32], direction: [fwd, bwd]}
     with: {check_max_seqlen: 1k, warmup_reps: 1, min_reps: 3, max_time_s: 0.2}
   report:
     uses: report/table
     needs: {bench: all}
 YAML
-$attnbench run "$out/check.yaml" -q 2>&1 | tail -4
+  $attnbench run "$out/check.yaml" -q 2>&1 | tail -4
+fi
 
-echo "== the naive kernel's pipeline"
-# shellcheck disable=SC2086
-$attnbench run "$root/pipelines/naive-gpu.yaml" -q ${NAIVE_ARGS:-} 2>&1 | tail -4
+if want naive; then
+  echo "== the naive kernel's pipeline"
+  # shellcheck disable=SC2086
+  $attnbench run "$root/pipelines/naive-gpu.yaml" -q ${NAIVE_ARGS:-} 2>&1 | tail -4
+fi
 
-echo "== repeatability: the same cell twice"
-cell='bench[mask=causal,seqlen=8k,kernel=naive,direction=fwd]'
-for i in 1 2; do
-  $attnbench run "$root/pipelines/naive-gpu.yaml" -q --force "$cell" --set 'stages.masks.matrix.seqlen=[8k]' --set 'stages.masks.matrix.mask=[causal]' >/dev/null 2>&1
-  # The forced cell's cache entry is replaced by the next run: keep this run's measurement now.
-  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); n=[n for n in r['nodes'] if n['id']==sys.argv[2]][0]; print(json.dumps(json.load(open(n['artifact']+'/measurement.json'))))" \
-    "$ATTNBENCH_CACHE/runs/$(cat "$ATTNBENCH_CACHE/runs/latest")/run.json" "$cell" > "$out/repeat-$i.json"
-done
+if want repeat; then
+  echo "== repeatability: the same cell twice"
+  cell='bench[mask=causal,seqlen=8k,kernel=naive,direction=fwd]'
+  for i in 1 2; do
+    $attnbench run "$root/pipelines/naive-gpu.yaml" -q --force "$cell" --set 'stages.masks.matrix.seqlen=[8k]' --set 'stages.masks.matrix.mask=[causal]' >/dev/null 2>&1
+    # The forced cell's cache entry is replaced by the next run: keep this run's measurement now.
+    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); n=[n for n in r['nodes'] if n['id']==sys.argv[2]][0]; print(json.dumps(json.load(open(n['artifact']+'/measurement.json'))))" \
+      "$ATTNBENCH_CACHE/runs/$(cat "$ATTNBENCH_CACHE/runs/latest")/run.json" "$cell" > "$out/repeat-$i.json"
+  done
+fi
 
 echo "== summary"
 python3 - "$ATTNBENCH_CACHE" "$out" <<'PY'
@@ -88,7 +101,7 @@ with open(os.path.join(out, 'summary.tsv'), 'w') as f:
         if key in seen: continue
         seen.add(key)
         print(line)
-values = [json.load(open(os.path.join(out, f'repeat-{i}.json')))['time_s']['p50'] for i in (1, 2)]
+values = [json.load(open(p))['time_s']['p50'] for p in (os.path.join(out, f'repeat-{i}.json') for i in (1, 2)) if os.path.exists(p)]
 if len(values) == 2:
     print(f'repeatability: medians {values[0]*1e3:.3f} ms and {values[1]*1e3:.3f} ms differ by {abs(values[0]-values[1])/min(values)*100:.2f}%')
 PY

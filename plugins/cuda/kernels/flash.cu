@@ -1,7 +1,8 @@
-// attnbench flash attention. Forward: one CTA per (64-row query tile, query head), 4 warps of 16
+// attnbench flash attention. Forward: one CTA per (128-row query tile, query head), 8 warps of 16
 // rows; 64-key tiles from the mask IR's per-tile work list (full tiles unmasked, partial tiles
 // masked element-wise from each row's key intervals, empty tiles never visited); QKᵀ and PV on
-// tensor cores (mma.sync m16n8k16, f32 accumulation); online softmax in registers.
+// tensor cores (mma.sync m16n8k16, f32 accumulation) fed by ldmatrix from swizzled shared tiles
+// that cp.async fills while the previous product runs; online softmax in registers.
 // Rows with no allowed key: O = 0, LSE = −∞.
 // Backward (deterministic: every output has one writer): D = rowsum(dO∘O); dK and dV per
 // (64-key tile, KV head), summing the group's query heads in order over the query tiles that
@@ -38,56 +39,104 @@ __device__ __forceinline__ bool allowed(unsigned k, const unsigned* iv, unsigned
     return false;
 }
 
-// Copies ROWS × D elements (16-bit) from global rows of D into shared memory, zero past `valid`.
-template <int ROWS, int D>
-__device__ __forceinline__ void load_tile(u16* dst, const u16* src, int valid) {
-    const int chunks = ROWS * D / 8;  // 16-byte chunks
-    for (int i = threadIdx.x; i < chunks; i += THREADS) {
-        const int row = i / (D / 8), col = (i % (D / 8)) * 8;
-        uint4 value = make_uint4(0, 0, 0, 0);
-        if (row < valid) value = *reinterpret_cast<const uint4*>(src + (size_t)row * D + col);
-        *reinterpret_cast<uint4*>(dst + row * D + col) = value;
+// Shared tiles are stored swizzled: 16-byte chunk c of row r sits at chunk c ^ (r mod 8) of that
+// row, so the 8 rows an ldmatrix (or a fragment load) touches fall into 8 different banks.
+template <int D> __device__ __forceinline__ int swizzled(int row, int chunk) { return row * D + ((chunk ^ (row & 7)) << 3); }
+
+__device__ __forceinline__ u32 shared_address(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// 16 bytes global → shared without a register round trip; `valid` false writes zeros.
+__device__ __forceinline__ void copy_async(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(shared_address(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Waits until at most N of this thread's committed copy groups are still in flight.
+template <int N> __device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+
+// Starts copying ROWS × D 16-bit elements (global rows of width D) into a swizzled shared tile;
+// rows at or past `valid` become zeros (keys past the end must not carry NaN into P·V).
+template <int ROWS, int D, int NT>
+__device__ __forceinline__ void load_tile_async(u16* dst, const u16* src, int valid) {
+    constexpr int chunks = D / 8;
+    #pragma unroll
+    for (int i = threadIdx.x; i < ROWS * chunks; i += NT) {
+        const int row = i / chunks, chunk = i % chunks;
+        const bool in = row < valid;
+        copy_async(dst + swizzled<D>(row, chunk), src + (size_t)(in ? row : 0) * D + chunk * 8, in);
     }
 }
 
+// Four 8×8 matrices of a swizzled tile into fragments: lane l names row `row0 + (l mod 8)` of
+// matrix l / 8. `.trans` hands each thread a column pair instead of a row pair.
+__device__ __forceinline__ void ldmatrix_x4(u32* r, const u16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(p)) : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const u16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(p)) : "memory");
+}
+
+// The A fragment (16 rows at row0 × 16 columns at kk·16) of a swizzled row-major tile.
+template <int D> __device__ __forceinline__ void a_fragment(u32* a, const u16* tile, int row0, int kk) {
+    const int lane = threadIdx.x & 31, m = lane >> 3;
+    ldmatrix_x4(a, tile + swizzled<D>(row0 + (m & 1) * 8 + (lane & 7), kk * 2 + (m >> 1)));
+}
+// B fragments of Xᵀ for two 8-column blocks (rows n16..n16+15 of X) × 16 of D at kk·16, from a
+// swizzled row-major tile X: b[0..1] for rows n16..+7, b[2..3] for rows n16+8..+15.
+template <int D> __device__ __forceinline__ void bt_fragments(u32* b, const u16* tile, int n16, int kk) {
+    const int lane = threadIdx.x & 31, m = lane >> 3;
+    ldmatrix_x4(b, tile + swizzled<D>(n16 + (m >> 1) * 8 + (lane & 7), kk * 2 + (m & 1)));
+}
+// B fragments of X for 16 rows at k16 × two 8-column blocks at chunk c2·2 (columns c2·16..+15),
+// from a swizzled row-major tile X: b[0..1] for the first 8 columns, b[2..3] for the next.
+template <int D> __device__ __forceinline__ void b_fragments(u32* b, const u16* tile, int k16, int c2) {
+    const int lane = threadIdx.x & 31, m = lane >> 3;
+    ldmatrix_x4_trans(b, tile + swizzled<D>(k16 + (m & 1) * 8 + (lane & 7), c2 * 2 + (m >> 1)));
+}
+
+#define BM_FWD 128
+#define FWD_THREADS 256
+
+// Forward: one CTA of 8 warps per (128-row query tile, query head), each warp 16 rows. K and V
+// tiles arrive by cp.async into one buffer each, overlapped with compute: V(j) loads during
+// S = Q·K(j)ᵀ, K(j+1) during the softmax and O += P·V(j). Q is staged through the same buffers.
 template <int E, int D>
 __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                               float* __restrict__ out, float* __restrict__ lse,
                               const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles,
+                              const unsigned* __restrict__ order,
                               const unsigned* __restrict__ row_start, const unsigned* __restrict__ intervals,
                               const int* __restrict__ mask_of_head,
                               int seqlen, int group, float scale_log2) {
-    __shared__ __align__(16) u16 sq[BM * D];
-    __shared__ __align__(16) u16 sk[BN * D];
-    __shared__ __align__(16) u16 sv[BN * D];
-    const int q_tile = blockIdx.x, head = blockIdx.y, kv_head = head / group;
-    const int mask = mask_of_head[head];
+    static_assert(BM_FWD * D == 2 * BN * D, "Q is staged through the K and V buffers");
+    __shared__ __align__(128) u16 buffers[2 * BN * D];
+    u16* sk = buffers;
+    u16* sv = buffers + BN * D;
+    const int head = blockIdx.x, kv_head = head / group, mask = mask_of_head[head];
+    const int q_tiles = (seqlen + BM_FWD - 1) / BM_FWD;
+    // Longest work lists first, so the last wave is short.
+    const int q_tile = order[mask * q_tiles + blockIdx.y];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int q0 = q_tile * BM;
-    const u16* qh = q + ((size_t)head * seqlen) * D;
+    const int q0 = q_tile * BM_FWD;
     const u16* kh = k + ((size_t)kv_head * seqlen) * D;
     const u16* vh = v + ((size_t)kv_head * seqlen) * D;
-    load_tile<BM, D>(sq, qh + (size_t)q0 * D, min(BM, seqlen - q0));
+
+    load_tile_async<BM_FWD, D, FWD_THREADS>(buffers, q + ((size_t)head * seqlen + q0) * D, min(BM_FWD, seqlen - q0));
+    commit_copies();
+    wait_copies<0>();
+    __syncthreads();
+    u32 qa[D / 16][4];
+    #pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) a_fragment<D>(qa[kk], buffers, warp * 16, kk);
     __syncthreads();
 
     // This thread's rows: r0 = q0 + warp·16 + g and r1 = r0 + 8.
     const int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
     const unsigned* table_rows = row_start + (size_t)mask * (seqlen + 1);
-    const unsigned* table_iv = intervals;
     unsigned iv0_begin = 0, iv0_count = 0, iv1_begin = 0, iv1_count = 0;
     if (r0 < seqlen) { iv0_begin = table_rows[r0]; iv0_count = table_rows[r0 + 1] - iv0_begin; }
     if (r1 < seqlen) { iv1_begin = table_rows[r1]; iv1_count = table_rows[r1 + 1] - iv1_begin; }
-
-    // Q fragments for the warp's 16 rows, all of D.
-    u32 qa[D / 16][4];
-    #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-        const u16* base = sq + (warp * 16) * D + kk * 16 + t * 2;
-        qa[kk][0] = *reinterpret_cast<const u32*>(base + g * D);
-        qa[kk][1] = *reinterpret_cast<const u32*>(base + (g + 8) * D);
-        qa[kk][2] = *reinterpret_cast<const u32*>(base + g * D + 8);
-        qa[kk][3] = *reinterpret_cast<const u32*>(base + (g + 8) * D + 8);
-    }
 
     float acc[D / 8][4];
     #pragma unroll
@@ -95,39 +144,61 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
     const float minus_inf = __int_as_float(0xff800000);
     float m0 = minus_inf, m1 = minus_inf, l0 = 0.0f, l1 = 0.0f;
 
-    const unsigned list = mask * ((seqlen + BM - 1) / BM) + q_tile;
-    for (unsigned w = tile_start[list]; w < tile_start[list + 1]; ++w) {
+    const unsigned list = mask * q_tiles + q_tile;
+    const unsigned begin = tile_start[list], end = tile_start[list + 1];
+    if (begin < end) {
+        const int k0 = (int)(tiles[begin] & 0x7fffffffu) * BN;
+        load_tile_async<BN, D, FWD_THREADS>(sk, kh + (size_t)k0 * D, min(BN, seqlen - k0));
+    }
+    commit_copies();
+    for (unsigned w = begin; w < end; ++w) {
         const unsigned entry = tiles[w];
         const bool partial = entry >> 31;
         const int k0 = (int)(entry & 0x7fffffffu) * BN;
-        __syncthreads();
-        load_tile<BN, D>(sk, kh + (size_t)k0 * D, min(BN, seqlen - k0));
-        load_tile<BN, D>(sv, vh + (size_t)k0 * D, min(BN, seqlen - k0));
+        __syncthreads();  // every warp is done with V(j-1)
+        load_tile_async<BN, D, FWD_THREADS>(sv, vh + (size_t)k0 * D, min(BN, seqlen - k0));
+        commit_copies();
+        wait_copies<1>();  // K(j) has landed
         __syncthreads();
 
         // S = Q·Kᵀ for the warp's 16 rows × 64 keys: 8 n-blocks of 8 keys.
         float s[BN / 8][4];
         #pragma unroll
-        for (int n = 0; n < BN / 8; ++n) {
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        for (int n = 0; n < BN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        #pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
             #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                const u16* base = sk + (n * 8 + g) * D + kk * 16 + t * 2;
-                u32 b[2] = {*reinterpret_cast<const u32*>(base), *reinterpret_cast<const u32*>(base + 8)};
-                mma<E>(s[n], qa[kk], b);
+            for (int n16 = 0; n16 < BN / 16; ++n16) {
+                u32 b[4];
+                bt_fragments<D>(b, sk, n16 * 16, kk);
+                mma<E>(s[2 * n16], qa[kk], b);
+                mma<E>(s[2 * n16 + 1], qa[kk], b + 2);
             }
         }
+        __syncthreads();  // every warp is done with K(j): fetch K(j+1) while this tile finishes
+        if (w + 1 < end) {
+            const int k1 = (int)(tiles[w + 1] & 0x7fffffffu) * BN;
+            load_tile_async<BN, D, FWD_THREADS>(sk, kh + (size_t)k1 * D, min(BN, seqlen - k1));
+        }
+        commit_copies();
+
         // Scale into the log2 domain; mask what the tile does not allow (and keys past the end).
-        #pragma unroll
-        for (int n = 0; n < BN / 8; ++n) {
+        if (partial || k0 + BN > seqlen) {
             #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int key = k0 + n * 8 + t * 2 + (i & 1);
-                const int row = (i < 2) ? r0 : r1;
-                bool ok = key < seqlen && row < seqlen;
-                if (ok && partial) ok = (i < 2) ? allowed(key, table_iv + 2 * iv0_begin, iv0_count)
-                                                : allowed(key, table_iv + 2 * iv1_begin, iv1_count);
-                s[n][i] = ok ? s[n][i] * scale_log2 : minus_inf;
+            for (int n = 0; n < BN / 8; ++n) {
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int key = k0 + n * 8 + t * 2 + (i & 1);
+                    bool ok = key < seqlen;
+                    if (ok && partial) ok = (i < 2) ? allowed(key, intervals + 2 * iv0_begin, iv0_count)
+                                                    : allowed(key, intervals + 2 * iv1_begin, iv1_count);
+                    s[n][i] = ok ? s[n][i] * scale_log2 : minus_inf;
+                }
+            }
+        } else {
+            #pragma unroll
+            for (int n = 0; n < BN / 8; ++n) {
+                s[n][0] *= scale_log2; s[n][1] *= scale_log2; s[n][2] *= scale_log2; s[n][3] *= scale_log2;
             }
         }
         // Online softmax: new row maxima over the 4 threads that share a row.
@@ -159,16 +230,19 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
             acc[n][0] *= shrink0; acc[n][1] *= shrink0;
             acc[n][2] *= shrink1; acc[n][3] *= shrink1;
         }
+        wait_copies<1>();  // V(j) has landed
+        __syncthreads();
         // O += P·V: P's accumulators become A fragments, 16 keys at a time.
         #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
             u32 pa[4] = {pack2<E>(s[2 * kk][0], s[2 * kk][1]), pack2<E>(s[2 * kk][2], s[2 * kk][3]),
                          pack2<E>(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2<E>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
             #pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                const u16* col = sv + (kk * 16 + t * 2) * D + n * 8 + g;
-                u32 b[2] = {(u32)col[0] | ((u32)col[D] << 16), (u32)col[8 * D] | ((u32)col[9 * D] << 16)};
-                mma<E>(acc[n], pa, b);
+            for (int c2 = 0; c2 < D / 16; ++c2) {
+                u32 b[4];
+                b_fragments<D>(b, sv, kk * 16, c2);
+                mma<E>(acc[2 * c2], pa, b);
+                mma<E>(acc[2 * c2 + 1], pa, b + 2);
             }
         }
     }
@@ -183,8 +257,8 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
     #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
         const int col = n * 8 + t * 2;
-        if (r0 < seqlen) { oh[(size_t)r0 * D + col] = acc[n][0] * inv0; oh[(size_t)r0 * D + col + 1] = acc[n][1] * inv0; }
-        if (r1 < seqlen) { oh[(size_t)r1 * D + col] = acc[n][2] * inv1; oh[(size_t)r1 * D + col + 1] = acc[n][3] * inv1; }
+        if (r0 < seqlen) *reinterpret_cast<float2*>(oh + (size_t)r0 * D + col) = make_float2(acc[n][0] * inv0, acc[n][1] * inv0);
+        if (r1 < seqlen) *reinterpret_cast<float2*>(oh + (size_t)r1 * D + col) = make_float2(acc[n][2] * inv1, acc[n][3] * inv1);
     }
     if (t == 0) {
         const float ln2 = 0.6931471805599453f;
@@ -194,11 +268,11 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
 }
 
 #define FLASH_FORWARD(SUFFIX, E, D) \
-extern "C" __global__ void __launch_bounds__(THREADS) flash_forward_##SUFFIX( \
+extern "C" __global__ void __launch_bounds__(FWD_THREADS, 1) flash_forward_##SUFFIX( \
     const u16* q, const u16* k, const u16* v, float* out, float* lse, const unsigned* tile_start, const unsigned* tiles, \
-    const unsigned* row_start, const unsigned* intervals, const int* mask_of_head, \
+    const unsigned* order, const unsigned* row_start, const unsigned* intervals, const int* mask_of_head, \
     int seqlen, int group, float scale_log2) { \
-    flash_forward<E, D>(q, k, v, out, lse, tile_start, tiles, row_start, intervals, mask_of_head, seqlen, group, scale_log2); }
+    flash_forward<E, D>(q, k, v, out, lse, tile_start, tiles, order, row_start, intervals, mask_of_head, seqlen, group, scale_log2); }
 FLASH_FORWARD(bf16_d64, 1, 64)
 FLASH_FORWARD(bf16_d128, 1, 128)
 FLASH_FORWARD(f16_d64, 2, 64)
@@ -207,32 +281,6 @@ FLASH_FORWARD(f16_d128, 2, 128)
 template <int E> __device__ __forceinline__ float to_float(u16 x);
 template <> __device__ __forceinline__ float to_float<1>(u16 x) { return __uint_as_float((u32)x << 16); }
 template <> __device__ __forceinline__ float to_float<2>(u16 x) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x)); return f; }
-
-// A fragments (16 rows × 16 columns at column kk·16) of a row-major shared tile of width D.
-template <int D>
-__device__ __forceinline__ void a_fragment(u32* a, const u16* tile, int row0, int kk, int g, int t) {
-    const u16* base = tile + row0 * D + kk * 16 + t * 2;
-    a[0] = *reinterpret_cast<const u32*>(base + g * D);
-    a[1] = *reinterpret_cast<const u32*>(base + (g + 8) * D);
-    a[2] = *reinterpret_cast<const u32*>(base + g * D + 8);
-    a[3] = *reinterpret_cast<const u32*>(base + (g + 8) * D + 8);
-}
-
-// B fragment of Xᵀ (16 of D × 8 rows of X at row n8) from a row-major tile X of width D.
-template <int D>
-__device__ __forceinline__ void bt_fragment(u32* b, const u16* tile, int n8, int kk, int g, int t) {
-    const u16* base = tile + (n8 + g) * D + kk * 16 + t * 2;
-    b[0] = *reinterpret_cast<const u32*>(base);
-    b[1] = *reinterpret_cast<const u32*>(base + 8);
-}
-
-// B fragment of X (16 rows of X at row k16 × 8 columns at n8) from a row-major tile X of width D.
-template <int D>
-__device__ __forceinline__ void b_fragment(u32* b, const u16* tile, int k16, int n8, int g, int t) {
-    const u16* col = tile + (k16 + t * 2) * D + n8 + g;
-    b[0] = (u32)col[0] | ((u32)col[D] << 16);
-    b[1] = (u32)col[8 * D] | ((u32)col[9 * D] << 16);
-}
 
 // D[h][q] = Σ dO∘O over the head dimension: one warp per row.
 template <int E, int D>
@@ -246,7 +294,8 @@ __device__ void flash_delta(const u16* __restrict__ d_out, const float* __restri
 }
 
 // dQ of one (64-row query tile, query head): S and P recomputed per key tile as in the forward
-// pass, dP = dO·Vᵀ, dS = P∘(dP − D), dQ += dS·K; scaled at the end.
+// pass, dP = dO·Vᵀ, dS = P∘(dP − D), dQ += dS·K; scaled at the end. Q and dO are staged through
+// the K and V buffers into registers; V(j+1) loads while dS and dQ of tile j are computed.
 template <int E, int D>
 __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                                   const u16* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -254,9 +303,8 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
                                   const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles,
                                   const unsigned* __restrict__ row_start, const unsigned* __restrict__ intervals,
                                   const int* __restrict__ mask_of_head, int seqlen, int group, float scale, float scale_log2) {
-    __shared__ __align__(16) u16 stage[BM * D];
-    __shared__ __align__(16) u16 sk[BN * D];
-    __shared__ __align__(16) u16 sv[BN * D];
+    __shared__ __align__(128) u16 sk[BN * D];
+    __shared__ __align__(128) u16 sv[BN * D];
     const int q_tile = blockIdx.x, head = blockIdx.y, kv_head = head / group;
     const int mask = mask_of_head[head];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -273,15 +321,17 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
     const float d1 = r1 < seqlen ? delta[(size_t)head * seqlen + r1] : 0.0f;
 
     u32 qa[D / 16][4], da[D / 16][4];
-    load_tile<BM, D>(stage, q + ((size_t)head * seqlen + q0) * D, min(BM, seqlen - q0));
+    load_tile_async<BM, D, THREADS>(sk, q + ((size_t)head * seqlen + q0) * D, min(BM, seqlen - q0));
+    load_tile_async<BM, D, THREADS>(sv, d_out + ((size_t)head * seqlen + q0) * D, min(BM, seqlen - q0));
+    commit_copies();
+    wait_copies<0>();
     __syncthreads();
     #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) a_fragment<D>(qa[kk], stage, warp * 16, kk, g, t);
+    for (int kk = 0; kk < D / 16; ++kk) {
+        a_fragment<D>(qa[kk], sk, warp * 16, kk);
+        a_fragment<D>(da[kk], sv, warp * 16, kk);
+    }
     __syncthreads();
-    load_tile<BM, D>(stage, d_out + ((size_t)head * seqlen + q0) * D, min(BM, seqlen - q0));
-    __syncthreads();
-    #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) a_fragment<D>(da[kk], stage, warp * 16, kk, g, t);
 
     float acc[D / 8][4];
     #pragma unroll
@@ -289,28 +339,46 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
     const u16* kh = k + ((size_t)kv_head * seqlen) * D;
     const u16* vh = v + ((size_t)kv_head * seqlen) * D;
     const unsigned list = mask * ((seqlen + BM - 1) / BM) + q_tile;
-    for (unsigned w = tile_start[list]; w < tile_start[list + 1]; ++w) {
+    const unsigned begin = tile_start[list], end = tile_start[list + 1];
+    if (begin < end) {
+        const int k0 = (int)(tiles[begin] & 0x7fffffffu) * BN;
+        load_tile_async<BN, D, THREADS>(sv, vh + (size_t)k0 * D, min(BN, seqlen - k0));
+    }
+    commit_copies();
+    for (unsigned w = begin; w < end; ++w) {
         const unsigned entry = tiles[w];
         const bool partial = entry >> 31;
         const int k0 = (int)(entry & 0x7fffffffu) * BN;
-        __syncthreads();
-        load_tile<BN, D>(sk, kh + (size_t)k0 * D, min(BN, seqlen - k0));
-        load_tile<BN, D>(sv, vh + (size_t)k0 * D, min(BN, seqlen - k0));
+        __syncthreads();  // every warp is done with K(j-1)
+        load_tile_async<BN, D, THREADS>(sk, kh + (size_t)k0 * D, min(BN, seqlen - k0));
+        commit_copies();
+        wait_copies<0>();  // K(j) and V(j)
         __syncthreads();
         float s[BN / 8][4], dp[BN / 8][4];
         #pragma unroll
         for (int n = 0; n < BN / 8; ++n) {
             s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
             dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
+        }
+        #pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
             #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                u32 b[2];
-                bt_fragment<D>(b, sk, n * 8, kk, g, t);
-                mma<E>(s[n], qa[kk], b);
-                bt_fragment<D>(b, sv, n * 8, kk, g, t);
-                mma<E>(dp[n], da[kk], b);
+            for (int n16 = 0; n16 < BN / 16; ++n16) {
+                u32 b[4];
+                bt_fragments<D>(b, sk, n16 * 16, kk);
+                mma<E>(s[2 * n16], qa[kk], b);
+                mma<E>(s[2 * n16 + 1], qa[kk], b + 2);
+                bt_fragments<D>(b, sv, n16 * 16, kk);
+                mma<E>(dp[2 * n16], da[kk], b);
+                mma<E>(dp[2 * n16 + 1], da[kk], b + 2);
             }
         }
+        __syncthreads();  // every warp is done with V(j)
+        if (w + 1 < end) {
+            const int k1 = (int)(tiles[w + 1] & 0x7fffffffu) * BN;
+            load_tile_async<BN, D, THREADS>(sv, vh + (size_t)k1 * D, min(BN, seqlen - k1));
+        }
+        commit_copies();
         // dS = P∘(dP − D), P = exp2(S·scale·log2e − LSE·log2e); masked cells contribute nothing.
         #pragma unroll
         for (int n = 0; n < BN / 8; ++n) {
@@ -318,9 +386,8 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
             for (int i = 0; i < 4; ++i) {
                 const int key = k0 + n * 8 + t * 2 + (i & 1);
                 const bool upper = i < 2;
-                const int row = upper ? r0 : r1;
                 const float row_lse = upper ? lse0 : lse1;
-                bool ok = key < seqlen && row < seqlen && row_lse != minus_inf;
+                bool ok = key < seqlen && row_lse != minus_inf;
                 if (ok && partial) ok = upper ? allowed(key, intervals + 2 * iv0_begin, iv0_count)
                                               : allowed(key, intervals + 2 * iv1_begin, iv1_count);
                 const float p = ok ? exp2f(s[n][i] * scale_log2 - row_lse) : 0.0f;
@@ -333,10 +400,11 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
             u32 pa[4] = {pack2<E>(s[2 * kk][0], s[2 * kk][1]), pack2<E>(s[2 * kk][2], s[2 * kk][3]),
                          pack2<E>(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2<E>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
             #pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                u32 b[2];
-                b_fragment<D>(b, sk, kk * 16, n * 8, g, t);
-                mma<E>(acc[n], pa, b);
+            for (int c2 = 0; c2 < D / 16; ++c2) {
+                u32 b[4];
+                b_fragments<D>(b, sk, kk * 16, c2);
+                mma<E>(acc[2 * c2], pa, b);
+                mma<E>(acc[2 * c2 + 1], pa, b + 2);
             }
         }
     }
@@ -344,16 +412,16 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
     #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
         const int col = n * 8 + t * 2;
-        if (r0 < seqlen) { dqh[(size_t)r0 * D + col] = acc[n][0] * scale; dqh[(size_t)r0 * D + col + 1] = acc[n][1] * scale; }
-        if (r1 < seqlen) { dqh[(size_t)r1 * D + col] = acc[n][2] * scale; dqh[(size_t)r1 * D + col + 1] = acc[n][3] * scale; }
+        if (r0 < seqlen) *reinterpret_cast<float2*>(dqh + (size_t)r0 * D + col) = make_float2(acc[n][0] * scale, acc[n][1] * scale);
+        if (r1 < seqlen) *reinterpret_cast<float2*>(dqh + (size_t)r1 * D + col) = make_float2(acc[n][2] * scale, acc[n][3] * scale);
     }
 }
 
 #define BQ 32
 
-// dK and dV of one (64-key tile, KV head): for each query head of the group, in order, and each
-// query tile touching the key tile (in 32-row halves): Sᵀ = K·Qᵀ, Pᵀ, dV += Pᵀ·dO,
-// dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − D), dK += dSᵀ·Q; dK scaled at the end.
+// dK and dV of one (64-key tile, KV head): for each step of the walk, Sᵀ = K·Qᵀ, Pᵀ,
+// dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − D), dK += dSᵀ·Q; dK scaled at the end. K and V stay
+// in registers; Q and dO of the next step load into the other of two buffers while this one runs.
 template <int E, int D>
 __device__ void flash_backward_dkdv(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                                     const u16* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -361,10 +429,9 @@ __device__ void flash_backward_dkdv(const u16* __restrict__ q, const u16* __rest
                                     const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles,
                                     const unsigned* __restrict__ row_start, const unsigned* __restrict__ intervals,
                                     const int* __restrict__ mask_of_head, int seqlen, int group, float scale, float scale_log2) {
-    __shared__ __align__(16) u16 stage[BN * D];
-    __shared__ __align__(16) u16 sq[BQ * D];
-    __shared__ __align__(16) u16 sdo[BQ * D];
-    __shared__ float s_lse[BQ], s_delta[BQ];
+    static_assert(2 * 2 * BQ * D == 2 * BN * D, "K and V are staged through the Q and dO buffers");
+    __shared__ __align__(128) u16 buffers[2 * 2 * BQ * D];  // [stage][Q | dO]
+    __shared__ float s_lse[2][BQ], s_delta[2][BQ];
     const int k_tile = blockIdx.x, kv_head = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int k0 = k_tile * BN;
@@ -373,15 +440,56 @@ __device__ void flash_backward_dkdv(const u16* __restrict__ q, const u16* __rest
     const int k_tiles = (seqlen + BN - 1) / BN;
 
     u32 ka[D / 16][4], va[D / 16][4];
-    load_tile<BN, D>(stage, k + ((size_t)kv_head * seqlen + k0) * D, min(BN, seqlen - k0));
+    load_tile_async<BN, D, THREADS>(buffers, k + ((size_t)kv_head * seqlen + k0) * D, min(BN, seqlen - k0));
+    load_tile_async<BN, D, THREADS>(buffers + BN * D, v + ((size_t)kv_head * seqlen + k0) * D, min(BN, seqlen - k0));
+    commit_copies();
+    wait_copies<0>();
     __syncthreads();
     #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) a_fragment<D>(ka[kk], stage, warp * 16, kk, g, t);
+    for (int kk = 0; kk < D / 16; ++kk) {
+        a_fragment<D>(ka[kk], buffers, warp * 16, kk);
+        a_fragment<D>(va[kk], buffers + BN * D, warp * 16, kk);
+    }
     __syncthreads();
-    load_tile<BN, D>(stage, v + ((size_t)kv_head * seqlen + k0) * D, min(BN, seqlen - k0));
-    __syncthreads();
-    #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) a_fragment<D>(va[kk], stage, warp * 16, kk, g, t);
+
+    // The walk's position: query head, entry of its list, half of the query tile.
+    int head = kv_head * group, half = 0;
+    unsigned w = 0, end = 0;
+    const int last_head = (kv_head + 1) * group;
+    // Moves to the first step at or after (head, w, half) that exists; head == last_head: done.
+    // Steps: each query head of the group in order, each query tile of its list for this key
+    // tile, in 32-row halves (a half past the sequence's end is skipped).
+    auto settle = [&]() {
+        while (head < last_head) {
+            if (w < end) {
+                if ((int)(tiles[w] & 0x7fffffffu) * BM + half * BQ < seqlen) return;
+                half = 0; ++w;
+            } else if (++head < last_head) {
+                const unsigned list = mask_of_head[head] * k_tiles + k_tile;
+                w = tile_start[list]; end = tile_start[list + 1]; half = 0;
+            }
+        }
+    };
+    auto advance = [&]() { if (++half == BM / BQ) { half = 0; ++w; } settle(); };
+    auto issue = [&](int stage) {
+        if (head >= last_head) return;
+        const int q0 = (int)(tiles[w] & 0x7fffffffu) * BM + half * BQ;
+        u16* sq = buffers + stage * 2 * BQ * D;
+        load_tile_async<BQ, D, THREADS>(sq, q + ((size_t)head * seqlen + q0) * D, min(BQ, seqlen - q0));
+        load_tile_async<BQ, D, THREADS>(sq + BQ * D, d_out + ((size_t)head * seqlen + q0) * D, min(BQ, seqlen - q0));
+        for (int i = threadIdx.x; i < BQ; i += THREADS) {
+            const bool in = q0 + i < seqlen;
+            s_lse[stage][i] = in ? lse[(size_t)head * seqlen + q0 + i] * log2e : minus_inf;
+            s_delta[stage][i] = in ? delta[(size_t)head * seqlen + q0 + i] : 0.0f;
+        }
+    };
+    {
+        const unsigned list = mask_of_head[head] * k_tiles + k_tile;
+        w = tile_start[list]; end = tile_start[list + 1];
+    }
+    settle();
+    issue(0);
+    commit_copies();
 
     float dk_acc[D / 8][4], dv_acc[D / 8][4];
     #pragma unroll
@@ -389,77 +497,78 @@ __device__ void flash_backward_dkdv(const u16* __restrict__ q, const u16* __rest
         dk_acc[n][0] = dk_acc[n][1] = dk_acc[n][2] = dk_acc[n][3] = 0.0f;
         dv_acc[n][0] = dv_acc[n][1] = dv_acc[n][2] = dv_acc[n][3] = 0.0f;
     }
-    for (int head = kv_head * group; head < (kv_head + 1) * group; ++head) {
-        const int mask = mask_of_head[head];
-        const unsigned* table_rows = row_start + (size_t)mask * (seqlen + 1);
-        const unsigned list = mask * k_tiles + k_tile;
-        for (unsigned w = tile_start[list]; w < tile_start[list + 1]; ++w) {
-            const unsigned entry = tiles[w];
-            const bool partial = entry >> 31;
-            for (int half = 0; half < BM / BQ; ++half) {
-                const int q0 = (int)(entry & 0x7fffffffu) * BM + half * BQ;
-                if (q0 >= seqlen) break;
-                __syncthreads();
-                load_tile<BQ, D>(sq, q + ((size_t)head * seqlen + q0) * D, min(BQ, seqlen - q0));
-                load_tile<BQ, D>(sdo, d_out + ((size_t)head * seqlen + q0) * D, min(BQ, seqlen - q0));
-                for (int i = threadIdx.x; i < BQ; i += THREADS) {
-                    const bool in = q0 + i < seqlen;
-                    s_lse[i] = in ? lse[(size_t)head * seqlen + q0 + i] * log2e : minus_inf;
-                    s_delta[i] = in ? delta[(size_t)head * seqlen + q0 + i] : 0.0f;
-                }
-                __syncthreads();
-                // Sᵀ and dPᵀ for the warp's 16 keys × 32 queries.
-                float st[BQ / 8][4], dpt[BQ / 8][4];
-                #pragma unroll
-                for (int n = 0; n < BQ / 8; ++n) {
-                    st[n][0] = st[n][1] = st[n][2] = st[n][3] = 0.0f;
-                    dpt[n][0] = dpt[n][1] = dpt[n][2] = dpt[n][3] = 0.0f;
-                    #pragma unroll
-                    for (int kk = 0; kk < D / 16; ++kk) {
-                        u32 b[2];
-                        bt_fragment<D>(b, sq, n * 8, kk, g, t);
-                        mma<E>(st[n], ka[kk], b);
-                        bt_fragment<D>(b, sdo, n * 8, kk, g, t);
-                        mma<E>(dpt[n], va[kk], b);
-                    }
-                }
-                // Pᵀ (kept in st) and dSᵀ (in dpt).
-                #pragma unroll
-                for (int n = 0; n < BQ / 8; ++n) {
-                    #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const int column = n * 8 + t * 2 + (i & 1);
-                        const int row_q = q0 + column;
-                        const int key = i < 2 ? key0 : key1;
-                        const float row_lse = s_lse[column];
-                        bool ok = key < seqlen && row_q < seqlen && row_lse != minus_inf;
-                        if (ok && partial) {
-                            const unsigned begin = table_rows[row_q];
-                            ok = allowed(key, intervals + 2 * begin, table_rows[row_q + 1] - begin);
-                        }
-                        const float p = ok ? exp2f(st[n][i] * scale_log2 - row_lse) : 0.0f;
-                        st[n][i] = p;
-                        dpt[n][i] = p * (dpt[n][i] - s_delta[column]);
-                    }
-                }
-                // dV += Pᵀ·dO and dK += dSᵀ·Q, 16 queries at a time.
-                #pragma unroll
-                for (int kk = 0; kk < BQ / 16; ++kk) {
-                    u32 pa[4] = {pack2<E>(st[2 * kk][0], st[2 * kk][1]), pack2<E>(st[2 * kk][2], st[2 * kk][3]),
-                                 pack2<E>(st[2 * kk + 1][0], st[2 * kk + 1][1]), pack2<E>(st[2 * kk + 1][2], st[2 * kk + 1][3])};
-                    u32 sa[4] = {pack2<E>(dpt[2 * kk][0], dpt[2 * kk][1]), pack2<E>(dpt[2 * kk][2], dpt[2 * kk][3]),
-                                 pack2<E>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]), pack2<E>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
-                    #pragma unroll
-                    for (int n = 0; n < D / 8; ++n) {
-                        u32 b[2];
-                        b_fragment<D>(b, sdo, kk * 16, n * 8, g, t);
-                        mma<E>(dv_acc[n], pa, b);
-                        b_fragment<D>(b, sq, kk * 16, n * 8, g, t);
-                        mma<E>(dk_acc[n], sa, b);
-                    }
-                }
+    for (int stage = 0; head < last_head; stage ^= 1) {
+        const int step_head = head;
+        const unsigned entry = tiles[w];
+        const bool partial = entry >> 31;
+        const int q0 = (int)(entry & 0x7fffffffu) * BM + half * BQ;
+        const unsigned* table_rows = row_start + (size_t)mask_of_head[step_head] * (seqlen + 1);
+        advance();
+        // The other buffer was last read two steps ago, behind the barrier that ended that step.
+        issue(stage ^ 1);
+        commit_copies();
+        wait_copies<1>();  // this step's Q and dO
+        __syncthreads();
+        const u16* sq = buffers + stage * 2 * BQ * D;
+        const u16* sdo = sq + BQ * D;
+        // Sᵀ and dPᵀ for the warp's 16 keys × 32 queries.
+        float st[BQ / 8][4], dpt[BQ / 8][4];
+        #pragma unroll
+        for (int n = 0; n < BQ / 8; ++n) {
+            st[n][0] = st[n][1] = st[n][2] = st[n][3] = 0.0f;
+            dpt[n][0] = dpt[n][1] = dpt[n][2] = dpt[n][3] = 0.0f;
+        }
+        #pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            #pragma unroll
+            for (int n16 = 0; n16 < BQ / 16; ++n16) {
+                u32 b[4];
+                bt_fragments<D>(b, sq, n16 * 16, kk);
+                mma<E>(st[2 * n16], ka[kk], b);
+                mma<E>(st[2 * n16 + 1], ka[kk], b + 2);
+                bt_fragments<D>(b, sdo, n16 * 16, kk);
+                mma<E>(dpt[2 * n16], va[kk], b);
+                mma<E>(dpt[2 * n16 + 1], va[kk], b + 2);
             }
         }
+        // Pᵀ (kept in st) and dSᵀ (in dpt).
+        #pragma unroll
+        for (int n = 0; n < BQ / 8; ++n) {
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int column = n * 8 + t * 2 + (i & 1);
+                const int row_q = q0 + column;
+                const int key = i < 2 ? key0 : key1;
+                const float row_lse = s_lse[stage][column];
+                bool ok = key < seqlen && row_q < seqlen && row_lse != minus_inf;
+                if (ok && partial) {
+                    const unsigned begin = table_rows[row_q];
+                    ok = allowed(key, intervals + 2 * begin, table_rows[row_q + 1] - begin);
+                }
+                const float p = ok ? exp2f(st[n][i] * scale_log2 - row_lse) : 0.0f;
+                st[n][i] = p;
+                dpt[n][i] = p * (dpt[n][i] - s_delta[stage][column]);
+            }
+        }
+        // dV += Pᵀ·dO and dK += dSᵀ·Q, 16 queries at a time.
+        #pragma unroll
+        for (int kk = 0; kk < BQ / 16; ++kk) {
+            u32 pa[4] = {pack2<E>(st[2 * kk][0], st[2 * kk][1]), pack2<E>(st[2 * kk][2], st[2 * kk][3]),
+                         pack2<E>(st[2 * kk + 1][0], st[2 * kk + 1][1]), pack2<E>(st[2 * kk + 1][2], st[2 * kk + 1][3])};
+            u32 sa[4] = {pack2<E>(dpt[2 * kk][0], dpt[2 * kk][1]), pack2<E>(dpt[2 * kk][2], dpt[2 * kk][3]),
+                         pack2<E>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]), pack2<E>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+            #pragma unroll
+            for (int c2 = 0; c2 < D / 16; ++c2) {
+                u32 b[4];
+                b_fragments<D>(b, sdo, kk * 16, c2);
+                mma<E>(dv_acc[2 * c2], pa, b);
+                mma<E>(dv_acc[2 * c2 + 1], pa, b + 2);
+                b_fragments<D>(b, sq, kk * 16, c2);
+                mma<E>(dk_acc[2 * c2], sa, b);
+                mma<E>(dk_acc[2 * c2 + 1], sa, b + 2);
+            }
+        }
+        __syncthreads();  // every warp is done with this buffer before it is refilled
     }
     float* dkh = dk + ((size_t)kv_head * seqlen) * D;
     float* dvh = dv + ((size_t)kv_head * seqlen) * D;
@@ -467,12 +576,12 @@ __device__ void flash_backward_dkdv(const u16* __restrict__ q, const u16* __rest
     for (int n = 0; n < D / 8; ++n) {
         const int col = n * 8 + t * 2;
         if (key0 < seqlen) {
-            dkh[(size_t)key0 * D + col] = dk_acc[n][0] * scale; dkh[(size_t)key0 * D + col + 1] = dk_acc[n][1] * scale;
-            dvh[(size_t)key0 * D + col] = dv_acc[n][0]; dvh[(size_t)key0 * D + col + 1] = dv_acc[n][1];
+            *reinterpret_cast<float2*>(dkh + (size_t)key0 * D + col) = make_float2(dk_acc[n][0] * scale, dk_acc[n][1] * scale);
+            *reinterpret_cast<float2*>(dvh + (size_t)key0 * D + col) = make_float2(dv_acc[n][0], dv_acc[n][1]);
         }
         if (key1 < seqlen) {
-            dkh[(size_t)key1 * D + col] = dk_acc[n][2] * scale; dkh[(size_t)key1 * D + col + 1] = dk_acc[n][3] * scale;
-            dvh[(size_t)key1 * D + col] = dv_acc[n][2]; dvh[(size_t)key1 * D + col + 1] = dv_acc[n][3];
+            *reinterpret_cast<float2*>(dkh + (size_t)key1 * D + col) = make_float2(dk_acc[n][2] * scale, dk_acc[n][3] * scale);
+            *reinterpret_cast<float2*>(dvh + (size_t)key1 * D + col) = make_float2(dv_acc[n][2], dv_acc[n][3]);
         }
     }
 }

@@ -1,9 +1,10 @@
-//! The flash kernel: tiles of 64 queries × 64 keys driven by the mask IR — for every query tile,
-//! the list of key tiles the mask touches, each marked full (no masking) or partial (masked
-//! element-wise from each row's key intervals); empty tiles are never visited. Tensor-core
-//! products (mma.sync, f32 accumulation) and an online softmax in registers; bf16 or fp16, head
-//! dimension 64 or 128, MHA and GQA. The backward pass is deterministic: dK/dV per key tile walk
-//! the transposed work list (the query tiles that touch it), dQ per query tile the forward one.
+//! The flash kernel: tiles of 128 (forward) or 64 (backward) queries × 64 keys driven by the mask
+//! IR — for every query tile, the list of key tiles the mask touches, each marked full (no
+//! masking) or partial (masked element-wise from each row's key intervals); empty tiles are never
+//! visited. Tensor-core products (mma.sync, f32 accumulation, ldmatrix from swizzled shared
+//! tiles filled by cp.async) and an online softmax in registers; bf16 or fp16, head dimension 64
+//! or 128, MHA and GQA. The backward pass is deterministic: dK/dV per key tile walk the
+//! transposed work list (the query tiles that touch it), dQ per query tile the forward one.
 //! The CUDA C is `kernels/flash.cu`.
 
 use std::sync::Arc;
@@ -17,8 +18,10 @@ use crate::naive::Grads;
 
 const SOURCE: &str = include_str!("../kernels/flash.cu");
 
-/// Query and key rows per tile (`BM`, `BN` in the source).
+/// Query and key rows per tile of the backward pass (`BM`, `BN` in the source).
 const TILE: u64 = 64;
+/// Query rows per tile of the forward pass (`BM_FWD`; its key tiles are `TILE` long).
+const FORWARD_TILE: u64 = 128;
 
 pub struct Kernels {
     module: Arc<CudaModule>,
@@ -44,10 +47,15 @@ pub fn unsupported(shape: &Shape, element: Element) -> Option<String> {
     None
 }
 
-/// The work lists: per mask and query tile, the key tiles to visit (bit 31: partial), and per
-/// mask and key tile, the query tiles that visit it (the backward's dK/dV); and per mask, every
-/// row's key intervals (CSR over one shared interval array).
+/// The work lists: per mask and query tile, the key tiles to visit (bit 31: partial) — for the
+/// forward's 128-row and the backward's 64-row query tiles — with the forward's query tiles of
+/// each mask ordered longest list first; per mask and key tile, the query tiles that visit it
+/// (the backward's dK/dV); and per mask, every row's key intervals (CSR over one shared interval
+/// array).
 struct Tables {
+    forward_tile_start: Vec<u32>,
+    forward_tiles: Vec<u32>,
+    forward_order: Vec<u32>,
     tile_start: Vec<u32>,
     tiles: Vec<u32>,
     key_tile_start: Vec<u32>,
@@ -58,6 +66,9 @@ struct Tables {
 
 fn tables(masks: &HeadMasks) -> Tables {
     let mut t = Tables {
+        forward_tile_start: vec![0],
+        forward_tiles: Vec::new(),
+        forward_order: Vec::new(),
         tile_start: vec![0],
         tiles: Vec::new(),
         key_tile_start: vec![0],
@@ -66,6 +77,21 @@ fn tables(masks: &HeadMasks) -> Tables {
         intervals: Vec::new(),
     };
     for (index, mask) in masks.set.masks.iter().enumerate() {
+        let blocks = mask.block_mask(FORWARD_TILE, TILE);
+        let mut lengths = Vec::new();
+        for q_tile in 0..blocks.q_tiles() as usize {
+            let before = t.forward_tiles.len();
+            for (k_tile, full) in blocks.row(q_tile) {
+                t.forward_tiles
+                    .push(k_tile | if full { 0 } else { 1 << 31 });
+            }
+            t.forward_tile_start.push(t.forward_tiles.len() as u32);
+            lengths.push((t.forward_tiles.len() - before, q_tile as u32));
+        }
+        lengths.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        t.forward_order
+            .extend(lengths.iter().map(|&(_, q_tile)| q_tile));
+
         let blocks = mask.block_mask(TILE, TILE);
         let mut by_key: Vec<Vec<u32>> = vec![Vec::new(); blocks.k_tiles() as usize];
         for q_tile in 0..blocks.q_tiles() as usize {
@@ -90,6 +116,7 @@ fn tables(masks: &HeadMasks) -> Tables {
     }
     // No buffer is empty.
     t.intervals.extend([0, 0]);
+    t.forward_tiles.push(0);
     t.tiles.push(0);
     t.key_tiles.push(0);
     t
@@ -127,6 +154,9 @@ pub struct Problem {
     v: Buffer<u8>,
     pub out: Buffer<f32>,
     pub lse: Buffer<f32>,
+    forward_tile_start: Buffer<u32>,
+    forward_tiles: Buffer<u32>,
+    forward_order: Buffer<u32>,
     tile_start: Buffer<u32>,
     tiles: Buffer<u32>,
     row_start: Buffer<u32>,
@@ -136,7 +166,7 @@ pub struct Problem {
     grad: Option<Backward>,
 }
 
-/// A grid of one 128-thread CTA per (tile, head).
+/// A grid of one 128-thread CTA per (tile, head): the backward pass.
 fn grid(tiles: usize, heads: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (tiles as u32, heads as u32, 1),
@@ -192,6 +222,9 @@ impl Problem {
             v: gpu.upload("V", &element.encode(&inputs.v))?,
             out: gpu.alloc("O", shape.q_len())?,
             lse: gpu.alloc("LSE", shape.heads_q * shape.seqlen)?,
+            forward_tile_start: gpu.upload("forward tile lists", &t.forward_tile_start)?,
+            forward_tiles: gpu.upload("forward tiles", &t.forward_tiles)?,
+            forward_order: gpu.upload("forward tile order", &t.forward_order)?,
             tile_start: gpu.upload("tile lists", &t.tile_start)?,
             tiles: gpu.upload("tiles", &t.tiles)?,
             row_start: gpu.upload("mask rows", &t.row_start)?,
@@ -214,8 +247,9 @@ impl Problem {
             self.v.address(stream),
             self.out.address(stream),
             self.lse.address(stream),
-            self.tile_start.address(stream),
-            self.tiles.address(stream),
+            self.forward_tile_start.address(stream),
+            self.forward_tiles.address(stream),
+            self.forward_order.address(stream),
             self.row_start.address(stream),
             self.intervals.address(stream),
             self.mask_of_head.address(stream),
@@ -229,7 +263,18 @@ impl Problem {
         launch.arg(&seqlen).arg(&group).arg(&scale_log2);
         // SAFETY: the buffers hold the extents the kernel reads and writes for this shape, and the
         // tables were built for this mask set and sequence length.
-        unsafe { launch.launch(grid(self.tiles(), self.shape.heads_q)) }
+        // One 256-thread CTA per (query head, 128-row query tile): the heads of a KV group sit side
+        // by side in the grid and read the same K and V tiles while they are in L2.
+        let config = LaunchConfig {
+            grid_dim: (
+                self.shape.heads_q as u32,
+                self.shape.seqlen.div_ceil(FORWARD_TILE as usize) as u32,
+                1,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        unsafe { launch.launch(config) }
             .map(|_| ())
             .map_err(failed("flash forward"))
     }
