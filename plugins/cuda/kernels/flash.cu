@@ -1,4 +1,4 @@
-// attnbench flash attention. Forward: one CTA per (128-row query tile, query head), 8 warps of 16
+// attnbench flash attention. Forward: one CTA per (128-row query tile, query head), 4 warps of 32
 // rows; 64-key tiles from the mask IR's per-tile work list (full tiles unmasked, partial tiles
 // masked element-wise from each row's key intervals, empty tiles never visited); QKᵀ and PV on
 // tensor cores (mma.sync m16n8k16, f32 accumulation) fed by ldmatrix from swizzled shared tiles
@@ -96,11 +96,17 @@ template <int D> __device__ __forceinline__ void b_fragments(u32* b, const u16* 
 }
 
 #define BM_FWD 128
-#define FWD_THREADS 256
+#define FWD_THREADS 128
+#define FWD_M 2  // 16-row blocks per warp: each K and V fragment feeds FWD_M products
 
-// Forward: one CTA of 8 warps per (128-row query tile, query head), each warp 16 rows. K and V
-// tiles arrive by cp.async into one buffer each, overlapped with compute: V(j) loads during
-// S = Q·K(j)ᵀ, K(j+1) during the softmax and O += P·V(j). Q is staged through the same buffers.
+// 2^x on the special-function unit; 2^−∞ = 0, which masked scores rely on.
+__device__ __forceinline__ float fast_exp2(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+
+// Forward: one CTA of 4 warps per (128-row query tile, query head), each warp 32 rows (two
+// 16-row blocks sharing every K and V fragment it loads: half the shared-memory traffic per
+// product of 16-row warps). Q stays in shared memory; K and V tiles arrive by cp.async into one
+// buffer each, overlapped with compute: V(j) loads during S = Q·K(j)ᵀ, K(j+1) during the
+// softmax and O += P·V(j). Dynamic shared memory: (128 + 2·64)·D 16-bit elements.
 template <int E, int D>
 __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                               float* __restrict__ out, float* __restrict__ lse,
@@ -109,10 +115,10 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
                               const unsigned* __restrict__ row_start, const unsigned* __restrict__ intervals,
                               const int* __restrict__ mask_of_head,
                               int seqlen, int group, float scale_log2) {
-    static_assert(BM_FWD * D == 2 * BN * D, "Q is staged through the K and V buffers");
-    __shared__ __align__(128) u16 buffers[2 * BN * D];
-    u16* sk = buffers;
-    u16* sv = buffers + BN * D;
+    extern __shared__ __align__(128) u16 dynamic_shared[];
+    u16* sq = dynamic_shared;
+    u16* sk = sq + BM_FWD * D;
+    u16* sv = sk + BN * D;
     const int head = blockIdx.x, kv_head = head / group, mask = mask_of_head[head];
     const int q_tiles = (seqlen + BM_FWD - 1) / BM_FWD;
     // Longest work lists first, so the last wave is short.
@@ -121,36 +127,38 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
     const int q0 = q_tile * BM_FWD;
     const u16* kh = k + ((size_t)kv_head * seqlen) * D;
     const u16* vh = v + ((size_t)kv_head * seqlen) * D;
-
-    load_tile_async<BM_FWD, D, FWD_THREADS>(buffers, q + ((size_t)head * seqlen + q0) * D, min(BM_FWD, seqlen - q0));
-    commit_copies();
-    wait_copies<0>();
-    __syncthreads();
-    u32 qa[D / 16][4];
-    #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) a_fragment<D>(qa[kk], buffers, warp * 16, kk);
-    __syncthreads();
-
-    // This thread's rows: r0 = q0 + warp·16 + g and r1 = r0 + 8.
-    const int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
-    const unsigned* table_rows = row_start + (size_t)mask * (seqlen + 1);
-    unsigned iv0_begin = 0, iv0_count = 0, iv1_begin = 0, iv1_count = 0;
-    if (r0 < seqlen) { iv0_begin = table_rows[r0]; iv0_count = table_rows[r0 + 1] - iv0_begin; }
-    if (r1 < seqlen) { iv1_begin = table_rows[r1]; iv1_count = table_rows[r1 + 1] - iv1_begin; }
-
-    float acc[D / 8][4];
-    #pragma unroll
-    for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-    const float minus_inf = __int_as_float(0xff800000);
-    float m0 = minus_inf, m1 = minus_inf, l0 = 0.0f, l1 = 0.0f;
-
     const unsigned list = mask * q_tiles + q_tile;
     const unsigned begin = tile_start[list], end = tile_start[list + 1];
+
+    load_tile_async<BM_FWD, D, FWD_THREADS>(sq, q + ((size_t)head * seqlen + q0) * D, min(BM_FWD, seqlen - q0));
     if (begin < end) {
         const int k0 = (int)(tiles[begin] & 0x7fffffffu) * BN;
         load_tile_async<BN, D, FWD_THREADS>(sk, kh + (size_t)k0 * D, min(BN, seqlen - k0));
     }
     commit_copies();
+
+    // This thread's 4 rows ("slots"): q0 + warp·32 + block·16 + g, and 8 rows further.
+    const unsigned* table_rows = row_start + (size_t)mask * (seqlen + 1);
+    const int row0 = q0 + warp * 16 * FWD_M + g;
+    auto row_of = [&](int slot) { return row0 + (slot >> 1) * 16 + (slot & 1) * 8; };
+    unsigned iv_begin[2 * FWD_M], iv_count[2 * FWD_M];
+    #pragma unroll
+    for (int slot = 0; slot < 2 * FWD_M; ++slot) {
+        const int r = row_of(slot);
+        iv_begin[slot] = r < seqlen ? table_rows[r] : 0;
+        iv_count[slot] = r < seqlen ? table_rows[r + 1] - iv_begin[slot] : 0;
+    }
+
+    float acc[FWD_M][D / 8][4];
+    #pragma unroll
+    for (int mb = 0; mb < FWD_M; ++mb)
+        #pragma unroll
+        for (int n = 0; n < D / 8; ++n) acc[mb][n][0] = acc[mb][n][1] = acc[mb][n][2] = acc[mb][n][3] = 0.0f;
+    const float minus_inf = __int_as_float(0xff800000);
+    float m[2 * FWD_M], l[2 * FWD_M];
+    #pragma unroll
+    for (int slot = 0; slot < 2 * FWD_M; ++slot) { m[slot] = minus_inf; l[slot] = 0.0f; }
+
     for (unsigned w = begin; w < end; ++w) {
         const unsigned entry = tiles[w];
         const bool partial = entry >> 31;
@@ -158,21 +166,29 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
         __syncthreads();  // every warp is done with V(j-1)
         load_tile_async<BN, D, FWD_THREADS>(sv, vh + (size_t)k0 * D, min(BN, seqlen - k0));
         commit_copies();
-        wait_copies<1>();  // K(j) has landed
+        wait_copies<1>();  // K(j) (and Q) have landed
         __syncthreads();
 
-        // S = Q·Kᵀ for the warp's 16 rows × 64 keys: 8 n-blocks of 8 keys.
-        float s[BN / 8][4];
+        // S = Q·Kᵀ for the warp's 32 rows × 64 keys.
+        float s[FWD_M][BN / 8][4];
         #pragma unroll
-        for (int n = 0; n < BN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        for (int mb = 0; mb < FWD_M; ++mb)
+            #pragma unroll
+            for (int n = 0; n < BN / 8; ++n) s[mb][n][0] = s[mb][n][1] = s[mb][n][2] = s[mb][n][3] = 0.0f;
         #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
+            u32 qa[FWD_M][4];
+            #pragma unroll
+            for (int mb = 0; mb < FWD_M; ++mb) a_fragment<D>(qa[mb], sq, warp * 16 * FWD_M + mb * 16, kk);
             #pragma unroll
             for (int n16 = 0; n16 < BN / 16; ++n16) {
                 u32 b[4];
                 bt_fragments<D>(b, sk, n16 * 16, kk);
-                mma<E>(s[2 * n16], qa[kk], b);
-                mma<E>(s[2 * n16 + 1], qa[kk], b + 2);
+                #pragma unroll
+                for (int mb = 0; mb < FWD_M; ++mb) {
+                    mma<E>(s[mb][2 * n16], qa[mb], b);
+                    mma<E>(s[mb][2 * n16 + 1], qa[mb], b + 2);
+                }
             }
         }
         __syncthreads();  // every warp is done with K(j): fetch K(j+1) while this tile finishes
@@ -185,90 +201,94 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
         // Scale into the log2 domain; mask what the tile does not allow (and keys past the end).
         if (partial || k0 + BN > seqlen) {
             #pragma unroll
-            for (int n = 0; n < BN / 8; ++n) {
+            for (int mb = 0; mb < FWD_M; ++mb)
                 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int key = k0 + n * 8 + t * 2 + (i & 1);
-                    bool ok = key < seqlen;
-                    if (ok && partial) ok = (i < 2) ? allowed(key, intervals + 2 * iv0_begin, iv0_count)
-                                                    : allowed(key, intervals + 2 * iv1_begin, iv1_count);
-                    s[n][i] = ok ? s[n][i] * scale_log2 : minus_inf;
-                }
-            }
+                for (int n = 0; n < BN / 8; ++n)
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int slot = mb * 2 + (i >> 1);
+                        const int key = k0 + n * 8 + t * 2 + (i & 1);
+                        bool ok = key < seqlen;
+                        if (ok && partial) ok = allowed(key, intervals + 2 * iv_begin[slot], iv_count[slot]);
+                        s[mb][n][i] = ok ? s[mb][n][i] * scale_log2 : minus_inf;
+                    }
         } else {
             #pragma unroll
+            for (int mb = 0; mb < FWD_M; ++mb)
+                #pragma unroll
+                for (int n = 0; n < BN / 8; ++n)
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) s[mb][n][i] *= scale_log2;
+        }
+        // Online softmax per row: maxima over the 4 threads that share a row, then rescale.
+        #pragma unroll
+        for (int slot = 0; slot < 2 * FWD_M; ++slot) {
+            const int mb = slot >> 1, i0 = (slot & 1) * 2;
+            float mx = m[slot];
+            #pragma unroll
+            for (int n = 0; n < BN / 8; ++n) mx = fmaxf(mx, fmaxf(s[mb][n][i0], s[mb][n][i0 + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float base = (mx == minus_inf) ? 0.0f : mx;
+            const float shrink = fast_exp2(m[slot] - base);
+            m[slot] = mx;
+            float sum = 0.0f;
+            #pragma unroll
             for (int n = 0; n < BN / 8; ++n) {
-                s[n][0] *= scale_log2; s[n][1] *= scale_log2; s[n][2] *= scale_log2; s[n][3] *= scale_log2;
+                s[mb][n][i0] = fast_exp2(s[mb][n][i0] - base);
+                s[mb][n][i0 + 1] = fast_exp2(s[mb][n][i0 + 1] - base);
+                sum += s[mb][n][i0] + s[mb][n][i0 + 1];
             }
-        }
-        // Online softmax: new row maxima over the 4 threads that share a row.
-        float mx0 = m0, mx1 = m1;
-        #pragma unroll
-        for (int n = 0; n < BN / 8; ++n) {
-            mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
-            mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float base0 = (mx0 == minus_inf) ? 0.0f : mx0, base1 = (mx1 == minus_inf) ? 0.0f : mx1;
-        const float shrink0 = exp2f(m0 - base0), shrink1 = exp2f(m1 - base1);
-        m0 = mx0; m1 = mx1;
-        float sum0 = 0.0f, sum1 = 0.0f;
-        #pragma unroll
-        for (int n = 0; n < BN / 8; ++n) {
-            s[n][0] = exp2f(s[n][0] - base0); s[n][1] = exp2f(s[n][1] - base0);
-            s[n][2] = exp2f(s[n][2] - base1); s[n][3] = exp2f(s[n][3] - base1);
-            sum0 += s[n][0] + s[n][1];
-            sum1 += s[n][2] + s[n][3];
-        }
-        l0 = l0 * shrink0 + sum0;
-        l1 = l1 * shrink1 + sum1;
-        #pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            acc[n][0] *= shrink0; acc[n][1] *= shrink0;
-            acc[n][2] *= shrink1; acc[n][3] *= shrink1;
+            l[slot] = l[slot] * shrink + sum;
+            #pragma unroll
+            for (int n = 0; n < D / 8; ++n) { acc[mb][n][i0] *= shrink; acc[mb][n][i0 + 1] *= shrink; }
         }
         wait_copies<1>();  // V(j) has landed
         __syncthreads();
         // O += P·V: P's accumulators become A fragments, 16 keys at a time.
         #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
-            u32 pa[4] = {pack2<E>(s[2 * kk][0], s[2 * kk][1]), pack2<E>(s[2 * kk][2], s[2 * kk][3]),
-                         pack2<E>(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2<E>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            u32 pa[FWD_M][4];
+            #pragma unroll
+            for (int mb = 0; mb < FWD_M; ++mb) {
+                pa[mb][0] = pack2<E>(s[mb][2 * kk][0], s[mb][2 * kk][1]);
+                pa[mb][1] = pack2<E>(s[mb][2 * kk][2], s[mb][2 * kk][3]);
+                pa[mb][2] = pack2<E>(s[mb][2 * kk + 1][0], s[mb][2 * kk + 1][1]);
+                pa[mb][3] = pack2<E>(s[mb][2 * kk + 1][2], s[mb][2 * kk + 1][3]);
+            }
             #pragma unroll
             for (int c2 = 0; c2 < D / 16; ++c2) {
                 u32 b[4];
                 b_fragments<D>(b, sv, kk * 16, c2);
-                mma<E>(acc[2 * c2], pa, b);
-                mma<E>(acc[2 * c2 + 1], pa, b + 2);
+                #pragma unroll
+                for (int mb = 0; mb < FWD_M; ++mb) {
+                    mma<E>(acc[mb][2 * c2], pa[mb], b);
+                    mma<E>(acc[mb][2 * c2 + 1], pa[mb], b + 2);
+                }
             }
         }
     }
     // Row sums over the 4 threads of a row, then O = acc / l and LSE = ln(l) + m·ln 2.
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const float inv0 = (m0 == minus_inf || l0 == 0.0f) ? 0.0f : 1.0f / l0;
-    const float inv1 = (m1 == minus_inf || l1 == 0.0f) ? 0.0f : 1.0f / l1;
-    float* oh = out + ((size_t)head * seqlen) * D;
+    const float ln2 = 0.6931471805599453f;
     #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-        const int col = n * 8 + t * 2;
-        if (r0 < seqlen) *reinterpret_cast<float2*>(oh + (size_t)r0 * D + col) = make_float2(acc[n][0] * inv0, acc[n][1] * inv0);
-        if (r1 < seqlen) *reinterpret_cast<float2*>(oh + (size_t)r1 * D + col) = make_float2(acc[n][2] * inv1, acc[n][3] * inv1);
-    }
-    if (t == 0) {
-        const float ln2 = 0.6931471805599453f;
-        if (r0 < seqlen) lse[(size_t)head * seqlen + r0] = (inv0 == 0.0f) ? minus_inf : (m0 * ln2 + logf(l0));
-        if (r1 < seqlen) lse[(size_t)head * seqlen + r1] = (inv1 == 0.0f) ? minus_inf : (m1 * ln2 + logf(l1));
+    for (int slot = 0; slot < 2 * FWD_M; ++slot) {
+        const int mb = slot >> 1, i0 = (slot & 1) * 2;
+        float sum = l[slot];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float inv = (m[slot] == minus_inf || sum == 0.0f) ? 0.0f : 1.0f / sum;
+        const int r = row_of(slot);
+        if (r >= seqlen) continue;
+        float* o_row = out + ((size_t)head * seqlen + r) * D;
+        #pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+            *reinterpret_cast<float2*>(o_row + n * 8 + t * 2) = make_float2(acc[mb][n][i0] * inv, acc[mb][n][i0 + 1] * inv);
+        if (t == 0) lse[(size_t)head * seqlen + r] = (inv == 0.0f) ? minus_inf : (m[slot] * ln2 + logf(sum));
     }
 }
 
 #define FLASH_FORWARD(SUFFIX, E, D) \
-extern "C" __global__ void __launch_bounds__(FWD_THREADS, 1) flash_forward_##SUFFIX( \
+extern "C" __global__ void __launch_bounds__(FWD_THREADS, 2) flash_forward_##SUFFIX( \
     const u16* q, const u16* k, const u16* v, float* out, float* lse, const unsigned* tile_start, const unsigned* tiles, \
     const unsigned* order, const unsigned* row_start, const unsigned* intervals, const int* mask_of_head, \
     int seqlen, int group, float scale_log2) { \
@@ -390,7 +410,7 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
                 bool ok = key < seqlen && row_lse != minus_inf;
                 if (ok && partial) ok = upper ? allowed(key, intervals + 2 * iv0_begin, iv0_count)
                                               : allowed(key, intervals + 2 * iv1_begin, iv1_count);
-                const float p = ok ? exp2f(s[n][i] * scale_log2 - row_lse) : 0.0f;
+                const float p = ok ? fast_exp2(s[n][i] * scale_log2 - row_lse) : 0.0f;
                 s[n][i] = p * (dp[n][i] - (upper ? d0 : d1));
             }
         }
@@ -545,7 +565,7 @@ __device__ void flash_backward_dkdv(const u16* __restrict__ q, const u16* __rest
                     const unsigned begin = table_rows[row_q];
                     ok = allowed(key, intervals + 2 * begin, table_rows[row_q + 1] - begin);
                 }
-                const float p = ok ? exp2f(st[n][i] * scale_log2 - row_lse) : 0.0f;
+                const float p = ok ? fast_exp2(st[n][i] * scale_log2 - row_lse) : 0.0f;
                 st[n][i] = p;
                 dpt[n][i] = p * (dpt[n][i] - s_delta[stage][column]);
             }

@@ -166,6 +166,21 @@ pub struct Problem {
     grad: Option<Backward>,
 }
 
+/// The forward kernel's dynamic shared memory: a Q tile and one K and one V tile, 16-bit.
+fn forward_shared_bytes(head_dim: usize) -> u32 {
+    ((FORWARD_TILE + 2 * TILE) as usize * head_dim * 2) as u32
+}
+
+/// The forward kernel, allowed the shared memory it takes (more than the 48 KiB a kernel gets
+/// unasked at head_dim 128).
+fn forward_kernel(function: CudaFunction, head_dim: usize) -> Result<CudaFunction, PluginError> {
+    use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYNAMIC_SHARED;
+    function
+        .set_attribute(MAX_DYNAMIC_SHARED, forward_shared_bytes(head_dim) as i32)
+        .map_err(failed("flash forward: shared memory size"))?;
+    Ok(function)
+}
+
 /// A grid of one 128-thread CTA per (tile, head): the backward pass.
 fn grid(tiles: usize, heads: usize) -> LaunchConfig {
     LaunchConfig {
@@ -230,7 +245,7 @@ impl Problem {
             row_start: gpu.upload("mask rows", &t.row_start)?,
             intervals: gpu.upload("mask intervals", &t.intervals)?,
             mask_of_head: gpu.upload("masks of heads", &mask_of_head)?,
-            forward_kernel: function("forward")?,
+            forward_kernel: forward_kernel(function("forward")?, shape.head_dim)?,
             grad,
         })
     }
@@ -263,7 +278,7 @@ impl Problem {
         launch.arg(&seqlen).arg(&group).arg(&scale_log2);
         // SAFETY: the buffers hold the extents the kernel reads and writes for this shape, and the
         // tables were built for this mask set and sequence length.
-        // One 256-thread CTA per (query head, 128-row query tile): the heads of a KV group sit side
+        // One 128-thread CTA per (query head, 128-row query tile): the heads of a KV group sit side
         // by side in the grid and read the same K and V tiles while they are in L2.
         let config = LaunchConfig {
             grid_dim: (
@@ -271,8 +286,8 @@ impl Problem {
                 self.shape.seqlen.div_ceil(FORWARD_TILE as usize) as u32,
                 1,
             ),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: forward_shared_bytes(self.shape.head_dim),
         };
         unsafe { launch.launch(config) }
             .map(|_| ())
