@@ -34,9 +34,15 @@ template <> __device__ __forceinline__ void mma<2>(float* c, const u32* a, const
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// Whether key k lies in one of a row's n sorted, disjoint [start, end) intervals: a binary search,
+// since block-sparse rows carry hundreds of them.
 __device__ __forceinline__ bool allowed(unsigned k, const unsigned* iv, unsigned n) {
-    for (unsigned t = 0; t < n; ++t) { if (k >= iv[2 * t] && k < iv[2 * t + 1]) return true; }
-    return false;
+    unsigned lo = 0, hi = n;  // ends at the first interval starting after k
+    while (lo < hi) {
+        const unsigned mid = (lo + hi) >> 1;
+        if (iv[2 * mid] <= k) lo = mid + 1; else hi = mid;
+    }
+    return lo > 0 && k < iv[2 * lo - 1];
 }
 
 // Shared tiles are stored swizzled: 16-byte chunk c of row r sits at chunk c ^ (r mod 8) of that
