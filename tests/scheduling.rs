@@ -58,6 +58,36 @@ fn independent_nodes_overlap_and_exclusive_ones_run_alone() {
     }
 }
 
+/// `timeout` and batch schedulers signal the whole process group, workers included: the node
+/// running in a worker still finishes instead of being recorded as crashed.
+#[test]
+fn sigterm_to_the_process_group_spares_running_worker_nodes() {
+    use std::os::unix::process::CommandExt;
+    let sandbox = Sandbox::new();
+    sandbox.write(
+        "p.yaml",
+        "stages:\n  work:\n    uses: testkit/echo-worker\n    with: {sleep_ms: 700}\n    matrix: {value: [1, 2, 3, 4]}\n",
+    );
+    let child = sandbox
+        .command(&["run", "p.yaml", "-j", "1", "-q"])
+        .process_group(0)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("attnbench starts");
+    std::thread::sleep(std::time::Duration::from_millis(1000));
+    // SAFETY: signals the process group this test just made.
+    unsafe { libc::kill(-(child.id() as i32), libc::SIGTERM) };
+    let output = child.wait_with_output().expect("attnbench ends");
+    assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
+    let statuses = sandbox.statuses();
+    assert!(
+        statuses.values().all(|s| s == "ok" || s == "skipped"),
+        "{statuses:?}"
+    );
+    assert!(statuses.values().any(|s| s == "ok"), "{statuses:?}");
+}
+
 #[test]
 fn sigterm_lets_running_nodes_finish_and_writes_the_record() {
     let sandbox = Sandbox::new();

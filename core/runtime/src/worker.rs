@@ -70,8 +70,12 @@ pub fn serve(plugin_path: &Path) -> std::io::Result<()> {
         }
         #[cfg(target_os = "linux")]
         libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-        // Ctrl-C is the host's to handle; it ends workers itself.
+        // A stop is the host's to handle (it lets running nodes finish and ends workers itself):
+        // Ctrl-C, and the SIGTERM that `timeout` and batch schedulers send the whole process
+        // group, would otherwise kill the node the host is waiting for. Ignored dispositions
+        // survive exec, so interpreters a plugin starts are covered too.
         libc::signal(libc::SIGINT, libc::SIG_IGN);
+        libc::signal(libc::SIGTERM, libc::SIG_IGN);
         <File as std::os::fd::FromRawFd>::from_raw_fd(fd)
     };
     let channel = Protocol(Mutex::new(protocol));
