@@ -132,3 +132,117 @@ fn the_report_renders_every_plot_in_chromium_without_console_errors() {
         String::from_utf8_lossy(&shot.stderr)
     );
 }
+
+/// `attnbench report` merges the measurements of several runs (here two halves of a sweep and a
+/// rerun of one cell) into one report: every cell once, from its newest record.
+#[test]
+fn report_merges_runs_and_keeps_the_newest_record_of_a_cell() {
+    let sandbox = Sandbox::new();
+    sandbox.write("short.json", r#"{"[16,64)": 1, "[64,200)": 1}"#);
+    sandbox.write("p.yaml", PIPELINE);
+    let table = ["--set", "stages.report.uses=report/table"];
+    let first = sandbox.run(
+        &[
+            &[
+                "run",
+                "p.yaml",
+                "-q",
+                "--set",
+                "stages.masks.matrix.seqlen=[256]",
+            ][..],
+            &table[..],
+        ]
+        .concat(),
+    );
+    assert!(first.status.success(), "{}", stderr(&first));
+    let first_run = sandbox.cache().join("runs").join(
+        sandbox.last_record()["id"]
+            .as_str()
+            .expect("the record has an id"),
+    );
+    let second = sandbox.run(
+        &[
+            &[
+                "run",
+                "p.yaml",
+                "-q",
+                "--set",
+                "stages.masks.matrix.seqlen=[512]",
+            ][..],
+            &table[..],
+        ]
+        .concat(),
+    );
+    assert!(second.status.success(), "{}", stderr(&second));
+    let measured = |record: &serde_json::Value| {
+        attnbench_tests::statuses(record)
+            .keys()
+            .filter(|id| id.starts_with("bench"))
+            .count()
+    };
+    let first_count = measured(
+        &serde_json::from_slice(&std::fs::read(first_run.join("run.json")).unwrap()).unwrap(),
+    );
+    let second_count = measured(&sandbox.last_record());
+    // Measure one cell of the first half again: the report must show it once.
+    let rerun = sandbox.run(
+        &[
+            &[
+                "run",
+                "p.yaml",
+                "-q",
+                "--set",
+                "stages.masks.matrix.seqlen=[256]",
+                "--force",
+                "bench[mask=causal,seqlen=256,kernel=tiled,direction=fwd]",
+            ][..],
+            &table[..],
+        ]
+        .concat(),
+    );
+    assert!(rerun.status.success(), "{}", stderr(&rerun));
+
+    let out = sandbox.path().join("merged");
+    let cache = sandbox.cache();
+    let report = sandbox.run(&[
+        "report",
+        "--table",
+        "--title",
+        "two halves",
+        "--out",
+        out.to_str().unwrap(),
+        first_run.to_str().unwrap(),
+        cache.to_str().unwrap(),
+    ]);
+    assert!(report.status.success(), "{}", stderr(&report));
+    let csv = std::fs::read_to_string(out.join("results.csv")).unwrap();
+    let rows = csv.lines().count() - 1;
+    assert_eq!(rows, first_count + second_count, "{csv}");
+    assert!(std::fs::read_to_string(out.join("summary.md"))
+        .unwrap()
+        .contains("two halves"));
+
+    // A second report into the same folder, and a folder without measurements, are refused.
+    let again = sandbox.run(&[
+        "report",
+        "--out",
+        out.to_str().unwrap(),
+        cache.to_str().unwrap(),
+    ]);
+    assert!(!again.status.success());
+    assert!(stderr(&again).contains("not empty"), "{}", stderr(&again));
+    let empty = sandbox.path().join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let nothing = sandbox.run(&[
+        "report",
+        "--out",
+        sandbox.path().join("other").to_str().unwrap(),
+        empty.to_str().unwrap(),
+    ]);
+    assert!(!nothing.status.success());
+    assert!(
+        stderr(&nothing).contains("no measurement records"),
+        "{}",
+        stderr(&nothing)
+    );
+}

@@ -6,6 +6,7 @@ mod mask_cmd;
 mod plugin_kit;
 mod plugins_cmd;
 mod progress;
+mod report_cmd;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -97,6 +98,8 @@ enum Command {
         #[command(subcommand)]
         command: cache_cmd::CacheCommand,
     },
+    /// One report (tables, plots, HTML) from the measurements of earlier runs, merged.
+    Report(report_cmd::ReportArgs),
     /// Look at mask patterns: parameters, documents, area, FLOPs, a picture.
     Mask {
         #[command(subcommand)]
@@ -221,6 +224,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Plugins { command } => plugins_cmd::run(command, &cli.plugin_dirs),
         Command::Cache { command } => cache_cmd::run(command, &open_cache(&cli.cache)?),
         Command::Mask { command } => mask_cmd::run(command, &cli.plugin_dirs),
+        Command::Report(args) => report_cmd::run(args, &cli.plugin_dirs),
         Command::Doctor => doctor::run(&cli.plugin_dirs, &open_cache(&cli.cache)?),
     }
 }

@@ -80,7 +80,7 @@ pub fn run(command: MaskCommand, plugin_dirs: &[PathBuf]) -> Result<ExitCode> {
     }
     let output = tempfile::tempdir()?;
     let result = plugin
-        .call("generate", &given, args.seed, output.path())
+        .call("generate", &given, args.seed, output.path(), Vec::new())
         .map_err(|err| anyhow!("{err}"))?;
     let set = MaskSet::load(output.path()).map_err(|err| anyhow!("{err}"))?;
     let flops = set.flops(args.heads_q, args.heads_kv, args.head_dim);

@@ -261,13 +261,14 @@ impl ServiceSink for StandaloneSink<'_> {
 
 impl Plugin {
     /// Runs `stage` once in this process with `given` parameters (defaults applied, types
-    /// checked), writing its files into `output_dir`; returns the result JSON.
+    /// checked) and `inputs`, writing its files into `output_dir`; returns the result JSON.
     pub fn call(
         &self,
         stage: &str,
         given: &serde_json::Map<String, serde_json::Value>,
         seed: u64,
         output_dir: &Path,
+        inputs: Vec<attnbench_sdk::InputArtifact>,
     ) -> Result<serde_json::Value, String> {
         let spec = self
             .stage(stage)
@@ -279,7 +280,7 @@ impl Plugin {
             params,
             seed,
             output_dir: output_dir.to_path_buf(),
-            inputs: Vec::new(),
+            inputs,
         };
         let request = serde_json::to_string(&request).map_err(|err| err.to_string())?;
         let text = self.run(
