@@ -34,15 +34,12 @@ template <> __device__ __forceinline__ void mma<2>(float* c, const u32* a, const
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Whether key k lies in one of a row's n sorted, disjoint [start, end) intervals: a binary search,
-// since block-sparse rows carry hundreds of them.
+// Whether key k lies in one of a row's n [start, end) intervals. A linear scan: rows of the
+// catalogue's masks hold one to a few intervals, and a binary search here cost the forward kernel
+// registers it spilled (block-sparse rows with hundreds of intervals would want one).
 __device__ __forceinline__ bool allowed(unsigned k, const unsigned* iv, unsigned n) {
-    unsigned lo = 0, hi = n;  // ends at the first interval starting after k
-    while (lo < hi) {
-        const unsigned mid = (lo + hi) >> 1;
-        if (iv[2 * mid] <= k) lo = mid + 1; else hi = mid;
-    }
-    return lo > 0 && k < iv[2 * lo - 1];
+    for (unsigned t = 0; t < n; ++t) { if (k >= iv[2 * t] && k < iv[2 * t + 1]) return true; }
+    return false;
 }
 
 // Shared tiles are stored swizzled: 16-byte chunk c of row r sits at chunk c ^ (r mod 8) of that
@@ -319,6 +316,31 @@ __device__ void flash_delta(const u16* __restrict__ d_out, const float* __restri
     if (lane == 0) delta[row] = sum;
 }
 
+// The backward's paired products for the warp's 16 rows × N rows of two shared tiles:
+// x = xa·xtᵀ and y = ya·ytᵀ (S and dP, or Sᵀ and dPᵀ), each B fragment feeding one product.
+template <int E, int D, int N>
+__device__ __forceinline__ void paired_products(float (*x)[4], float (*y)[4], const u32 (*xa)[4], const u32 (*ya)[4],
+                                                const u16* xt, const u16* yt) {
+    #pragma unroll
+    for (int n = 0; n < N / 8; ++n) {
+        x[n][0] = x[n][1] = x[n][2] = x[n][3] = 0.0f;
+        y[n][0] = y[n][1] = y[n][2] = y[n][3] = 0.0f;
+    }
+    #pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        #pragma unroll
+        for (int n16 = 0; n16 < N / 16; ++n16) {
+            u32 b[4];
+            bt_fragments<D>(b, xt, n16 * 16, kk);
+            mma<E>(x[2 * n16], xa[kk], b);
+            mma<E>(x[2 * n16 + 1], xa[kk], b + 2);
+            bt_fragments<D>(b, yt, n16 * 16, kk);
+            mma<E>(y[2 * n16], ya[kk], b);
+            mma<E>(y[2 * n16 + 1], ya[kk], b + 2);
+        }
+    }
+}
+
 // dQ of one (64-row query tile, query head): S and P recomputed per key tile as in the forward
 // pass, dP = dO·Vᵀ, dS = P∘(dP − D), dQ += dS·K; scaled at the end. Q and dO are staged through
 // the K and V buffers into registers; V(j+1) loads while dS and dQ of tile j are computed.
@@ -381,24 +403,7 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
         wait_copies<0>();  // K(j) and V(j)
         __syncthreads();
         float s[BN / 8][4], dp[BN / 8][4];
-        #pragma unroll
-        for (int n = 0; n < BN / 8; ++n) {
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-            dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
-        }
-        #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            #pragma unroll
-            for (int n16 = 0; n16 < BN / 16; ++n16) {
-                u32 b[4];
-                bt_fragments<D>(b, sk, n16 * 16, kk);
-                mma<E>(s[2 * n16], qa[kk], b);
-                mma<E>(s[2 * n16 + 1], qa[kk], b + 2);
-                bt_fragments<D>(b, sv, n16 * 16, kk);
-                mma<E>(dp[2 * n16], da[kk], b);
-                mma<E>(dp[2 * n16 + 1], da[kk], b + 2);
-            }
-        }
+        paired_products<E, D, BN>(s, dp, qa, da, sk, sv);
         __syncthreads();  // every warp is done with V(j)
         if (w + 1 < end) {
             const int k1 = (int)(tiles[w + 1] & 0x7fffffffu) * BN;
@@ -539,24 +544,7 @@ __device__ void flash_backward_dkdv(const u16* __restrict__ q, const u16* __rest
         const u16* sdo = sq + BQ * D;
         // Sᵀ and dPᵀ for the warp's 16 keys × 32 queries.
         float st[BQ / 8][4], dpt[BQ / 8][4];
-        #pragma unroll
-        for (int n = 0; n < BQ / 8; ++n) {
-            st[n][0] = st[n][1] = st[n][2] = st[n][3] = 0.0f;
-            dpt[n][0] = dpt[n][1] = dpt[n][2] = dpt[n][3] = 0.0f;
-        }
-        #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            #pragma unroll
-            for (int n16 = 0; n16 < BQ / 16; ++n16) {
-                u32 b[4];
-                bt_fragments<D>(b, sq, n16 * 16, kk);
-                mma<E>(st[2 * n16], ka[kk], b);
-                mma<E>(st[2 * n16 + 1], ka[kk], b + 2);
-                bt_fragments<D>(b, sdo, n16 * 16, kk);
-                mma<E>(dpt[2 * n16], va[kk], b);
-                mma<E>(dpt[2 * n16 + 1], va[kk], b + 2);
-            }
-        }
+        paired_products<E, D, BQ>(st, dpt, ka, va, sq, sdo);
         // Pᵀ (kept in st) and dSᵀ (in dpt).
         #pragma unroll
         for (int n = 0; n < BQ / 8; ++n) {
