@@ -125,3 +125,78 @@ fn ranks_as_processes_joined_over_tcp_give_the_same_exact_results_and_traffic() 
         assert_eq!(cp["backend"], "processes", "{id}");
     }
 }
+
+/// The ranks' local attention through another plugin's in-process backend (`cpu/reference`,
+/// loaded by the cp plugin from the library the host hands over): every method gives the same
+/// results as the builtin blocks — with ranks as threads, and as processes that open the backend
+/// themselves.
+#[test]
+fn local_attention_through_the_cpu_plugins_in_process_backend_matches_the_builtin() {
+    let sandbox = Sandbox::new();
+    sandbox.write(
+        "p.yaml",
+        "stages:\n  masks:\n    uses: masks/generate\n    with: {mask: causal_document, seqlen: 96}\n  cp:\n    uses: cp/threads\n    needs: [masks]\n    matrix: {method: [ulysses, ring_p2p, ring_allgather, usp, loongtrain], attention: [builtin, cpu/reference], backend: [threads, processes]}\n    with: {direction: bwd, world: 4, heads_q: 8, heads_kv: 2, head_dim: 8, min_reps: 1, warmup_reps: 0}\n",
+    );
+    let run = sandbox.run(&["run", "p.yaml", "-q"]);
+    assert!(run.status.success(), "{}", stderr(&run));
+    let record = sandbox.last_record();
+    let cells = measurements(&record, "cp[");
+    assert_eq!(cells.len(), 20);
+    let errors_of = |method: &str, attention: &str, backend: &str| {
+        let (id, m) = cells
+            .iter()
+            .find(|(id, _)| {
+                id.contains(&format!("method={method},"))
+                    && id.contains(&format!("attention={attention}"))
+                    && id.contains(&format!("backend={backend}"))
+            })
+            .unwrap_or_else(|| panic!("no cell {method} {attention} {backend}"));
+        assert_eq!(
+            m["correctness"]["passed"], true,
+            "{id}: {}",
+            m["correctness"]
+        );
+        assert_eq!(
+            m["environment"]["context_parallel"]["attention"], attention,
+            "{id}"
+        );
+        m["correctness"]["errors"].clone()
+    };
+    for method in ["ulysses", "ring_p2p", "ring_allgather", "usp", "loongtrain"] {
+        let builtin = errors_of(method, "builtin", "threads");
+        for backend in ["threads", "processes"] {
+            assert_eq!(
+                errors_of(method, "cpu/reference", backend),
+                builtin,
+                "{method} over {backend}: the same blocks, the same numbers"
+            );
+        }
+    }
+    // The key names the backend's library: a rerun is all cached.
+    let rerun = sandbox.run(&["run", "p.yaml", "-q"]);
+    assert!(rerun.status.success(), "{}", stderr(&rerun));
+    assert!(sandbox
+        .statuses()
+        .iter()
+        .all(|(id, s)| !id.starts_with("cp[") || s == "cached"));
+}
+
+#[test]
+fn an_attention_backend_no_plugin_offers_is_refused_before_anything_runs() {
+    let sandbox = Sandbox::new();
+    sandbox.write(
+        "p.yaml",
+        "stages:\n  masks:\n    uses: masks/generate\n    with: {mask: causal, seqlen: 64}\n  cp:\n    uses: cp/threads\n    needs: [masks]\n    with: {attention: cpu/flash, world: 2}\n",
+    );
+    let run = sandbox.run(&["run", "p.yaml", "-q"]);
+    assert!(!run.status.success());
+    let said = stderr(&run);
+    assert!(
+        said.contains("cpu/flash") && said.contains("cpu/reference") && said.contains("attention"),
+        "{said}"
+    );
+    assert!(
+        !sandbox.cache().join("runs").exists() || sandbox.statuses().is_empty(),
+        "{said}"
+    );
+}

@@ -74,7 +74,7 @@ fn a_plugin_of_another_abi_major_is_refused_in_one_sentence() {
         &output,
         &[
             "built for plugin ABI 2.0.0",
-            "this attnbench speaks ABI 1.0.0",
+            "this attnbench speaks ABI 1.1.0",
             "rebuild the plugin",
         ],
     );
@@ -127,7 +127,7 @@ fn plugin_info_shows_the_manifest() {
     );
     let json = sandbox.run(&["plugins", "info", "testkit", "--json"]);
     let manifest: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
-    assert_eq!(manifest["abi"], "1.0.0");
+    assert_eq!(manifest["abi"], "1.1.0");
     let unknown = sandbox.run(&["plugins", "info", "testkid"]);
     assert!(
         stderr(&unknown).contains("did you mean `testkit`?"),

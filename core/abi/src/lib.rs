@@ -12,7 +12,7 @@ use abi_stable::{
     declare_root_module_statics,
     library::RootModule,
     sabi_types::VersionStrings,
-    std_types::{RResult, RStr, RString},
+    std_types::{RResult, RSlice, RStr, RString},
     StableAbi,
 };
 
@@ -76,6 +76,69 @@ pub struct HostServices {
     pub is_cancelled: extern "C" fn(context: *const c_void) -> bool,
 }
 
+/// Where the tensors of an [`AttentionCall`] live.
+#[repr(u8)]
+#[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Memory {
+    Host,
+    /// CUDA device memory of the calling thread's current context; work goes on `stream`.
+    Cuda,
+}
+
+/// Element types of an [`AttentionCall`]'s tensors.
+#[repr(u8)]
+#[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DType {
+    F64,
+    F32,
+    Bf16,
+    F16,
+}
+
+/// One block of attention for the in-process backend a kernel plugin may offer: a
+/// context-parallel plugin calls it for each (query chunk, key chunk) step of its algorithm.
+///
+/// Tensors are head-major, `[heads][tokens][head_dim]`; LSE is `[heads_q][q_len]`, natural log,
+/// −∞ for a row with no allowed key (whose O is 0). Local query head `h` reads local KV head
+/// `kv_head_of[h]`. The mask comes per row of the block, in the block's own coordinates: row
+/// `r` may see keys `[intervals[2i], intervals[2i+1])` for `i` in `row_start[r]..row_start[r+1]`
+/// (sorted, disjoint) — the exact restriction of any mask to any rows × keys. Masks and the head
+/// map are always in host memory.
+#[repr(C)]
+#[derive(StableAbi)]
+pub struct AttentionCall<'a> {
+    pub memory: Memory,
+    /// Element type of Q, K, V and dO.
+    pub input: DType,
+    /// Element type of O, LSE, dQ, dK and dV.
+    pub output: DType,
+    pub backward: bool,
+    pub heads_q: u32,
+    pub heads_kv: u32,
+    pub head_dim: u32,
+    pub q_len: u64,
+    pub k_len: u64,
+    pub scale: f64,
+    pub kv_head_of: RSlice<'a, u32>,
+    pub row_start: RSlice<'a, u32>,
+    pub intervals: RSlice<'a, u32>,
+    pub q: *const c_void,
+    pub k: *const c_void,
+    pub v: *const c_void,
+    /// Forward: written with this block's O and LSE. Backward: read, the rows' final O and LSE
+    /// over all their keys.
+    pub out: *mut c_void,
+    pub lse: *mut c_void,
+    /// Backward only (null in a forward call): dO is read; this block's share of dQ and its
+    /// keys' dK and dV are written (overwritten, not accumulated).
+    pub d_out: *const c_void,
+    pub dq: *mut c_void,
+    pub dk: *mut c_void,
+    pub dv: *mut c_void,
+    /// A `CUstream` for [`Memory::Cuda`]; null on the host.
+    pub stream: *mut c_void,
+}
+
 /// The root module every attnbench plugin library exports.
 #[repr(C)]
 #[derive(StableAbi)]
@@ -92,6 +155,12 @@ pub struct PluginMod {
         request: RStr<'_>,
         host: &HostServices,
     ) -> RResult<RString, RString>,
+    /// Runs one [`AttentionCall`] with kernel `kernel` of the plugin's in-process attention
+    /// backend (the manifest's `attention` lists the kernels offered); an error message for what
+    /// it cannot run. Missing in plugins built before ABI 1.1.
+    #[sabi(missing_field(option))]
+    pub attention:
+        extern "C" fn(kernel: RStr<'_>, call: &AttentionCall<'_>) -> RResult<(), RString>,
 }
 
 impl RootModule for PluginModRef {

@@ -112,6 +112,14 @@ pub fn run(command: PluginsCommand, plugin_dirs: &[PathBuf]) -> Result<ExitCode>
             if !manifest.description.is_empty() {
                 println!("{}", manifest.description);
             }
+            if !manifest.attention.is_empty() {
+                let kernels: Vec<String> = manifest
+                    .attention
+                    .iter()
+                    .map(|kernel| format!("{}/{kernel}", manifest.name))
+                    .collect();
+                println!("in-process attention backend: {}", kernels.join(", "));
+            }
             for stage in &manifest.stages {
                 println!();
                 println!(

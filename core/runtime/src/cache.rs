@@ -46,6 +46,9 @@ pub struct KeyParts {
     /// Content digests of the files that `file` parameters name (path → blake3).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub files: BTreeMap<String, String>,
+    /// Library hashes of the plugins whose in-process backends `backend` parameters name.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub backends: BTreeMap<String, String>,
     /// The environment fingerprint, for `machine`-scoped stages only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub environment: Option<String>,

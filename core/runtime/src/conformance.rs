@@ -241,6 +241,7 @@ fn request(
         seed: SEED,
         output_dir,
         inputs: inputs.to_vec(),
+        plugins: Default::default(),
     })
 }
 
@@ -249,7 +250,7 @@ fn wrong_value(ty: &ParamType) -> Option<Value> {
     Some(match ty {
         ParamType::Int | ParamType::Float | ParamType::Size => json!("not a number"),
         ParamType::Bool => json!("maybe"),
-        ParamType::String | ParamType::File => json!(12345),
+        ParamType::String | ParamType::File | ParamType::Backend => json!(12345),
         ParamType::Enum(_) => json!("no-such-choice"),
         ParamType::List(_) => json!("not a list"),
         ParamType::Json => return None,

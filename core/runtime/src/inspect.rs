@@ -237,6 +237,17 @@ pub fn differences(old: &KeyParts, new: &KeyParts) -> Vec<String> {
             changes.push(format!("file {path} changed"));
         }
     }
+    for (plugin, hash) in &new.backends {
+        if old
+            .backends
+            .get(plugin)
+            .is_some_and(|before| before != hash)
+        {
+            changes.push(format!(
+                "the backend plugin `{plugin}` was rebuilt (library hash differs)"
+            ));
+        }
+    }
     if old.environment != new.environment {
         changes.push("the machine changed (environment fingerprint differs)".into());
     }

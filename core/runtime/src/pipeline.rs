@@ -49,6 +49,8 @@ pub struct Pipeline {
     pub stages: Vec<Stage>,
     /// blake3 of every file a `file` parameter names (absolute path → digest).
     pub file_digests: BTreeMap<String, String>,
+    /// The plugins that `backend` parameters name, by plugin name.
+    pub backends: BTreeMap<String, Arc<Plugin>>,
 }
 
 #[derive(Debug)]
@@ -339,6 +341,7 @@ fn check(checker: &mut Checker, file: &Path, document: &Value) -> Option<Pipelin
     }
     let base = file.parent().map(Path::to_path_buf).unwrap_or_default();
     let file_digests = resolve_files(checker, &mut stages, &base);
+    let backends = resolve_backends(checker, &stages, checker.registry);
 
     // Dependency order, and cycles named stage by stage.
     let index_of: BTreeMap<String, usize> = stages
@@ -408,7 +411,67 @@ fn check(checker: &mut Checker, file: &Path, document: &Value) -> Option<Pipelin
         seed,
         stages: sorted,
         file_digests,
+        backends,
     })
+}
+
+/// The plugins that `backend` parameters (`plugin/kernel`) name; refuses a plugin that is not
+/// found or does not offer the kernel in process.
+fn resolve_backends(
+    checker: &mut Checker,
+    stages: &[Stage],
+    registry: &Registry,
+) -> BTreeMap<String, Arc<Plugin>> {
+    let mut found = BTreeMap::new();
+    for stage in stages {
+        for spec in stage
+            .spec
+            .params
+            .iter()
+            .filter(|p| p.ty == ParamType::Backend)
+        {
+            let name = &spec.name;
+            let at = ["stages", stage.name.as_str(), "with", name.as_str()];
+            let values = stage.params.get(name).into_iter().chain(
+                stage
+                    .matrix
+                    .iter()
+                    .filter(|(key, _)| key == name)
+                    .flat_map(|(_, values)| values),
+            );
+            for value in values {
+                let Some((plugin, kernel)) = value.as_str().and_then(|v| v.split_once('/')) else {
+                    continue;
+                };
+                let offered: Vec<String> = registry
+                    .plugins()
+                    .flat_map(|p| {
+                        p.manifest
+                            .attention
+                            .iter()
+                            .map(move |k| format!("{}/{k}", p.manifest.name))
+                    })
+                    .collect();
+                match registry.get(plugin) {
+                    Some(library) if library.manifest.attention.iter().any(|k| k == kernel) => {
+                        found.insert(plugin.to_string(), library.clone());
+                    }
+                    _ => checker.at_value(
+                        &at,
+                        format!(
+                            "parameter `{name}` of stage `{}`: no plugin offers the in-process attention backend `{plugin}/{kernel}`",
+                            stage.name
+                        ),
+                        Some(format!(
+                            "offered here: builtin{}",
+                            offered.iter().map(|o| format!(", {o}")).collect::<String>()
+                        )),
+                    ),
+                }
+            }
+        }
+    }
+    found
 }
 
 fn check_stage(

@@ -281,6 +281,7 @@ impl Plugin {
             seed,
             output_dir: output_dir.to_path_buf(),
             inputs,
+            plugins: Default::default(),
         };
         let request = serde_json::to_string(&request).map_err(|err| err.to_string())?;
         let text = self.run(

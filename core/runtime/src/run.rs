@@ -64,6 +64,18 @@ pub trait Observer: Sync {
     fn event(&self, event: Event<'_>);
 }
 
+/// The plugins whose in-process backends the node's `backend` parameters name.
+fn backends_of(plan: &Plan, node: usize) -> impl Iterator<Item = &Arc<crate::plugin::Plugin>> {
+    let node = &plan.nodes[node];
+    plan.stage_of(node)
+        .spec
+        .params
+        .iter()
+        .filter(|p| p.ty == attnbench_sdk::ParamType::Backend)
+        .filter_map(|p| node.params.get(&p.name)?.as_str()?.split_once('/'))
+        .filter_map(|(plugin, _)| plan.pipeline.backends.get(plugin))
+}
+
 /// The key parts of a node whose inputs' output digests are known.
 pub fn key_parts(
     plan: &Plan,
@@ -71,6 +83,7 @@ pub fn key_parts(
     inputs: Vec<InputDigest>,
     environment: &str,
 ) -> KeyParts {
+    let node_index = node;
     let node = &plan.nodes[node];
     let stage = plan.stage_of(node);
     let files = stage
@@ -86,6 +99,9 @@ pub fn key_parts(
             ))
         })
         .collect();
+    let backends = backends_of(plan, node_index)
+        .map(|plugin| (plugin.manifest.name.clone(), plugin.library_hash.clone()))
+        .collect();
     KeyParts {
         plugin: stage.plugin.manifest.name.clone(),
         plugin_version: stage.plugin.manifest.version.clone(),
@@ -95,6 +111,7 @@ pub fn key_parts(
         seed: plan.pipeline.seed,
         inputs,
         files,
+        backends,
         environment: (stage.spec.cache_scope == CacheScope::Machine)
             .then(|| environment.to_string()),
     }
@@ -538,6 +555,9 @@ fn compute(
         seed: plan.pipeline.seed,
         output_dir: staging.files_dir(),
         inputs: inputs.to_vec(),
+        plugins: backends_of(plan, index)
+            .map(|plugin| (plugin.manifest.name.clone(), plugin.path.clone()))
+            .collect(),
     };
     let request_json =
         serde_json::to_string(&request).map_err(|err| (Status::Error, err.to_string()))?;

@@ -3,7 +3,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use attnbench_abi::abi_stable::library::RootModuleResult;
 use attnbench_abi::abi_stable::prefix_type::PrefixTypeTrait;
 use attnbench_abi::abi_stable::std_types::{RErr, ROk, RResult, RStr, RString};
-use attnbench_abi::{HostServices, PluginMod, PluginModRef};
+use attnbench_abi::{AttentionCall, HostServices, PluginMod, PluginModRef};
 use serde_json::Value;
 
 use crate::{Host, PluginError, PluginManifest, StageRequest};
@@ -12,6 +12,13 @@ use crate::{Host, PluginError, PluginManifest, StageRequest};
 pub trait Plugin {
     fn manifest() -> PluginManifest;
     fn run(stage: &str, request: StageRequest, host: &Host) -> Result<Value, PluginError>;
+
+    /// Runs one block with `kernel` of the in-process attention backend (the kernels the
+    /// manifest lists with [`PluginManifest::attention_kernel`]); see [`crate::attention`].
+    fn attention(kernel: &str, call: &AttentionCall<'_>) -> Result<(), String> {
+        let _ = call;
+        Err(format!("no in-process attention kernel `{kernel}` here"))
+    }
 }
 
 /// Exports a type implementing [`Plugin`] as the library's attnbench root module.
@@ -48,8 +55,21 @@ pub fn root_module<P: Plugin>() -> PluginModRef {
     PluginMod {
         manifest: manifest_entry::<P>,
         run: run_entry::<P>,
+        attention: attention_entry::<P>,
     }
     .leak_into_prefix()
+}
+
+extern "C" fn attention_entry<P: Plugin>(
+    kernel: RStr<'_>,
+    call: &AttentionCall<'_>,
+) -> RResult<(), RString> {
+    capture_panics();
+    match catch_unwind(AssertUnwindSafe(|| P::attention(kernel.as_str(), call))) {
+        Ok(Ok(())) => ROk(()),
+        Ok(Err(message)) => RErr(message.into()),
+        Err(panic) => RErr(format!("attention panicked: {}", panic_message(&*panic)).into()),
+    }
 }
 
 extern "C" fn manifest_entry<P: Plugin>() -> RString {

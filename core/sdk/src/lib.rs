@@ -17,6 +17,7 @@
 //! result for one node instead of undefined behaviour across the FFI boundary.
 
 mod artifact;
+pub mod attention;
 pub mod environment;
 mod error;
 mod export;

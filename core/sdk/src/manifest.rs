@@ -19,6 +19,10 @@ pub struct PluginManifest {
     #[serde(default)]
     pub description: String,
     pub stages: Vec<StageSpec>,
+    /// Kernels this plugin also offers as an in-process attention backend
+    /// ([`crate::attention`]), for context-parallel plugins.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub attention: Vec<String>,
 }
 
 impl PluginManifest {
@@ -29,7 +33,14 @@ impl PluginManifest {
             abi: attnbench_abi::ABI_VERSION.to_string(),
             description: String::new(),
             stages: Vec::new(),
+            attention: Vec::new(),
         }
+    }
+
+    /// Offers `kernel` as an in-process attention backend: implement [`crate::Plugin::attention`].
+    pub fn attention_kernel(mut self, kernel: impl Into<String>) -> Self {
+        self.attention.push(kernel.into());
+        self
     }
 
     pub fn description(mut self, text: impl Into<String>) -> Self {
@@ -378,6 +389,11 @@ pub enum ParamType {
     /// resolves relative paths against the pipeline's folder, refuses missing files, and puts
     /// the file's content digest into the cache key.
     File,
+    /// An in-process attention backend, `plugin/kernel` ([`crate::attention`]), or `builtin`
+    /// (the stage's own). The host checks that the plugin is found and offers the kernel, hands
+    /// the stage its library in [`crate::StageRequest::plugins`], and puts the library's hash
+    /// into the cache key.
+    Backend,
     List(Box<ParamType>),
     Enum(Vec<String>),
 }
@@ -403,6 +419,14 @@ impl ParamType {
             (ParamType::Float, Value::Number(_)) => Ok(value.clone()),
             (ParamType::Bool, Value::Bool(_)) => Ok(value.clone()),
             (ParamType::String | ParamType::File, Value::String(_)) => Ok(value.clone()),
+            (ParamType::Backend, Value::String(text))
+                if text == "builtin"
+                    || text
+                        .split_once('/')
+                        .is_some_and(|(p, k)| !p.is_empty() && !k.is_empty()) =>
+            {
+                Ok(value.clone())
+            }
             (ParamType::Size, Value::Number(n)) if n.is_u64() => Ok(value.clone()),
             (ParamType::Size, Value::String(text)) => parse_size(text).map(Value::from),
             (ParamType::Enum(options), Value::String(text)) => {
@@ -439,6 +463,7 @@ impl ParamType {
             ParamType::Size => "a size such as 4096 or 4k".into(),
             ParamType::Json => "any value".into(),
             ParamType::File => "a file path".into(),
+            ParamType::Backend => "`builtin` or an attention backend `plugin/kernel`".into(),
             ParamType::List(item) => format!("a list of {}", item.describe()),
             ParamType::Enum(options) => format!("one of {}", options.join(", ")),
         }
@@ -466,6 +491,7 @@ impl fmt::Display for ParamType {
             ParamType::Size => f.write_str("size"),
             ParamType::Json => f.write_str("json"),
             ParamType::File => f.write_str("file"),
+            ParamType::Backend => f.write_str("backend"),
             ParamType::List(item) => write!(f, "list<{item}>"),
             ParamType::Enum(options) => write!(f, "enum[{}]", options.join("|")),
         }
@@ -485,6 +511,7 @@ impl std::str::FromStr for ParamType {
             "size" => ParamType::Size,
             "json" => ParamType::Json,
             "file" => ParamType::File,
+            "backend" => ParamType::Backend,
             _ => {
                 if let Some(inner) = text
                     .strip_prefix("list<")

@@ -18,6 +18,10 @@ pub struct StageRequest {
     /// An empty directory that becomes the node's artifact; files written here are cached.
     pub output_dir: PathBuf,
     pub inputs: Vec<InputArtifact>,
+    /// The libraries of the plugins the node's `backend` parameters name, by plugin name: what
+    /// [`crate::attention::Backend::open`] takes.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub plugins: std::collections::BTreeMap<String, PathBuf>,
 }
 
 /// A finished upstream node, as its dependents see it.

@@ -62,6 +62,7 @@ impl Plugin for Cp {
                         .param(ParamSpec::new("windows", ParamType::Int).default(0).doc("LoongTrain's ring windows (0: the largest divisor m of the ring size R with m² ≤ R, as LongCA-bench)."))
                         .param(ParamSpec::new("placement", ParamType::one_of(&["ring_inner", "ulysses_inner"])).default("ring_inner").doc("Which group is made of consecutive ranks."))
                         .param(ParamSpec::new("backend", ParamType::one_of(&["threads", "processes"])).default("threads").doc("`threads`: ranks as threads of the worker; `processes`: one `attnbench-cp-rank` process per rank, joined over TCP on loopback (as srun/mpirun/torchrun would start them across machines)."))
+                        .param(ParamSpec::new("attention", ParamType::Backend).default("builtin").doc("The local attention of every block: `builtin` (f64, in this plugin) or a kernel plugin's in-process backend, e.g. `cpu/reference`."))
                         .param(ParamSpec::new("direction", ParamType::one_of(&["fwd", "bwd", "fwd_bwd"])).default("fwd"))
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(8))
                         .param(ParamSpec::new("heads_kv", ParamType::Int).default(4))
@@ -115,6 +116,7 @@ struct Params {
     windows: usize,
     placement: String,
     backend: String,
+    attention: String,
     direction: String,
     heads_q: usize,
     heads_kv: usize,
@@ -178,6 +180,22 @@ pub fn setup(
     })
 }
 
+/// The library and kernel an `attention` parameter names (`None`: builtin).
+fn attention_library(
+    request: &StageRequest,
+    attention: &str,
+) -> Result<Option<(std::path::PathBuf, String)>, PluginError> {
+    let Some((plugin, kernel)) = attention.split_once('/') else {
+        return Ok(None);
+    };
+    let path = request.plugins.get(plugin).ok_or_else(|| {
+        PluginError::Params(format!(
+            "attention `{attention}`: the host did not hand over plugin `{plugin}`'s library"
+        ))
+    })?;
+    Ok(Some((path.clone(), kernel.to_string())))
+}
+
 fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginError> {
     let p: Params = request.params()?;
     let set = request.mask_set()?;
@@ -224,6 +242,12 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
     );
     let inputs = Inputs::random_as(&shape, request.seed, element);
     let backward = p.direction != "fwd";
+    let attention = attention_library(request, &p.attention)?;
+    let opened = attention
+        .as_ref()
+        .map(|(path, kernel)| processes::open_attention(path, kernel))
+        .transpose()
+        .map_err(PluginError::failed)?;
     let ranks_dir = request.output_dir.join("ranks");
     let job = processes::Job {
         setup,
@@ -235,6 +259,7 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
         backward,
         mask: set.clone(),
         results: ranks_dir.clone(),
+        attention,
     };
     // The job as `attnbench-cp-rank` reads it: kept with the measurement, so the same run can be
     // started on a cluster (srun … attnbench-cp-rank job.json).
@@ -242,7 +267,7 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
     let job_file = request.output_dir.join("job.json");
     let execute = || match p.backend.as_str() {
         "processes" => processes::run(&job, &job_file, std::time::Duration::from_secs(600)),
-        _ => threads::run(setup, &shape, &set, &inputs, backward),
+        _ => threads::run(setup, &shape, &set, &inputs, backward, opened.as_ref()),
     };
     let first = execute().map_err(PluginError::failed)?;
     host.debug("checking the gathered outputs against the single-device reference");
@@ -306,7 +331,7 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
         "context_parallel".into(),
         json!({
             "method": method.name(), "world": ranks, "ulysses": setup.layout.ulysses, "ring": setup.layout.ring,
-            "windows": setup.windows, "placement": p.placement, "backend": p.backend,
+            "windows": setup.windows, "placement": p.placement, "backend": p.backend, "attention": p.attention,
             "throughput": "per rank: global FLOPs / ranks / slowest rank's time",
             "bytes_sent_forward": counted(&first.sent_forward), "formula_forward": formula_fwd,
             "bytes_sent_backward": counted(&first.sent_backward), "formula_backward": formula_bwd,

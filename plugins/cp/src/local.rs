@@ -1,9 +1,11 @@
 //! Attention of one rank's queries against one block of keys, in f64: the local call every
 //! context-parallel step makes. Rows and keys carry their global positions, so the mask is the
-//! whole sequence's mask whatever the sharding, and a block's partial results merge exactly.
+//! whole sequence's mask restricted to the block whatever the sharding, and a block's partial
+//! results merge exactly.
 //!
 //! Tensors are head-major: `[heads][tokens][head_dim]`; LSE `[heads][tokens]`.
 
+use attnbench_sdk::attention::{Backend, HostBlock, RowIntervals};
 use attnbench_sdk::mask::Mask;
 
 /// Tokens of one side of a block: their global positions and, per head, their vectors.
@@ -28,21 +30,19 @@ impl Tokens {
             data,
         }
     }
-
-    fn row(&self, head: usize, token: usize, d: usize) -> &[f64] {
-        let start = (head * self.len() + token) * d;
-        &self.data[start..start + d]
-    }
 }
 
 /// The masks of the heads: `mask_of_head[h]` indexes `masks` for global query head `h`; query head
-/// `h` reads global KV head `h / group`.
+/// `h` reads global KV head `h / group`. Blocks run on `backend` — a kernel plugin's in-process
+/// attention backend — or, when it is `None`, on the SDK's f64 host block directly.
+#[derive(Clone, Copy)]
 pub struct Problem<'a> {
     pub masks: &'a [Mask],
     pub mask_of_head: &'a [usize],
     pub group: usize,
     pub head_dim: usize,
     pub scale: f64,
+    pub backend: Option<&'a Backend>,
 }
 
 /// A block's or a merged result: O normalised over the keys seen so far, and their LSE.
@@ -90,6 +90,12 @@ pub struct BlockGrads {
     pub dv: Vec<f64>,
 }
 
+/// One call of a block: query heads (indices into the block's Q) sharing one mask.
+struct Call {
+    heads: Vec<usize>,
+    rows: RowIntervals,
+}
+
 impl Problem<'_> {
     /// Index in `kv.heads` of the KV head query head `h` reads.
     fn kv_index(&self, kv: &Tokens, h: usize) -> usize {
@@ -102,64 +108,67 @@ impl Problem<'_> {
             })
     }
 
-    /// Allowed keys of `kv` for query row `q` of head `h`: indices into the block.
-    fn allowed<'b>(&self, h: usize, q: u32, kv: &'b Tokens) -> impl Iterator<Item = usize> + 'b {
-        let mask = &self.masks[self.mask_of_head[h]];
-        let mut keys = Vec::new();
-        for (j, &k) in kv.positions.iter().enumerate() {
-            if mask.allows(q as u64, k as u64) {
-                keys.push(j);
-            }
+    /// The block's calls: one for all heads when they share a mask (the common case, one
+    /// backend call), else one per head.
+    fn calls(&self, q: &Tokens, kv: &Tokens) -> Vec<Call> {
+        let mask_of = |hi: usize| self.mask_of_head[q.heads[hi]];
+        let restrict =
+            |m: usize| RowIntervals::restrict(&self.masks[m], &q.positions, &kv.positions);
+        if (0..q.heads.len()).all(|hi| mask_of(hi) == mask_of(0)) {
+            return vec![Call {
+                heads: (0..q.heads.len()).collect(),
+                rows: restrict(mask_of(0)),
+            }];
         }
-        keys.into_iter()
-    }
-
-    /// Scores of row `t` of head index `hi` against the allowed keys of the block.
-    fn scores(&self, q: &Tokens, hi: usize, t: usize, kv: &Tokens) -> (usize, Vec<(usize, f64)>) {
-        let d = self.head_dim;
-        let h = q.heads[hi];
-        let ki = self.kv_index(kv, h);
-        let query = q.row(hi, t, d);
-        let scores = self
-            .allowed(h, q.positions[t], kv)
-            .map(|j| {
-                let key = kv.row(ki, j, d);
-                let dot: f64 = query.iter().zip(key).map(|(a, b)| a * b).sum();
-                (j, dot * self.scale)
+        (0..q.heads.len())
+            .map(|hi| Call {
+                heads: vec![hi],
+                rows: restrict(mask_of(hi)),
             })
-            .collect();
-        (ki, scores)
+            .collect()
     }
 
     /// Attention of `q` over the keys of `kv` only.
-    pub fn forward(&self, q: &Tokens, k: &Tokens, v: &Tokens) -> Partial {
+    pub fn forward(&self, q: &Tokens, k: &Tokens, v: &Tokens) -> Result<Partial, String> {
         let d = self.head_dim;
         let mut result = Partial::empty(q.heads.len(), q.len(), d);
-        for hi in 0..q.heads.len() {
-            for t in 0..q.len() {
-                let (ki, scores) = self.scores(q, hi, t, k);
-                if scores.is_empty() {
-                    continue;
-                }
-                let top = scores.iter().map(|s| s.1).fold(f64::NEG_INFINITY, f64::max);
-                let total: f64 = scores.iter().map(|s| (s.1 - top).exp()).sum();
-                let lse = top + total.ln();
-                let row = hi * q.len() + t;
-                let out = &mut result.out[row * d..(row + 1) * d];
-                for &(j, score) in &scores {
-                    let p = (score - lse).exp();
-                    for (o, x) in out.iter_mut().zip(v.row(ki, j, d)) {
-                        *o += p * x;
-                    }
-                }
-                result.lse[row] = lse;
+        let (ql, kl) = (q.len(), k.len());
+        for call in self.calls(q, k) {
+            if call.heads.len() == q.heads.len() {
+                let kv_head_of: Vec<u32> = q
+                    .heads
+                    .iter()
+                    .map(|&h| self.kv_index(k, h) as u32)
+                    .collect();
+                let block = self.block(&call.rows, &kv_head_of, k.heads.len(), ql, kl);
+                self.run_forward(
+                    &block,
+                    (&q.data, &k.data, &v.data),
+                    &mut result.out,
+                    &mut result.lse,
+                )?;
+                continue;
             }
+            let hi = call.heads[0];
+            let ki = self.kv_index(k, q.heads[hi]);
+            let block = self.block(&call.rows, &[0], 1, ql, kl);
+            let (head, kv_head) = (ql * d, kl * d);
+            self.run_forward(
+                &block,
+                (
+                    &q.data[hi * head..][..head],
+                    &k.data[ki * kv_head..][..kv_head],
+                    &v.data[ki * kv_head..][..kv_head],
+                ),
+                &mut result.out[hi * head..][..head],
+                &mut result.lse[hi * ql..][..ql],
+            )?;
         }
-        result
+        Ok(result)
     }
 
     /// The block's share of the gradients, given the rows' final O and LSE (over all keys) and
-    /// dO: P = exp(S − LSE), dS = P∘(dO·Vᵀ − rowsum(dO∘O))·scale.
+    /// dO.
     pub fn backward(
         &self,
         q: &Tokens,
@@ -167,43 +176,107 @@ impl Problem<'_> {
         v: &Tokens,
         done: &Partial,
         d_out: &[f64],
-    ) -> BlockGrads {
+    ) -> Result<BlockGrads, String> {
         let d = self.head_dim;
         let mut grads = BlockGrads {
             dq: vec![0.0; q.data.len()],
             dk: vec![0.0; k.data.len()],
             dv: vec![0.0; v.data.len()],
         };
-        for hi in 0..q.heads.len() {
-            for t in 0..q.len() {
-                let row = hi * q.len() + t;
-                let lse = done.lse[row];
-                if lse == f64::NEG_INFINITY {
-                    continue;
-                }
-                let (ki, scores) = self.scores(q, hi, t, k);
-                let d_o = &d_out[row * d..(row + 1) * d];
-                let delta: f64 = d_o
+        let (ql, kl) = (q.len(), k.len());
+        for call in self.calls(q, k) {
+            if call.heads.len() == q.heads.len() {
+                let kv_head_of: Vec<u32> = q
+                    .heads
                     .iter()
-                    .zip(&done.out[row * d..(row + 1) * d])
-                    .map(|(a, b)| a * b)
-                    .sum();
-                let query = q.row(hi, t, d).to_vec();
-                for (j, score) in scores {
-                    let p = (score - lse).exp();
-                    let value = v.row(ki, j, d);
-                    let dp: f64 = d_o.iter().zip(value).map(|(a, b)| a * b).sum();
-                    let ds = p * (dp - delta) * self.scale;
-                    let key = k.row(ki, j, d).to_vec();
-                    let kv_row = (ki * k.len() + j) * d;
-                    for i in 0..d {
-                        grads.dq[row * d + i] += ds * key[i];
-                        grads.dk[kv_row + i] += ds * query[i];
-                        grads.dv[kv_row + i] += p * d_o[i];
-                    }
+                    .map(|&h| self.kv_index(k, h) as u32)
+                    .collect();
+                let block = self.block(&call.rows, &kv_head_of, k.heads.len(), ql, kl);
+                self.run_backward(
+                    &block,
+                    (&q.data, &k.data, &v.data),
+                    (&done.out, &done.lse, d_out),
+                    (&mut grads.dq, &mut grads.dk, &mut grads.dv),
+                )?;
+                continue;
+            }
+            // One head at a time: its KV head's gradients add up over the heads that read it.
+            let hi = call.heads[0];
+            let ki = self.kv_index(k, q.heads[hi]);
+            let block = self.block(&call.rows, &[0], 1, ql, kl);
+            let (head, kv_head) = (ql * d, kl * d);
+            let (mut dk, mut dv) = (vec![0.0; kv_head], vec![0.0; kv_head]);
+            self.run_backward(
+                &block,
+                (
+                    &q.data[hi * head..][..head],
+                    &k.data[ki * kv_head..][..kv_head],
+                    &v.data[ki * kv_head..][..kv_head],
+                ),
+                (
+                    &done.out[hi * head..][..head],
+                    &done.lse[hi * ql..][..ql],
+                    &d_out[hi * head..][..head],
+                ),
+                (&mut grads.dq[hi * head..][..head], &mut dk, &mut dv),
+            )?;
+            for (target, source) in [(&mut grads.dk, dk), (&mut grads.dv, dv)] {
+                for (t, s) in target[ki * kv_head..][..kv_head].iter_mut().zip(source) {
+                    *t += s;
                 }
             }
         }
-        grads
+        Ok(grads)
+    }
+
+    fn block<'b>(
+        &self,
+        rows: &'b RowIntervals,
+        kv_head_of: &'b [u32],
+        heads_kv: usize,
+        q_len: usize,
+        k_len: usize,
+    ) -> HostBlock<'b> {
+        HostBlock {
+            head_dim: self.head_dim,
+            q_len,
+            k_len,
+            scale: self.scale,
+            kv_head_of,
+            heads_kv,
+            rows,
+        }
+    }
+
+    fn run_forward(
+        &self,
+        block: &HostBlock<'_>,
+        qkv: (&[f64], &[f64], &[f64]),
+        out: &mut [f64],
+        lse: &mut [f64],
+    ) -> Result<(), String> {
+        match self.backend {
+            Some(backend) => backend.forward_host(block, qkv, out, lse),
+            None => {
+                block.forward(qkv.0, qkv.1, qkv.2, out, lse);
+                Ok(())
+            }
+        }
+    }
+
+    fn run_backward(
+        &self,
+        block: &HostBlock<'_>,
+        qkv: (&[f64], &[f64], &[f64]),
+        (out, lse, d_out): (&[f64], &[f64], &[f64]),
+        (dq, dk, dv): (&mut [f64], &mut [f64], &mut [f64]),
+    ) -> Result<(), String> {
+        match self.backend {
+            Some(backend) => backend.backward_host(block, qkv, out, lse, d_out, (dq, dk, dv)),
+            None => {
+                block.backward(qkv, out, lse, d_out, dq, dk, dv);
+                Ok(())
+            }
+        }
     }
 }

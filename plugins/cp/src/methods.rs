@@ -51,6 +51,9 @@ pub struct Setup {
     pub windows: usize,
 }
 
+/// dQ of the local rows, dK and dV of the local keys.
+type Grads = (Vec<f64>, Vec<f64>, Vec<f64>);
+
 // Message tags, one per kind of traffic.
 const A2A: [u32; 8] = [10, 11, 12, 13, 14, 15, 16, 17];
 const FWD_KV: u32 = 20;
@@ -290,7 +293,7 @@ impl RingStep<'_> {
         (tokens(k), tokens(v))
     }
 
-    fn p2p_forward(&self, q: &Tokens, k: &Tokens, v: &Tokens) -> Partial {
+    fn p2p_forward(&self, q: &Tokens, k: &Tokens, v: &Tokens) -> Result<Partial, String> {
         let (r, n, d) = (self.comm.rank(), self.comm.size(), self.d());
         let mut done = Partial::empty(q.heads.len(), q.len(), d);
         let (mut k_now, mut v_now) = (k.clone(), v.clone());
@@ -299,13 +302,13 @@ impl RingStep<'_> {
                 // The next step's block travels while this one is computed.
                 self.comm.send((r + 1) % n, FWD_KV, pack(&k_now, &v_now));
             }
-            done.merge(&self.problem.forward(q, &k_now, &v_now), d);
+            done.merge(&self.problem.forward(q, &k_now, &v_now)?, d);
             if step + 1 < n {
                 let source = (r + n - step - 1) % n;
                 (k_now, v_now) = self.receive_kv((r + n - 1) % n, FWD_KV, source, &k.heads);
             }
         }
-        done
+        Ok(done)
     }
 
     /// dQ of the local rows and dK, dV of the local block. Each block's dK/dV accumulator travels
@@ -317,17 +320,17 @@ impl RingStep<'_> {
         v: &Tokens,
         done: &Partial,
         d_out: &[f64],
-    ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    ) -> Result<Grads, String> {
         let (r, n) = (self.comm.rank(), self.comm.size());
         let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-        let own = self.problem.backward(q, k, v, done, d_out);
+        let own = self.problem.backward(q, k, v, done, d_out)?;
         let mut dq = own.dq;
         let (mut k_now, mut v_now) = (k.clone(), v.clone());
         for step in 1..n {
             self.comm.send(next, BWD_KV, pack(&k_now, &v_now));
             let source = (r + n - step) % n;
             (k_now, v_now) = self.receive_kv(prev, BWD_KV, source, &k.heads);
-            let grads = self.problem.backward(q, &k_now, &v_now, done, d_out);
+            let grads = self.problem.backward(q, &k_now, &v_now, done, d_out)?;
             add(&mut dq, &grads.dq);
             let mut accumulator = [grads.dk, grads.dv].concat();
             if step > 1 {
@@ -342,7 +345,7 @@ impl RingStep<'_> {
             add(&mut dk, k_part);
             add(&mut dv, v_part);
         }
-        (dq, dk, dv)
+        Ok((dq, dk, dv))
     }
 
     fn gathered(&self, k: &Tokens, v: &Tokens) -> (Tokens, Tokens, Vec<usize>) {
@@ -372,7 +375,7 @@ impl RingStep<'_> {
         )
     }
 
-    fn allgather_forward(&self, q: &Tokens, k: &Tokens, v: &Tokens) -> Partial {
+    fn allgather_forward(&self, q: &Tokens, k: &Tokens, v: &Tokens) -> Result<Partial, String> {
         let (k_all, v_all, _) = self.gathered(k, v);
         self.problem.forward(q, &k_all, &v_all)
     }
@@ -384,10 +387,10 @@ impl RingStep<'_> {
         v: &Tokens,
         done: &Partial,
         d_out: &[f64],
-    ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    ) -> Result<Grads, String> {
         // K and V are gathered again rather than kept from the forward pass.
         let (k_all, v_all, lengths) = self.gathered(k, v);
-        let grads = self.problem.backward(q, &k_all, &v_all, done, d_out);
+        let grads = self.problem.backward(q, &k_all, &v_all, done, d_out)?;
         let heads = k.heads.len();
         let dk = self
             .comm
@@ -395,7 +398,7 @@ impl RingStep<'_> {
         let dv = self
             .comm
             .reduce_scatter(SCATTER_DV, split(&grads.dv, heads, &lengths, self.d()));
-        (grads.dq, dk, dv)
+        Ok((grads.dq, dk, dv))
     }
 
     /// Ring rank of window `window`, position `index` in it; windows are consecutive ring ranks.
@@ -410,7 +413,7 @@ impl RingStep<'_> {
         (self.comm.rank() / w, self.comm.rank() % w, w)
     }
 
-    fn double_forward(&self, q: &Tokens, k: &Tokens, v: &Tokens) -> Partial {
+    fn double_forward(&self, q: &Tokens, k: &Tokens, v: &Tokens) -> Result<Partial, String> {
         let (m, d) = (self.windows, self.d());
         let (j, a, w) = self.place();
         let mut done = Partial::empty(q.heads.len(), q.len(), d);
@@ -430,7 +433,7 @@ impl RingStep<'_> {
                     self.comm
                         .send(self.member(j, a + 1), FWD_KV, pack(&k_now, &v_now));
                 }
-                done.merge(&self.problem.forward(q, &k_now, &v_now), d);
+                done.merge(&self.problem.forward(q, &k_now, &v_now)?, d);
                 if i + 1 < w {
                     let source = self.member(j + m - t, a + w - i - 1);
                     (k_now, v_now) =
@@ -443,7 +446,7 @@ impl RingStep<'_> {
                     self.receive_kv(self.member(j + m - 1, a), FWD_INTER_KV, source, &k.heads);
             }
         }
-        done
+        Ok(done)
     }
 
     /// The double ring's backward: KV moves as in the forward pass; each block's dK/dV
@@ -456,7 +459,7 @@ impl RingStep<'_> {
         v: &Tokens,
         done: &Partial,
         d_out: &[f64],
-    ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    ) -> Result<Grads, String> {
         let m = self.windows;
         let (j, a, w) = self.place();
         let (intra_next, intra_prev) = (self.member(j, a + 1), self.member(j, a + w - 1));
@@ -475,7 +478,7 @@ impl RingStep<'_> {
                 if i + 1 < w {
                     self.comm.send(intra_next, BWD_KV, pack(&k_now, &v_now));
                 }
-                let grads = self.problem.backward(q, &k_now, &v_now, done, d_out);
+                let grads = self.problem.backward(q, &k_now, &v_now, done, d_out)?;
                 add(&mut dq, &grads.dq);
                 let mut accumulator = [grads.dk, grads.dv].concat();
                 if i > 0 {
@@ -511,10 +514,16 @@ impl RingStep<'_> {
             completed = self.comm.recv(inter_prev, BWD_INTER_DKV);
         }
         let (dk, dv) = completed.split_at(k.data.len());
-        (dq, dk.to_vec(), dv.to_vec())
+        Ok((dq, dk.to_vec(), dv.to_vec()))
     }
 
-    fn forward(&self, method: Method, q: &Tokens, k: &Tokens, v: &Tokens) -> Partial {
+    fn forward(
+        &self,
+        method: Method,
+        q: &Tokens,
+        k: &Tokens,
+        v: &Tokens,
+    ) -> Result<Partial, String> {
         match method {
             Method::Ulysses => self.problem.forward(q, k, v),
             Method::RingP2p | Method::Usp => self.p2p_forward(q, k, v),
@@ -523,17 +532,12 @@ impl RingStep<'_> {
         }
     }
 
-    fn backward(
-        &self,
-        method: Method,
-        saved: &Saved,
-        d_out: &[f64],
-    ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    fn backward(&self, method: Method, saved: &Saved, d_out: &[f64]) -> Result<Grads, String> {
         let (q, k, v, done) = (&saved.q, &saved.k, &saved.v, &saved.done);
         match method {
             Method::Ulysses => {
-                let g = self.problem.backward(q, k, v, done, d_out);
-                (g.dq, g.dk, g.dv)
+                let g = self.problem.backward(q, k, v, done, d_out)?;
+                Ok((g.dq, g.dk, g.dv))
             }
             Method::RingP2p | Method::Usp => self.p2p_backward(q, k, v, done, d_out),
             Method::RingAllGather => self.allgather_backward(q, k, v, done, d_out),
@@ -621,7 +625,7 @@ impl Rank<'_> {
         };
         let done = self.with_ring(groups, repeat, |ring| {
             ring.forward(self.setup.method, &q, &k, &v)
-        });
+        })?;
         let out = q.like(done.out.clone());
         let out = if layout.ulysses > 1 {
             heads_to_seq(groups.ulysses, A2A[3], &out, &piece_of, d)
@@ -642,7 +646,12 @@ impl Rank<'_> {
         })
     }
 
-    pub fn backward(&self, groups: &Groups, saved: &Saved, d_out: &Tokens) -> Gradients {
+    pub fn backward(
+        &self,
+        groups: &Groups,
+        saved: &Saved,
+        d_out: &Tokens,
+    ) -> Result<Gradients, String> {
         let layout = self.setup.layout;
         let d = self.problem.head_dim;
         let piece_of = self.piece_of();
@@ -653,7 +662,7 @@ impl Rank<'_> {
         };
         let (dq, dk, dv) = self.with_ring(groups, saved.kv_repeat, |ring| {
             ring.backward(self.setup.method, saved, &d_out.data)
-        });
+        })?;
         let (dq, dk, dv) = (saved.q.like(dq), saved.k.like(dk), saved.v.like(dv));
         let (dq, dk, dv) = if layout.ulysses > 1 {
             let u = groups.ulysses;
@@ -665,10 +674,10 @@ impl Rank<'_> {
         } else {
             (dq, dk, dv)
         };
-        Gradients {
+        Ok(Gradients {
             dq,
             dk: sum_repeats(dk, saved.kv_repeat, d),
             dv: sum_repeats(dv, saved.kv_repeat, d),
-        }
+        })
     }
 }

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use attnbench_sdk::attention::{Backend, HostBlock, RowIntervals};
 use attnbench_sdk::mask::MaskSet;
 use attnbench_sdk::reference::{Element, Inputs, Shape};
 use serde::{Deserialize, Serialize};
@@ -33,6 +34,47 @@ pub struct Job {
     pub mask: MaskSet,
     /// Each rank writes `rank-<r>.json` here.
     pub results: PathBuf,
+    /// The local attention: a plugin library and its in-process kernel (`None`: builtin).
+    #[serde(default)]
+    pub attention: Option<(PathBuf, String)>,
+}
+
+/// Opens an in-process attention backend and runs one tiny forward and backward block through
+/// it, so that a backend that cannot run this job fails here with its reason — not halfway
+/// through a ring, where the other ranks would wait for it.
+pub fn open_attention(path: &Path, kernel: &str) -> Result<Backend, String> {
+    let backend = Backend::open(path, kernel)?;
+    let rows = RowIntervals {
+        row_start: vec![0, 1],
+        intervals: vec![0, 1],
+    };
+    let block = HostBlock {
+        head_dim: 1,
+        q_len: 1,
+        k_len: 1,
+        scale: 1.0,
+        kv_head_of: &[0],
+        heads_kv: 1,
+        rows: &rows,
+    };
+    let (mut out, mut lse) = ([0.0], [0.0]);
+    backend.forward_host(&block, (&[1.0], &[1.0], &[1.0]), &mut out, &mut lse)?;
+    let (mut dq, mut dk, mut dv) = ([0.0], [0.0], [0.0]);
+    backend.backward_host(
+        &block,
+        (&[1.0], &[1.0], &[1.0]),
+        &out,
+        &lse,
+        &[1.0],
+        (&mut dq, &mut dk, &mut dv),
+    )?;
+    if out != [1.0] || lse != [1.0] || dv != [1.0] {
+        return Err(format!(
+            "{}: one key of value 1 gave O {out:?}, LSE {lse:?}, dV {dv:?}; expected 1, 1, 1",
+            backend.name
+        ));
+    }
+    Ok(backend)
 }
 
 impl Job {
@@ -70,6 +112,11 @@ pub fn rank_main(path: &Path) -> Result<(), String> {
     threads::check(&job.setup, &shape)?;
     let inputs = job.inputs()?;
     let world = crate::tcp::join(&info)?;
+    let attention = job
+        .attention
+        .as_ref()
+        .map(|(path, kernel)| open_attention(path, kernel))
+        .transpose()?;
     let result = threads::run_rank(
         world,
         info.rank,
@@ -78,6 +125,7 @@ pub fn rank_main(path: &Path) -> Result<(), String> {
         &job.mask,
         &inputs,
         job.backward,
+        attention.as_ref(),
     )?;
     let bytes = serde_json::to_vec(&result).map_err(|err| err.to_string())?;
     let target = job.results.join(format!("rank-{}.json", info.rank));

@@ -46,7 +46,7 @@ fn check(setup: Setup, pattern: &str, set: &MaskSet) {
     let world = setup.layout.world();
     let shape = shape_for(world);
     let inputs = Inputs::random(&shape, 9, true);
-    let outcome = threads::run(setup, &shape, set, &inputs, true)
+    let outcome = threads::run(setup, &shape, set, &inputs, true, None)
         .unwrap_or_else(|err| panic!("{setup:?} {pattern}: {err}"));
     let masks = HeadMasks::new(set, &shape);
     let expected = reference::forward(&shape, &masks, &inputs);
@@ -142,7 +142,7 @@ fn sizes_that_do_not_shard_are_refused_with_a_reason() {
     };
     let set = mask("causal");
     let inputs = Inputs::random(&shape, 1, false);
-    let error = threads::run(setup, &shape, &set, &inputs, false)
+    let error = threads::run(setup, &shape, &set, &inputs, false, None)
         .err()
         .unwrap();
     assert!(

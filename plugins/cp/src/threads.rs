@@ -2,6 +2,7 @@
 //! `processes`) — and gathers what they computed back into global tensors, with what each rank
 //! sent and how long each took.
 
+use attnbench_sdk::attention::Backend;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -86,6 +87,7 @@ pub fn run_rank(
     set: &MaskSet,
     inputs: &Inputs,
     backward: bool,
+    attention: Option<&Backend>,
 ) -> Result<RankResult, String> {
     let layout = setup.layout;
     let n = layout.world();
@@ -119,6 +121,7 @@ pub fn run_rank(
             group: shape.group(),
             head_dim: shape.head_dim,
             scale: 1.0 / (shape.head_dim as f64).sqrt(),
+            backend: attention,
         },
         heads_q: shape.heads_q,
         heads_kv: shape.heads_kv,
@@ -140,7 +143,7 @@ pub fn run_rank(
         let d_out = gather(&inputs.d_out, &positions, &q_heads, shape);
         everyone.barrier();
         let start = Instant::now();
-        let g = rank.backward(&groups, &forward.saved, &d_out);
+        let g = rank.backward(&groups, &forward.saved, &d_out)?;
         backward_s = start.elapsed().as_secs_f64();
         grads = Some([g.dq, g.dk, g.dv]);
     }
@@ -163,6 +166,7 @@ pub fn run(
     set: &MaskSet,
     inputs: &Inputs,
     backward: bool,
+    attention: Option<&Backend>,
 ) -> Result<Outcome, String> {
     check(&setup, shape)?;
     let n = setup.layout.world();
@@ -171,7 +175,9 @@ pub fn run(
         let handles: Vec<_> = (0..n)
             .map(|w| {
                 let world = world.clone();
-                scope.spawn(move || run_rank(world, w, setup, shape, set, inputs, backward))
+                scope.spawn(move || {
+                    run_rank(world, w, setup, shape, set, inputs, backward, attention)
+                })
             })
             .collect();
         handles

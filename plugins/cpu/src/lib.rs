@@ -5,6 +5,7 @@
 pub mod problem;
 pub mod tiled;
 
+use attnbench_sdk::attention::{run_on_host, AttentionCall};
 use attnbench_sdk::mask::MaskSet;
 use attnbench_sdk::measure::{Correctness, Harness, Measurement, Memory, Quantiles, Throughput};
 use attnbench_sdk::{
@@ -63,6 +64,18 @@ impl Plugin for Cpu {
                     .param(ParamSpec::new("outputs", ParamType::Bool).default(false).doc("Also write the output tensors (out.f32, lse.f32 and, with a backward, dq/dk/dv.f32) for checking."))
                     .measures_masks(),
             )
+            .attention_kernel("reference")
+    }
+
+    /// `reference`: exact f64 attention of one block on the host, the local backend that
+    /// context parallelism on CPU threads runs through the in-process interface.
+    fn attention(kernel: &str, call: &AttentionCall<'_>) -> Result<(), String> {
+        match kernel {
+            "reference" => run_on_host(call),
+            other => Err(format!(
+                "no in-process attention kernel `{other}`; the cpu plugin offers `reference`"
+            )),
+        }
     }
 
     fn run(stage: &str, request: StageRequest, host: &Host) -> Result<Value, PluginError> {

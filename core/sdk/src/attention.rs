@@ -1,0 +1,457 @@
+//! The in-process attention backend: how a kernel plugin lends its kernel to context-parallel
+//! plugins, which run it on every (query chunk, key chunk) block of their algorithms without a
+//! worker round trip.
+//!
+//! A kernel plugin lists the kernels it offers in its manifest ([`crate::PluginManifest::attention`])
+//! and implements [`crate::Plugin::attention`]; a caller opens the plugin's library with
+//! [`Backend::open`] and hands it [`AttentionCall`]s. The mask of a block travels as
+//! [`RowIntervals`]: every row's allowed keys in the block's own coordinates, which is exact for
+//! any mask restricted to any rows and keys (a chunk of a zigzag layout, keys gathered from
+//! several ranks) where slices would have to be cut.
+
+use std::ffi::c_void;
+use std::path::Path;
+
+use attnbench_abi::abi_stable::library::lib_header_from_path;
+use attnbench_abi::abi_stable::std_types::{RResult, RSlice, RStr};
+use attnbench_abi::PluginModRef;
+pub use attnbench_abi::{AttentionCall, DType, Memory};
+
+use crate::mask::Mask;
+use crate::PluginManifest;
+
+/// A mask restricted to a block: row `r` of the block may see the local keys
+/// `[intervals[2i], intervals[2i+1])` for `i` in `row_start[r]..row_start[r+1]` (sorted, disjoint).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RowIntervals {
+    pub row_start: Vec<u32>,
+    pub intervals: Vec<u32>,
+}
+
+impl RowIntervals {
+    /// `mask` restricted to the rows at global positions `q_positions` and the keys at global
+    /// positions `k_positions` (each list in the block's order, any order), in local coordinates.
+    pub fn restrict(mask: &Mask, q_positions: &[u32], k_positions: &[u32]) -> RowIntervals {
+        // Runs of consecutive key positions: (first position, length, local offset).
+        let mut runs: Vec<(u64, u64, u64)> = Vec::new();
+        for (local, &p) in k_positions.iter().enumerate() {
+            match runs.last_mut() {
+                Some((first, length, _)) if *first + *length == p as u64 => *length += 1,
+                _ => runs.push((p as u64, 1, local as u64)),
+            }
+        }
+        let mut result = RowIntervals {
+            row_start: Vec::with_capacity(q_positions.len() + 1),
+            intervals: Vec::new(),
+        };
+        result.row_start.push(0);
+        let mut global = Vec::new();
+        let mut local = Vec::new();
+        for &q in q_positions {
+            global.clear();
+            global.extend(
+                mask.slices
+                    .iter()
+                    .filter(|s| s.q[0] <= q as u64 && (q as u64) < s.q[1])
+                    .filter_map(|s| s.keys_of_row(q as u64)),
+            );
+            local.clear();
+            for &(a, b) in &global {
+                for &(first, length, offset) in &runs {
+                    let (lo, hi) = (a.max(first), b.min(first + length));
+                    if lo < hi {
+                        local.push((offset + lo - first, offset + hi - first));
+                    }
+                }
+            }
+            local.sort_unstable();
+            let mut merged: Option<(u64, u64)> = None;
+            for &(a, b) in &local {
+                merged = match merged {
+                    Some((start, end)) if a <= end => Some((start, end.max(b))),
+                    Some((start, end)) => {
+                        result.intervals.extend([start as u32, end as u32]);
+                        Some((a, b))
+                    }
+                    None => Some((a, b)),
+                };
+            }
+            if let Some((start, end)) = merged {
+                result.intervals.extend([start as u32, end as u32]);
+            }
+            result.row_start.push((result.intervals.len() / 2) as u32);
+        }
+        result
+    }
+
+    /// The allowed local keys of row `r`, as `[start, end)` pairs.
+    pub fn row(&self, r: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let (first, last) = (self.row_start[r] as usize, self.row_start[r + 1] as usize);
+        self.intervals[2 * first..2 * last]
+            .chunks_exact(2)
+            .map(|pair| (pair[0] as usize, pair[1] as usize))
+    }
+}
+
+/// One block on the host, in f64: the shape of an [`AttentionCall`] and its mask.
+#[derive(Debug, Clone, Copy)]
+pub struct HostBlock<'a> {
+    pub head_dim: usize,
+    pub q_len: usize,
+    pub k_len: usize,
+    pub scale: f64,
+    /// Local KV head of each local query head (its length is the number of query heads).
+    pub kv_head_of: &'a [u32],
+    pub heads_kv: usize,
+    pub rows: &'a RowIntervals,
+}
+
+impl HostBlock<'_> {
+    fn heads_q(&self) -> usize {
+        self.kv_head_of.len()
+    }
+
+    /// The allowed keys of row `t` of query head `h` with their scaled scores.
+    fn scores(&self, q: &[f64], k: &[f64], h: usize, t: usize) -> Vec<(usize, f64)> {
+        let d = self.head_dim;
+        let query = &q[(h * self.q_len + t) * d..][..d];
+        let kv = self.kv_head_of[h] as usize;
+        self.rows
+            .row(t)
+            .flat_map(|(a, b)| a..b)
+            .map(|j| {
+                let key = &k[(kv * self.k_len + j) * d..][..d];
+                let dot: f64 = query.iter().zip(key).map(|(x, y)| x * y).sum();
+                (j, dot * self.scale)
+            })
+            .collect()
+    }
+
+    /// O and LSE of the block's rows over its keys (O = 0, LSE = −∞ where a row sees none).
+    pub fn forward(&self, q: &[f64], k: &[f64], v: &[f64], out: &mut [f64], lse: &mut [f64]) {
+        let d = self.head_dim;
+        out.fill(0.0);
+        lse.fill(f64::NEG_INFINITY);
+        for h in 0..self.heads_q() {
+            let kv = self.kv_head_of[h] as usize;
+            for t in 0..self.q_len {
+                let scores = self.scores(q, k, h, t);
+                if scores.is_empty() {
+                    continue;
+                }
+                let top = scores.iter().map(|s| s.1).fold(f64::NEG_INFINITY, f64::max);
+                let total: f64 = scores.iter().map(|s| (s.1 - top).exp()).sum();
+                let row = h * self.q_len + t;
+                lse[row] = top + total.ln();
+                let o = &mut out[row * d..][..d];
+                for &(j, score) in &scores {
+                    let p = (score - lse[row]).exp();
+                    for (o, x) in o.iter_mut().zip(&v[(kv * self.k_len + j) * d..][..d]) {
+                        *o += p * x;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The block's share of the gradients given the rows' final O and LSE (over all their keys)
+    /// and dO: P = exp(S − LSE), dS = P∘(dO·Vᵀ − rowsum(dO∘O))·scale; dQ for the rows, dK and dV
+    /// for the block's keys (overwritten).
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward(
+        &self,
+        (q, k, v): (&[f64], &[f64], &[f64]),
+        out: &[f64],
+        lse: &[f64],
+        d_out: &[f64],
+        dq: &mut [f64],
+        dk: &mut [f64],
+        dv: &mut [f64],
+    ) {
+        let d = self.head_dim;
+        dq.fill(0.0);
+        dk.fill(0.0);
+        dv.fill(0.0);
+        for h in 0..self.heads_q() {
+            let kv = self.kv_head_of[h] as usize;
+            for t in 0..self.q_len {
+                let row = h * self.q_len + t;
+                if lse[row] == f64::NEG_INFINITY {
+                    continue;
+                }
+                let d_o = &d_out[row * d..][..d];
+                let delta: f64 = d_o
+                    .iter()
+                    .zip(&out[row * d..][..d])
+                    .map(|(a, b)| a * b)
+                    .sum();
+                let query = &q[row * d..][..d];
+                for (j, score) in self.scores(q, k, h, t) {
+                    let p = (score - lse[row]).exp();
+                    let key_row = (kv * self.k_len + j) * d;
+                    let dp: f64 = d_o.iter().zip(&v[key_row..][..d]).map(|(a, b)| a * b).sum();
+                    let ds = p * (dp - delta) * self.scale;
+                    for i in 0..d {
+                        dq[row * d + i] += ds * k[key_row + i];
+                        dk[key_row + i] += ds * query[i];
+                        dv[key_row + i] += p * d_o[i];
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The rows-as-intervals of a call, owned (the ABI lends them as slices).
+fn rows_of(call: &AttentionCall<'_>) -> Result<RowIntervals, String> {
+    let rows = RowIntervals {
+        row_start: call.row_start.as_slice().to_vec(),
+        intervals: call.intervals.as_slice().to_vec(),
+    };
+    let q_len = call.q_len as usize;
+    if rows.row_start.len() != q_len + 1
+        || rows.row_start.first() != Some(&0)
+        || rows.row_start.windows(2).any(|w| w[0] > w[1])
+        || *rows.row_start.last().unwrap_or(&0) as usize * 2 != rows.intervals.len()
+        || rows
+            .intervals
+            .chunks_exact(2)
+            .any(|p| p[0] >= p[1] || p[1] as u64 > call.k_len)
+    {
+        return Err(format!(
+            "malformed mask: {} row starts and {} interval bounds for {} rows of {} keys",
+            rows.row_start.len(),
+            rows.intervals.len(),
+            q_len,
+            call.k_len
+        ));
+    }
+    Ok(rows)
+}
+
+/// Runs `call` on the host in f64 ([`HostBlock`]): the reference any backend can offer for
+/// host memory. Refuses, with the reason, what is not a host f64 call.
+pub fn run_on_host(call: &AttentionCall<'_>) -> Result<(), String> {
+    if call.memory != Memory::Host || call.input != DType::F64 || call.output != DType::F64 {
+        return Err(format!(
+            "this backend runs host memory in f64, not {:?} memory with {:?} inputs and {:?} outputs",
+            call.memory, call.input, call.output
+        ));
+    }
+    let rows = rows_of(call)?;
+    let (hq, hkv, d) = (
+        call.heads_q as usize,
+        call.heads_kv as usize,
+        call.head_dim as usize,
+    );
+    let (ql, kl) = (call.q_len as usize, call.k_len as usize);
+    if call.kv_head_of.len() != hq || call.kv_head_of.iter().any(|&h| h as usize >= hkv) {
+        return Err(format!(
+            "kv_head_of must name one of {hkv} KV heads for each of {hq} query heads"
+        ));
+    }
+    let block = HostBlock {
+        head_dim: d,
+        q_len: ql,
+        k_len: kl,
+        scale: call.scale,
+        kv_head_of: call.kv_head_of.as_slice(),
+        heads_kv: hkv,
+        rows: &rows,
+    };
+    // SAFETY: the caller of the ABI promises host buffers of these extents (AttentionCall's
+    // contract); the outputs do not alias the inputs.
+    unsafe {
+        let input = |p: *const c_void, n: usize| std::slice::from_raw_parts(p as *const f64, n);
+        let output = |p: *mut c_void, n: usize| std::slice::from_raw_parts_mut(p as *mut f64, n);
+        let (q, k, v) = (
+            input(call.q, hq * ql * d),
+            input(call.k, hkv * kl * d),
+            input(call.v, hkv * kl * d),
+        );
+        if call.backward {
+            block.backward(
+                (q, k, v),
+                input(call.out, hq * ql * d),
+                input(call.lse, hq * ql),
+                input(call.d_out, hq * ql * d),
+                output(call.dq, hq * ql * d),
+                output(call.dk, hkv * kl * d),
+                output(call.dv, hkv * kl * d),
+            );
+        } else {
+            block.forward(
+                q,
+                k,
+                v,
+                output(call.out, hq * ql * d),
+                output(call.lse, hq * ql),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A kernel plugin's in-process attention backend, opened from its library.
+pub struct Backend {
+    module: PluginModRef,
+    entry: extern "C" fn(
+        RStr<'_>,
+        &AttentionCall<'_>,
+    ) -> RResult<(), attnbench_abi::abi_stable::std_types::RString>,
+    kernel: String,
+    /// `plugin/kernel`, for messages.
+    pub name: String,
+}
+
+impl Backend {
+    /// Loads the plugin library at `path` and checks that it offers `kernel` in process.
+    pub fn open(path: &Path, kernel: &str) -> Result<Backend, String> {
+        let header =
+            lib_header_from_path(path).map_err(|err| format!("{}: {err}", path.display()))?;
+        let module = header
+            .init_root_module::<PluginModRef>()
+            .map_err(|err| format!("{}: {err}", path.display()))?;
+        let manifest: PluginManifest = serde_json::from_str((module.manifest())().as_str())
+            .map_err(|err| format!("{}: unreadable manifest: {err}", path.display()))?;
+        let name = format!("{}/{kernel}", manifest.name);
+        let entry = module
+            .attention()
+            .filter(|_| manifest.attention.iter().any(|k| k == kernel));
+        let Some(entry) = entry else {
+            let offered = if manifest.attention.is_empty() {
+                "none".to_string()
+            } else {
+                manifest.attention.join(", ")
+            };
+            return Err(format!(
+                "plugin `{}` offers no in-process attention kernel `{kernel}` (offered: {offered})",
+                manifest.name
+            ));
+        };
+        Ok(Backend {
+            module,
+            entry,
+            kernel: kernel.to_string(),
+            name,
+        })
+    }
+
+    /// Runs one call. The caller keeps the call's buffers alive and sized as its contract says.
+    pub fn call(&self, call: &AttentionCall<'_>) -> Result<(), String> {
+        let _ = &self.module;
+        match (self.entry)(RStr::from_str(&self.kernel), call) {
+            RResult::ROk(()) => Ok(()),
+            RResult::RErr(message) => Err(format!("{}: {message}", self.name)),
+        }
+    }
+
+    /// [`HostBlock::forward`] through this backend.
+    pub fn forward_host(
+        &self,
+        block: &HostBlock<'_>,
+        (q, k, v): (&[f64], &[f64], &[f64]),
+        out: &mut [f64],
+        lse: &mut [f64],
+    ) -> Result<(), String> {
+        let call = host_call(block, (q, k, v), out.as_mut_ptr(), lse.as_mut_ptr(), None);
+        self.call(&call)
+    }
+
+    /// [`HostBlock::backward`] through this backend.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_host(
+        &self,
+        block: &HostBlock<'_>,
+        (q, k, v): (&[f64], &[f64], &[f64]),
+        out: &[f64],
+        lse: &[f64],
+        d_out: &[f64],
+        (dq, dk, dv): (&mut [f64], &mut [f64], &mut [f64]),
+    ) -> Result<(), String> {
+        let grads = (
+            d_out.as_ptr(),
+            dq.as_mut_ptr(),
+            dk.as_mut_ptr(),
+            dv.as_mut_ptr(),
+        );
+        let call = host_call(
+            block,
+            (q, k, v),
+            out.as_ptr() as *mut f64,
+            lse.as_ptr() as *mut f64,
+            Some(grads),
+        );
+        self.call(&call)
+    }
+}
+
+type GradPointers = (*const f64, *mut f64, *mut f64, *mut f64);
+
+fn host_call<'a>(
+    block: &'a HostBlock<'a>,
+    (q, k, v): (&[f64], &[f64], &[f64]),
+    out: *mut f64,
+    lse: *mut f64,
+    grads: Option<GradPointers>,
+) -> AttentionCall<'a> {
+    let null = std::ptr::null_mut::<c_void>();
+    let (d_out, dq, dk, dv) = match grads {
+        Some((d_out, dq, dk, dv)) => (
+            d_out as *const c_void,
+            dq as *mut c_void,
+            dk as *mut c_void,
+            dv as *mut c_void,
+        ),
+        None => (null as *const c_void, null, null, null),
+    };
+    AttentionCall {
+        memory: Memory::Host,
+        input: DType::F64,
+        output: DType::F64,
+        backward: grads.is_some(),
+        heads_q: block.kv_head_of.len() as u32,
+        heads_kv: block.heads_kv as u32,
+        head_dim: block.head_dim as u32,
+        q_len: block.q_len as u64,
+        k_len: block.k_len as u64,
+        scale: block.scale,
+        kv_head_of: RSlice::from_slice(block.kv_head_of),
+        row_start: RSlice::from_slice(&block.rows.row_start),
+        intervals: RSlice::from_slice(&block.rows.intervals),
+        q: q.as_ptr() as *const c_void,
+        k: k.as_ptr() as *const c_void,
+        v: v.as_ptr() as *const c_void,
+        out: out as *mut c_void,
+        lse: lse as *mut c_void,
+        d_out,
+        dq,
+        dk,
+        dv,
+        stream: null,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mask::{Slice, SliceKind};
+
+    #[test]
+    fn restriction_maps_global_intervals_onto_local_keys() {
+        // Causal over 8 tokens; rows {5, 1}, keys {4, 5, 6, 0, 1} (two runs, out of order).
+        let mask = Mask::square(8, vec![Slice::new([0, 8], [0, 8], SliceKind::Causal)]).unwrap();
+        let rows = RowIntervals::restrict(&mask, &[5, 1], &[4, 5, 6, 0, 1]);
+        let row = |r| rows.row(r).collect::<Vec<_>>();
+        // Row 5 sees keys 0..=5: local 0, 1 (positions 4, 5) and 3, 4 (positions 0, 1).
+        assert_eq!(row(0), vec![(0, 2), (3, 5)]);
+        // Row 1 sees keys 0 and 1: local 3 and 4.
+        assert_eq!(row(1), vec![(3, 5)]);
+        for (r, &q) in [5u32, 1].iter().enumerate() {
+            for (j, &k) in [4u32, 5, 6, 0, 1].iter().enumerate() {
+                let local = rows.row(r).any(|(a, b)| a <= j && j < b);
+                assert_eq!(local, mask.allows(q as u64, k as u64), "row {q}, key {k}");
+            }
+        }
+    }
+}
