@@ -199,6 +199,46 @@ fn two_concurrent_runs_share_one_cache_without_corrupting_it() {
     assert!(verify.status.success(), "{}", stdout(&verify));
 }
 
+/// The run record follows the run: killed outright, it still names what finished.
+#[test]
+fn a_run_killed_outright_leaves_a_record_of_what_finished() {
+    let sandbox = Sandbox::new();
+    let pipeline = sandbox.write(
+        "slow.yaml",
+        "name: slow\nstages:\n  s:\n    uses: testkit/echo\n    with: {sleep_ms: 900}\n    matrix: {value: [1, 2, 3, 4, 5, 6]}\n",
+    );
+    let mut child = sandbox
+        .command(&["run", "-q", "-j", "1", pipeline.to_str().unwrap()])
+        .spawn()
+        .unwrap();
+    let runs = sandbox.cache().join("runs");
+    let recorded = || -> Option<serde_json::Value> {
+        let dir = std::fs::read_dir(&runs)
+            .ok()?
+            .flatten()
+            .find(|e| e.path().is_dir())?;
+        let record: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.path().join("run.json")).ok()?).ok()?;
+        (!record["nodes"].as_array()?.is_empty()).then_some(record)
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let record = loop {
+        if let Some(record) = recorded() {
+            break record;
+        }
+        assert!(Instant::now() < deadline, "no node reached the record");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+    let _ = child.wait();
+    assert!(record["finished"].is_null(), "{record}");
+    for node in record["nodes"].as_array().unwrap() {
+        assert_eq!(node["status"], "ok", "{node}");
+        let artifact = std::path::PathBuf::from(node["artifact"].as_str().unwrap());
+        assert!(artifact.is_dir(), "{node}");
+    }
+}
+
 #[test]
 fn a_run_killed_mid_way_resumes_with_only_the_unfinished_nodes() {
     let sandbox = Sandbox::new();

@@ -437,6 +437,7 @@ mod tests {
             seed: 0,
             inputs: vec![],
             files: BTreeMap::new(),
+            backends: BTreeMap::new(),
             environment: None,
         }
     }

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use attnbench_abi::LogLevel;
 use attnbench_sdk::{CacheScope, InputArtifact, Isolation, StageRequest};
@@ -214,7 +214,26 @@ pub fn execute(
         logs_dir,
         observer,
     };
-    let records = schedule(&shared, options.jobs.max(1));
+    // The record on disk follows the run: if it is killed outright (SIGKILL, a lost machine),
+    // run.json still names every node that finished, with its artifact. Rewrites are spaced so
+    // that they never cost more than a tenth of the run.
+    let mut last_write = Instant::now();
+    let mut spacing = Duration::from_secs(2);
+    let mut checkpoint = |finished: &[Option<NodeRecord>]| {
+        if last_write.elapsed() < spacing {
+            return;
+        }
+        let started = Instant::now();
+        let mut partial = record.clone();
+        partial.nodes = finished.iter().flatten().cloned().collect();
+        for node in &partial.nodes {
+            *partial.counts.entry(node.status).or_insert(0) += 1;
+        }
+        let _ = partial.write(&dir);
+        spacing = spacing.max(started.elapsed() * 10);
+        last_write = Instant::now();
+    };
+    let records = schedule(&shared, options.jobs.max(1), &mut checkpoint);
     for node in &records {
         *record.counts.entry(node.status).or_insert(0) += 1;
     }
@@ -228,7 +247,12 @@ pub fn execute(
     Ok(RunSummary { record, dir })
 }
 
-fn schedule(shared: &Shared, jobs: usize) -> Vec<NodeRecord> {
+/// Runs the plan's nodes; `checkpoint` sees the records so far after each finished node.
+fn schedule(
+    shared: &Shared,
+    jobs: usize,
+    checkpoint: &mut dyn FnMut(&[Option<NodeRecord>]),
+) -> Vec<NodeRecord> {
     let plan = shared.plan;
     let count = plan.nodes.len();
     let mut dependents: Vec<Vec<usize>> = vec![Vec::new(); count];
@@ -348,6 +372,7 @@ fn schedule(shared: &Shared, jobs: usize) -> Vec<NodeRecord> {
             ready.extend(held.drain(..));
             outputs[finished.node] = finished.output;
             records[finished.node] = Some(finished.record);
+            checkpoint(&records);
             for &dependent in &dependents[finished.node] {
                 pending[dependent] -= 1;
                 if pending[dependent] == 0 {
