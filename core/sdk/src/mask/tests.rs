@@ -208,3 +208,34 @@ fn rows_whose_keys_end_before_the_query_are_refused_as_varlen_not_a_panic() {
         Err(reason) => assert!(!reason.to_string().is_empty()),
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// A block's row intervals say exactly what the mask allows between the block's rows and
+    /// keys, whatever positions the block holds and in whatever order.
+    #[test]
+    fn restricted_row_intervals_agree_with_the_predicate(
+        (mask, rows, keys) in mask().prop_flat_map(|mask| {
+            let (sq, sk) = (mask.seqlen_q as u32, mask.seqlen_k as u32);
+            (
+                Just(mask),
+                proptest::sample::subsequence((0..sq).collect::<Vec<_>>(), 0..=sq as usize).prop_shuffle(),
+                proptest::sample::subsequence((0..sk).collect::<Vec<_>>(), 0..=sk as usize).prop_shuffle(),
+            )
+        })
+    ) {
+        let block = crate::attention::RowIntervals::restrict(&mask, &rows, &keys);
+        prop_assert_eq!(block.row_start.len(), rows.len() + 1);
+        for (r, &q) in rows.iter().enumerate() {
+            let intervals: Vec<(usize, usize)> = block.row(r).collect();
+            for pair in intervals.windows(2) {
+                prop_assert!(pair[0].1 < pair[1].0, "row {}: sorted, disjoint, merged: {:?}", q, intervals);
+            }
+            for (j, &k) in keys.iter().enumerate() {
+                let local = intervals.iter().any(|&(a, b)| a <= j && j < b);
+                prop_assert_eq!(local, mask.allows(q as u64, k as u64), "row {}, key {}", q, k);
+            }
+        }
+    }
+}
