@@ -119,7 +119,7 @@ pub fn markdown(rows: &[Row], title: &str) -> String {
             .unwrap_or_else(|| "–".into());
         let status = match &row.reason {
             Some(reason) if !row.is_ok() => {
-                format!("{}: {}", row.status, reason.replace('|', "\\|"))
+                format!("{}: {}", row.status, brief(reason).replace('|', "\\|"))
             }
             _ => row.status.clone(),
         };
@@ -138,4 +138,16 @@ pub fn markdown(rows: &[Row], title: &str) -> String {
         ));
     }
     out
+}
+
+/// A reason short enough for a table cell: its first sentence, at most 160 characters (the CSV
+/// and JSON keep it whole; libraries' out-of-memory messages run to paragraphs).
+fn brief(reason: &str) -> String {
+    const LIMIT: usize = 160;
+    let first = reason.split(". ").next().unwrap_or(reason);
+    if first.chars().count() <= LIMIT {
+        return first.to_string();
+    }
+    let cut: String = first.chars().take(LIMIT - 1).collect();
+    format!("{cut}…")
 }
