@@ -90,9 +90,14 @@ pub struct BlockGrads {
     pub dv: Vec<f64>,
 }
 
-/// One call of a block: query heads (indices into the block's Q) sharing one mask.
+/// One call of a block: the query heads it covers (all of the block's, or one) with the KV
+/// heads they read, and their mask restricted to the block.
 struct Call {
-    heads: Vec<usize>,
+    /// Query heads `q_heads` and KV heads `kv_heads` of the block's tensors (index ranges).
+    q_heads: std::ops::Range<usize>,
+    kv_heads: std::ops::Range<usize>,
+    /// For each query head of the call, its KV head within `kv_heads`.
+    kv_head_of: Vec<u32>,
     rows: RowIntervals,
 }
 
@@ -116,14 +121,25 @@ impl Problem<'_> {
             |m: usize| RowIntervals::restrict(&self.masks[m], &q.positions, &kv.positions);
         if (0..q.heads.len()).all(|hi| mask_of(hi) == mask_of(0)) {
             return vec![Call {
-                heads: (0..q.heads.len()).collect(),
+                q_heads: 0..q.heads.len(),
+                kv_heads: 0..kv.heads.len(),
+                kv_head_of: q
+                    .heads
+                    .iter()
+                    .map(|&h| self.kv_index(kv, h) as u32)
+                    .collect(),
                 rows: restrict(mask_of(0)),
             }];
         }
         (0..q.heads.len())
-            .map(|hi| Call {
-                heads: vec![hi],
-                rows: restrict(mask_of(hi)),
+            .map(|hi| {
+                let ki = self.kv_index(kv, q.heads[hi]);
+                Call {
+                    q_heads: hi..hi + 1,
+                    kv_heads: ki..ki + 1,
+                    kv_head_of: vec![0],
+                    rows: restrict(mask_of(hi)),
+                }
             })
             .collect()
     }
@@ -134,34 +150,16 @@ impl Problem<'_> {
         let mut result = Partial::empty(q.heads.len(), q.len(), d);
         let (ql, kl) = (q.len(), k.len());
         for call in self.calls(q, k) {
-            if call.heads.len() == q.heads.len() {
-                let kv_head_of: Vec<u32> = q
-                    .heads
-                    .iter()
-                    .map(|&h| self.kv_index(k, h) as u32)
-                    .collect();
-                let block = self.block(&call.rows, &kv_head_of, k.heads.len(), ql, kl);
-                self.run_forward(
-                    &block,
-                    (&q.data, &k.data, &v.data),
-                    &mut result.out,
-                    &mut result.lse,
-                )?;
-                continue;
-            }
-            let hi = call.heads[0];
-            let ki = self.kv_index(k, q.heads[hi]);
-            let block = self.block(&call.rows, &[0], 1, ql, kl);
-            let (head, kv_head) = (ql * d, kl * d);
+            let block = self.block(&call, ql, kl);
+            let (rows, keys) = (
+                scaled(&call.q_heads, ql * d),
+                scaled(&call.kv_heads, kl * d),
+            );
             self.run_forward(
                 &block,
-                (
-                    &q.data[hi * head..][..head],
-                    &k.data[ki * kv_head..][..kv_head],
-                    &v.data[ki * kv_head..][..kv_head],
-                ),
-                &mut result.out[hi * head..][..head],
-                &mut result.lse[hi * ql..][..ql],
+                (&q.data[rows.clone()], &k.data[keys.clone()], &v.data[keys]),
+                &mut result.out[rows],
+                &mut result.lse[scaled(&call.q_heads, ql)],
             )?;
         }
         Ok(result)
@@ -185,43 +183,29 @@ impl Problem<'_> {
         };
         let (ql, kl) = (q.len(), k.len());
         for call in self.calls(q, k) {
-            if call.heads.len() == q.heads.len() {
-                let kv_head_of: Vec<u32> = q
-                    .heads
-                    .iter()
-                    .map(|&h| self.kv_index(k, h) as u32)
-                    .collect();
-                let block = self.block(&call.rows, &kv_head_of, k.heads.len(), ql, kl);
-                self.run_backward(
-                    &block,
-                    (&q.data, &k.data, &v.data),
-                    (&done.out, &done.lse, d_out),
-                    (&mut grads.dq, &mut grads.dk, &mut grads.dv),
-                )?;
-                continue;
-            }
-            // One head at a time: its KV head's gradients add up over the heads that read it.
-            let hi = call.heads[0];
-            let ki = self.kv_index(k, q.heads[hi]);
-            let block = self.block(&call.rows, &[0], 1, ql, kl);
-            let (head, kv_head) = (ql * d, kl * d);
-            let (mut dk, mut dv) = (vec![0.0; kv_head], vec![0.0; kv_head]);
+            let block = self.block(&call, ql, kl);
+            let (rows, keys) = (
+                scaled(&call.q_heads, ql * d),
+                scaled(&call.kv_heads, kl * d),
+            );
+            // A KV head's gradients add up over the calls of the heads that read it.
+            let (mut dk, mut dv) = (vec![0.0; keys.len()], vec![0.0; keys.len()]);
             self.run_backward(
                 &block,
                 (
-                    &q.data[hi * head..][..head],
-                    &k.data[ki * kv_head..][..kv_head],
-                    &v.data[ki * kv_head..][..kv_head],
+                    &q.data[rows.clone()],
+                    &k.data[keys.clone()],
+                    &v.data[keys.clone()],
                 ),
                 (
-                    &done.out[hi * head..][..head],
-                    &done.lse[hi * ql..][..ql],
-                    &d_out[hi * head..][..head],
+                    &done.out[rows.clone()],
+                    &done.lse[scaled(&call.q_heads, ql)],
+                    &d_out[rows.clone()],
                 ),
-                (&mut grads.dq[hi * head..][..head], &mut dk, &mut dv),
+                (&mut grads.dq[rows], &mut dk, &mut dv),
             )?;
             for (target, source) in [(&mut grads.dk, dk), (&mut grads.dv, dv)] {
-                for (t, s) in target[ki * kv_head..][..kv_head].iter_mut().zip(source) {
+                for (t, s) in target[keys.clone()].iter_mut().zip(source) {
                     *t += s;
                 }
             }
@@ -229,22 +213,15 @@ impl Problem<'_> {
         Ok(grads)
     }
 
-    fn block<'b>(
-        &self,
-        rows: &'b RowIntervals,
-        kv_head_of: &'b [u32],
-        heads_kv: usize,
-        q_len: usize,
-        k_len: usize,
-    ) -> HostBlock<'b> {
+    fn block<'b>(&self, call: &'b Call, q_len: usize, k_len: usize) -> HostBlock<'b> {
         HostBlock {
             head_dim: self.head_dim,
             q_len,
             k_len,
             scale: self.scale,
-            kv_head_of,
-            heads_kv,
-            rows,
+            kv_head_of: &call.kv_head_of,
+            heads_kv: call.kv_heads.len(),
+            rows: &call.rows,
         }
     }
 
@@ -279,4 +256,9 @@ impl Problem<'_> {
             }
         }
     }
+}
+
+/// The elements of heads `heads` in a head-major tensor of `per_head` elements per head.
+fn scaled(heads: &std::ops::Range<usize>, per_head: usize) -> std::ops::Range<usize> {
+    heads.start * per_head..heads.end * per_head
 }

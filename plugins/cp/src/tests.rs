@@ -84,6 +84,32 @@ fn check(setup: Setup, pattern: &str, set: &MaskSet) {
     }
 }
 
+/// Masks that differ between heads (block-sparse, one per query head): the local blocks run
+/// head by head, and every method stays exact.
+#[test]
+fn every_method_is_exact_on_per_head_masks() {
+    for world in [2, 4] {
+        let shape = shape_for(world);
+        let params = MaskParams {
+            density: 0.5,
+            sparse_block: 8,
+            sparse_scope: "per_head".into(),
+            heads_q: shape.heads_q as u64,
+            heads_kv: shape.heads_kv as u64,
+            ..MaskParams::new("block_sparse_uniform", SEQLEN as u64)
+        };
+        let histogram = Histogram {
+            buckets: Vec::new(),
+        };
+        let set = generate(&params, &histogram, 5).unwrap();
+        assert_eq!(set.masks.len(), shape.heads_q, "one mask per query head");
+        for method in Method::ALL {
+            let setup = setup(method, world, 0, 0, Placement::RingInner, SEQLEN).unwrap();
+            check(setup, "block_sparse_uniform per head", &set);
+        }
+    }
+}
+
 #[test]
 fn every_method_is_exact_and_sends_its_formula_at_2_3_4_and_8_ranks() {
     let masks: Vec<(&str, MaskSet)> = [

@@ -79,6 +79,7 @@ pub fn check(setup: &Setup, shape: &Shape) -> Result<(), String> {
 }
 
 /// World rank `w`'s part: its shard of the inputs, forward (and backward), timed.
+#[allow(clippy::too_many_arguments)]
 pub fn run_rank(
     world: Arc<World>,
     w: usize,
