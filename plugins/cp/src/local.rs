@@ -5,6 +5,8 @@
 //!
 //! Tensors are head-major: `[heads][tokens][head_dim]`; LSE `[heads][tokens]`.
 
+use std::ops::Range;
+
 use attnbench_sdk::attention::{Backend, HostBlock, RowIntervals};
 use attnbench_sdk::mask::Mask;
 
@@ -94,8 +96,8 @@ pub struct BlockGrads {
 /// heads they read, and their mask restricted to the block.
 struct Call {
     /// Query heads `q_heads` and KV heads `kv_heads` of the block's tensors (index ranges).
-    q_heads: std::ops::Range<usize>,
-    kv_heads: std::ops::Range<usize>,
+    q_heads: Range<usize>,
+    kv_heads: Range<usize>,
     /// For each query head of the call, its KV head within `kv_heads`.
     kv_head_of: Vec<u32>,
     rows: RowIntervals,
@@ -146,22 +148,15 @@ impl Problem<'_> {
 
     /// Attention of `q` over the keys of `kv` only.
     pub fn forward(&self, q: &Tokens, k: &Tokens, v: &Tokens) -> Result<Partial, String> {
-        let d = self.head_dim;
-        let mut result = Partial::empty(q.heads.len(), q.len(), d);
-        let (ql, kl) = (q.len(), k.len());
-        for call in self.calls(q, k) {
-            let block = self.block(&call, ql, kl);
-            let (rows, keys) = (
-                scaled(&call.q_heads, ql * d),
-                scaled(&call.kv_heads, kl * d),
-            );
+        let mut result = Partial::empty(q.heads.len(), q.len(), self.head_dim);
+        self.each_call(q, k, |block, Span { rows, keys, lse }| {
             self.run_forward(
-                &block,
+                block,
                 (&q.data[rows.clone()], &k.data[keys.clone()], &v.data[keys]),
                 &mut result.out[rows],
-                &mut result.lse[scaled(&call.q_heads, ql)],
-            )?;
-        }
+                &mut result.lse[lse],
+            )
+        })?;
         Ok(result)
     }
 
@@ -175,23 +170,16 @@ impl Problem<'_> {
         done: &Partial,
         d_out: &[f64],
     ) -> Result<BlockGrads, String> {
-        let d = self.head_dim;
         let mut grads = BlockGrads {
             dq: vec![0.0; q.data.len()],
             dk: vec![0.0; k.data.len()],
             dv: vec![0.0; v.data.len()],
         };
-        let (ql, kl) = (q.len(), k.len());
-        for call in self.calls(q, k) {
-            let block = self.block(&call, ql, kl);
-            let (rows, keys) = (
-                scaled(&call.q_heads, ql * d),
-                scaled(&call.kv_heads, kl * d),
-            );
+        self.each_call(q, k, |block, Span { rows, keys, lse }| {
             // A KV head's gradients add up over the calls of the heads that read it.
             let (mut dk, mut dv) = (vec![0.0; keys.len()], vec![0.0; keys.len()]);
             self.run_backward(
-                &block,
+                block,
                 (
                     &q.data[rows.clone()],
                     &k.data[keys.clone()],
@@ -199,7 +187,7 @@ impl Problem<'_> {
                 ),
                 (
                     &done.out[rows.clone()],
-                    &done.lse[scaled(&call.q_heads, ql)],
+                    &done.lse[lse],
                     &d_out[rows.clone()],
                 ),
                 (&mut grads.dq[rows], &mut dk, &mut dv),
@@ -209,20 +197,41 @@ impl Problem<'_> {
                     *t += s;
                 }
             }
-        }
+            Ok(())
+        })?;
         Ok(grads)
     }
 
-    fn block<'b>(&self, call: &'b Call, q_len: usize, k_len: usize) -> HostBlock<'b> {
-        HostBlock {
-            head_dim: self.head_dim,
-            q_len,
-            k_len,
-            scale: self.scale,
-            kv_head_of: &call.kv_head_of,
-            heads_kv: call.kv_heads.len(),
-            rows: &call.rows,
+    /// Runs `work` on every call of the block `q` × `kv`, with the call's host block and where
+    /// its heads lie in the block's tensors.
+    fn each_call(
+        &self,
+        q: &Tokens,
+        kv: &Tokens,
+        mut work: impl FnMut(&HostBlock<'_>, Span) -> Result<(), String>,
+    ) -> Result<(), String> {
+        let (d, ql, kl) = (self.head_dim, q.len(), kv.len());
+        for call in self.calls(q, kv) {
+            let block = HostBlock {
+                head_dim: d,
+                q_len: ql,
+                k_len: kl,
+                scale: self.scale,
+                kv_head_of: &call.kv_head_of,
+                heads_kv: call.kv_heads.len(),
+                rows: &call.rows,
+            };
+            let scaled = |heads: &Range<usize>, per_head: usize| {
+                heads.start * per_head..heads.end * per_head
+            };
+            let span = Span {
+                rows: scaled(&call.q_heads, ql * d),
+                keys: scaled(&call.kv_heads, kl * d),
+                lse: scaled(&call.q_heads, ql),
+            };
+            work(&block, span)?;
         }
+        Ok(())
     }
 
     fn run_forward(
@@ -258,7 +267,10 @@ impl Problem<'_> {
     }
 }
 
-/// The elements of heads `heads` in a head-major tensor of `per_head` elements per head.
-fn scaled(heads: &std::ops::Range<usize>, per_head: usize) -> std::ops::Range<usize> {
-    heads.start * per_head..heads.end * per_head
+/// Where a call's heads lie in the block's head-major tensors: its query rows (Q, O, dO, dQ),
+/// its keys (K, V, dK, dV) and its LSE entries.
+struct Span {
+    rows: Range<usize>,
+    keys: Range<usize>,
+    lse: Range<usize>,
 }
