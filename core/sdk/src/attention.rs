@@ -292,9 +292,9 @@ pub fn run_on_host(call: &AttentionCall<'_>) -> Result<(), String> {
     Ok(())
 }
 
-/// A kernel plugin's in-process attention backend, opened from its library.
+/// A kernel plugin's in-process attention backend, opened from its library (which stays loaded
+/// for the life of the process).
 pub struct Backend {
-    module: PluginModRef,
     entry: extern "C" fn(
         RStr<'_>,
         &AttentionCall<'_>,
@@ -330,7 +330,6 @@ impl Backend {
             ));
         };
         Ok(Backend {
-            module,
             entry,
             kernel: kernel.to_string(),
             name,
@@ -339,7 +338,6 @@ impl Backend {
 
     /// Runs one call. The caller keeps the call's buffers alive and sized as its contract says.
     pub fn call(&self, call: &AttentionCall<'_>) -> Result<(), String> {
-        let _ = &self.module;
         match (self.entry)(RStr::from_str(&self.kernel), call) {
             RResult::ROk(()) => Ok(()),
             RResult::RErr(message) => Err(format!("{}: {message}", self.name)),

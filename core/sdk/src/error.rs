@@ -1,4 +1,4 @@
-use std::path::PathBuf;
+use std::path::Path;
 
 /// Why a stage could not produce its result. The message reaches the user as the node's error.
 #[derive(Debug, thiserror::Error)]
@@ -22,7 +22,7 @@ impl PluginError {
         PluginError::Failed(message.into())
     }
 
-    pub fn io(path: &PathBuf, source: std::io::Error) -> Self {
+    pub fn io(path: &Path, source: std::io::Error) -> Self {
         PluginError::Io {
             context: path.display().to_string(),
             source,

@@ -91,7 +91,7 @@ impl PluginManifest {
                     })?;
                 }
             }
-            if stage.timeout_s.is_some_and(|t| !(t > 0.0)) {
+            if stage.timeout_s.is_some_and(|t| t.is_nan() || t <= 0.0) {
                 return Err(format!(
                     "stage `{}` declares a timeout that is not positive",
                     stage.name

@@ -171,7 +171,7 @@ pub fn run(job: &Job, path: &Path, timeout: Duration) -> Result<Outcome, String>
         let stderr =
             std::fs::File::create(&log).map_err(|err| format!("{}: {err}", log.display()))?;
         let child = Command::new(&binary)
-            .arg(&path)
+            .arg(path)
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", n.to_string())
             .env("LOCAL_RANK", rank.to_string())

@@ -47,7 +47,7 @@ pub fn count_tokens(
     counter: &Counter,
     limit: u64,
 ) -> Result<Vec<u64>, PluginError> {
-    let file = File::open(path).map_err(|err| PluginError::io(&path.to_path_buf(), err))?;
+    let file = File::open(path).map_err(|err| PluginError::io(path, err))?;
     let name = path.to_string_lossy();
     let reader: Box<dyn Read> = if name.ends_with(".zst") {
         Box::new(ZstdFrames::new(BufReader::new(file)))

@@ -26,7 +26,7 @@ pub fn fetch(
     retries: u32,
     host: &Host,
 ) -> Result<PathBuf, PluginError> {
-    std::fs::create_dir_all(dir).map_err(|err| PluginError::io(&dir.to_path_buf(), err))?;
+    std::fs::create_dir_all(dir).map_err(|err| PluginError::io(dir, err))?;
     let target = dir.join(local_name(url));
     let name = target
         .file_name()
@@ -197,13 +197,13 @@ fn local_name(url: &str) -> String {
 }
 
 fn file_sha256(path: &Path) -> Result<String, PluginError> {
-    let mut file = File::open(path).map_err(|err| PluginError::io(&path.to_path_buf(), err))?;
+    let mut file = File::open(path).map_err(|err| PluginError::io(path, err))?;
     let mut hasher = Sha256::new();
     let mut buffer = vec![0u8; 1 << 16];
     loop {
         let read = file
             .read(&mut buffer)
-            .map_err(|err| PluginError::io(&path.to_path_buf(), err))?;
+            .map_err(|err| PluginError::io(path, err))?;
         if read == 0 {
             break;
         }

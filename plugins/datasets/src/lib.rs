@@ -65,7 +65,7 @@ impl Plugin for Datasets {
             });
         }
         let params: Params = request.params()?;
-        if !(params.bucket_ratio > 1.0) {
+        if params.bucket_ratio.is_nan() || params.bucket_ratio <= 1.0 {
             return Err(PluginError::Params(format!(
                 "bucket_ratio must be greater than 1, got {}",
                 params.bucket_ratio

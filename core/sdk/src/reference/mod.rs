@@ -225,7 +225,7 @@ pub fn write_tensor(dir: &Path, name: &str, values: &[f32]) -> Result<(), Plugin
 
 /// Reads a tensor written by [`write_tensor`].
 pub fn read_tensor(path: &Path) -> Result<Vec<f32>, PluginError> {
-    let bytes = std::fs::read(path).map_err(|err| PluginError::io(&path.to_path_buf(), err))?;
+    let bytes = std::fs::read(path).map_err(|err| PluginError::io(path, err))?;
     if bytes.len() % 4 != 0 {
         return Err(PluginError::failed(format!(
             "{}: not a whole number of f32 values",
