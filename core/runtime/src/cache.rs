@@ -74,10 +74,14 @@ impl KeyParts {
 /// What makes measurements comparable: the hardware and system, not attnbench's own version
 /// (a new attnbench with the same plugin libraries measures the same thing).
 pub fn environment_fingerprint(environment: &attnbench_sdk::environment::Environment) -> String {
-    let identity = serde_json::json!({
+    let mut identity = serde_json::json!({
         "os": environment.os, "arch": environment.arch, "kernel": environment.kernel, "cpu": environment.cpu,
         "logical_cpus": environment.logical_cpus, "memory_bytes": environment.memory_bytes,
     });
+    // Only where there are GPUs, so that CPU machines keep their fingerprints.
+    if !environment.gpus.is_empty() {
+        identity["gpus"] = serde_json::json!(environment.gpus);
+    }
     blake3::hash(identity.to_string().as_bytes()).to_hex()[..16].to_string()
 }
 

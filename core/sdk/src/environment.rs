@@ -13,6 +13,10 @@ pub struct Environment {
     pub logical_cpus: usize,
     pub memory_bytes: u64,
     pub attnbench_version: String,
+    /// The NVIDIA GPUs the driver lists, e.g. `NVIDIA H200 (driver 580.159.04)`: part of the
+    /// fingerprint, so a GPU measurement is never reused on another GPU or driver.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpus: Vec<String>,
 }
 
 impl Environment {
@@ -46,7 +50,74 @@ impl Environment {
                 .unwrap_or(1),
             memory_bytes,
             attnbench_version: env!("CARGO_PKG_VERSION").into(),
+            gpus: nvidia_gpus(),
         }
+    }
+}
+
+/// The driver's list of NVIDIA GPUs (`/proc/driver/nvidia`), without loading any library.
+fn nvidia_gpus() -> Vec<String> {
+    let root = std::path::Path::new("/proc/driver/nvidia");
+    let driver = std::fs::read_to_string(root.join("version"))
+        .ok()
+        .and_then(|text| driver_version(&text));
+    let mut informations: Vec<String> = std::fs::read_dir(root.join("gpus"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|gpu| std::fs::read_to_string(gpu.path().join("information")).ok())
+        .collect();
+    informations.sort();
+    gpu_names(&informations, driver.as_deref())
+}
+
+/// `Model:` of each GPU's information file, with the driver version.
+fn gpu_names(informations: &[String], driver: Option<&str>) -> Vec<String> {
+    informations
+        .iter()
+        .filter_map(|text| {
+            let model = text
+                .lines()
+                .find_map(|line| line.strip_prefix("Model:"))?
+                .trim();
+            Some(match driver {
+                Some(version) => format!("{model} (driver {version})"),
+                None => model.to_string(),
+            })
+        })
+        .collect()
+}
+
+/// The version in the driver's `NVRM version: … Kernel Module  580.159.04  …` line.
+fn driver_version(text: &str) -> Option<String> {
+    let line = text
+        .lines()
+        .find(|line| line.starts_with("NVRM version:"))?;
+    line.split_whitespace()
+        .find(|word| {
+            word.contains('.')
+                && word
+                    .split('.')
+                    .all(|part| !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .map(String::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpus_and_driver_are_read_from_the_drivers_files() {
+        let version = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  (dvs-builder@U22-I3-AE18-23-3)  Thu Oct  2 2025\nGCC version:  gcc version 12.2.0\n";
+        assert_eq!(driver_version(version).as_deref(), Some("580.159.04"));
+        let information =
+            "Model: \t\t NVIDIA H200\nIRQ:   \t\t 150\nGPU UUID: \t GPU-0\n".to_string();
+        assert_eq!(
+            gpu_names(&[information.clone(), information], Some("580.159.04")),
+            vec!["NVIDIA H200 (driver 580.159.04)"; 2]
+        );
+        assert!(gpu_names(&[], None).is_empty());
     }
 }
 
