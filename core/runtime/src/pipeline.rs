@@ -443,15 +443,6 @@ fn resolve_backends(
                 let Some((plugin, kernel)) = value.as_str().and_then(|v| v.split_once('/')) else {
                     continue;
                 };
-                let offered: Vec<String> = registry
-                    .plugins()
-                    .flat_map(|p| {
-                        p.manifest
-                            .attention
-                            .iter()
-                            .map(move |k| format!("{}/{k}", p.manifest.name))
-                    })
-                    .collect();
                 match registry.get(plugin) {
                     Some(library) if library.manifest.attention.iter().any(|k| k == kernel) => {
                         found.insert(plugin.to_string(), library.clone());
@@ -464,7 +455,10 @@ fn resolve_backends(
                         ),
                         Some(format!(
                             "offered here: builtin{}",
-                            offered.iter().map(|o| format!(", {o}")).collect::<String>()
+                            registry
+                                .plugins()
+                                .flat_map(|p| p.manifest.attention.iter().map(move |k| format!(", {}/{k}", p.manifest.name)))
+                                .collect::<String>()
                         )),
                     ),
                 }

@@ -83,7 +83,9 @@ pub fn key_parts(
     inputs: Vec<InputDigest>,
     environment: &str,
 ) -> KeyParts {
-    let node_index = node;
+    let backends = backends_of(plan, node)
+        .map(|plugin| (plugin.manifest.name.clone(), plugin.library_hash.clone()))
+        .collect();
     let node = &plan.nodes[node];
     let stage = plan.stage_of(node);
     let files = stage
@@ -98,9 +100,6 @@ pub fn key_parts(
                 plan.pipeline.file_digests.get(path)?.clone(),
             ))
         })
-        .collect();
-    let backends = backends_of(plan, node_index)
-        .map(|plugin| (plugin.manifest.name.clone(), plugin.library_hash.clone()))
         .collect();
     KeyParts {
         plugin: stage.plugin.manifest.name.clone(),

@@ -259,6 +259,24 @@ pub fn run_on_host(call: &AttentionCall<'_>) -> Result<(), String> {
         heads_kv: hkv,
         rows: &rows,
     };
+    let needed = [
+        call.q,
+        call.k,
+        call.v,
+        call.out as *const c_void,
+        call.lse as *const c_void,
+    ];
+    let gradients = [
+        call.d_out,
+        call.dq as *const c_void,
+        call.dk as *const c_void,
+        call.dv as *const c_void,
+    ];
+    if needed.iter().any(|p| p.is_null())
+        || (call.backward && gradients.iter().any(|p| p.is_null()))
+    {
+        return Err("a tensor pointer the call needs is null".into());
+    }
     // SAFETY: the caller of the ABI promises host buffers of these extents (AttentionCall's
     // contract); the outputs do not alias the inputs.
     unsafe {

@@ -192,11 +192,8 @@ impl Problem<'_> {
                 ),
                 (&mut grads.dq[rows], &mut dk, &mut dv),
             )?;
-            for (target, source) in [(&mut grads.dk, dk), (&mut grads.dv, dv)] {
-                for (t, s) in target[keys.clone()].iter_mut().zip(source) {
-                    *t += s;
-                }
-            }
+            add(&mut grads.dk[keys.clone()], &dk);
+            add(&mut grads.dv[keys], &dv);
             Ok(())
         })?;
         Ok(grads)
@@ -273,4 +270,11 @@ struct Span {
     rows: Range<usize>,
     keys: Range<usize>,
     lse: Range<usize>,
+}
+
+/// `target += source`, element by element.
+pub fn add(target: &mut [f64], source: &[f64]) {
+    for (t, s) in target.iter_mut().zip(source) {
+        *t += s;
+    }
 }

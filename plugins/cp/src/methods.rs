@@ -6,7 +6,7 @@
 
 use crate::comm::Communicator;
 use crate::layout::Layout;
-use crate::local::{Partial, Problem, Tokens};
+use crate::local::{add, Partial, Problem, Tokens};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -213,12 +213,6 @@ fn heads_to_seq(
 /// K and V as one message.
 fn pack(k: &Tokens, v: &Tokens) -> Vec<f64> {
     [k.data.as_slice(), v.data.as_slice()].concat()
-}
-
-fn add(target: &mut [f64], source: &[f64]) {
-    for (t, s) in target.iter_mut().zip(source) {
-        *t += s;
-    }
 }
 
 /// Blocks of the same heads over consecutive token segments, as one block.
