@@ -4,7 +4,8 @@
 # naive kernel's pipeline, and the repeatability of one cell. Results go under $OUT (default:
 # ./gpu-check). NAIVE_ARGS are passed to the naive pipeline's run (e.g. to narrow its matrix with
 # --set); STEPS picks steps (default: all of doctor gemm check naive repeat); CHECK_KERNELS the
-# native kernels the correctness step runs (default: naive, flash).
+# native kernels the correctness step runs (default: naive, flash), CHECK_SEQLENS its lengths
+# (default: 512, 1k).
 set -uo pipefail
 steps=" ${STEPS:-doctor gemm check naive repeat} "
 want() { [[ $steps == *" $1 "* ]]; }
@@ -30,7 +31,7 @@ YAML
 fi
 
 if want check; then
-  echo "== native kernels (${CHECK_KERNELS:-naive, flash}) against the f64 reference (every mask, 512 and 1K tokens, fwd and bwd)"
+  echo "== native kernels (${CHECK_KERNELS:-naive, flash}) against the f64 reference (every mask, ${CHECK_SEQLENS:-512, 1k} tokens, fwd and bwd)"
   cat > "$out/check.yaml" <<YAML
 name: gpu-correctness
 seed: 7
@@ -40,7 +41,7 @@ stages:
     uses: masks/generate
     matrix:
       mask: [full, causal, causal_document, full_document, sliding_window, sliding_window_causal, share_question, causal_blockwise, prefix_lm_causal, prefix_lm_document, global_sliding_window, block_causal_document]
-      seqlen: [512, 1k]
+      seqlen: [${CHECK_SEQLENS:-512, 1k}]
     with: {window: 128, block_size: 128}
   bench:
     uses: cuda/benchmark

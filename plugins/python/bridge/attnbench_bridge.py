@@ -81,6 +81,7 @@ PROTOCOL = 1
 KERNELS = ("numpy", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "flex",
            "fa2", "fa3", "fa4", "flashinfer", "flashmask", "module")
 DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
+LAYOUTS = ("bshd", "bhsd")  # how inputs are stored; see to_layout
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "f32": 4}
 SLICE_KINDS = ("full", "causal", "inv_causal", "bi_causal")
 HARNESS_DEFAULTS = {"warmup_reps": 3, "warmup_s": 0.1, "min_reps": 10, "max_reps": 200,
@@ -143,6 +144,7 @@ class Problem:
     harness: dict
     device: str
     module: Optional[str]
+    layout: str = "bshd"
     _intervals: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -221,13 +223,16 @@ def parse_problem(params: Any) -> Problem:
     device = "cpu" if kernel == "numpy" else params.get("device") or "cuda"
     if device not in ("cuda", "cpu"):
         raise BadRequest(f"device must be cuda or cpu, got {device!r}")
+    layout = params.get("layout") or "bshd"
+    if layout not in LAYOUTS:
+        raise BadRequest(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if kernel == "module" and not params.get("module"):
         raise BadRequest("kernel module needs params.module, the path of the kernel's .py file")
     problem = Problem(kernel, direction, hq, hkv, seqlen, head_dim, dtype, params.get("mask"),
                       int(params.get("seed") if params.get("seed") is not None else 42),
                       params.get("inputs_dir"), params.get("outputs_dir"),
                       int(params.get("check_rows") or 64), harness,
-                      device, params.get("module"))
+                      device, params.get("module"), layout)
     validate_mask_set(problem)
     return problem
 
@@ -860,8 +865,12 @@ def make_torch_inputs(p: Problem, torch: Any, device: Any) -> Dict[str, Any]:
     return tensors
 
 
-def to_layout(x: Any, layout: str) -> Any:
-    return x if layout == "bhsd" else x.transpose(1, 2).contiguous()
+def to_layout(x: Any, layout: str, storage: str) -> Any:
+    """A canonical [1, H, S, D] tensor as the kernel takes it (`layout`), stored as the stage asks
+    (`storage`): a bhsd kernel on bshd storage gets a transposed view, as a model would pass it."""
+    if layout == "bshd":
+        return x.transpose(1, 2).contiguous()
+    return x if storage == "bhsd" else x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def from_layout(x: Any, layout: str) -> Any:
@@ -989,7 +998,7 @@ def run_torch(p: Problem, make_kernel: Callable) -> dict:
 def measure_torch(p: Problem, torch: Any, device: Any, kernel: Kernel) -> dict:
     phases, notes, cuda = kernel.phases, [], device.type == "cuda"
     start = time.perf_counter()
-    native = {n: to_layout(x, kernel.layout) for n, x in make_torch_inputs(p, torch, device).items()}
+    native = {n: to_layout(x, kernel.layout, p.layout) for n, x in make_torch_inputs(p, torch, device).items()}
     synchronize(torch, device, kernel)
     phases["inputs_s"] = time.perf_counter() - start
     if kernel.setup:
@@ -1032,6 +1041,8 @@ def measure_torch(p: Problem, torch: Any, device: Any, kernel: Kernel) -> dict:
     timing = run_harness(make_rep(torch, device, kernel, step), p.harness)
     env = torch_environment(torch, device)
     env.update(kernel.env)
+    view = kernel.layout == "bhsd" and p.layout == "bshd"
+    env["inputs"] = f"bshd storage, {kernel.layout} view" if view else f"contiguous {kernel.layout}"
     if cuda and not kernel.torch_memory:
         notes.append("memory not measured: the kernel allocates outside torch's allocator")
     if notes:

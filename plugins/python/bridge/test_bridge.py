@@ -355,6 +355,9 @@ def test_protocol(bridge, python):
     bad["shape"] = dict(bad["shape"], heads_kv=4)
     reply = bridge.request("benchmark", bad)
     check("mask count mismatch -> ok:false", reply.get("ok") is False and "masks" in reply.get("error", ""), json.dumps(reply))
+    reply = bridge.request("benchmark", case.params("numpy", mask_sets(case.s)["causal"], layout="hsd"))
+    check("unknown layout -> ok:false naming the choices", reply.get("ok") is False
+          and "layout must be one of bshd, bhsd" in reply.get("error", ""), json.dumps(reply))
 
 
 def test_backends(bridge):
@@ -521,6 +524,14 @@ def test_torch(bridge, report, quick):
                 check_timing("sdpa-math causal fwd_bwd", result, QUICK_HARNESS)
                 check("sdpa-math reports the environment", result["environment"].get("torch")
                       and result["environment"].get("backend", "").endswith("MATH"), json.dumps(result["environment"]))
+    for layout, described in (("bshd", "bshd storage, bhsd view"), ("bhsd", "contiguous bhsd")):
+        params = case.params("sdpa-math", sets["causal_document"], "fwd_bwd", layout=layout)
+        result = run_ok(bridge, f"sdpa-math layout {layout}", params)
+        if result:
+            case.compare(f"sdpa-math layout {layout}", "causal_document", sets["causal_document"], params, result,
+                         1e-5, expect_lse=False)
+            check(f"sdpa-math layout {layout} is recorded", result["environment"].get("inputs") == described,
+                  json.dumps(result["environment"]))
     params = case.params("sdpa-math", sets["sliding_window"], "bwd", dtype="bf16", with_inputs=False)
     result = run_ok(bridge, "sdpa-math bf16 bwd sampled check", params)
     if result:

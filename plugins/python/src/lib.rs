@@ -94,6 +94,7 @@ impl Plugin for Python {
                         .param(ParamSpec::new("module", ParamType::File).default("").doc("For kernel `module`: a Python file defining `attention(q, k, v, mask, scale)` (README: third-party kernels)."))
                         .param(ParamSpec::new("python", ParamType::String).default("").doc("The interpreter; empty: ATTNBENCH_PYTHON, then python3."))
                         .param(ParamSpec::new("device", ParamType::one_of(&["cuda", "cpu"])).default("cuda").doc("Where torch kernels run (`numpy` always runs on the CPU)."))
+                        .param(ParamSpec::new("layout", ParamType::one_of(&["bshd", "bhsd"])).default("bshd").doc("How Q, K, V and dO are stored: `bshd` ([1, S, H, D], as a model's projections produce them and as LongCA-bench creates them; kernels taking [1, H, S, D] get a transposed view) or `bhsd` (contiguous [1, H, S, D]). Some backends' speed depends on it (cuDNN's does)."))
                         .param(ParamSpec::new("direction", ParamType::one_of(&["fwd", "bwd", "fwd_bwd"])).default("fwd").doc("`bwd` is timed alone: the forward runs once, outside the timed region."))
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
                         .param(ParamSpec::new("heads_kv", ParamType::Int).default(8))
@@ -145,6 +146,7 @@ struct BenchParams {
     module: String,
     python: String,
     device: String,
+    layout: String,
     check_max_seqlen: usize,
     check_rows: usize,
     #[serde(flatten)]
@@ -239,6 +241,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         "check_rows": p.check_rows,
         "harness": harness,
         "device": if on_gpu { "cuda" } else { "cpu" },
+        "layout": p.layout,
     });
     let python = bridge::interpreter(&p.python);
     host.debug(&format!("running {kernel} in `{python}`"));
