@@ -82,6 +82,7 @@ KERNELS = ("numpy", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "
            "fa2", "fa3", "fa4", "flashinfer", "flashmask", "module")
 DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
 LAYOUTS = ("bshd", "bhsd")  # how inputs are stored; see to_layout
+GQA_MODES = ("native", "expand")  # how SDPA gets grouped K and V; see sdpa_adapter
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "f32": 4}
 SLICE_KINDS = ("full", "causal", "inv_causal", "bi_causal")
 HARNESS_DEFAULTS = {"warmup_reps": 3, "warmup_s": 0.1, "min_reps": 10, "max_reps": 200,
@@ -145,6 +146,7 @@ class Problem:
     device: str
     module: Optional[str]
     layout: str = "bshd"
+    gqa: str = "native"
     _intervals: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -226,13 +228,16 @@ def parse_problem(params: Any) -> Problem:
     layout = params.get("layout") or "bshd"
     if layout not in LAYOUTS:
         raise BadRequest(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    gqa = params.get("gqa") or "native"
+    if gqa not in GQA_MODES:
+        raise BadRequest(f"gqa must be one of {', '.join(GQA_MODES)}, got {gqa!r}")
     if kernel == "module" and not params.get("module"):
         raise BadRequest("kernel module needs params.module, the path of the kernel's .py file")
     problem = Problem(kernel, direction, hq, hkv, seqlen, head_dim, dtype, params.get("mask"),
                       int(params.get("seed") if params.get("seed") is not None else 42),
                       params.get("inputs_dir"), params.get("outputs_dir"),
                       int(params.get("check_rows") or 64), harness,
-                      device, params.get("module"), layout)
+                      device, params.get("module"), layout, gqa)
     validate_mask_set(problem)
     return problem
 
@@ -823,6 +828,7 @@ class Kernel:
     sync: Optional[Callable] = None         # a non-torch stream's synchronize: times by wall clock
     torch_memory: bool = True               # whether torch's allocator sees the kernel's buffers
     compiles: bool = False                  # the first call compiles (JIT): report it as compile_s
+    expand_kv: bool = False                 # K and V repeated to every query head before timing
     lse_note: Optional[str] = None
     env: dict = field(default_factory=dict)
     phases: dict = field(default_factory=dict)
@@ -985,6 +991,8 @@ def run_torch(p: Problem, make_kernel: Callable) -> dict:
         probe(p.kernel)  # "flash_attn not importable" says more than "no CUDA" would
     device = torch_device(p, torch)
     kernel = make_kernel(p, torch, device)
+    if p.gqa == "expand" and p.group > 1 and not kernel.expand_kv:
+        raise Unsupported(f"gqa: expand applies to the SDPA kernels; {p.kernel} takes grouped K and V as they are")
     if p.backward and kernel.no_backward:
         raise Unsupported(kernel.no_backward)
     if kernel.grad is None:
@@ -998,7 +1006,11 @@ def run_torch(p: Problem, make_kernel: Callable) -> dict:
 def measure_torch(p: Problem, torch: Any, device: Any, kernel: Kernel) -> dict:
     phases, notes, cuda = kernel.phases, [], device.type == "cuda"
     start = time.perf_counter()
-    native = {n: to_layout(x, kernel.layout, p.layout) for n, x in make_torch_inputs(p, torch, device).items()}
+    inputs = make_torch_inputs(p, torch, device)
+    if kernel.expand_kv:  # the model keeps K and V per query head: repeated once, untimed
+        inputs.update({n: inputs[n].repeat_interleave(p.group, dim=1) for n in ("k", "v")})
+    native = {n: to_layout(x, kernel.layout, p.layout) for n, x in inputs.items()}
+    del inputs
     synchronize(torch, device, kernel)
     phases["inputs_s"] = time.perf_counter() - start
     if kernel.setup:
@@ -1015,6 +1027,8 @@ def measure_torch(p: Problem, torch: Any, device: Any, kernel: Kernel) -> dict:
 
     canonical = lambda x: from_layout(x, kernel.layout).detach()  # noqa: E731
     tensors = {name: canonical(native[name]) for name in native}
+    if kernel.expand_kv:
+        tensors.update(k=tensors["k"][::p.group], v=tensors["v"][::p.group])
     tensors["out"] = canonical(kernel.out_to_torch(out) if kernel.out_to_torch else out)
     heads_lse = (kernel.lse_to_heads or (lambda x: lse_to_heads(p, x)))(lse)
     tensors["lse"] = heads_lse.float() if heads_lse is not None else None
@@ -1022,6 +1036,9 @@ def measure_torch(p: Problem, torch: Any, device: Any, kernel: Kernel) -> dict:
         notes.append(f"the kernel's LSE has an unexpected shape {tuple(lse.shape)}; not checked")
     if grads is not None:
         tensors.update(dq=canonical(grads[0]), dk=canonical(grads[1]), dv=canonical(grads[2]))
+        if kernel.expand_kv:  # a KV head's gradient is the sum over the query heads it serves
+            for n in ("dk", "dv"):
+                tensors[n] = tensors[n].float().reshape(p.heads_kv, p.group, p.seqlen, p.head_dim).sum(1)
     correctness = check_or_write(p, tensors, kernel.lse_note, notes)
     del tensors, lse, grads, heads_lse
     if p.direction != "bwd":
@@ -1128,11 +1145,13 @@ def sdpa_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
     form = classify(shared) if shared is not None else None
     gqa = p.heads_q != p.heads_kv
     s, e = p.seqlen, ELEMENT_BYTES[p.dtype]
-    state = {"mask": None, "expand": False}
+    state = {"mask": None, "expand": False}  # expand: K and V repeated inside the timed call
     kernel = Kernel(call=None, refusal_is_unsupported=True, context=lambda: select(backend),
                     lse_note=f"{p.kernel} returns none (scaled_dot_product_attention does not expose it)",
                     env={"backend": f"torch.nn.functional.scaled_dot_product_attention, SDPBackend.{SDPA_BACKENDS[p.kernel]}",
-                         "gqa": "enable_gqa" if gqa else "none"})
+                         "gqa": ("K and V expanded before the timed region" if p.gqa == "expand" else "enable_gqa")
+                         if gqa else "none"},
+                    expand_kv=gqa and p.gqa == "expand")
     mask_heads = 0
     if form is None:
         if p.kernel == "sdpa-flash":
@@ -1174,12 +1193,12 @@ def sdpa_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
         options = {"attn_mask": state["mask"], "is_causal": form == "causal", "scale": p.scale}
         if state["expand"]:
             k, v = k.repeat_interleave(p.group, dim=1), v.repeat_interleave(p.group, dim=1)
-        elif gqa:
+        elif gqa and not kernel.expand_kv:
             options["enable_gqa"] = True
         return sdpa(q, k, v, **options), None
 
     def retry(error: BaseException) -> bool:
-        if gqa and not state["expand"]:
+        if gqa and not state["expand"] and not kernel.expand_kv:
             log(f"{p.kernel} refused enable_gqa ({first_line(error)}); expanding K and V instead")
             state["expand"] = True
             kernel.env["gqa"] = "expanded (K and V repeat_interleave'd inside the timed call)"

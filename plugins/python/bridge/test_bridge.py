@@ -358,6 +358,9 @@ def test_protocol(bridge, python):
     reply = bridge.request("benchmark", case.params("numpy", mask_sets(case.s)["causal"], layout="hsd"))
     check("unknown layout -> ok:false naming the choices", reply.get("ok") is False
           and "layout must be one of bshd, bhsd" in reply.get("error", ""), json.dumps(reply))
+    reply = bridge.request("benchmark", case.params("numpy", mask_sets(case.s)["causal"], gqa="repeat"))
+    check("unknown gqa mode -> ok:false naming the choices", reply.get("ok") is False
+          and "gqa must be one of native, expand" in reply.get("error", ""), json.dumps(reply))
 
 
 def test_backends(bridge):
@@ -532,6 +535,15 @@ def test_torch(bridge, report, quick):
                          1e-5, expect_lse=False)
             check(f"sdpa-math layout {layout} is recorded", result["environment"].get("inputs") == described,
                   json.dumps(result["environment"]))
+    params = case.params("sdpa-math", sets["causal_document"], "fwd_bwd", gqa="expand")
+    result = run_ok(bridge, "sdpa-math gqa expand", params)
+    if result:
+        case.compare("sdpa-math gqa expand", "causal_document", sets["causal_document"], params, result, 1e-5,
+                     expect_lse=False)
+        check("sdpa-math gqa expand is recorded", "expanded" in result["environment"].get("gqa", ""),
+              json.dumps(result["environment"]))
+    expect_unsupported(bridge, "flex with gqa expand", case.params("flex", sets["causal"], gqa="expand"),
+                       "applies to the SDPA kernels")
     params = case.params("sdpa-math", sets["sliding_window"], "bwd", dtype="bf16", with_inputs=False)
     result = run_ok(bridge, "sdpa-math bf16 bwd sampled check", params)
     if result:

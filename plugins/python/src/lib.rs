@@ -101,6 +101,7 @@ impl Plugin for Python {
                         .param(ParamSpec::new("head_dim", ParamType::Int).default(128))
                         .param(ParamSpec::new("dtype", ParamType::one_of(&["bf16", "fp16", "f32"])).default("bf16"))
                         .param(ParamSpec::new("outputs", ParamType::Bool).default(false).doc("Also write out.f32, lse.f32 (and dq/dk/dv.f32) when the inputs are the SDK's (up to check_max_seqlen)."))
+                        .param(ParamSpec::new("gqa", ParamType::one_of(&["native", "expand"])).default("native").doc("How the SDPA kernels get grouped K and V: `native` passes the KV heads with enable_gqa; `expand` repeats them to every query head once, before the timed region, as a model that keeps them expanded would. Other kernels take `native` only."))
                         .param(ParamSpec::new("check_max_seqlen", ParamType::Size).default("2k").doc("Up to this length the inputs are the SDK's and every output is checked against the f64 reference; beyond it the worker checks `check_rows` rows of every head."))
                         .param(ParamSpec::new("check_rows", ParamType::Int).default(16).doc("Rows of every head checked beyond check_max_seqlen.")),
                 )
@@ -147,6 +148,7 @@ struct BenchParams {
     python: String,
     device: String,
     layout: String,
+    gqa: String,
     check_max_seqlen: usize,
     check_rows: usize,
     #[serde(flatten)]
@@ -242,6 +244,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         "harness": harness,
         "device": if on_gpu { "cuda" } else { "cpu" },
         "layout": p.layout,
+        "gqa": p.gqa,
     });
     let python = bridge::interpreter(&p.python);
     host.debug(&format!("running {kernel} in `{python}`"));
