@@ -1,8 +1,20 @@
 //! Clocks and throttle reasons from NVML, loaded at run time, for every GPU plugin's measurement
 //! records: a number measured while the GPU was power- or heat-throttled says so. Without NVML
-//! (no driver) `Nvml::open` gives `None`.
+//! (no driver) the clocks are `null`.
+
+use std::sync::OnceLock;
 
 use serde_json::{json, Value};
+
+/// Clocks and active throttle reasons of GPU 0 now, or `null` without NVML. NVML is opened once
+/// per process: `nvmlInit` costs tens to hundreds of milliseconds, too much for every cell.
+pub fn clocks() -> Value {
+    static SHARED: OnceLock<Option<Nvml>> = OnceLock::new();
+    SHARED
+        .get_or_init(Nvml::open)
+        .as_ref()
+        .map_or(Value::Null, Nvml::sample)
+}
 
 type Device = *mut std::ffi::c_void;
 
@@ -13,8 +25,9 @@ pub struct Nvml {
     reasons: unsafe extern "C" fn(Device, *mut u64) -> i32,
 }
 
-// SAFETY: NVML handles may be used from any thread.
+// SAFETY: NVML handles may be used from any thread, concurrently (NVML is thread-safe).
 unsafe impl Send for Nvml {}
+unsafe impl Sync for Nvml {}
 
 const CLOCK_GRAPHICS: u32 = 0;
 const CLOCK_SM: u32 = 1;
@@ -35,7 +48,7 @@ const REASONS: [(u64, &str); 9] = [
 
 impl Nvml {
     /// NVML for GPU 0, or `None` when the library or the device is not there.
-    pub fn open() -> Option<Nvml> {
+    fn open() -> Option<Nvml> {
         // SAFETY: NVML's documented entry points, called with the types its header declares.
         unsafe {
             let library = libloading::Library::new("libnvidia-ml.so.1")

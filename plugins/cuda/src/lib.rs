@@ -32,17 +32,6 @@ struct State {
     gpu: Gpu,
     naive: Option<naive::Kernels>,
     flash: Option<flash::Kernels>,
-    nvml: Option<nvml::Nvml>,
-}
-
-impl State {
-    /// Clocks and throttle reasons now, for the measurement's environment.
-    fn clocks(&self) -> serde_json::Value {
-        self.nvml
-            .as_ref()
-            .map(|n| n.sample())
-            .unwrap_or(serde_json::Value::Null)
-    }
 }
 
 static STATE: Mutex<Option<State>> = Mutex::new(None);
@@ -56,7 +45,6 @@ fn with_gpu<T>(work: impl FnOnce(&mut State) -> Result<T, PluginError>) -> Resul
             gpu: Gpu::open()?,
             naive: None,
             flash: None,
-            nvml: nvml::Nvml::open(),
         });
     }
     work(guard.as_mut().expect("initialised above"))
@@ -146,7 +134,7 @@ fn gemm(request: &StageRequest) -> Result<Value, PluginError> {
     };
     let harness = p.harness.apply(default_harness());
     with_gpu(|state| {
-        let clocks_before = state.clocks();
+        let clocks_before = nvml::clocks();
         let gpu = &mut state.gpu;
         let element = if p.dtype == "bf16" {
             Element::Bf16
@@ -201,7 +189,7 @@ fn gemm(request: &StageRequest) -> Result<Value, PluginError> {
         })?;
         drop((a, b, c));
         let device = gpu.describe();
-        let clocks_after = state.clocks();
+        let clocks_after = nvml::clocks();
         let flops = 2 * (p.m * p.n * p.k) as u64;
         let times = Quantiles::of(&timing.samples);
         let result = json!({
@@ -372,7 +360,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         drop((forward, grads, inputs));
         measurement
             .environment
-            .insert("clocks_before".into(), state.clocks());
+            .insert("clocks_before".into(), nvml::clocks());
         let gpu = &mut state.gpu;
         let timing = match p.common.direction.as_str() {
             "fwd" => gpu.time(&harness, |gpu| problem.forward(gpu))?,
@@ -386,7 +374,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         drop(problem);
         measurement
             .environment
-            .insert("clocks_after".into(), state.clocks());
+            .insert("clocks_after".into(), nvml::clocks());
         let times = Quantiles::of(&timing.samples);
         measurement.tflops = times.map(|t| Throughput::of(measurement.flops, &t));
         measurement.time_s = times;

@@ -14,7 +14,7 @@ use std::sync::Mutex;
 use attnbench_sdk::measure::{
     Correctness, Harness, MeasureStatus, Measurement, Memory, Quantiles, Throughput, Timing,
 };
-use attnbench_sdk::nvml::Nvml;
+use attnbench_sdk::nvml;
 use attnbench_sdk::reference::{
     self, CheckMode, Element, Forward, Grads, HeadMasks, Inputs, Shape,
 };
@@ -225,8 +225,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
     } else {
         None
     };
-    let nvml = on_gpu.then(Nvml::open).flatten();
-    let clocks = || nvml.as_ref().map(Nvml::sample).unwrap_or(Value::Null);
+    let clocks = || if on_gpu { nvml::clocks() } else { Value::Null };
     measurement
         .environment
         .insert("clocks_before".into(), clocks());

@@ -132,23 +132,41 @@ impl Inputs {
         Inputs::random_as(shape, seed, element)
     }
 
-    /// Uniform values in [−1, 1) from `seed` (splitmix64), rounded to `element`.
+    /// Uniform values in [−1, 1) from `seed` (splitmix64, one stream through q, k, v and dO),
+    /// rounded to `element`. splitmix64's i-th value depends on i alone, so the machine's cores
+    /// fill the tensors together (a billion values at 48K tokens) with the same values as one.
     pub fn random_as(shape: &Shape, seed: u64, element: Element) -> Inputs {
-        let mut state = seed ^ 0x9E37_79B9_7F4A_7C15;
-        let mut next = move || {
-            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = state;
+        const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+        let start = seed ^ GAMMA;
+        let value = move |index: u64| {
+            let mut z = start.wrapping_add(index.wrapping_add(1).wrapping_mul(GAMMA));
             z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
             z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
             z ^= z >> 31;
             element.round((z >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
         };
-        let mut fill = |n: usize| (0..n).map(|_| next()).collect::<Vec<f32>>();
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let fill = |first: usize, n: usize| {
+            let mut out = vec![0.0f32; n];
+            let per_thread = n.div_ceil(threads).max(1 << 16);
+            std::thread::scope(|scope| {
+                for (part, chunk) in out.chunks_mut(per_thread).enumerate() {
+                    let offset = first + part * per_thread;
+                    scope.spawn(move || {
+                        for (i, slot) in chunk.iter_mut().enumerate() {
+                            *slot = value((offset + i) as u64);
+                        }
+                    });
+                }
+            });
+            out
+        };
+        let (q_len, kv_len) = (shape.q_len(), shape.kv_len());
         Inputs {
-            q: fill(shape.q_len()),
-            k: fill(shape.kv_len()),
-            v: fill(shape.kv_len()),
-            d_out: fill(shape.q_len()),
+            q: fill(0, q_len),
+            k: fill(q_len, kv_len),
+            v: fill(q_len + kv_len, kv_len),
+            d_out: fill(q_len + 2 * kv_len, q_len),
         }
     }
 }
@@ -275,6 +293,39 @@ mod tests {
             backward_with_threads(&shape, &masks, &inputs, &one, 1),
             backward_with_threads(&shape, &masks, &inputs, &one, 3)
         );
+    }
+
+    #[test]
+    fn inputs_filled_in_parallel_are_one_splitmix_stream() {
+        // Large enough that each tensor is split between threads.
+        let shape = Shape {
+            heads_q: 4,
+            heads_kv: 2,
+            seqlen: 4096,
+            head_dim: 32,
+        };
+        let mut state = 11u64 ^ 0x9E37_79B9_7F4A_7C15;
+        let mut next = move || {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            round_bf16((z >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+        };
+        let inputs = Inputs::random_as(&shape, 11, Element::Bf16);
+        for (name, tensor) in [
+            ("q", &inputs.q),
+            ("k", &inputs.k),
+            ("v", &inputs.v),
+            ("dO", &inputs.d_out),
+        ] {
+            let expected: Vec<f32> = (0..tensor.len()).map(|_| next()).collect();
+            assert!(
+                *tensor == expected,
+                "{name} differs from the sequential stream"
+            );
+        }
     }
 
     #[test]
