@@ -100,6 +100,64 @@ fn beyond_the_full_check_the_worker_draws_inputs_and_checks_sampled_rows() {
 }
 
 #[test]
+fn kernel_variants_are_named_apart_and_merge_into_separate_cells() {
+    let sandbox = Sandbox::new();
+    let python = python();
+    sandbox.write(
+        "p.yaml",
+        &format!(
+            r#"stages:
+  masks:
+    uses: masks/generate
+    with: {{mask: causal, seqlen: 128}}
+  bench:
+    uses: python/benchmark
+    needs: [masks]
+    matrix: {{layout: [bshd, bhsd], gqa: [native, expand]}}
+    with: {{kernel: numpy, python: "{python}", dtype: f32, heads_q: 4, heads_kv: 2, head_dim: 16, min_reps: 3, max_time_s: 0.2}}
+"#
+        ),
+    );
+    let record = run_ok(&sandbox);
+    let named = |id: &str| {
+        measurement(&record, id)["kernel"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(named("bench[layout=bshd,gqa=native]"), "numpy");
+    assert_eq!(named("bench[layout=bhsd,gqa=native]"), "numpy layout=bhsd");
+    assert_eq!(
+        named("bench[layout=bhsd,gqa=expand]"),
+        "numpy layout=bhsd gqa=expand"
+    );
+    let expand = measurement(&record, "bench[layout=bshd,gqa=expand]");
+    assert_eq!(expand["status"], "unsupported", "{expand}");
+    assert!(
+        expand["reason"]
+            .as_str()
+            .unwrap()
+            .contains("applies to the SDPA kernels"),
+        "{expand}"
+    );
+    let out = sandbox.path().join("merged");
+    let cache = sandbox.cache();
+    let report = sandbox.run(&[
+        "report",
+        "--table",
+        "--out",
+        out.to_str().unwrap(),
+        cache.to_str().unwrap(),
+    ]);
+    assert!(report.status.success(), "{}", stderr(&report));
+    assert!(
+        String::from_utf8_lossy(&report.stdout).starts_with("4 measurements"),
+        "every variant is its own cell: {}",
+        String::from_utf8_lossy(&report.stdout)
+    );
+}
+
+#[test]
 fn a_third_party_module_is_benchmarked_and_a_missing_package_is_unsupported() {
     let sandbox = Sandbox::new();
     let python = python();

@@ -991,8 +991,6 @@ def run_torch(p: Problem, make_kernel: Callable) -> dict:
         probe(p.kernel)  # "flash_attn not importable" says more than "no CUDA" would
     device = torch_device(p, torch)
     kernel = make_kernel(p, torch, device)
-    if p.gqa == "expand" and p.group > 1 and not kernel.expand_kv:
-        raise Unsupported(f"gqa: expand applies to the SDPA kernels; {p.kernel} takes grouped K and V as they are")
     if p.backward and kernel.no_backward:
         raise Unsupported(kernel.no_backward)
     if kernel.grad is None:
@@ -1560,6 +1558,8 @@ def benchmark(params: Any) -> dict:
         f"hq={p.heads_q} hkv={p.heads_kv} s={p.seqlen} d={p.head_dim} on {p.device}")
     result, held_before = None, device_bytes()
     try:
+        if p.gqa == "expand" and p.group > 1 and p.kernel not in SDPA_BACKENDS:
+            raise Unsupported(f"gqa: expand applies to the SDPA kernels; {p.kernel} takes grouped K and V as they are")
         if p.kernel == "numpy":
             result = run_numpy(p, numpy_attention(p))
         elif p.kernel == "module":

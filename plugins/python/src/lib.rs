@@ -196,6 +196,14 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
     } else {
         p.kernel.clone()
     };
+    // Settings that change what a kernel measures name it, so a sweep over them keeps each
+    // variant's cells apart in tables and merged reports; the defaults keep the plain name.
+    let kernel = [("layout", &p.layout, "bshd"), ("gqa", &p.gqa, "native")]
+        .into_iter()
+        .filter(|(_, value, default)| value.as_str() != *default)
+        .fold(kernel, |name, (key, value, _)| {
+            format!("{name} {key}={value}")
+        });
     let measured_shape = p.common.measured_shape();
     let mut measurement = Measurement::for_kernel(
         &kernel,
