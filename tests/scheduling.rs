@@ -120,3 +120,61 @@ fn sigterm_lets_running_nodes_finish_and_writes_the_record() {
         .count();
     assert_eq!(cached, ok, "{:?}", sandbox.statuses());
 }
+
+/// A node that would run on past a stop is ended after the grace period, so the run record is
+/// written before the scheduler's SIGKILL follows its SIGTERM.
+#[test]
+fn a_node_that_outlasts_the_stop_grace_is_interrupted_and_the_record_written() {
+    let sandbox = Sandbox::new();
+    sandbox.write(
+        "p.yaml",
+        "stages:\n  work:\n    uses: testkit/echo-worker\n    with: {sleep_ms: 60000}\n    matrix: {value: [1, 2]}\n",
+    );
+    let child = sandbox
+        .command(&["run", "p.yaml", "-j", "1", "-q"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("attnbench starts");
+    std::thread::sleep(std::time::Duration::from_millis(1000));
+    let stopped = std::time::Instant::now();
+    // SAFETY: signals our own child process.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let output = child.wait_with_output().expect("attnbench ends");
+    let waited = stopped.elapsed().as_secs_f64();
+    assert!(
+        (9.0..30.0).contains(&waited),
+        "ended {waited:.1}s after the stop"
+    );
+    assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
+    let record = sandbox.last_record();
+    let nodes = record["nodes"].as_array().unwrap();
+    let status = |s: &str| nodes.iter().filter(|n| n["status"] == s).count();
+    assert_eq!(
+        (status("interrupted"), status("skipped")),
+        (1, 1),
+        "{record}"
+    );
+    let interrupted = nodes.iter().find(|n| n["status"] == "interrupted").unwrap();
+    assert!(
+        interrupted["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("was stopped"),
+        "{interrupted}"
+    );
+}
+
+/// A node that reports progress all the time still has a time limit.
+#[test]
+fn a_busy_node_still_times_out() {
+    let sandbox = Sandbox::new();
+    sandbox.write(
+        "p.yaml",
+        "stages:\n  work:\n    uses: testkit/echo-worker\n    with: {sleep_ms: 60000}\n    timeout: 1\n",
+    );
+    let started = std::time::Instant::now();
+    let run = sandbox.run(&["run", "p.yaml", "-q"]);
+    assert!(started.elapsed().as_secs() < 20, "{}", stderr(&run));
+    assert_eq!(sandbox.statuses()["work"], "timeout", "{}", stderr(&run));
+}

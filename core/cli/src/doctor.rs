@@ -157,6 +157,7 @@ fn gpu(registry: &Registry, cache: &Cache) -> Result<()> {
         "devices",
         &request.to_string(),
         Some(std::time::Duration::from_secs(120)),
+        &std::sync::atomic::AtomicBool::new(false),
         &Silent,
         None,
     ) {
@@ -166,6 +167,7 @@ fn gpu(registry: &Registry, cache: &Cache) -> Result<()> {
             println!("gpu: querying the devices crashed the worker: {reason}")
         }
         WorkerOutcome::TimedOut => println!("gpu: querying the devices did not finish in 120 s"),
+        WorkerOutcome::Stopped => println!("gpu: stopped"),
     }
     Ok(())
 }

@@ -80,7 +80,8 @@ impl Runner {
                 .map_err(|err| format!("the worker did not start: {err}"))?,
         };
         let text = serde_json::to_string(request).map_err(|err| err.to_string())?;
-        match worker.run(stage, &text, Some(TIMEOUT), &Silent, None) {
+        let never = std::sync::atomic::AtomicBool::new(false);
+        match worker.run(stage, &text, Some(TIMEOUT), &never, &Silent, None) {
             WorkerOutcome::Finished(outcome) => {
                 self.worker = Some(worker);
                 Ok(outcome.and_then(|text| {
@@ -89,6 +90,7 @@ impl Runner {
             }
             WorkerOutcome::Crashed(reason) => Err(reason),
             WorkerOutcome::TimedOut => Err(format!("did not answer within {}s", TIMEOUT.as_secs())),
+            WorkerOutcome::Stopped => Err("stopped".into()),
         }
     }
 }

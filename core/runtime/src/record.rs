@@ -23,8 +23,11 @@ pub enum Status {
     Crashed,
     /// The node ran past its time limit and its worker was killed.
     Timeout,
-    /// Not run because an input did not succeed.
+    /// Not run because an input did not succeed, or because the run was stopped first.
     Skipped,
+    /// Running when the run was stopped, and not done within the stop's grace period: its
+    /// worker was killed.
+    Interrupted,
 }
 
 impl Status {
@@ -40,6 +43,7 @@ impl Status {
             Status::Crashed => "crashed",
             Status::Timeout => "timeout",
             Status::Skipped => "skipped",
+            Status::Interrupted => "interrupted",
         }
     }
 }

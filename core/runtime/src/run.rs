@@ -611,6 +611,7 @@ fn compute(
                 &stage.spec.name,
                 &request_json,
                 stage.timeout,
+                &INTERRUPTED,
                 &sink,
                 stderr_log,
             ) {
@@ -628,6 +629,15 @@ fn compute(
                         Status::Timeout,
                         format!("did not finish within its {limit} limit; its worker was killed"),
                     ));
+                }
+                WorkerOutcome::Stopped => {
+                    return Err((
+                        Status::Interrupted,
+                        format!(
+                            "the run was stopped and the node was not done {}s later; its worker was killed",
+                            crate::worker::STOP_GRACE.as_secs()
+                        ),
+                    ))
                 }
             }
         }

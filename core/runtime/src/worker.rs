@@ -8,6 +8,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -164,7 +165,15 @@ pub enum WorkerOutcome {
     /// The worker died; the reason names the signal or exit status and quotes its stderr.
     Crashed(String),
     TimedOut,
+    /// The run was stopped and the node was not done [`STOP_GRACE`] later: its worker was killed.
+    Stopped,
 }
+
+/// How long a running node may still finish once the run is stopped. Schedulers follow their
+/// SIGTERM with a SIGKILL (`timeout -k`, Slurm's KillWait of 30 s): a node that ran on would take
+/// the run record down with it.
+pub const STOP_GRACE: Duration = Duration::from_secs(10);
+const STOP_POLL: Duration = Duration::from_millis(200);
 
 /// Where a worker's stderr goes: the log of the node it is running.
 type StderrTarget = Arc<Mutex<(Option<File>, VecDeque<String>)>>;
@@ -252,12 +261,14 @@ impl Worker {
         }
     }
 
-    /// Sends one node and waits for it, forwarding logs and progress to `sink` and stderr to `log`.
+    /// Sends one node and waits for it, forwarding logs and progress to `sink` and stderr to `log`;
+    /// once `stop` is set the node has [`STOP_GRACE`] left.
     pub fn run(
         &mut self,
         stage: &str,
         request: &str,
         timeout: Option<Duration>,
+        stop: &AtomicBool,
         sink: &dyn ServiceSink,
         log: Option<File>,
     ) -> WorkerOutcome {
@@ -278,10 +289,29 @@ impl Worker {
             return WorkerOutcome::Crashed(self.death_reason());
         }
         let deadline = timeout.map(|t| Instant::now() + t);
+        let mut stopped_at: Option<Instant> = None;
         let outcome = loop {
+            // Checked before every wait: a node that keeps reporting progress never lets one
+            // time out.
+            let ended = if deadline.is_some_and(|d| Instant::now() >= d) {
+                Some(WorkerOutcome::TimedOut)
+            } else if stop.load(Ordering::Relaxed)
+                && stopped_at.get_or_insert_with(Instant::now).elapsed() >= STOP_GRACE
+            {
+                Some(WorkerOutcome::Stopped)
+            } else {
+                None
+            };
+            if let Some(outcome) = ended {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                break outcome;
+            }
+            // Short waits, so a stop is noticed while the node runs.
             let wait = deadline
                 .map(|d| d.saturating_duration_since(Instant::now()))
-                .unwrap_or(Duration::from_secs(3600));
+                .unwrap_or(STOP_POLL)
+                .min(STOP_POLL);
             match self.messages.recv_timeout(wait) {
                 Ok(FromWorker::Log { level, message }) => {
                     sink.log(LogLevel::parse(&level).unwrap_or(LogLevel::Info), &message)
@@ -301,13 +331,7 @@ impl Worker {
                         "worker broke the protocol: sent {other:?} while running a node"
                     ))
                 }
-                Err(RecvTimeoutError::Timeout) => {
-                    if deadline.is_some_and(|d| Instant::now() >= d) {
-                        let _ = self.child.kill();
-                        let _ = self.child.wait();
-                        break WorkerOutcome::TimedOut;
-                    }
-                }
+                Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => {
                     break WorkerOutcome::Crashed(self.death_reason())
                 }

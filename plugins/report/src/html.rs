@@ -103,6 +103,7 @@ fn support_matrix(out: &mut String, rows: &[Row]) {
             let worst = [
                 "crashed",
                 "timeout",
+                "interrupted",
                 "error",
                 "oom",
                 "unsupported",
