@@ -291,3 +291,97 @@ fn gc_keeps_what_the_latest_run_used() {
     assert!(rerun.status.success());
     assert_eq!(count(&sandbox.statuses(), "cached"), 5);
 }
+
+/// A sweep cut short on one machine resumes on another: `cache export` there, `cache import`
+/// here, and the run is served from what was carried over. A tampered entry is refused.
+#[test]
+fn an_export_carried_to_another_cache_is_reused_and_tampering_is_refused() {
+    let first = Sandbox::new();
+    let pipeline = first.write("chain.yaml", CHAIN);
+    assert!(first
+        .run(&["run", pipeline.to_str().unwrap(), "-q"])
+        .status
+        .success());
+    let carried = first.path().join("carried");
+    let export = first.run(&["cache", "export", carried.to_str().unwrap()]);
+    assert!(export.status.success(), "{}", stderr(&export));
+    assert!(
+        stdout(&export).contains("exported 5 entries and 1 run records"),
+        "{}",
+        stdout(&export)
+    );
+
+    let second = Sandbox::new();
+    let pipeline = second.write("chain.yaml", CHAIN);
+    let import = second.run(&["cache", "import", carried.to_str().unwrap()]);
+    assert!(import.status.success(), "{}", stderr(&import));
+    assert!(
+        stdout(&import)
+            .contains("imported 5 entries (0 already here, 0 rejected) and 1 run records"),
+        "{}",
+        stdout(&import)
+    );
+    let imported_run = std::fs::read_dir(second.cache().join("runs"))
+        .unwrap()
+        .flatten()
+        .find(|e| e.path().join("run.json").is_file())
+        .expect("the run record came along")
+        .path();
+    let record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(imported_run.join("run.json")).unwrap()).unwrap();
+    for node in record["nodes"].as_array().unwrap() {
+        let artifact = node["artifact"].as_str().unwrap();
+        assert!(
+            std::path::Path::new(artifact).starts_with(second.cache().canonicalize().unwrap()),
+            "{artifact} points into this cache"
+        );
+    }
+    assert!(second
+        .run(&["run", pipeline.to_str().unwrap(), "-q"])
+        .status
+        .success());
+    assert_eq!(
+        count(&second.statuses(), "cached"),
+        5,
+        "{:?}",
+        second.statuses()
+    );
+
+    // One entry's file altered after the export: refused, the others still come in.
+    let victim = walk_files(&carried.join("cache"))
+        .into_iter()
+        .find(|p| p.file_name().is_some_and(|n| n == "echo.json"))
+        .expect("an entry file");
+    std::fs::write(&victim, b"{\"tampered\": true}").unwrap();
+    let third = Sandbox::new();
+    let import = third.run(&["cache", "import", carried.to_str().unwrap()]);
+    assert_eq!(import.status.code(), Some(1), "{}", stdout(&import));
+    let text = stdout(&import);
+    assert!(
+        text.contains("does not match its digest")
+            && text.contains("imported 4 entries (0 already here, 1 rejected)"),
+        "{text}"
+    );
+    let missing = third.run(&[
+        "cache",
+        "import",
+        third.path().join("nothing").to_str().unwrap(),
+    ]);
+    assert!(
+        !missing.status.success() && stderr(&missing).contains("not a cache or an export"),
+        "{}",
+        stderr(&missing)
+    );
+}
+
+fn walk_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        if entry.path().is_dir() {
+            files.extend(walk_files(&entry.path()));
+        } else {
+            files.push(entry.path());
+        }
+    }
+    files
+}

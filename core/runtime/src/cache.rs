@@ -314,6 +314,39 @@ impl Cache {
             })
     }
 
+    /// Adds the entry at `dir`, taken from another cache (one copied back from another machine,
+    /// or an export), after checking every digest and that it is filed under the key its parts
+    /// hash to. `Ok(false)`: this cache has that key already.
+    pub fn adopt(&self, dir: &Path) -> Result<bool, String> {
+        let entry = self.verify_dir(dir)?;
+        let key = entry.meta.key;
+        if entry.meta.key_parts.key() != key
+            || dir.file_name().and_then(|n| n.to_str()) != Some(key.as_str())
+        {
+            return Err("filed under a key that its key parts do not hash to".into());
+        }
+        let target = self.entry_dir(&key);
+        if target.exists() {
+            return Ok(false);
+        }
+        let staging = self
+            .root
+            .join("tmp")
+            .join(format!("adopt-{}", unique_suffix()));
+        let copied = copy_tree(dir, &staging).and_then(|_| {
+            std::fs::create_dir_all(target.parent().unwrap_or(&self.root))?;
+            std::fs::rename(&staging, &target)
+        });
+        if let Err(err) = copied {
+            let _ = std::fs::remove_dir_all(&staging);
+            if !target.exists() {
+                return Err(format!("cannot copy it into {}: {err}", target.display()));
+            }
+            // Another process adopted or computed the same key first; its entry is as good.
+        }
+        self.verify_dir(&target).map(|_| true)
+    }
+
     /// The keys of all entries, from directory listings alone: cheaper than probing each key
     /// when a plan asks about many nodes.
     pub fn keys(&self) -> std::collections::HashSet<String> {
@@ -412,6 +445,21 @@ fn hash_tree(
 }
 
 /// A name part unique across processes and calls.
+/// Copies the directory tree `from` to `to` (created).
+pub fn copy_tree(from: &Path, to: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from)? {
+        let entry = entry?;
+        let target = to.join(entry.file_name());
+        if entry.file_type()?.is_dir() {
+            copy_tree(&entry.path(), &target)?;
+        } else {
+            std::fs::copy(entry.path(), &target)?;
+        }
+    }
+    Ok(())
+}
+
 pub fn unique_suffix() -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static COUNTER: AtomicU64 = AtomicU64::new(0);
