@@ -412,6 +412,31 @@ def varlen_encoding(mask: dict) -> Tuple[Optional[dict], str]:
             "left": left, "right": right}, ""
 
 
+def block_grid(masks: List[dict]) -> Tuple[Optional[Tuple[Any, Any, Any]], str]:
+    """The masks on one grid of blocks, as block-sparse kernels take them: (row edges, column
+    edges, kept[mask, row block, column block]), or (None, why not). The edges are every slice
+    end of every mask, so each mask is exact on the shared grid: blocks of any sizes, uniform or
+    variable, per head or shared."""
+    np = _np()
+    slices = [(index, sl) for index, m in enumerate(masks) for sl in m["slices"]]
+    partial = {sl["kind"] for _, sl in slices if sl["kind"] != "full"}
+    if partial:
+        return None, f"it has {', '.join(sorted(partial))} slices, not only full blocks"
+    sq, sk = masks[0]["seqlen_q"], masks[0]["seqlen_k"]
+    which = np.array([index for index, _ in slices], np.int64)
+    q = np.array([sl["q"] for _, sl in slices], np.int64).reshape(-1, 2)
+    k = np.array([sl["k"] for _, sl in slices], np.int64).reshape(-1, 2)
+    rows = np.unique(np.concatenate([[0, sq], q.ravel()]))
+    cols = np.unique(np.concatenate([[0, sk], k.ravel()]))
+    r, c = np.searchsorted(rows, q), np.searchsorted(cols, k)
+    # Each rectangle as four corners of a 2-D difference array: its prefix sums count coverage.
+    coverage = np.zeros((len(masks), len(rows), len(cols)), np.int64)
+    for (ri, ci), sign in (((0, 0), 1), ((0, 1), -1), ((1, 0), -1), ((1, 1), 1)):
+        np.add.at(coverage, (which, r[:, ri], c[:, ci]), sign)
+    kept = coverage.cumsum(1).cumsum(2)[:, :-1, :-1] > 0
+    return (rows, cols, kept), ""
+
+
 def flashmask_columns(mask: dict) -> Tuple[Optional[dict], str]:
     """FlashMask's column bounds: per key, masked rows [LTS, LTE) and (non-causal) [UTS, UTE)."""
     np = _np()
@@ -1387,12 +1412,20 @@ def flashinfer_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
     require_cuda(p, device)
     require_half(p)
     if p.backward:
-        raise Unsupported("flashinfer has no backward (single_prefill_with_kv_cache is forward only)")
+        raise Unsupported("flashinfer has no backward (its prefill kernels are forward only)")
     supports = "full, causal and causal sliding-window masks on one sequence"
-    plan = flash_plan(p, supports)
-    left, right = plan["left"], plan["right"]
-    if len(plan["cu_seqlens"]) != 2 or not (right == 0 or (left < 0 and right < 0)):
-        raise Unsupported(f"flashinfer (single_prefill_with_kv_cache) runs {supports}; {p.pattern} is not one of them")
+    try:
+        plan = flash_plan(p, supports)
+        left, right = plan["left"], plan["right"]
+        dense = len(plan["cu_seqlens"]) == 2 and (right == 0 or (left < 0 and right < 0))
+    except Unsupported:
+        dense = False
+    if not dense:
+        grid, why = block_grid(p.masks)
+        if grid is None:
+            raise Unsupported(f"flashinfer runs {supports} (single_prefill_with_kv_cache) and block-sparse "
+                              f"masks (VariableBlockSparseAttentionWrapper); {p.pattern} is neither: {why}")
+        return flashinfer_block_sparse(p, torch, device, flashinfer, grid)
     function = flashinfer.single_prefill_with_kv_cache
     options: Dict[str, Any] = {"causal": right == 0, "kv_layout": "NHD", "sm_scale": p.scale}
     if left >= 0:
@@ -1412,6 +1445,44 @@ def flashinfer_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
     return Kernel(call=call, layout="bshd", lse_to_heads=heads, refusal_is_unsupported=True, compiles=True,
                   env={"backend": f"flashinfer.{function.__name__}", "package_version": flashinfer.__version__},
                   phases={"mask_mode": "causal" if right == 0 else "full", "lse": "converted from log2"})
+
+
+def flashinfer_block_sparse(p: Problem, torch: Any, device: Any, flashinfer: Any, grid: Tuple[Any, Any, Any]) -> Kernel:
+    """FlashInfer's variable block-sparse prefill on the masks' block grid: one pattern per KV
+    head, so the query heads of a group must share their mask."""
+    wrapper_class = getattr(flashinfer, "VariableBlockSparseAttentionWrapper", None)
+    if wrapper_class is None:
+        raise Unsupported(f"flashinfer {flashinfer.__version__} has no VariableBlockSparseAttentionWrapper")
+    np = _np()
+    rows, cols, kept = grid
+    of_kv = [p.mask_index(kv * p.group) for kv in range(p.heads_kv)]
+    if any(p.mask_index(h) != of_kv[h // p.group] for h in range(p.heads_q)):
+        raise Unsupported("flashinfer's block-sparse wrapper takes one pattern per KV head; "
+                          f"{p.pattern} gives the query heads of a group different masks")
+    state = {}
+
+    def setup(native: Dict[str, Any]) -> None:
+        start = time.perf_counter()
+        as_int = lambda edges: torch.tensor(np.diff(edges), dtype=torch.int32, device=device)  # noqa: E731
+        state["wrapper"] = wrapper = wrapper_class(torch.empty(128 << 20, dtype=torch.uint8, device=device))
+        wrapper.plan(torch.from_numpy(kept[of_kv]).to(device),
+                     as_int(rows)[None].repeat(p.heads_kv, 1), as_int(cols)[None].repeat(p.heads_kv, 1),
+                     p.heads_q, p.heads_kv, p.head_dim, causal=False, sm_scale=p.scale,
+                     q_data_type=torch_dtype(torch, p.dtype))
+        synchronize(torch, device, kernel)
+        kernel.phases.update(mask_build_s=time.perf_counter() - start, blocks=[len(rows) - 1, len(cols) - 1],
+                             kept_blocks=int(kept[of_kv].sum()))
+
+    def call(q: Any, k: Any, v: Any) -> Tuple[Any, Any]:
+        out, lse = state["wrapper"].run(q[0], k[0], v[0], return_lse=True)
+        return out.unsqueeze(0), lse
+
+    kernel = Kernel(call=call, setup=setup, lse_to_heads=lambda lse: lse.detach().float() * math.log(2.0),
+                    refusal_is_unsupported=True, compiles=True,
+                    env={"backend": "flashinfer.VariableBlockSparseAttentionWrapper",
+                         "package_version": flashinfer.__version__},
+                    phases={"mask_mode": "block grid from the slices", "lse": "converted from log2"})
+    return kernel
 
 
 def flashmask_adapter(p: Problem, torch: Any, device: Any) -> Kernel:

@@ -680,6 +680,31 @@ def test_encodings():
                 check(f"encodings {label}: flashmask columns decode back", (decoded == want).all())
             else:
                 check(f"encodings {label}: flashmask refused with a reason ({why})", bool(why))
+    def expand(grid, index):
+        rows, cols, kept = grid
+        dense = np.zeros((rows[-1], cols[-1]), bool)
+        for i, j in zip(*np.nonzero(kept[index])):
+            dense[rows[i]:rows[i + 1], cols[j]:cols[j + 1]] = True
+        return dense
+
+    rng = np.random.default_rng(5)
+    variable = []
+    for size in (8, 16):  # two heads' patterns on different block sizes: a shared finer grid
+        edges = list(range(0, s + 1, size))
+        variable.append({"seqlen_q": s, "seqlen_k": s, "slices": [
+            {"q": [a, b], "k": [c, d], "kind": "full"}
+            for a, b in zip(edges[:-1], edges[1:]) for c, d in zip(edges[:-1], edges[1:]) if rng.random() < 0.4]})
+    grid, why = bridge.block_grid(variable)
+    check(f"encodings: block grid of two block sizes ({why})", grid is not None
+          and all((expand(grid, i) == dense_reference(m)).all() for i, m in enumerate(variable)))
+    for name, mset in mask_sets(s).items():
+        grid, why = bridge.block_grid(mset["masks"])
+        if grid is None:
+            check(f"encodings {name}: block grid refused with a reason ({why})", "slices" in why and any(
+                sl["kind"] != "full" for m in mset["masks"] for sl in m["slices"]))
+        else:
+            check(f"encodings {name}: block grid decodes back", all(
+                (expand(grid, i) == dense_reference(m)).all() for i, m in enumerate(mset["masks"])))
     sets = mask_sets(s)
     forms = {name: bridge.classify(sets[name]["masks"][0]) for name in ("causal", "full", "causal_document", "sliding_window")}
     check(f"encodings: classify {forms}", forms == {"causal": "causal", "full": "full", "causal_document": None,
