@@ -1274,8 +1274,16 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
     indices = [0] if shared is not None else list(range(len(p.masks)))
     single = all((p.intervals(i)[2] <= 1).all() for i in range(len(p.masks)))
     form = classify(shared) if shared is not None else None
-    mode = {"full": "none", "causal": "causal"}.get(form, "row intervals" if single else "dense")
+    # Full blocks on flex's block sizes need no mask_mod at all: preferred to any table.
+    grid, _ = block_grid(masks) if form is None else (None, "")
+    block = next((b for b in FLEX_BLOCKS if grid is not None and all(
+        (edges % b == 0).all() for edges in grid[:2])), None)
+    mode = {"full": "none", "causal": "causal"}.get(
+        form, "blocks" if block else "row intervals" if single else "dense")
     s, count = p.seqlen, len(masks)
+    if mode == "dense" and count * s * -(-s // 8) >= 1 << 31:
+        raise Unsupported(f"flex would read a {count}×{s}×{s} bit table in mask_mod, past the 2³¹ elements its "
+                          "32-bit index arithmetic can address; the mask has no exact block or interval form")
     per_group = shared is None and p.mask_set["scope"] == "per_kv_group"
     state: Dict[str, Any] = {"block_mask": None}
     kernel = Kernel(call=None, refusal_is_unsupported=cpu, compiles=True,
@@ -1283,9 +1291,11 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
                     env={"backend": "torch.compile(flex_attention, dynamic=False) with create_block_mask"})
     kernel.phases["mask_mode"] = {"none": "no block mask (full)", "causal": "mask_mod q >= kv",
                                   "row intervals": "mask_mod reads per-row key intervals",
-                                  "dense": "mask_mod reads a dense boolean mask"}[mode]
-    table_bytes = count * s * 16 if mode == "row intervals" else count * s * s if mode == "dense" else 0
-    kernel.extra_bytes = table_bytes + (2 * count * s * s if mode != "none" else 0)  # create_block_mask materialises the mask
+                                  "blocks": f"full {block}-token blocks from the masks' block grid (no mask_mod)",
+                                  "dense": "mask_mod reads a bit-packed dense mask"}[mode]
+    table_bytes = {"row intervals": count * s * 16, "dense": count * s * -(-s // 8)}.get(mode, 0)
+    # create_block_mask evaluates the mask over S × S; a block grid needs none of that.
+    kernel.extra_bytes = table_bytes + (2 * count * s * s if mode not in ("none", "blocks") else 0)
 
     def head_of(h: Any) -> Any:
         return h // p.group if per_group else h
@@ -1295,7 +1305,9 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
             return
         start = time.perf_counter()
         tables: List[Any] = []
-        if mode == "causal":
+        if mode == "blocks":
+            block_mask = flex_block_mask(p, torch, device, flex, grid, block)
+        elif mode == "causal":
             mask_mod = lambda b, h, q, kv: q >= kv  # noqa: E731
         elif mode == "row intervals":
             lo = torch.from_numpy(np.stack([p.intervals(i)[0] for i in indices])).to(device, torch.int32)
@@ -1307,14 +1319,16 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
             else:
                 mask_mod = lambda b, h, q, kv: (kv >= lo[head_of(h), q]) & (kv < hi[head_of(h), q])  # noqa: E731
         else:
-            dense = torch.stack([dense_mask(m, torch, device) for m in masks])
-            tables = [dense]
+            # Bits, not bytes: 8× less memory, and 8× further before flex's 32-bit indexing ends.
+            bits = torch.stack([pack_bits(torch, dense_mask(m, torch, device)) for m in masks])
+            tables = [bits]
             if count == 1:
-                dense0 = dense[0]
-                mask_mod = lambda b, h, q, kv: dense0[q, kv]  # noqa: E731
+                bits0 = bits[0]
+                mask_mod = lambda b, h, q, kv: ((bits0[q, kv // 8].int() >> (kv % 8)) & 1) == 1  # noqa: E731
             else:
-                mask_mod = lambda b, h, q, kv: dense[head_of(h), q, kv]  # noqa: E731
-        block_mask = flex.create_block_mask(mask_mod, None, None if count == 1 else p.heads_q, s, s, device=device)
+                mask_mod = lambda b, h, q, kv: ((bits[head_of(h), q, kv // 8].int() >> (kv % 8)) & 1) == 1  # noqa: E731
+        if mode != "blocks":
+            block_mask = flex.create_block_mask(mask_mod, None, None if count == 1 else p.heads_q, s, s, device=device)
         synchronize(torch, device, kernel)
         parts = [getattr(block_mask, n, None) for n in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks",
                                                          "full_kv_indices", "q_num_blocks", "q_indices",
@@ -1331,6 +1345,37 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
 
     kernel.call, kernel.setup = call, setup
     return kernel
+
+
+FLEX_BLOCKS = (128, 64)  # block sizes of a BlockMask built from a block grid, preferred first
+
+
+def pack_bits(torch: Any, dense: Any) -> Any:
+    """[S, S] booleans as [S, ceil(S/8)] bytes, key k in bit k % 8 of byte k // 8."""
+    rows, cols = dense.shape
+    padded = torch.zeros((rows, -(-cols // 8) * 8), dtype=torch.uint8, device=dense.device)
+    padded[:, :cols] = dense
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=dense.device)
+    return (padded.view(rows, -1, 8) * weights).sum(-1, dtype=torch.uint8)
+
+
+def flex_block_mask(p: Problem, torch: Any, device: Any, flex: Any, grid: Tuple[Any, Any, Any], block: int) -> Any:
+    """A BlockMask listing the kept blocks of a block grid whose edges fall on `block`: every kept
+    block is full, so flex never evaluates a mask_mod and nothing of size S × S exists."""
+    np = _np()
+    rows, cols, kept = grid
+    n = p.seqlen // block
+    row_cell = np.searchsorted(rows, np.arange(n) * block, side="right") - 1
+    col_cell = np.searchsorted(cols, np.arange(n) * block, side="right") - 1
+    per_block = kept[:, row_cell][:, :, col_cell]  # [mask, q block, kv block]
+    # One pattern for every head (H = 1 broadcasts), or each query head's own.
+    heads = [p.mask_index(h) for h in range(p.heads_q)] if len(kept) > 1 else [0]
+    chosen = per_block[heads]  # [H, q block, kv block]
+    order = np.argsort(~chosen, axis=-1, kind="stable")  # kept kv blocks first, in order
+    full_indices = torch.from_numpy(order[None].astype(np.int32)).to(device)
+    full_counts = torch.from_numpy(chosen.sum(-1)[None].astype(np.int32)).to(device)
+    return flex.BlockMask.from_kv_blocks(torch.zeros_like(full_counts), torch.zeros_like(full_indices),
+                                         full_counts, full_indices, BLOCK_SIZE=block, seq_lengths=(p.seqlen, p.seqlen))
 
 
 FLASH_MODULES = {"fa2": "flash_attn", "fa3": "flash_attn_interface", "fa4": "flash_attn.cute"}

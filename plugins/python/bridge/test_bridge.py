@@ -585,6 +585,24 @@ def test_torch(bridge, report, quick):
             check(f"flex {name}: compile and mask phases recorded", "compile_s" in result["phases"]
                   and "mask_build_s" in result["phases"], json.dumps(result["phases"]))
     expect_unsupported(bridge, "flex backward on cpu", case.params("flex", sets["causal"], "fwd_bwd"), "forward only")
+    # Block-sparse masks become a BlockMask of full blocks (no mask_mod); others a bit table.
+    big, rng = Case(s=256), np.random.default_rng(3)
+
+    def blocks(size):  # the diagonal block and about half of the others
+        return [sl(a, a + size, c, c + size, "full") for a in range(0, 256, size) for c in range(0, 256, size)
+                if a == c or rng.random() < 0.5]
+
+    lower = [sl(0, 128, 0, 128, "full"), sl(128, 256, 0, 256, "full")]  # one key interval per row, on blocks
+    for name, mset, mode in (("block_sparse_128", mask_set("block_sparse_128", 256, [lower]), "128-token blocks"),
+                             ("block_sparse_64_128", mask_set("block_sparse_mixed", 256, [blocks(64), blocks(128)],
+                                                              scope="per_kv_group"), "64-token blocks"),
+                             ("global_window", mask_set("global_window", 256, [window(256, 8) + [sl(0, 256, 0, 4, "full")]]),
+                              "bit-packed")):
+        params = big.params("flex", mset, "fwd")
+        result = run_ok(bridge, f"flex {name} fwd on cpu", params)
+        if result:
+            big.compare(f"flex {name}", name, mset, params, result, 1e-5, expect_lse=False)
+            check(f"flex {name}: {mode}", mode in result["phases"].get("mask_mode", ""), json.dumps(result["phases"]))
 
 
 def test_gpu(bridge, report):
