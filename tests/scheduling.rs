@@ -58,27 +58,42 @@ fn independent_nodes_overlap_and_exclusive_ones_run_alone() {
     }
 }
 
+/// Runs `p.yaml` with one job, sends SIGTERM after `after_ms` (to the whole process group when
+/// `group`), and returns how the run ended and how long after the signal.
+fn stop_after(sandbox: &Sandbox, after_ms: u64, group: bool) -> (std::process::Output, f64) {
+    use std::os::unix::process::CommandExt;
+    let mut command = sandbox.command(&["run", "p.yaml", "-j", "1", "-q"]);
+    if group {
+        command.process_group(0);
+    }
+    let child = command
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("attnbench starts");
+    std::thread::sleep(std::time::Duration::from_millis(after_ms));
+    let stopped = std::time::Instant::now();
+    let target = if group {
+        -(child.id() as i32)
+    } else {
+        child.id() as i32
+    };
+    // SAFETY: signals the child (or the process group) this test just made.
+    unsafe { libc::kill(target, libc::SIGTERM) };
+    let output = child.wait_with_output().expect("attnbench ends");
+    (output, stopped.elapsed().as_secs_f64())
+}
+
 /// `timeout` and batch schedulers signal the whole process group, workers included: the node
 /// running in a worker still finishes instead of being recorded as crashed.
 #[test]
 fn sigterm_to_the_process_group_spares_running_worker_nodes() {
-    use std::os::unix::process::CommandExt;
     let sandbox = Sandbox::new();
     sandbox.write(
         "p.yaml",
         "stages:\n  work:\n    uses: testkit/echo-worker\n    with: {sleep_ms: 700}\n    matrix: {value: [1, 2, 3, 4]}\n",
     );
-    let child = sandbox
-        .command(&["run", "p.yaml", "-j", "1", "-q"])
-        .process_group(0)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("attnbench starts");
-    std::thread::sleep(std::time::Duration::from_millis(1000));
-    // SAFETY: signals the process group this test just made.
-    unsafe { libc::kill(-(child.id() as i32), libc::SIGTERM) };
-    let output = child.wait_with_output().expect("attnbench ends");
+    let (output, _) = stop_after(&sandbox, 1000, true);
     assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
     let statuses = sandbox.statuses();
     assert!(
@@ -95,16 +110,7 @@ fn sigterm_lets_running_nodes_finish_and_writes_the_record() {
         "p.yaml",
         "stages:\n  work:\n    uses: testkit/echo-worker\n    with: {sleep_ms: 700}\n    matrix: {value: [1, 2, 3, 4, 5, 6]}\n",
     );
-    let child = sandbox
-        .command(&["run", "p.yaml", "-j", "1", "-q"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("attnbench starts");
-    std::thread::sleep(std::time::Duration::from_millis(1200));
-    // SAFETY: signals our own child process.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    let output = child.wait_with_output().expect("attnbench ends");
+    let (output, _) = stop_after(&sandbox, 1200, false);
     assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
     let statuses = sandbox.statuses();
     let ok = statuses.values().filter(|s| *s == "ok").count();
@@ -130,18 +136,7 @@ fn a_node_that_outlasts_the_stop_grace_is_interrupted_and_the_record_written() {
         "p.yaml",
         "stages:\n  work:\n    uses: testkit/echo-worker\n    with: {sleep_ms: 60000}\n    matrix: {value: [1, 2]}\n",
     );
-    let child = sandbox
-        .command(&["run", "p.yaml", "-j", "1", "-q"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("attnbench starts");
-    std::thread::sleep(std::time::Duration::from_millis(1000));
-    let stopped = std::time::Instant::now();
-    // SAFETY: signals our own child process.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    let output = child.wait_with_output().expect("attnbench ends");
-    let waited = stopped.elapsed().as_secs_f64();
+    let (output, waited) = stop_after(&sandbox, 1000, false);
     assert!(
         (9.0..30.0).contains(&waited),
         "ended {waited:.1}s after the stop"
