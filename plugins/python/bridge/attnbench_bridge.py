@@ -1347,7 +1347,9 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
     return kernel
 
 
-FLEX_BLOCKS = (128, 64)  # block sizes of a BlockMask built from a block grid, preferred first
+# Block sizes of a BlockMask built from a block grid. 128 is flex's own: its kernels' tiles divide
+# it under their default settings (smaller sparse blocks need tuned tile sizes).
+FLEX_BLOCKS = (128,)
 
 
 def pack_bits(torch: Any, dense: Any) -> Any:

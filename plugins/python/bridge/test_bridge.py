@@ -594,8 +594,9 @@ def test_torch(bridge, report, quick):
 
     lower = [sl(0, 128, 0, 128, "full"), sl(128, 256, 0, 256, "full")]  # one key interval per row, on blocks
     for name, mset, mode in (("block_sparse_128", mask_set("block_sparse_128", 256, [lower]), "128-token blocks"),
-                             ("block_sparse_64_128", mask_set("block_sparse_mixed", 256, [blocks(64), blocks(128)],
-                                                              scope="per_kv_group"), "64-token blocks"),
+                             ("block_sparse_128_per_group", mask_set("block_sparse_128", 256, [blocks(128), lower],
+                                                                     scope="per_kv_group"), "128-token blocks"),
+                             ("block_sparse_64", mask_set("block_sparse_64", 256, [blocks(64)]), "bit-packed"),
                              ("global_window", mask_set("global_window", 256, [window(256, 8) + [sl(0, 256, 0, 4, "full")]]),
                               "bit-packed")):
         params = big.params("flex", mset, "fwd")
