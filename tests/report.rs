@@ -246,3 +246,57 @@ fn report_merges_runs_and_keeps_the_newest_record_of_a_cell() {
         stderr(&nothing)
     );
 }
+
+/// Records carried between caches keep their age: an older run imported after a newer one does
+/// not take the newer one's place in a merged report (the copies get new file times; their cache
+/// entries keep the time they were made).
+#[test]
+fn an_imported_older_record_does_not_replace_a_newer_one() {
+    let run = |sandbox: &Sandbox, min_reps: &str| {
+        sandbox.write("short.json", r#"{"[16,64)": 1, "[64,200)": 1}"#);
+        sandbox.write("p.yaml", PIPELINE);
+        let output = sandbox.run(&[
+            "run",
+            "p.yaml",
+            "-q",
+            "--set",
+            "stages.report.uses=report/table",
+            "--set",
+            "stages.masks.matrix.seqlen=[256]",
+            "--set",
+            "stages.bench.matrix.kernel=[tiled]",
+            "--set",
+            &format!("stages.bench.with.min_reps={min_reps}"),
+            "--set",
+            "stages.bench.with.max_time_s=0.000001",
+        ]);
+        assert!(output.status.success(), "{}", stderr(&output));
+    };
+    let older = Sandbox::new();
+    run(&older, "2");
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    let newer = Sandbox::new();
+    run(&newer, "3");
+    let carried = older.path().join("carried");
+    let export = older.run(&["cache", "export", carried.to_str().unwrap()]);
+    assert!(export.status.success(), "{}", stderr(&export));
+    let import = newer.run(&["cache", "import", carried.to_str().unwrap()]);
+    assert!(import.status.success(), "{}", stderr(&import));
+
+    let out = newer.path().join("merged");
+    let cache = newer.cache();
+    let report = newer.run(&[
+        "report",
+        "--table",
+        "--out",
+        out.to_str().unwrap(),
+        cache.to_str().unwrap(),
+    ]);
+    assert!(report.status.success(), "{}", stderr(&report));
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
+    assert_eq!(rows.len(), 4, "one row per cell");
+    for row in &rows {
+        assert_eq!(row["time_s"]["n"], 3, "the newer run's record: {row}");
+    }
+}

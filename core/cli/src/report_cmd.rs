@@ -35,7 +35,8 @@ pub struct ReportArgs {
 /// One measurement found on disk, with what identifies its cell.
 struct Found {
     cell: String,
-    modified: SystemTime,
+    /// When it was recorded (see [`recorded_at`]): the newest record of a cell wins.
+    recorded: (SystemTime, SystemTime),
     input: InputArtifact,
 }
 
@@ -56,7 +57,7 @@ pub fn run(args: ReportArgs, plugin_dirs: &[PathBuf]) -> Result<ExitCode> {
     let mut cells: BTreeMap<String, Found> = BTreeMap::new();
     for item in found {
         match cells.get(&item.cell) {
-            Some(kept) if kept.modified > item.modified => {}
+            Some(kept) if kept.recorded > item.recorded => {}
             _ => {
                 cells.insert(item.cell.clone(), item);
             }
@@ -148,6 +149,25 @@ fn walk(dir: &Path, found: &mut Vec<Found>) -> Result<()> {
     Ok(())
 }
 
+/// When a record was made: the creation time of its cache entry (to the second), which `cache
+/// export` and `cache import` carry along where copies get new file times; then the file's
+/// modification time.
+fn recorded_at(path: &Path) -> (SystemTime, SystemTime) {
+    let entry = path
+        .parent()
+        .and_then(Path::parent)
+        .map(|dir| dir.join("entry.json"));
+    let modified = std::fs::metadata(path)
+        .and_then(|m| m.modified())
+        .unwrap_or(SystemTime::UNIX_EPOCH);
+    let created = entry
+        .and_then(|entry| std::fs::read(entry).ok())
+        .and_then(|bytes| serde_json::from_slice::<Value>(&bytes).ok())
+        .and_then(|meta| humantime::parse_rfc3339(meta["created"].as_str()?).ok())
+        .unwrap_or(modified);
+    (created, modified)
+}
+
 /// The artifact in `dir` if it holds a measurement record or cost-model predictions.
 fn read_artifact(
     dir: &Path,
@@ -177,12 +197,9 @@ fn read_artifact(
     } else {
         return Ok(None);
     };
-    let modified = std::fs::metadata(&path)
-        .and_then(|m| m.modified())
-        .unwrap_or(SystemTime::UNIX_EPOCH);
     Ok(Some(Found {
         cell,
-        modified,
+        recorded: recorded_at(&path),
         input: InputArtifact {
             node: node.to_string(),
             uses: uses.to_string(),

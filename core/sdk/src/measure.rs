@@ -227,10 +227,16 @@ impl HarnessParams {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Timing {
     pub samples: Vec<f64>,
-    /// Half-width of the median's 95% confidence interval, relative to the median.
+    /// Half-width of the median's 95% confidence interval, relative to the median; infinite
+    /// (`null` in JSON, which has no infinity) when too few samples bound it.
+    #[serde(deserialize_with = "infinite_if_null")]
     pub rel_ci: f64,
     /// Why repetitions stopped: `stable`, `time cap` or `max reps`.
     pub stopped: String,
+}
+
+fn infinite_if_null<'de, D: serde::Deserializer<'de>>(value: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(value)?.unwrap_or(f64::INFINITY))
 }
 
 impl Harness {
@@ -459,6 +465,19 @@ impl Predictions {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unbounded_interval_survives_its_json_round_trip() {
+        let timing = Timing {
+            samples: vec![1.0, 2.0],
+            rel_ci: f64::INFINITY,
+            stopped: "time cap".into(),
+        };
+        let text = serde_json::to_string(&timing).unwrap();
+        assert!(text.contains("\"rel_ci\":null"), "{text}");
+        let back: Timing = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, timing);
+    }
 
     #[test]
     fn quantiles_interpolate() {
