@@ -296,8 +296,16 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
             host.info("compiling the naive kernel's row kernels with NVRTC");
             state.naive = Some(naive::compile(&state.gpu)?);
         }
+        // Where a cell's time goes besides its repetitions, as the Python plugin reports it.
+        let mut phases = serde_json::Map::new();
+        let mut clock = std::time::Instant::now();
+        let mut lap = |phases: &mut serde_json::Map<String, Value>, name: &str| {
+            phases.insert(name.into(), json!(clock.elapsed().as_secs_f64()));
+            clock = std::time::Instant::now();
+        };
         let masks = HeadMasks::new(&set, &shape);
         let inputs = Inputs::random_as(&shape, request.seed, element);
+        lap(&mut phases, "inputs_s");
         let gpu = &state.gpu;
         let base = gpu.memory.current();
         gpu.memory.reset_peak();
@@ -318,6 +326,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
             }
             other => other?,
         };
+        lap(&mut phases, "upload_s");
         problem.forward(gpu)?;
         if backward {
             problem.backward(gpu)?;
@@ -328,6 +337,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
             dk: g.dk,
             dv: g.dv,
         });
+        lap(&mut phases, "first_run_s");
         if p.common.outputs {
             let tensors = [
                 Some(&forward.out),
@@ -358,6 +368,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
             tolerance(element),
         ));
         drop((forward, grads, inputs));
+        lap(&mut phases, "check_s");
         measurement
             .environment
             .insert("clocks_before".into(), nvml::clocks());
@@ -372,6 +383,10 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         };
         let peak = gpu.memory.peak() - base;
         drop(problem);
+        lap(&mut phases, "timing_s");
+        measurement
+            .environment
+            .insert("phases".into(), Value::Object(phases));
         measurement
             .environment
             .insert("clocks_after".into(), nvml::clocks());
