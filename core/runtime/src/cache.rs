@@ -123,7 +123,7 @@ pub struct Entry {
 }
 
 pub enum Lookup {
-    Hit(Entry),
+    Hit(Box<Entry>),
     Miss,
     /// The entry exists but does not match its digests; it has been removed.
     Corrupted(String),
@@ -196,7 +196,7 @@ impl Cache {
             return Lookup::Miss;
         }
         match self.verify_dir(&dir) {
-            Ok(entry) => Lookup::Hit(entry),
+            Ok(entry) => Lookup::Hit(Box::new(entry)),
             Err(reason) => {
                 self.discard(&dir);
                 Lookup::Corrupted(reason)

@@ -9,6 +9,9 @@ use serde_json::{Map, Value};
 use crate::diagnostic::{Diagnostic, Origin};
 use crate::pipeline::{Pipeline, PipelineError, Stage};
 
+/// A node's matrix coordinates: (axis, value) pairs.
+type Coords = Vec<(String, String)>;
+
 /// One unit of work: a stage with one assignment of its matrix, for one combination of upstream nodes.
 #[derive(Debug, Clone)]
 pub struct Node {
@@ -41,8 +44,7 @@ impl Plan {
         for (stage_index, stage) in pipeline.stages.iter().enumerate() {
             // Combinations of upstream nodes: a natural join on shared matrix keys, so a stage that
             // fans out over two stages of one matrix pairs the nodes that belong together.
-            let mut combos: Vec<(Vec<(String, String)>, Vec<usize>)> =
-                vec![(Vec::new(), Vec::new())];
+            let mut combos: Vec<(Coords, Vec<usize>)> = vec![(Vec::new(), Vec::new())];
             for &upstream in &stage.fan_out {
                 let mut joined = Vec::new();
                 for (coords, inputs) in &combos {
@@ -138,7 +140,7 @@ impl Plan {
     }
 }
 
-fn join(left: &[(String, String)], right: &[(String, String)]) -> Option<Vec<(String, String)>> {
+fn join(left: &[(String, String)], right: &[(String, String)]) -> Option<Coords> {
     let mut merged = left.to_vec();
     for (key, value) in right {
         match left.iter().find(|(k, _)| k == key) {

@@ -494,7 +494,7 @@ fn run_node(shared: &Shared, task: Task) -> Finished {
     if !shared.forced[index] {
         match shared.cache.lookup(&key) {
             Lookup::Hit(entry) => {
-                let output = hit(&mut record, entry);
+                let output = hit(&mut record, *entry);
                 return Finished {
                     node: index,
                     record,
@@ -518,7 +518,7 @@ fn run_node(shared: &Shared, task: Task) -> Finished {
     if !shared.forced[index] {
         // Another run may have computed it while this one waited for the lock.
         if let Lookup::Hit(entry) = shared.cache.lookup(&key) {
-            let output = hit(&mut record, entry);
+            let output = hit(&mut record, *entry);
             return Finished {
                 node: index,
                 record,

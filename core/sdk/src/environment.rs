@@ -103,6 +103,16 @@ fn driver_version(text: &str) -> Option<String> {
         .map(String::from)
 }
 
+impl Environment {
+    /// The environment as a JSON object, for measurement records.
+    pub fn to_map(&self) -> serde_json::Map<String, serde_json::Value> {
+        match serde_json::to_value(self) {
+            Ok(serde_json::Value::Object(map)) => map,
+            _ => serde_json::Map::new(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -118,15 +128,5 @@ mod tests {
             vec!["NVIDIA H200 (driver 580.159.04)"; 2]
         );
         assert!(gpu_names(&[], None).is_empty());
-    }
-}
-
-impl Environment {
-    /// The environment as a JSON object, for measurement records.
-    pub fn to_map(&self) -> serde_json::Map<String, serde_json::Value> {
-        match serde_json::to_value(self) {
-            Ok(serde_json::Value::Object(map)) => map,
-            _ => serde_json::Map::new(),
-        }
     }
 }

@@ -312,11 +312,11 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         let uploaded = match (&state.flash, &state.naive) {
             (Some(kernels), _) if flash => {
                 flash::Problem::upload(gpu, kernels, shape, element, &masks, &inputs, backward)
-                    .map(Problem::Flash)
+                    .map(|problem| Problem::Flash(Box::new(problem)))
             }
             (_, Some(kernels)) => {
                 naive::Problem::upload(gpu, kernels, shape, element, &masks, &inputs, backward)
-                    .map(Problem::Naive)
+                    .map(|problem| Problem::Naive(Box::new(problem)))
             }
             _ => unreachable!("the kernel was compiled above"),
         };
@@ -407,8 +407,8 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
 
 /// One kernel's device problem.
 enum Problem {
-    Naive(naive::Problem),
-    Flash(flash::Problem),
+    Naive(Box<naive::Problem>),
+    Flash(Box<flash::Problem>),
 }
 
 impl Problem {

@@ -347,9 +347,10 @@ pub struct FlashMask {
 impl FlashMask {
     pub fn allows(&self, q: u64, k: u64) -> bool {
         let j = k as usize;
-        !(self.causal && q < k)
-            && !(self.lts[j] <= q && q < self.lte[j])
-            && !(self.uts[j] <= q && q < self.ute[j])
+        let masked_causally = self.causal && q < k;
+        let in_lower_band = self.lts[j] <= q && q < self.lte[j];
+        let in_upper_band = self.uts[j] <= q && q < self.ute[j];
+        !(masked_causally || in_lower_band || in_upper_band)
     }
 }
 
