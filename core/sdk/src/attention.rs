@@ -17,7 +17,7 @@ use attnbench_abi::abi_stable::std_types::{RResult, RSlice, RStr};
 use attnbench_abi::PluginModRef;
 pub use attnbench_abi::{AttentionCall, DType, Memory};
 
-use crate::mask::Mask;
+use crate::mask::{BlockMask, Mask};
 use crate::PluginManifest;
 
 /// A mask restricted to a block: row `r` of the block may see the local keys
@@ -91,6 +91,72 @@ impl RowIntervals {
             .chunks_exact(2)
             .map(|pair| (pair[0] as usize, pair[1] as usize))
     }
+
+    /// The block mask of these rows over `k_len` keys at `block_q × block_k` tiles: what
+    /// [`Mask::block_mask`] gives for the mask they were restricted from. A tile is full when
+    /// every row of it allows every key of it, partial when some row allows some key.
+    pub fn block_mask(&self, k_len: u64, block_q: u64, block_k: u64) -> BlockMask {
+        assert!(block_q > 0 && block_k > 0, "tile sizes must be positive");
+        let q_len = (self.row_start.len() - 1) as u64;
+        let k_tiles = k_len.div_ceil(block_k) as usize;
+        let mut result = BlockMask {
+            block_q,
+            block_k,
+            seqlen_q: q_len,
+            seqlen_k: k_len,
+            row_start: Vec::new(),
+            key_tiles: Vec::new(),
+            full: Vec::new(),
+        };
+        // Per key tile of one band of rows: rows covering it whole, rows touching it.
+        let (mut covering, mut touching) = (vec![0i64; k_tiles + 1], vec![0i64; k_tiles + 1]);
+        for t in 0..q_len.div_ceil(block_q) {
+            result.row_start.push(result.key_tiles.len());
+            let (r0, r1) = (t * block_q, ((t + 1) * block_q).min(q_len));
+            covering.iter_mut().for_each(|c| *c = 0);
+            touching.iter_mut().for_each(|c| *c = 0);
+            for r in r0..r1 {
+                for (a, b) in merged(self.row(r as usize)) {
+                    let (a, b) = (a as u64, b as u64);
+                    touching[(a / block_k) as usize] += 1;
+                    touching[((b - 1) / block_k) as usize + 1] -= 1;
+                    let first = a.div_ceil(block_k);
+                    let end = if b >= k_len {
+                        k_tiles as u64
+                    } else {
+                        b / block_k
+                    };
+                    if first < end {
+                        covering[first as usize] += 1;
+                        covering[end as usize] -= 1;
+                    }
+                }
+            }
+            let (mut covered, mut touched) = (0, 0);
+            for kt in 0..k_tiles {
+                covered += covering[kt];
+                touched += touching[kt];
+                if touched > 0 {
+                    result.key_tiles.push(kt as u32);
+                    result.full.push(covered == (r1 - r0) as i64);
+                }
+            }
+        }
+        result.row_start.push(result.key_tiles.len());
+        result
+    }
+}
+
+/// Intervals with the touching ones joined: [0, 5) and [5, 9) cover a tile as [0, 9) does.
+fn merged(intervals: impl Iterator<Item = (usize, usize)>) -> Vec<(usize, usize)> {
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    for (a, b) in intervals {
+        match out.last_mut() {
+            Some(last) if last.1 == a => last.1 = b,
+            _ => out.push((a, b)),
+        }
+    }
+    out
 }
 
 /// One block on the host, in f64: the shape of an [`AttentionCall`] and its mask.

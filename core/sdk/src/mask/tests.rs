@@ -212,6 +212,17 @@ fn rows_whose_keys_end_before_the_query_are_refused_as_varlen_not_a_panic() {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
 
+    /// The tiles a kernel visits come out the same from a mask's slices and from its rows.
+    #[test]
+    fn block_masks_from_rows_equal_those_from_slices(
+        mask in mask(), block_q in 1u64..40, block_k in 1u64..40,
+    ) {
+        let rows: Vec<u32> = (0..mask.seqlen_q as u32).collect();
+        let keys: Vec<u32> = (0..mask.seqlen_k as u32).collect();
+        let block = crate::attention::RowIntervals::restrict(&mask, &rows, &keys);
+        prop_assert_eq!(block.block_mask(mask.seqlen_k, block_q, block_k), mask.block_mask(block_q, block_k));
+    }
+
     /// A block's row intervals say exactly what the mask allows between the block's rows and
     /// keys, whatever positions the block holds and in whatever order.
     #[test]
