@@ -92,6 +92,34 @@ impl RowIntervals {
             .map(|pair| (pair[0] as usize, pair[1] as usize))
     }
 
+    /// A call's rows, checked: one start per row and one more, increasing from 0, and each
+    /// interval non-empty and within the block's keys.
+    pub fn of_call(call: &AttentionCall<'_>) -> Result<RowIntervals, String> {
+        let rows = RowIntervals {
+            row_start: call.row_start.as_slice().to_vec(),
+            intervals: call.intervals.as_slice().to_vec(),
+        };
+        let q_len = call.q_len as usize;
+        if rows.row_start.len() != q_len + 1
+            || rows.row_start.first() != Some(&0)
+            || rows.row_start.windows(2).any(|w| w[0] > w[1])
+            || *rows.row_start.last().unwrap_or(&0) as usize * 2 != rows.intervals.len()
+            || rows
+                .intervals
+                .chunks_exact(2)
+                .any(|p| p[0] >= p[1] || p[1] as u64 > call.k_len)
+        {
+            return Err(format!(
+                "malformed mask: {} row starts and {} interval bounds for {} rows of {} keys",
+                rows.row_start.len(),
+                rows.intervals.len(),
+                q_len,
+                call.k_len
+            ));
+        }
+        Ok(rows)
+    }
+
     /// The block mask of these rows over `k_len` keys at `block_q × block_k` tiles: what
     /// [`Mask::block_mask`] gives for the mask they were restricted from. A tile is full when
     /// every row of it allows every key of it, partial when some row allows some key.
@@ -268,33 +296,6 @@ impl HostBlock<'_> {
     }
 }
 
-/// The rows-as-intervals of a call, owned (the ABI lends them as slices).
-fn rows_of(call: &AttentionCall<'_>) -> Result<RowIntervals, String> {
-    let rows = RowIntervals {
-        row_start: call.row_start.as_slice().to_vec(),
-        intervals: call.intervals.as_slice().to_vec(),
-    };
-    let q_len = call.q_len as usize;
-    if rows.row_start.len() != q_len + 1
-        || rows.row_start.first() != Some(&0)
-        || rows.row_start.windows(2).any(|w| w[0] > w[1])
-        || *rows.row_start.last().unwrap_or(&0) as usize * 2 != rows.intervals.len()
-        || rows
-            .intervals
-            .chunks_exact(2)
-            .any(|p| p[0] >= p[1] || p[1] as u64 > call.k_len)
-    {
-        return Err(format!(
-            "malformed mask: {} row starts and {} interval bounds for {} rows of {} keys",
-            rows.row_start.len(),
-            rows.intervals.len(),
-            q_len,
-            call.k_len
-        ));
-    }
-    Ok(rows)
-}
-
 /// Runs `call` on the host in f64 ([`HostBlock`]): the reference any backend can offer for
 /// host memory. Refuses, with the reason, what is not a host f64 call.
 pub fn run_on_host(call: &AttentionCall<'_>) -> Result<(), String> {
@@ -304,7 +305,7 @@ pub fn run_on_host(call: &AttentionCall<'_>) -> Result<(), String> {
             call.memory, call.input, call.output
         ));
     }
-    let rows = rows_of(call)?;
+    let rows = RowIntervals::of_call(call)?;
     let (hq, hkv, d) = (
         call.heads_q as usize,
         call.heads_kv as usize,

@@ -7,11 +7,14 @@
 //! transposed work list (the query tiles that touch it), dQ per query tile the forward one.
 //! The CUDA C is `kernels/flash.cu`.
 
+use std::ffi::c_void;
 use std::sync::Arc;
 
+use attnbench_sdk::attention::{AttentionCall, DType, Memory, RowIntervals};
+use attnbench_sdk::mask::BlockMask;
 use attnbench_sdk::reference::{Element, HeadMasks, Inputs, Shape};
 use attnbench_sdk::PluginError;
-use cudarc::driver::{CudaFunction, CudaModule, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
 
 use crate::gpu::{failed, Buffer, Gpu};
 use crate::naive::Grads;
@@ -52,6 +55,7 @@ pub fn unsupported(shape: &Shape, element: Element) -> Option<String> {
 /// each mask ordered longest list first; per mask and key tile, the query tiles that visit it
 /// (the backward's dK/dV); and per mask, every row's key intervals (CSR over one shared interval
 /// array).
+#[derive(Debug, PartialEq)]
 struct Tables {
     forward_tile_start: Vec<u32>,
     forward_tiles: Vec<u32>,
@@ -64,7 +68,49 @@ struct Tables {
     intervals: Vec<u32>,
 }
 
-fn tables(masks: &HeadMasks) -> Tables {
+/// One mask as the tables need it: its tiles at the forward's and the backward's sizes, and its
+/// rows' key intervals.
+struct MaskTiles {
+    forward: BlockMask,
+    backward: BlockMask,
+    rows: RowIntervals,
+}
+
+impl MaskTiles {
+    /// From a block's rows, as an in-process attention call brings them.
+    fn of_rows(rows: RowIntervals, k_len: u64) -> MaskTiles {
+        MaskTiles {
+            forward: rows.block_mask(k_len, FORWARD_TILE, TILE),
+            backward: rows.block_mask(k_len, TILE, TILE),
+            rows,
+        }
+    }
+
+    /// The masks of a benchmark's mask set, from their slices.
+    fn of_set(masks: &HeadMasks) -> Vec<MaskTiles> {
+        (0..masks.set.masks.len())
+            .map(|index| {
+                let mask = &masks.set.masks[index];
+                let mut rows = RowIntervals {
+                    row_start: vec![0],
+                    intervals: Vec::new(),
+                };
+                for row in masks.rows(index) {
+                    rows.intervals
+                        .extend(row.into_iter().flat_map(|(a, b)| [a, b]));
+                    rows.row_start.push((rows.intervals.len() / 2) as u32);
+                }
+                MaskTiles {
+                    forward: mask.block_mask(FORWARD_TILE, TILE),
+                    backward: mask.block_mask(TILE, TILE),
+                    rows,
+                }
+            })
+            .collect()
+    }
+}
+
+fn tables(masks: &[MaskTiles]) -> Tables {
     let mut t = Tables {
         forward_tile_start: vec![0],
         forward_tiles: Vec::new(),
@@ -76,8 +122,8 @@ fn tables(masks: &HeadMasks) -> Tables {
         row_start: Vec::new(),
         intervals: Vec::new(),
     };
-    for (index, mask) in masks.set.masks.iter().enumerate() {
-        let blocks = mask.block_mask(FORWARD_TILE, TILE);
+    for mask in masks {
+        let blocks = &mask.forward;
         let mut lengths = Vec::new();
         for q_tile in 0..blocks.q_tiles() as usize {
             let before = t.forward_tiles.len();
@@ -92,7 +138,7 @@ fn tables(masks: &HeadMasks) -> Tables {
         t.forward_order
             .extend(lengths.iter().map(|&(_, q_tile)| q_tile));
 
-        let blocks = mask.block_mask(TILE, TILE);
+        let blocks = &mask.backward;
         let mut by_key: Vec<Vec<u32>> = vec![Vec::new(); blocks.k_tiles() as usize];
         for q_tile in 0..blocks.q_tiles() as usize {
             for (k_tile, full) in blocks.row(q_tile) {
@@ -106,13 +152,10 @@ fn tables(masks: &HeadMasks) -> Tables {
             t.key_tiles.extend(list);
             t.key_tile_start.push(t.key_tiles.len() as u32);
         }
-        t.row_start.push((t.intervals.len() / 2) as u32);
-        for row in masks.rows(index) {
-            for (a, b) in row {
-                t.intervals.extend([a, b]);
-            }
-            t.row_start.push((t.intervals.len() / 2) as u32);
-        }
+        let base = (t.intervals.len() / 2) as u32;
+        t.row_start
+            .extend(mask.rows.row_start.iter().map(|&start| base + start));
+        t.intervals.extend_from_slice(&mask.rows.intervals);
     }
     // No buffer is empty.
     t.intervals.extend([0, 0]);
@@ -133,37 +176,92 @@ pub fn bytes_needed(shape: &Shape, element: Element, backward: bool) -> usize {
     forward + shape.q_len() * element.bytes() + lse + (shape.q_len() + 2 * shape.kv_len()) * 4
 }
 
-/// What only the backward pass needs.
-struct Backward {
-    d_out: Buffer<u8>,
-    delta: Buffer<f32>,
-    dq: Buffer<f32>,
-    dk: Buffer<f32>,
-    dv: Buffer<f32>,
-    key_tile_start: Buffer<u32>,
-    key_tiles: Buffer<u32>,
-    delta_kernel: CudaFunction,
-    dq_kernel: CudaFunction,
-    dkdv_kernel: CudaFunction,
+/// The kernels of one element type and head dimension.
+struct Functions {
+    forward: CudaFunction,
+    delta: CudaFunction,
+    dq: CudaFunction,
+    dkdv: CudaFunction,
 }
 
-pub struct Problem {
-    shape: Shape,
-    q: Buffer<u8>,
-    k: Buffer<u8>,
-    v: Buffer<u8>,
-    pub out: Buffer<f32>,
-    pub lse: Buffer<f32>,
+impl Kernels {
+    fn functions(&self, element: Element, head_dim: usize) -> Result<Functions, PluginError> {
+        let suffix = match element {
+            Element::F16 => "f16",
+            _ => "bf16",
+        };
+        let function = |kind: &str| {
+            let name = format!("flash_{kind}_{suffix}_d{head_dim}");
+            self.module
+                .load_function(&name)
+                .map_err(|err| PluginError::failed(format!("{name}: {err}")))
+        };
+        Ok(Functions {
+            forward: forward_kernel(function("forward")?, head_dim)?,
+            delta: function("delta")?,
+            dq: function("backward_dq")?,
+            dkdv: function("backward_dkdv")?,
+        })
+    }
+}
+
+/// A mask's work lists and row intervals on the device.
+struct DeviceTables {
     forward_tile_start: Buffer<u32>,
     forward_tiles: Buffer<u32>,
     forward_order: Buffer<u32>,
     tile_start: Buffer<u32>,
     tiles: Buffer<u32>,
+    key_tile_start: Buffer<u32>,
+    key_tiles: Buffer<u32>,
     row_start: Buffer<u32>,
     intervals: Buffer<u32>,
     mask_of_head: Buffer<i32>,
-    forward_kernel: CudaFunction,
-    grad: Option<Backward>,
+}
+
+impl DeviceTables {
+    fn upload(gpu: &Gpu, t: &Tables, mask_of_head: &[i32]) -> Result<DeviceTables, PluginError> {
+        Ok(DeviceTables {
+            forward_tile_start: gpu.upload("forward tile lists", &t.forward_tile_start)?,
+            forward_tiles: gpu.upload("forward tiles", &t.forward_tiles)?,
+            forward_order: gpu.upload("forward tile order", &t.forward_order)?,
+            tile_start: gpu.upload("tile lists", &t.tile_start)?,
+            tiles: gpu.upload("tiles", &t.tiles)?,
+            key_tile_start: gpu.upload("key tile lists", &t.key_tile_start)?,
+            key_tiles: gpu.upload("key tiles", &t.key_tiles)?,
+            row_start: gpu.upload("mask rows", &t.row_start)?,
+            intervals: gpu.upload("mask intervals", &t.intervals)?,
+            mask_of_head: gpu.upload("masks of heads", mask_of_head)?,
+        })
+    }
+}
+
+/// The sizes of one launch: query and key lengths are equal.
+#[derive(Clone, Copy)]
+pub struct Dims {
+    heads_q: usize,
+    heads_kv: usize,
+    len: usize,
+    head_dim: usize,
+    scale: f32,
+}
+
+/// Device addresses of a launch's tensors: Q, K, V (16-bit), O and LSE (f32); for the backward
+/// also dO (16-bit), D (scratch) and the f32 dQ, dK, dV.
+struct Tensors {
+    q: u64,
+    k: u64,
+    v: u64,
+    out: u64,
+    lse: u64,
+}
+
+struct GradTensors {
+    d_out: u64,
+    delta: u64,
+    dq: u64,
+    dk: u64,
+    dv: u64,
 }
 
 /// The forward kernel's dynamic shared memory: a Q tile and one K and one V tile, 16-bit.
@@ -190,6 +288,141 @@ fn grid(tiles: usize, heads: usize) -> LaunchConfig {
     }
 }
 
+/// O and LSE of `x` on `stream`.
+///
+/// # Safety
+/// The addresses hold the extents `dims` gives (Q, O: heads_q × len × head_dim; K, V: heads_kv ×
+/// len × head_dim; LSE: heads_q × len) and `tables` were built for this mask and length.
+unsafe fn launch_forward(
+    stream: &Arc<CudaStream>,
+    f: &Functions,
+    dims: Dims,
+    x: &Tensors,
+    t: &DeviceTables,
+) -> Result<(), PluginError> {
+    let addresses = [
+        x.q,
+        x.k,
+        x.v,
+        x.out,
+        x.lse,
+        t.forward_tile_start.address(stream),
+        t.forward_tiles.address(stream),
+        t.forward_order.address(stream),
+        t.row_start.address(stream),
+        t.intervals.address(stream),
+        t.mask_of_head.address(stream),
+    ];
+    let (len, group) = (dims.len as i32, (dims.heads_q / dims.heads_kv) as i32);
+    let scale_log2 = dims.scale * std::f32::consts::LOG2_E;
+    let mut launch = stream.launch_builder(&f.forward);
+    for address in &addresses {
+        launch.arg(address);
+    }
+    launch.arg(&len).arg(&group).arg(&scale_log2);
+    // One 128-thread CTA per (query head, 128-row query tile): the heads of a KV group sit side
+    // by side in the grid and read the same K and V tiles while they are in L2.
+    let config = LaunchConfig {
+        grid_dim: (
+            dims.heads_q as u32,
+            dims.len.div_ceil(FORWARD_TILE as usize) as u32,
+            1,
+        ),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: forward_shared_bytes(dims.head_dim),
+    };
+    // SAFETY: the caller vouches for the extents (above).
+    unsafe { launch.launch(config) }
+        .map(|_| ())
+        .map_err(failed("flash forward"))
+}
+
+/// dQ, dK and dV of `x` (its O and LSE from the forward) on `stream`.
+///
+/// # Safety
+/// As [`launch_forward`]; dO is heads_q × len × head_dim, D heads_q × len, dQ like Q, dK and dV
+/// like K.
+unsafe fn launch_backward(
+    stream: &Arc<CudaStream>,
+    f: &Functions,
+    dims: Dims,
+    x: &Tensors,
+    g: &GradTensors,
+    t: &DeviceTables,
+) -> Result<(), PluginError> {
+    let rows = (dims.heads_q * dims.len) as i32;
+    let mut launch = stream.launch_builder(&f.delta);
+    launch.arg(&g.d_out).arg(&x.out).arg(&g.delta).arg(&rows);
+    // SAFETY: D has one value per row of dO and O, which hold rows × d values.
+    unsafe { launch.launch(grid((rows as usize).div_ceil(4), 1)) }
+        .map_err(failed("flash backward (D)"))?;
+
+    let (len, group) = (dims.len as i32, (dims.heads_q / dims.heads_kv) as i32);
+    let scale_log2 = dims.scale * std::f32::consts::LOG2_E;
+    let inputs = [x.q, x.k, x.v, g.d_out, x.lse, g.delta];
+    let lists = |start: &Buffer<u32>, tiles: &Buffer<u32>| {
+        [
+            start.address(stream),
+            tiles.address(stream),
+            t.row_start.address(stream),
+            t.intervals.address(stream),
+            t.mask_of_head.address(stream),
+        ]
+    };
+    let tiles = dims.len.div_ceil(TILE as usize);
+    let launches = [
+        (
+            &f.dq,
+            vec![g.dq],
+            lists(&t.tile_start, &t.tiles),
+            grid(tiles, dims.heads_q),
+            "flash backward (dQ)",
+        ),
+        (
+            &f.dkdv,
+            vec![g.dk, g.dv],
+            lists(&t.key_tile_start, &t.key_tiles),
+            grid(tiles, dims.heads_kv),
+            "flash backward (dK, dV)",
+        ),
+    ];
+    for (kernel, outputs, tables, config, what) in launches {
+        let mut launch = stream.launch_builder(kernel);
+        for address in inputs.iter().chain(&outputs).chain(&tables) {
+            launch.arg(address);
+        }
+        launch
+            .arg(&len)
+            .arg(&group)
+            .arg(&dims.scale)
+            .arg(&scale_log2);
+        // SAFETY: the caller vouches for the extents (above).
+        unsafe { launch.launch(config) }.map_err(failed(what))?;
+    }
+    Ok(())
+}
+
+/// What only the backward pass needs.
+struct Backward {
+    d_out: Buffer<u8>,
+    delta: Buffer<f32>,
+    dq: Buffer<f32>,
+    dk: Buffer<f32>,
+    dv: Buffer<f32>,
+}
+
+pub struct Problem {
+    dims: Dims,
+    q: Buffer<u8>,
+    k: Buffer<u8>,
+    v: Buffer<u8>,
+    pub out: Buffer<f32>,
+    pub lse: Buffer<f32>,
+    tables: DeviceTables,
+    functions: Functions,
+    grad: Option<Backward>,
+}
+
 impl Problem {
     #[allow(clippy::too_many_arguments)]
     pub fn upload(
@@ -201,18 +434,8 @@ impl Problem {
         inputs: &Inputs,
         backward: bool,
     ) -> Result<Problem, PluginError> {
-        let t = tables(masks);
-        let suffix = match element {
-            Element::F16 => "f16",
-            _ => "bf16",
-        };
-        let function = |kind: &str| {
-            let name = format!("flash_{kind}_{suffix}_d{}", shape.head_dim);
-            kernels
-                .module
-                .load_function(&name)
-                .map_err(|err| PluginError::failed(format!("{name}: {err}")))
-        };
+        let mask_of_head: Vec<i32> = masks.index_of_head.iter().map(|&i| i as i32).collect();
+        let tables = DeviceTables::upload(gpu, &tables(&MaskTiles::of_set(masks)), &mask_of_head)?;
         let grad = if backward {
             Some(Backward {
                 d_out: gpu.upload("dO", &element.encode(&inputs.d_out))?,
@@ -220,78 +443,52 @@ impl Problem {
                 dq: gpu.alloc("dQ", shape.q_len())?,
                 dk: gpu.alloc("dK", shape.kv_len())?,
                 dv: gpu.alloc("dV", shape.kv_len())?,
-                key_tile_start: gpu.upload("key tile lists", &t.key_tile_start)?,
-                key_tiles: gpu.upload("key tiles", &t.key_tiles)?,
-                delta_kernel: function("delta")?,
-                dq_kernel: function("backward_dq")?,
-                dkdv_kernel: function("backward_dkdv")?,
             })
         } else {
             None
         };
-        let mask_of_head: Vec<i32> = masks.index_of_head.iter().map(|&i| i as i32).collect();
         Ok(Problem {
-            shape,
+            dims: Dims {
+                heads_q: shape.heads_q,
+                heads_kv: shape.heads_kv,
+                len: shape.seqlen,
+                head_dim: shape.head_dim,
+                scale: shape.scale(),
+            },
             q: gpu.upload("Q", &element.encode(&inputs.q))?,
             k: gpu.upload("K", &element.encode(&inputs.k))?,
             v: gpu.upload("V", &element.encode(&inputs.v))?,
             out: gpu.alloc("O", shape.q_len())?,
             lse: gpu.alloc("LSE", shape.heads_q * shape.seqlen)?,
-            forward_tile_start: gpu.upload("forward tile lists", &t.forward_tile_start)?,
-            forward_tiles: gpu.upload("forward tiles", &t.forward_tiles)?,
-            forward_order: gpu.upload("forward tile order", &t.forward_order)?,
-            tile_start: gpu.upload("tile lists", &t.tile_start)?,
-            tiles: gpu.upload("tiles", &t.tiles)?,
-            row_start: gpu.upload("mask rows", &t.row_start)?,
-            intervals: gpu.upload("mask intervals", &t.intervals)?,
-            mask_of_head: gpu.upload("masks of heads", &mask_of_head)?,
-            forward_kernel: forward_kernel(function("forward")?, shape.head_dim)?,
+            tables,
+            functions: kernels.functions(element, shape.head_dim)?,
             grad,
         })
     }
 
-    fn tiles(&self) -> usize {
-        self.shape.seqlen.div_ceil(TILE as usize)
+    fn tensors(&self, gpu: &Gpu) -> Tensors {
+        let stream = &gpu.stream;
+        Tensors {
+            q: self.q.address(stream),
+            k: self.k.address(stream),
+            v: self.v.address(stream),
+            out: self.out.address(stream),
+            lse: self.lse.address(stream),
+        }
     }
 
     pub fn forward(&self, gpu: &Gpu) -> Result<(), PluginError> {
-        let stream = &gpu.stream;
-        let addresses = [
-            self.q.address(stream),
-            self.k.address(stream),
-            self.v.address(stream),
-            self.out.address(stream),
-            self.lse.address(stream),
-            self.forward_tile_start.address(stream),
-            self.forward_tiles.address(stream),
-            self.forward_order.address(stream),
-            self.row_start.address(stream),
-            self.intervals.address(stream),
-            self.mask_of_head.address(stream),
-        ];
-        let (seqlen, group) = (self.shape.seqlen as i32, self.shape.group() as i32);
-        let scale_log2 = self.shape.scale() * std::f32::consts::LOG2_E;
-        let mut launch = stream.launch_builder(&self.forward_kernel);
-        for address in &addresses {
-            launch.arg(address);
+        // SAFETY: the buffers were allocated for these dimensions and the tables built for this
+        // mask set and length.
+        unsafe {
+            launch_forward(
+                &gpu.stream,
+                &self.functions,
+                self.dims,
+                &self.tensors(gpu),
+                &self.tables,
+            )
         }
-        launch.arg(&seqlen).arg(&group).arg(&scale_log2);
-        // SAFETY: the buffers hold the extents the kernel reads and writes for this shape, and the
-        // tables were built for this mask set and sequence length.
-        // One 128-thread CTA per (query head, 128-row query tile): the heads of a KV group sit side
-        // by side in the grid and read the same K and V tiles while they are in L2.
-        let config = LaunchConfig {
-            grid_dim: (
-                self.shape.heads_q as u32,
-                self.shape.seqlen.div_ceil(FORWARD_TILE as usize) as u32,
-                1,
-            ),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: forward_shared_bytes(self.shape.head_dim),
-        };
-        unsafe { launch.launch(config) }
-            .map(|_| ())
-            .map_err(failed("flash forward"))
     }
 
     /// dQ, dK and dV from the forward pass's O and LSE (the forward must have run).
@@ -302,62 +499,24 @@ impl Problem {
             ));
         };
         let stream = &gpu.stream;
-        let rows = (self.shape.heads_q * self.shape.seqlen) as i32;
-        let d_out = grad.d_out.address(stream);
-        let (out, delta) = (self.out.address(stream), grad.delta.address(stream));
-        let mut launch = stream.launch_builder(&grad.delta_kernel);
-        launch.arg(&d_out).arg(&out).arg(&delta).arg(&rows);
-        // SAFETY: D has one value per row of dO and O, which hold rows × d values.
-        unsafe { launch.launch(grid((rows as usize).div_ceil(4), 1)) }
-            .map_err(failed("flash backward (D)"))?;
-
-        let (seqlen, group) = (self.shape.seqlen as i32, self.shape.group() as i32);
-        let scale = self.shape.scale();
-        let scale_log2 = scale * std::f32::consts::LOG2_E;
-        let inputs = [
-            self.q.address(stream),
-            self.k.address(stream),
-            self.v.address(stream),
-            d_out,
-            self.lse.address(stream),
-            delta,
-        ];
-        let tables = |start: &Buffer<u32>, tiles: &Buffer<u32>| {
-            [
-                start.address(stream),
-                tiles.address(stream),
-                self.row_start.address(stream),
-                self.intervals.address(stream),
-                self.mask_of_head.address(stream),
-            ]
+        let g = GradTensors {
+            d_out: grad.d_out.address(stream),
+            delta: grad.delta.address(stream),
+            dq: grad.dq.address(stream),
+            dk: grad.dk.address(stream),
+            dv: grad.dv.address(stream),
         };
-        let launches = [
-            (
-                &grad.dq_kernel,
-                vec![grad.dq.address(stream)],
-                tables(&self.tile_start, &self.tiles),
-                grid(self.tiles(), self.shape.heads_q),
-                "flash backward (dQ)",
-            ),
-            (
-                &grad.dkdv_kernel,
-                vec![grad.dk.address(stream), grad.dv.address(stream)],
-                tables(&grad.key_tile_start, &grad.key_tiles),
-                grid(self.tiles(), self.shape.heads_kv),
-                "flash backward (dK, dV)",
-            ),
-        ];
-        for (kernel, outputs, lists, config, what) in launches {
-            let mut launch = stream.launch_builder(kernel);
-            for address in inputs.iter().chain(&outputs).chain(&lists) {
-                launch.arg(address);
-            }
-            launch.arg(&seqlen).arg(&group).arg(&scale).arg(&scale_log2);
-            // SAFETY: dQ holds heads_q × s × d values, dK and dV heads_kv × s × d; the lists were
-            // built for this mask set and length.
-            unsafe { launch.launch(config) }.map_err(failed(what))?;
+        // SAFETY: as in `forward`; the gradient buffers were allocated for these dimensions.
+        unsafe {
+            launch_backward(
+                stream,
+                &self.functions,
+                self.dims,
+                &self.tensors(gpu),
+                &g,
+                &self.tables,
+            )
         }
-        Ok(())
     }
 
     pub fn grads(&self, gpu: &Gpu) -> Result<Option<Grads>, PluginError> {
@@ -369,5 +528,203 @@ impl Problem {
             dk: gpu.download(&grad.dk)?,
             dv: gpu.download(&grad.dv)?,
         }))
+    }
+}
+
+/// What of `call` the flash kernel runs (its element type and sizes), or why it cannot; checked
+/// before any device work, so a caller with host memory hears why rather than about the GPU.
+pub fn accepts(call: &AttentionCall<'_>) -> Result<(Element, Dims), String> {
+    let element = match call.input {
+        DType::Bf16 => Element::Bf16,
+        DType::F16 => Element::F16,
+        other => {
+            return Err(format!(
+                "the flash kernel takes bf16 or fp16 inputs, not {other:?}"
+            ))
+        }
+    };
+    if call.memory != Memory::Cuda || call.output != DType::F32 {
+        return Err(format!(
+            "the flash kernel runs device memory with f32 outputs, not {:?} memory with {:?} outputs",
+            call.memory, call.output
+        ));
+    }
+    let (hq, hkv, d) = (
+        call.heads_q as usize,
+        call.heads_kv as usize,
+        call.head_dim as usize,
+    );
+    if d != 64 && d != 128 {
+        return Err(format!(
+            "the flash kernel is compiled for head_dim 64 and 128, not {d}"
+        ));
+    }
+    if call.q_len != call.k_len {
+        return Err(format!(
+            "the flash kernel runs blocks of as many queries as keys, not {} × {}",
+            call.q_len, call.k_len
+        ));
+    }
+    if hkv == 0
+        || hq % hkv != 0
+        || call.kv_head_of.len() != hq
+        || call
+            .kv_head_of
+            .iter()
+            .enumerate()
+            .any(|(h, &kv)| kv as usize != h / (hq / hkv))
+    {
+        return Err(format!(
+            "the flash kernel maps query head h to KV head h / (heads_q / heads_kv); the call's kv_head_of for {hq} query and {hkv} KV heads does not"
+        ));
+    }
+    let tensors = [
+        call.q,
+        call.k,
+        call.v,
+        call.out as *const c_void,
+        call.lse as *const c_void,
+    ];
+    let gradients = [
+        call.d_out,
+        call.dq as *const c_void,
+        call.dk as *const c_void,
+        call.dv as *const c_void,
+    ];
+    if tensors.iter().any(|p| p.is_null())
+        || (call.backward && gradients.iter().any(|p| p.is_null()))
+    {
+        return Err("a tensor pointer the call needs is null".into());
+    }
+    let dims = Dims {
+        heads_q: hq,
+        heads_kv: hkv,
+        len: call.q_len as usize,
+        head_dim: d,
+        scale: call.scale as f32,
+    };
+    Ok((element, dims))
+}
+
+/// One block of an in-process attention call (see `attnbench_sdk::attention`) on the caller's
+/// device pointers, ordered after the work already on its stream and before what it queues
+/// next. Runs bf16/fp16 inputs with f32 outputs, equal query and key lengths (every block the
+/// context-parallel methods make) and the usual KV-head grouping; refuses the rest with why.
+pub fn attend(gpu: &Gpu, kernels: &Kernels, call: &AttentionCall<'_>) -> Result<(), String> {
+    let (element, dims) = accepts(call)?;
+    let rows = RowIntervals::of_call(call)?;
+    let (hq, len) = (dims.heads_q, dims.len);
+    let as_message = |err: PluginError| err.to_string();
+    let tables = DeviceTables::upload(
+        gpu,
+        &tables(&[MaskTiles::of_rows(rows, call.k_len)]),
+        &vec![0; hq],
+    )
+    .map_err(as_message)?;
+    let functions = kernels
+        .functions(element, dims.head_dim)
+        .map_err(as_message)?;
+    let address = |p: *const c_void| p as u64;
+    let x = Tensors {
+        q: address(call.q),
+        k: address(call.k),
+        v: address(call.v),
+        out: address(call.out),
+        lse: address(call.lse),
+    };
+    let caller = call.stream as cudarc::driver::sys::CUstream;
+    // The caller's queued work first, ours next, and the caller's later work after ours.
+    follow(caller, gpu.stream.cu_stream())
+        .map_err(|err| format!("ordering after the caller's stream: {err}"))?;
+    let delta = if call.backward {
+        Some(gpu.alloc::<f32>("D", hq * len).map_err(as_message)?)
+    } else {
+        None
+    };
+    // SAFETY: the call's contract gives these extents to its pointers (AttentionCall); the tables
+    // were built from its rows.
+    let launched = unsafe {
+        match &delta {
+            None => launch_forward(&gpu.stream, &functions, dims, &x, &tables),
+            Some(delta) => {
+                let g = GradTensors {
+                    d_out: address(call.d_out),
+                    delta: delta.address(&gpu.stream),
+                    dq: address(call.dq as *const c_void),
+                    dk: address(call.dk as *const c_void),
+                    dv: address(call.dv as *const c_void),
+                };
+                launch_backward(&gpu.stream, &functions, dims, &x, &g, &tables)
+            }
+        }
+    };
+    launched.map_err(as_message)?;
+    follow(gpu.stream.cu_stream(), caller)
+        .map_err(|err| format!("ordering the caller's stream after the kernels: {err}"))
+}
+
+/// Makes `later` wait for the work queued on `earlier` so far (an event between them).
+fn follow(
+    earlier: cudarc::driver::sys::CUstream,
+    later: cudarc::driver::sys::CUstream,
+) -> Result<(), cudarc::driver::DriverError> {
+    use cudarc::driver::result::{event, stream};
+    use cudarc::driver::sys::{CUevent_flags, CUevent_wait_flags};
+    let marker = event::create(CUevent_flags::CU_EVENT_DISABLE_TIMING)?;
+    // SAFETY: both streams belong to this process's context; an event may be destroyed while
+    // work still waits on it (its resources go once that work completes).
+    unsafe {
+        let ordered = event::record(marker, earlier).and_then(|_| {
+            stream::wait_event(later, marker, CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+        });
+        let _ = event::destroy(marker);
+        ordered
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use attnbench_sdk::mask::{window_slices, HeadScope, Mask, MaskSet, Slice, SliceKind};
+
+    /// The tables an in-process call builds from its rows are the benchmark's, built from slices
+    /// (at a length that is no multiple of any tile).
+    #[test]
+    fn tables_from_rows_equal_tables_from_slices() {
+        let s = 1000u64;
+        let square = |slices| Mask::square(s, slices).expect("a valid mask");
+        let mut global = window_slices([0, s], [0, s], 96, 0);
+        global.push(Slice::new([0, s], [0, 24], SliceKind::Full));
+        let masks = vec![
+            square(vec![Slice::new([0, s], [0, s], SliceKind::Causal)]),
+            square(vec![
+                Slice::new([0, 300], [0, 300], SliceKind::Full),
+                Slice::new([300, s], [300, s], SliceKind::Causal),
+            ]),
+            square(window_slices([0, s], [0, s], 130, 70)),
+            square(global),
+        ];
+        let set = MaskSet {
+            pattern: "mixed".into(),
+            seqlen: s,
+            params: Default::default(),
+            documents: Vec::new(),
+            scope: HeadScope::PerHead,
+            masks,
+        };
+        let shape = Shape {
+            heads_q: 4,
+            heads_kv: 2,
+            seqlen: s as usize,
+            head_dim: 64,
+        };
+        let from_slices = tables(&MaskTiles::of_set(&HeadMasks::new(&set, &shape)));
+        let all: Vec<u32> = (0..s as u32).collect();
+        let from_rows: Vec<MaskTiles> = set
+            .masks
+            .iter()
+            .map(|mask| MaskTiles::of_rows(RowIntervals::restrict(mask, &all, &all), s))
+            .collect();
+        assert_eq!(tables(&from_rows), from_slices);
     }
 }

@@ -5,19 +5,21 @@
 //! the machine's ceiling) and `benchmark` (attention kernels over any mask of the IR). On a
 //! machine without a GPU the plugin loads, and its stages fail with one sentence.
 
+mod backend_check;
 mod flash;
 mod gpu;
 mod naive;
 
 use std::sync::Mutex;
 
+use attnbench_sdk::attention::AttentionCall;
 use attnbench_sdk::measure::{Harness, MeasureStatus, Measurement, Memory, Quantiles, Throughput};
 use attnbench_sdk::nvml;
 use attnbench_sdk::reference::{
     self, CheckMode, Element, Forward, Grads, HeadMasks, Inputs, Shape,
 };
 use attnbench_sdk::{
-    write_json, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError,
+    kinds, write_json, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError,
     PluginManifest, StageRequest, StageSpec,
 };
 use serde::Deserialize;
@@ -92,6 +94,40 @@ impl Plugin for Cuda {
                 // A hung kernel or worker ends the node, not the run; `timeout:` in a pipeline overrides.
                 .timeout_s(1800.0),
             )
+            .stage(
+                StageSpec::new("backend-check")
+                    .doc("Checks the in-process `flash` backend (what context-parallel plugins call) against the host's f64 block, forward and backward, on a zigzag shard's diagonal and off-diagonal blocks of a masks/generate node's mask.")
+                    .param(ParamSpec::new("heads_q", ParamType::Int).default(8))
+                    .param(ParamSpec::new("heads_kv", ParamType::Int).default(2))
+                    .param(ParamSpec::new("head_dim", ParamType::Int).default(128))
+                    .param(ParamSpec::new("dtype", ParamType::one_of(&["bf16", "fp16"])).default("bf16"))
+                    .param(ParamSpec::new("block", ParamType::Size).default(256).doc("Rows (and keys) of each block: two chunks of half as many tokens."))
+                    .input(kinds::MASK)
+                    .isolation(Isolation::Worker)
+                    .cache_scope(CacheScope::Machine),
+            )
+            .attention_kernel("flash")
+    }
+
+    /// `flash`: one block of a context-parallel method on the caller's device pointers and
+    /// stream (bf16/fp16 in, f32 out; see `flash::attend`).
+    fn attention(kernel: &str, call: &AttentionCall<'_>) -> Result<(), String> {
+        if kernel != "flash" {
+            return Err(format!(
+                "no in-process attention kernel `{kernel}`; the cuda plugin offers `flash`"
+            ));
+        }
+        flash::accepts(call)?;
+        with_gpu(|state| {
+            let kernels = match state.flash.take() {
+                Some(kernels) => kernels,
+                None => flash::compile(&state.gpu)?,
+            };
+            let result = flash::attend(&state.gpu, &kernels, call);
+            state.flash = Some(kernels);
+            result.map_err(PluginError::Failed)
+        })
+        .map_err(|err| err.to_string())
     }
 
     fn run(stage: &str, request: StageRequest, host: &Host) -> Result<Value, PluginError> {
@@ -104,9 +140,10 @@ impl Plugin for Cuda {
             }),
             "gemm" => gemm(&request),
             "benchmark" => benchmark(&request, host),
+            "backend-check" => backend_check::run(&request),
             other => Err(PluginError::UnknownStage {
                 stage: other.into(),
-                known: "devices, gemm, benchmark".into(),
+                known: "devices, gemm, benchmark, backend-check".into(),
             }),
         }
     }
