@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # A GPU machine's check-up, from a staged bundle (`.device/run.sh`) or an installed attnbench:
 # doctor, the harness against a cuBLAS GEMM, the naive kernel against the CPU reference, the
-# naive kernel's pipeline, and the repeatability of one cell. Results go under $OUT (default:
+# in-process flash backend against the host's f64 blocks, the naive kernel's pipeline, and the
+# repeatability of one cell. Results go under $OUT (default:
 # ./gpu-check). NAIVE_ARGS are passed to the naive pipeline's run (e.g. to narrow its matrix with
-# --set); STEPS picks steps (default: all of doctor gemm check naive repeat); CHECK_KERNELS the
+# --set); STEPS picks steps (default: all of doctor gemm check backend naive repeat); CHECK_KERNELS the
 # native kernels the correctness step runs (default: naive, flash), CHECK_SEQLENS its lengths
 # (default: 512, 1k).
 set -uo pipefail
-steps=" ${STEPS:-doctor gemm check naive repeat} "
+steps=" ${STEPS:-doctor gemm check backend naive repeat} "
 want() { [[ $steps == *" $1 "* ]]; }
 attnbench=${ATTNBENCH:-.device/run.sh}
 out=${OUT:-gpu-check}
@@ -53,6 +54,26 @@ stages:
     needs: {bench: all}
 YAML
   $attnbench run "$out/check.yaml" -q 2>&1 | tail -4
+fi
+
+if want backend; then
+  echo "== the in-process flash backend (cuda/flash) against the host's f64 blocks"
+  cat > "$out/backend.yaml" <<'YAML'
+name: backend-check
+seed: 5
+stages:
+  masks:
+    uses: masks/generate
+    matrix:
+      mask: [causal, causal_document, sliding_window, global_sliding_window, prefix_lm_document, block_sparse_uniform]
+    with: {seqlen: 2k, window: 200, sparse_block: 64, heads_q: 8, heads_kv: 2}
+  check:
+    uses: cuda/backend-check
+    needs: [masks]
+    matrix: {dtype: [bf16, fp16], head_dim: [64, 128]}
+    with: {block: 384}
+YAML
+  $attnbench run "$out/backend.yaml" -q 2>&1 | tail -4
 fi
 
 if want naive; then
