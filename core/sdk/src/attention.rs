@@ -296,6 +296,29 @@ impl HostBlock<'_> {
     }
 }
 
+/// Refuses a call missing a tensor it needs: Q, K, V, O and LSE always, dO, dQ, dK and dV in a
+/// backward call.
+pub fn require_tensors(call: &AttentionCall<'_>) -> Result<(), String> {
+    let always = [
+        call.q,
+        call.k,
+        call.v,
+        call.out as *const c_void,
+        call.lse as *const c_void,
+    ];
+    let backward = [
+        call.d_out,
+        call.dq as *const c_void,
+        call.dk as *const c_void,
+        call.dv as *const c_void,
+    ];
+    if always.iter().any(|p| p.is_null()) || (call.backward && backward.iter().any(|p| p.is_null()))
+    {
+        return Err("a tensor pointer the call needs is null".into());
+    }
+    Ok(())
+}
+
 /// Runs `call` on the host in f64 ([`HostBlock`]): the reference any backend can offer for
 /// host memory. Refuses, with the reason, what is not a host f64 call.
 pub fn run_on_host(call: &AttentionCall<'_>) -> Result<(), String> {
@@ -326,24 +349,7 @@ pub fn run_on_host(call: &AttentionCall<'_>) -> Result<(), String> {
         heads_kv: hkv,
         rows: &rows,
     };
-    let needed = [
-        call.q,
-        call.k,
-        call.v,
-        call.out as *const c_void,
-        call.lse as *const c_void,
-    ];
-    let gradients = [
-        call.d_out,
-        call.dq as *const c_void,
-        call.dk as *const c_void,
-        call.dv as *const c_void,
-    ];
-    if needed.iter().any(|p| p.is_null())
-        || (call.backward && gradients.iter().any(|p| p.is_null()))
-    {
-        return Err("a tensor pointer the call needs is null".into());
-    }
+    require_tensors(call)?;
     // SAFETY: the caller of the ABI promises host buffers of these extents (AttentionCall's
     // contract); the outputs do not alias the inputs.
     unsafe {

@@ -10,7 +10,7 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use attnbench_sdk::attention::{AttentionCall, DType, Memory, RowIntervals};
+use attnbench_sdk::attention::{require_tensors, AttentionCall, DType, Memory, RowIntervals};
 use attnbench_sdk::mask::BlockMask;
 use attnbench_sdk::reference::{Element, HeadMasks, Inputs, Shape};
 use attnbench_sdk::PluginError;
@@ -578,24 +578,7 @@ pub fn accepts(call: &AttentionCall<'_>) -> Result<(Element, Dims), String> {
             "the flash kernel maps query head h to KV head h / (heads_q / heads_kv); the call's kv_head_of for {hq} query and {hkv} KV heads does not"
         ));
     }
-    let tensors = [
-        call.q,
-        call.k,
-        call.v,
-        call.out as *const c_void,
-        call.lse as *const c_void,
-    ];
-    let gradients = [
-        call.d_out,
-        call.dq as *const c_void,
-        call.dk as *const c_void,
-        call.dv as *const c_void,
-    ];
-    if tensors.iter().any(|p| p.is_null())
-        || (call.backward && gradients.iter().any(|p| p.is_null()))
-    {
-        return Err("a tensor pointer the call needs is null".into());
-    }
+    require_tensors(call)?;
     let dims = Dims {
         heads_q: hq,
         heads_kv: hkv,
