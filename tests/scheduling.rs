@@ -173,3 +173,37 @@ fn a_busy_node_still_times_out() {
     assert!(started.elapsed().as_secs() < 20, "{}", stderr(&run));
     assert_eq!(sandbox.statuses()["work"], "timeout", "{}", stderr(&run));
 }
+
+/// `--time-budget` ends a run as a stop would: no node starts after it, the record is written,
+/// what finished is cached for the next run.
+#[test]
+fn a_time_budget_ends_the_run_cleanly_and_the_next_run_resumes() {
+    let sandbox = Sandbox::new();
+    sandbox.write(
+        "p.yaml",
+        "stages:\n  work:\n    uses: testkit/echo-worker\n    with: {sleep_ms: 700}\n    matrix: {value: [1, 2, 3, 4, 5, 6]}\n",
+    );
+    let started = std::time::Instant::now();
+    let run = sandbox.run(&["run", "p.yaml", "-j", "1", "-q", "--time-budget", "1s"]);
+    assert!(started.elapsed().as_secs_f64() < 5.0, "{}", stderr(&run));
+    assert_eq!(run.status.code(), Some(1), "{}", stderr(&run));
+    let record = sandbox.last_record();
+    let nodes = record["nodes"].as_array().unwrap();
+    let ok = nodes.iter().filter(|n| n["status"] == "ok").count();
+    let skipped: Vec<_> = nodes.iter().filter(|n| n["status"] == "skipped").collect();
+    assert!(
+        ok >= 1 && !skipped.is_empty() && ok + skipped.len() == 6,
+        "{record}"
+    );
+    for node in &skipped {
+        assert_eq!(node["error"], "the run's time budget ran out", "{node}");
+    }
+    let rerun = sandbox.run(&["run", "p.yaml", "-q"]);
+    assert!(rerun.status.success(), "{}", stderr(&rerun));
+    let cached = sandbox
+        .statuses()
+        .values()
+        .filter(|s| *s == "cached")
+        .count();
+    assert_eq!(cached, ok, "{:?}", sandbox.statuses());
+}

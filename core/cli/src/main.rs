@@ -67,6 +67,11 @@ enum Command {
         /// Show the plan instead of running it.
         #[arg(long)]
         dry_run: bool,
+        /// Start no node after this long (e.g. `9m`, `540s`): the run then ends as a stop signal
+        /// ends it, with what finished cached, so a sweep can fill a limited allocation and
+        /// resume in the next.
+        #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+        time_budget: Option<std::time::Duration>,
     },
     /// List the nodes of a pipeline and whether each is cached or will run.
     Plan {
@@ -175,6 +180,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             jobs,
             force,
             dry_run,
+            time_budget,
         } => {
             let registry = Registry::discover(&cli.plugin_dirs);
             let plan = load_plan(&pipeline, &registry)?;
@@ -193,6 +199,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
                 worker_exe: std::env::current_exe()
                     .context("cannot find the attnbench binary to start workers")?,
                 argv: std::env::args().collect(),
+                time_budget,
             };
             install_interrupt_handler();
             let observer = progress::Progress::new(plan.nodes.len(), cli.quiet, cli.verbose > 0);

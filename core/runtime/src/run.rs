@@ -42,6 +42,9 @@ pub struct RunOptions {
     /// The `attnbench` binary, started as `attnbench worker` for worker-isolated stages.
     pub worker_exe: PathBuf,
     pub argv: Vec<String>,
+    /// Stop starting nodes once this much time has passed, as a stop signal would (running
+    /// nodes get their grace, the record is written, what finished stays cached).
+    pub time_budget: Option<Duration>,
 }
 
 /// What the scheduler reports while it runs; the CLI draws it.
@@ -144,6 +147,8 @@ struct Shared<'a> {
     forced: Vec<bool>,
     logs_dir: PathBuf,
     observer: &'a dyn Observer,
+    /// When the time budget ends, if there is one.
+    deadline: Option<Instant>,
 }
 
 pub struct RunSummary {
@@ -212,7 +217,12 @@ pub fn execute(
         forced,
         logs_dir,
         observer,
+        deadline: options.time_budget.map(|budget| Instant::now() + budget),
     };
+    // A budget spent by an earlier run of this process does not stop this one.
+    if BUDGET_SPENT.swap(false, Ordering::SeqCst) {
+        INTERRUPTED.store(false, Ordering::SeqCst);
+    }
     // The record on disk follows the run: if it is killed outright (SIGKILL, a lost machine),
     // run.json still names every node that finished, with its artifact. Rewrites are spaced so
     // that they never cost more than a tenth of the run.
@@ -294,6 +304,7 @@ fn schedule(
         let mut running_exclusive: Option<usize> = None;
         let mut held: VecDeque<usize> = VecDeque::new();
         while finished_count < count {
+            spend_budget(shared.deadline);
             while let Some(index) = ready.pop_front() {
                 let node = &plan.nodes[index];
                 let fan_out = &node.inputs[..node.fan_out_inputs];
@@ -304,7 +315,7 @@ fn schedule(
                         Some(&failed) => {
                             format!("input `{}` did not succeed", plan.nodes[failed].id)
                         }
-                        None => "the run was interrupted".to_string(),
+                        None => stop_reason().to_string(),
                     };
                     let record = bare_record(plan, index, Status::Skipped, Some(reason));
                     shared.observer.event(Event::Finished { record: &record });
@@ -357,7 +368,15 @@ fn schedule(
                 ready.extend(held.drain(..));
                 continue;
             }
-            let Ok(finished) = done_receiver.recv() else {
+            // Short waits, so a time budget ends while nodes run.
+            let finished = loop {
+                match done_receiver.recv_timeout(Duration::from_millis(200)) {
+                    Ok(finished) => break Some(finished),
+                    Err(mpsc::RecvTimeoutError::Timeout) => spend_budget(shared.deadline),
+                    Err(mpsc::RecvTimeoutError::Disconnected) => break None,
+                }
+            };
+            let Some(finished) = finished else {
                 break;
             };
             in_flight -= 1;
@@ -468,12 +487,7 @@ fn run_node(shared: &Shared, task: Task) -> Finished {
     if INTERRUPTED.load(Ordering::Relaxed) {
         return Finished {
             node: index,
-            record: bare_record(
-                plan,
-                index,
-                Status::Skipped,
-                Some("the run was interrupted".into()),
-            ),
+            record: bare_record(plan, index, Status::Skipped, Some(stop_reason().into())),
             output: None,
         };
     }
@@ -729,6 +743,26 @@ fn now() -> String {
 /// starts, running in-process nodes see `is_cancelled`, running nodes finish, and the run record
 /// is still written. A second signal of the same kind ends the process at once.
 pub static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// Set with [`INTERRUPTED`] when the stop came from the run's own time budget.
+static BUDGET_SPENT: AtomicBool = AtomicBool::new(false);
+
+/// Stops the run as a signal would once `deadline` has passed.
+fn spend_budget(deadline: Option<Instant>) {
+    if deadline.is_some_and(|d| Instant::now() >= d) && !INTERRUPTED.load(Ordering::SeqCst) {
+        BUDGET_SPENT.store(true, Ordering::SeqCst);
+        INTERRUPTED.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Why nodes that did not start were skipped.
+fn stop_reason() -> &'static str {
+    if BUDGET_SPENT.load(Ordering::SeqCst) {
+        "the run's time budget ran out"
+    } else {
+        "the run was interrupted"
+    }
+}
 
 extern "C" fn on_interrupt(signal: libc::c_int) {
     INTERRUPTED.store(true, Ordering::SeqCst);
