@@ -86,24 +86,15 @@ impl MaskTiles {
         }
     }
 
-    /// The masks of a benchmark's mask set, from their slices.
+    /// The masks of a benchmark's mask set, their tiles from their slices.
     fn of_set(masks: &HeadMasks) -> Vec<MaskTiles> {
         (0..masks.set.masks.len())
             .map(|index| {
                 let mask = &masks.set.masks[index];
-                let mut rows = RowIntervals {
-                    row_start: vec![0],
-                    intervals: Vec::new(),
-                };
-                for row in masks.rows(index) {
-                    rows.intervals
-                        .extend(row.into_iter().flat_map(|(a, b)| [a, b]));
-                    rows.row_start.push((rows.intervals.len() / 2) as u32);
-                }
                 MaskTiles {
                     forward: mask.block_mask(FORWARD_TILE, TILE),
                     backward: mask.block_mask(TILE, TILE),
-                    rows,
+                    rows: masks.row_intervals(index),
                 }
             })
             .collect()

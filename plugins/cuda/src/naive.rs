@@ -168,18 +168,11 @@ impl Problem {
         let s = shape.seqlen;
         let mut rows = Vec::new();
         for index in 0..masks.set.masks.len() {
-            let mut starts = vec![0u32];
-            let mut intervals = Vec::new();
-            for row in masks.rows(index) {
-                for (a, b) in row {
-                    intervals.extend([a, b]);
-                }
-                starts.push((intervals.len() / 2) as u32);
-            }
-            intervals.extend([0, 0]);
+            let mut table = masks.row_intervals(index);
+            table.intervals.extend([0, 0]); // never an empty buffer
             rows.push((
-                gpu.upload("mask rows", &starts)?,
-                gpu.upload("mask intervals", &intervals)?,
+                gpu.upload("mask rows", &table.row_start)?,
+                gpu.upload("mask intervals", &table.intervals)?,
             ));
         }
         let grad = if backward {

@@ -192,6 +192,21 @@ impl<'a> HeadMasks<'a> {
         HeadMasks { set, index_of_head }
     }
 
+    /// Allowed key intervals of every row of mask `index`, as one CSR table (what kernels upload).
+    pub fn row_intervals(&self, index: usize) -> crate::attention::RowIntervals {
+        let mut table = crate::attention::RowIntervals {
+            row_start: vec![0],
+            intervals: Vec::new(),
+        };
+        for row in self.rows(index) {
+            table
+                .intervals
+                .extend(row.into_iter().flat_map(|(a, b)| [a, b]));
+            table.row_start.push((table.intervals.len() / 2) as u32);
+        }
+        table
+    }
+
     /// Allowed key intervals of every row of mask `index`.
     pub fn rows(&self, index: usize) -> Vec<Vec<(u32, u32)>> {
         let mut rows = Vec::with_capacity(self.set.seqlen as usize);
