@@ -305,22 +305,27 @@ template <int E> __device__ __forceinline__ float to_float(u16 x);
 template <> __device__ __forceinline__ float to_float<1>(u16 x) { return __uint_as_float((u32)x << 16); }
 template <> __device__ __forceinline__ float to_float<2>(u16 x) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x)); return f; }
 
-// D[h][q] = Σ dO∘O over the head dimension: one warp per row.
+// D[h][q] = Σ dO∘O over the head dimension, one warp per row; the row of dQ is cleared for the
+// atomic sums of the fused backward.
 template <int E, int D>
-__device__ void flash_delta(const u16* __restrict__ d_out, const float* __restrict__ out, float* __restrict__ delta, int rows) {
+__device__ void flash_delta(const u16* __restrict__ d_out, const float* __restrict__ out, float* __restrict__ delta,
+                            float* __restrict__ dq, int rows) {
     const int row = blockIdx.x * (THREADS / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= rows) return;
     float sum = 0.0f;
-    for (int i = lane; i < D; i += 32) sum += to_float<E>(d_out[(size_t)row * D + i]) * out[(size_t)row * D + i];
+    for (int i = lane; i < D; i += 32) {
+        sum += to_float<E>(d_out[(size_t)row * D + i]) * out[(size_t)row * D + i];
+        dq[(size_t)row * D + i] = 0.0f;
+    }
     for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
     if (lane == 0) delta[row] = sum;
 }
 
 // The backward's paired products for the warp's 16 rows × N rows of two shared tiles:
-// x = xa·xtᵀ and y = ya·ytᵀ (S and dP, or Sᵀ and dPᵀ), each B fragment feeding one product.
-template <int E, int D, int N>
-__device__ __forceinline__ void paired_products(float (*x)[4], float (*y)[4], const u32 (*xa)[4], const u32 (*ya)[4],
-                                                const u16* xt, const u16* yt) {
+// x = xa·xtᵀ and y = ya·ytᵀ (S and dP, or Sᵀ and dPᵀ), each B fragment feeding one product;
+// `a_fragments(kk, xa, ya)` supplies the A fragments of the 16 columns at kk·16.
+template <int E, int D, int N, class Fragments>
+__device__ __forceinline__ void paired_products(float (*x)[4], float (*y)[4], Fragments a_fragments, const u16* xt, const u16* yt) {
     #pragma unroll
     for (int n = 0; n < N / 8; ++n) {
         x[n][0] = x[n][1] = x[n][2] = x[n][3] = 0.0f;
@@ -328,15 +333,17 @@ __device__ __forceinline__ void paired_products(float (*x)[4], float (*y)[4], co
     }
     #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
+        u32 xa[4], ya[4];
+        a_fragments(kk, xa, ya);
         #pragma unroll
         for (int n16 = 0; n16 < N / 16; ++n16) {
             u32 b[4];
             bt_fragments<D>(b, xt, n16 * 16, kk);
-            mma<E>(x[2 * n16], xa[kk], b);
-            mma<E>(x[2 * n16 + 1], xa[kk], b + 2);
+            mma<E>(x[2 * n16], xa, b);
+            mma<E>(x[2 * n16 + 1], xa, b + 2);
             bt_fragments<D>(b, yt, n16 * 16, kk);
-            mma<E>(y[2 * n16], ya[kk], b);
-            mma<E>(y[2 * n16 + 1], ya[kk], b + 2);
+            mma<E>(y[2 * n16], ya, b);
+            mma<E>(y[2 * n16 + 1], ya, b + 2);
         }
     }
 }
@@ -403,7 +410,10 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
         wait_copies<0>();  // K(j) and V(j)
         __syncthreads();
         float s[BN / 8][4], dp[BN / 8][4];
-        paired_products<E, D, BN>(s, dp, qa, da, sk, sv);
+        paired_products<E, D, BN>(s, dp, [&](int kk, u32* xa, u32* ya) {
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) { xa[i] = qa[kk][i]; ya[i] = da[kk][i]; }
+        }, sk, sv);
         __syncthreads();  // every warp is done with V(j)
         if (w + 1 < end) {
             const int k1 = (int)(tiles[w + 1] & 0x7fffffffu) * BN;
@@ -450,18 +460,40 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
 
 #define BQ 32
 
+// Adds a pair of f32 values to adjacent global addresses (one vector reduction on sm_90).
+__device__ __forceinline__ void add_pair(float* p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(p), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+#endif
+}
+
+template <int E> __device__ __forceinline__ u16 to_bits(float x);
+template <> __device__ __forceinline__ u16 to_bits<1>(float x) { u16 r; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x)); return r; }
+template <> __device__ __forceinline__ u16 to_bits<2>(float x) { u16 r; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x)); return r; }
+
 // dK and dV of one (64-key tile, KV head): for each step of the walk, Sᵀ = K·Qᵀ, Pᵀ,
 // dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − D), dK += dSᵀ·Q; dK scaled at the end. K and V stay
-// in registers; Q and dO of the next step load into the other of two buffers while this one runs.
-template <int E, int D>
+// in shared memory; Q and dO of the next step load into the other of two buffers while this one
+// runs. With DQ, each step also adds its share of dQ = dS·K (the step's 32 rows over the tile's
+// 64 keys, through shared memory) into the f32 dQ with vector atomics: five products per step
+// instead of the seven of the deterministic pair (this kernel without DQ, then the dQ kernel,
+// which recomputes S and dP). dQ must be zero beforehand (the D kernel clears it).
+// Dynamic shared memory: [stage][Q | dO] (2·2·BQ rows), K and V (BN rows each), dS (BQ × BN).
+template <int E, int D, bool DQ>
 __device__ void flash_backward_dkdv(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                                     const u16* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
-                                    float* __restrict__ dk, float* __restrict__ dv,
+                                    float* __restrict__ dq, float* __restrict__ dk, float* __restrict__ dv,
                                     const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles,
                                     const unsigned* __restrict__ row_start, const unsigned* __restrict__ intervals,
                                     const int* __restrict__ mask_of_head, int seqlen, int group, float scale, float scale_log2) {
-    static_assert(2 * 2 * BQ * D == 2 * BN * D, "K and V are staged through the Q and dO buffers");
-    __shared__ __align__(128) u16 buffers[2 * 2 * BQ * D];  // [stage][Q | dO]
+    extern __shared__ __align__(128) u16 dynamic_shared[];
+    u16* buffers = dynamic_shared;
+    u16* sk = buffers + 2 * 2 * BQ * D;
+    u16* sv = sk + BN * D;
+    u16* sds = sv + BN * D;
     __shared__ float s_lse[2][BQ], s_delta[2][BQ];
     const int k_tile = blockIdx.x, kv_head = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -470,18 +502,9 @@ __device__ void flash_backward_dkdv(const u16* __restrict__ q, const u16* __rest
     const float minus_inf = __int_as_float(0xff800000), log2e = 1.4426950408889634f;
     const int k_tiles = (seqlen + BN - 1) / BN;
 
-    u32 ka[D / 16][4], va[D / 16][4];
-    load_tile_async<BN, D, THREADS>(buffers, k + ((size_t)kv_head * seqlen + k0) * D, min(BN, seqlen - k0));
-    load_tile_async<BN, D, THREADS>(buffers + BN * D, v + ((size_t)kv_head * seqlen + k0) * D, min(BN, seqlen - k0));
+    load_tile_async<BN, D, THREADS>(sk, k + ((size_t)kv_head * seqlen + k0) * D, min(BN, seqlen - k0));
+    load_tile_async<BN, D, THREADS>(sv, v + ((size_t)kv_head * seqlen + k0) * D, min(BN, seqlen - k0));
     commit_copies();
-    wait_copies<0>();
-    __syncthreads();
-    #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-        a_fragment<D>(ka[kk], buffers, warp * 16, kk);
-        a_fragment<D>(va[kk], buffers + BN * D, warp * 16, kk);
-    }
-    __syncthreads();
 
     // The walk's position: query head, entry of its list, half of the query tile.
     int head = kv_head * group, half = 0;
@@ -538,13 +561,16 @@ __device__ void flash_backward_dkdv(const u16* __restrict__ q, const u16* __rest
         // The other buffer was last read two steps ago, behind the barrier that ended that step.
         issue(stage ^ 1);
         commit_copies();
-        wait_copies<1>();  // this step's Q and dO
+        wait_copies<1>();  // this step's Q and dO (and, on the first step, K and V)
         __syncthreads();
         const u16* sq = buffers + stage * 2 * BQ * D;
         const u16* sdo = sq + BQ * D;
         // Sᵀ and dPᵀ for the warp's 16 keys × 32 queries.
         float st[BQ / 8][4], dpt[BQ / 8][4];
-        paired_products<E, D, BQ>(st, dpt, ka, va, sq, sdo);
+        paired_products<E, D, BQ>(st, dpt, [&](int kk, u32* ka, u32* va) {
+            a_fragment<D>(ka, sk, warp * 16, kk);
+            a_fragment<D>(va, sv, warp * 16, kk);
+        }, sq, sdo);
         // Pᵀ (kept in st) and dSᵀ (in dpt).
         #pragma unroll
         for (int n = 0; n < BQ / 8; ++n) {
@@ -562,6 +588,11 @@ __device__ void flash_backward_dkdv(const u16* __restrict__ q, const u16* __rest
                 const float p = ok ? fast_exp2(st[n][i] * scale_log2 - row_lse) : 0.0f;
                 st[n][i] = p;
                 dpt[n][i] = p * (dpt[n][i] - s_delta[stage][column]);
+                if constexpr (DQ) {
+                    // dS, query-major, for dQ's A fragments (rounded as the products round it).
+                    const int tile_key = warp * 16 + g + (i >> 1) * 8;
+                    sds[swizzled<BN>(column, tile_key >> 3) + (tile_key & 7)] = to_bits<E>(dpt[n][i]);
+                }
             }
         }
         // dV += Pᵀ·dO and dK += dSᵀ·Q, 16 queries at a time.
@@ -582,7 +613,43 @@ __device__ void flash_backward_dkdv(const u16* __restrict__ q, const u16* __rest
                 mma<E>(dk_acc[2 * c2 + 1], sa, b + 2);
             }
         }
-        __syncthreads();  // every warp is done with this buffer before it is refilled
+        if constexpr (DQ) {
+            __syncthreads();  // every warp's dS is in place
+            // This warp's D/4 columns of the step's dQ rows, over the tile's 64 keys.
+            constexpr int C2 = D / 64;  // 16-column blocks per warp
+            float acc[BQ / 16][2 * C2][4];
+            #pragma unroll
+            for (int mb = 0; mb < BQ / 16; ++mb)
+                #pragma unroll
+                for (int n = 0; n < 2 * C2; ++n) acc[mb][n][0] = acc[mb][n][1] = acc[mb][n][2] = acc[mb][n][3] = 0.0f;
+            #pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) {
+                u32 a[BQ / 16][4];
+                #pragma unroll
+                for (int mb = 0; mb < BQ / 16; ++mb) a_fragment<BN>(a[mb], sds, mb * 16, kk);
+                #pragma unroll
+                for (int c = 0; c < C2; ++c) {
+                    u32 b[4];
+                    b_fragments<D>(b, sk, kk * 16, warp * C2 + c);
+                    #pragma unroll
+                    for (int mb = 0; mb < BQ / 16; ++mb) {
+                        mma<E>(acc[mb][2 * c], a[mb], b);
+                        mma<E>(acc[mb][2 * c + 1], a[mb], b + 2);
+                    }
+                }
+            }
+            float* dqh = dq + (size_t)step_head * seqlen * D;
+            #pragma unroll
+            for (int mb = 0; mb < BQ / 16; ++mb)
+                #pragma unroll
+                for (int n = 0; n < 2 * C2; ++n) {
+                    const int col = (warp * C2 + (n >> 1)) * 16 + (n & 1) * 8 + t * 2;
+                    const int r0 = q0 + mb * 16 + g, r1 = r0 + 8;
+                    if (r0 < seqlen) add_pair(dqh + (size_t)r0 * D + col, acc[mb][n][0] * scale, acc[mb][n][1] * scale);
+                    if (r1 < seqlen) add_pair(dqh + (size_t)r1 * D + col, acc[mb][n][2] * scale, acc[mb][n][3] * scale);
+                }
+        }
+        __syncthreads();  // every warp is done with this buffer (and dS) before it is refilled
     }
     float* dkh = dk + ((size_t)kv_head * seqlen) * D;
     float* dvh = dv + ((size_t)kv_head * seqlen) * D;
@@ -601,18 +668,23 @@ __device__ void flash_backward_dkdv(const u16* __restrict__ q, const u16* __rest
 }
 
 #define FLASH_BACKWARD(SUFFIX, E, D) \
-extern "C" __global__ void __launch_bounds__(THREADS) flash_delta_##SUFFIX(const u16* d_out, const float* out, float* delta, int rows) { \
-    flash_delta<E, D>(d_out, out, delta, rows); } \
+extern "C" __global__ void __launch_bounds__(THREADS) flash_delta_##SUFFIX(const u16* d_out, const float* out, float* delta, float* dq, int rows) { \
+    flash_delta<E, D>(d_out, out, delta, dq, rows); } \
 extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_dq_##SUFFIX( \
     const u16* q, const u16* k, const u16* v, const u16* d_out, const float* lse, const float* delta, float* dq, \
     const unsigned* tile_start, const unsigned* tiles, const unsigned* row_start, const unsigned* intervals, \
     const int* mask_of_head, int seqlen, int group, float scale, float scale_log2) { \
     flash_backward_dq<E, D>(q, k, v, d_out, lse, delta, dq, tile_start, tiles, row_start, intervals, mask_of_head, seqlen, group, scale, scale_log2); } \
 extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_dkdv_##SUFFIX( \
-    const u16* q, const u16* k, const u16* v, const u16* d_out, const float* lse, const float* delta, float* dk, float* dv, \
+    const u16* q, const u16* k, const u16* v, const u16* d_out, const float* lse, const float* delta, float* dq, float* dk, float* dv, \
     const unsigned* tile_start, const unsigned* tiles, const unsigned* row_start, const unsigned* intervals, \
     const int* mask_of_head, int seqlen, int group, float scale, float scale_log2) { \
-    flash_backward_dkdv<E, D>(q, k, v, d_out, lse, delta, dk, dv, tile_start, tiles, row_start, intervals, mask_of_head, seqlen, group, scale, scale_log2); }
+    flash_backward_dkdv<E, D, false>(q, k, v, d_out, lse, delta, dq, dk, dv, tile_start, tiles, row_start, intervals, mask_of_head, seqlen, group, scale, scale_log2); } \
+extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_fused_##SUFFIX( \
+    const u16* q, const u16* k, const u16* v, const u16* d_out, const float* lse, const float* delta, float* dq, float* dk, float* dv, \
+    const unsigned* tile_start, const unsigned* tiles, const unsigned* row_start, const unsigned* intervals, \
+    const int* mask_of_head, int seqlen, int group, float scale, float scale_log2) { \
+    flash_backward_dkdv<E, D, true>(q, k, v, d_out, lse, delta, dq, dk, dv, tile_start, tiles, row_start, intervals, mask_of_head, seqlen, group, scale, scale_log2); }
 FLASH_BACKWARD(bf16_d64, 1, 64)
 FLASH_BACKWARD(bf16_d128, 1, 128)
 FLASH_BACKWARD(f16_d64, 2, 64)

@@ -3,8 +3,10 @@
 //! masking) or partial (masked element-wise from each row's key intervals); empty tiles are never
 //! visited. Tensor-core products (mma.sync, f32 accumulation, ldmatrix from swizzled shared
 //! tiles filled by cp.async) and an online softmax in registers; bf16 or fp16, head dimension 64
-//! or 128, MHA and GQA. The backward pass is deterministic: dK/dV per key tile walk the
-//! transposed work list (the query tiles that touch it), dQ per query tile the forward one.
+//! or 128, MHA and GQA. The backward pass walks, per key tile, the transposed work list (the
+//! query tiles that touch it) for dK and dV, and adds each step's share of dQ with atomics; its
+//! deterministic variant writes every gradient element once, dQ per query tile in a second
+//! kernel that recomputes S and dP (seven products per tile pair instead of five).
 //! The CUDA C is `kernels/flash.cu`.
 
 use std::ffi::c_void;
@@ -173,6 +175,7 @@ struct Functions {
     delta: CudaFunction,
     dq: CudaFunction,
     dkdv: CudaFunction,
+    fused: CudaFunction,
 }
 
 impl Kernels {
@@ -188,10 +191,17 @@ impl Kernels {
                 .map_err(|err| PluginError::failed(format!("{name}: {err}")))
         };
         Ok(Functions {
-            forward: forward_kernel(function("forward")?, head_dim)?,
+            forward: allow_shared(function("forward")?, forward_shared_bytes(head_dim))?,
             delta: function("delta")?,
             dq: function("backward_dq")?,
-            dkdv: function("backward_dkdv")?,
+            dkdv: allow_shared(
+                function("backward_dkdv")?,
+                key_tile_shared_bytes(head_dim, false),
+            )?,
+            fused: allow_shared(
+                function("backward_fused")?,
+                key_tile_shared_bytes(head_dim, true),
+            )?,
         })
     }
 }
@@ -260,22 +270,31 @@ fn forward_shared_bytes(head_dim: usize) -> u32 {
     ((FORWARD_TILE + 2 * TILE) as usize * head_dim * 2) as u32
 }
 
-/// The forward kernel, allowed the shared memory it takes (more than the 48 KiB a kernel gets
-/// unasked at head_dim 128).
-fn forward_kernel(function: CudaFunction, head_dim: usize) -> Result<CudaFunction, PluginError> {
+/// The key-tile backward kernel's dynamic shared memory: two stages of 32-row Q and dO tiles,
+/// the key tile's K and V, and (fused, for dQ) a step's 32 × 64 dS, all 16-bit.
+fn key_tile_shared_bytes(head_dim: usize, fused: bool) -> u32 {
+    let rows = 2 * 2 * 32 + 2 * TILE as usize;
+    let ds = if fused { 32 * TILE as usize } else { 0 };
+    ((rows * head_dim + ds) * 2) as u32
+}
+
+/// `function`, allowed `bytes` of dynamic shared memory (more than the 48 KiB a kernel gets
+/// unasked).
+fn allow_shared(function: CudaFunction, bytes: u32) -> Result<CudaFunction, PluginError> {
     use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYNAMIC_SHARED;
     function
-        .set_attribute(MAX_DYNAMIC_SHARED, forward_shared_bytes(head_dim) as i32)
-        .map_err(failed("flash forward: shared memory size"))?;
+        .set_attribute(MAX_DYNAMIC_SHARED, bytes as i32)
+        .map_err(failed("flash: shared memory size"))?;
     Ok(function)
 }
 
-/// A grid of one 128-thread CTA per (tile, head): the backward pass.
-fn grid(tiles: usize, heads: usize) -> LaunchConfig {
+/// A grid of one 128-thread CTA per (tile, head) with `shared` bytes of dynamic shared memory:
+/// the backward pass.
+fn grid(tiles: usize, heads: usize, shared: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (tiles as u32, heads as u32, 1),
         block_dim: (128, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: shared,
     }
 }
 
@@ -340,12 +359,18 @@ unsafe fn launch_backward(
     x: &Tensors,
     g: &GradTensors,
     t: &DeviceTables,
+    deterministic: bool,
 ) -> Result<(), PluginError> {
     let rows = (dims.heads_q * dims.len) as i32;
     let mut launch = stream.launch_builder(&f.delta);
-    launch.arg(&g.d_out).arg(&x.out).arg(&g.delta).arg(&rows);
-    // SAFETY: D has one value per row of dO and O, which hold rows × d values.
-    unsafe { launch.launch(grid((rows as usize).div_ceil(4), 1)) }
+    launch
+        .arg(&g.d_out)
+        .arg(&x.out)
+        .arg(&g.delta)
+        .arg(&g.dq)
+        .arg(&rows);
+    // SAFETY: D has one value per row of dO, O and dQ, which hold rows × d values.
+    unsafe { launch.launch(grid((rows as usize).div_ceil(4), 1, 0)) }
         .map_err(failed("flash backward (D)"))?;
 
     let (len, group) = (dims.len as i32, (dims.heads_q / dims.heads_kv) as i32);
@@ -361,22 +386,39 @@ unsafe fn launch_backward(
         ]
     };
     let tiles = dims.len.div_ceil(TILE as usize);
-    let launches = [
-        (
-            &f.dq,
-            vec![g.dq],
-            lists(&t.tile_start, &t.tiles),
-            grid(tiles, dims.heads_q),
-            "flash backward (dQ)",
-        ),
-        (
-            &f.dkdv,
-            vec![g.dk, g.dv],
+    let key_tiles = |fused| {
+        grid(
+            tiles,
+            dims.heads_kv,
+            key_tile_shared_bytes(dims.head_dim, fused),
+        )
+    };
+    let launches = if deterministic {
+        vec![
+            (
+                &f.dq,
+                vec![g.dq],
+                lists(&t.tile_start, &t.tiles),
+                grid(tiles, dims.heads_q, 0),
+                "flash backward (dQ)",
+            ),
+            (
+                &f.dkdv,
+                vec![g.dq, g.dk, g.dv],
+                lists(&t.key_tile_start, &t.key_tiles),
+                key_tiles(false),
+                "flash backward (dK, dV)",
+            ),
+        ]
+    } else {
+        vec![(
+            &f.fused,
+            vec![g.dq, g.dk, g.dv],
             lists(&t.key_tile_start, &t.key_tiles),
-            grid(tiles, dims.heads_kv),
-            "flash backward (dK, dV)",
-        ),
-    ];
+            key_tiles(true),
+            "flash backward",
+        )]
+    };
     for (kernel, outputs, tables, config, what) in launches {
         let mut launch = stream.launch_builder(kernel);
         for address in inputs.iter().chain(&outputs).chain(&tables) {
@@ -412,6 +454,8 @@ pub struct Problem {
     tables: DeviceTables,
     functions: Functions,
     grad: Option<Backward>,
+    /// The backward pass's deterministic variant (see the module's documentation).
+    pub deterministic: bool,
 }
 
 impl Problem {
@@ -454,6 +498,7 @@ impl Problem {
             tables,
             functions: kernels.functions(element, shape.head_dim)?,
             grad,
+            deterministic: false,
         })
     }
 
@@ -506,6 +551,7 @@ impl Problem {
                 &self.tensors(gpu),
                 &g,
                 &self.tables,
+                self.deterministic,
             )
         }
     }
@@ -628,7 +674,7 @@ pub fn attend(gpu: &Gpu, kernels: &Kernels, call: &AttentionCall<'_>) -> Result<
                     dk: address(call.dk as *const c_void),
                     dv: address(call.dv as *const c_void),
                 };
-                launch_backward(&gpu.stream, &functions, dims, &x, &g, &tables)
+                launch_backward(&gpu.stream, &functions, dims, &x, &g, &tables, false)
             }
         }
     };

@@ -81,7 +81,8 @@ impl Plugin for Cuda {
                 default_harness().declare(
                     StageSpec::new("benchmark")
                         .doc("Times one kernel on one mask (from a masks/generate node), checked against the reference first.")
-                        .param(ParamSpec::new("kernel", ParamType::one_of(&["naive", "flash"])).default("naive").doc("`naive`: cuBLAS GEMMs around a masked softmax, S×S scores per head (the GPU reference). `flash`: tiled tensor-core kernel driven by the mask IR (forward and a deterministic backward; bf16/fp16; head_dim 64 or 128)."))
+                        .param(ParamSpec::new("kernel", ParamType::one_of(&["naive", "flash"])).default("naive").doc("`naive`: cuBLAS GEMMs around a masked softmax, S×S scores per head (the GPU reference). `flash`: tiled tensor-core kernel driven by the mask IR (forward and backward; bf16/fp16; head_dim 64 or 128)."))
+                        .param(ParamSpec::new("deterministic", ParamType::Bool).default(false).doc("`flash`'s backward with every gradient element written once, in a fixed order (a second kernel recomputes S and dP for dQ: slower), instead of dQ summed with atomics, whose order varies run to run (differences of f32 rounding). Recorded as kernel `cuda-flash-deterministic`; `naive` is deterministic either way."))
                         .param(ParamSpec::new("direction", ParamType::one_of(&["fwd", "bwd", "fwd_bwd"])).default("fwd").doc("`bwd` is timed alone: the forward runs once, outside the timed region."))
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
                         .param(ParamSpec::new("heads_kv", ParamType::Int).default(8))
@@ -243,6 +244,7 @@ fn gemm(request: &StageRequest) -> Result<Value, PluginError> {
 struct BenchParams {
     kernel: String,
     check_max_seqlen: usize,
+    deterministic: bool,
     #[serde(flatten)]
     common: attnbench_sdk::measure::KernelParams,
 }
@@ -279,7 +281,10 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
     })?;
     let harness = p.common.harness.apply(default_harness());
     let measured_shape = p.common.measured_shape();
-    let kernel = format!("cuda-{}", p.kernel);
+    let kernel = match (p.kernel.as_str(), p.deterministic) {
+        ("flash", true) => "cuda-flash-deterministic".to_string(),
+        (name, _) => format!("cuda-{name}"),
+    };
     let plugin = ("cuda", env!("CARGO_PKG_VERSION"));
     let mut measurement = Measurement::for_kernel(
         &kernel,
@@ -347,10 +352,13 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         let base = gpu.memory.current();
         gpu.memory.reset_peak();
         let uploaded = match (&state.flash, &state.naive) {
-            (Some(kernels), _) if flash => {
-                flash::Problem::upload(gpu, kernels, shape, element, &masks, &inputs, backward)
-                    .map(|problem| Problem::Flash(Box::new(problem)))
-            }
+            (Some(kernels), _) if flash => flash::Problem::upload(
+                gpu, kernels, shape, element, &masks, &inputs, backward,
+            )
+            .map(|mut problem| {
+                problem.deterministic = p.deterministic;
+                Problem::Flash(Box::new(problem))
+            }),
             (_, Some(kernels)) => {
                 naive::Problem::upload(gpu, kernels, shape, element, &masks, &inputs, backward)
                     .map(|problem| Problem::Naive(Box::new(problem)))
