@@ -102,6 +102,12 @@ template <int D> __device__ __forceinline__ void b_fragments(u32* b, const u16* 
 #define FWD_THREADS 128
 #define FWD_M 2  // 16-row blocks per warp: each K and V fragment feeds FWD_M products
 
+// A forward tile entry: the key tile's index in the low bits, then each warp's state in 2 bits.
+#define KEY_TILE_BITS 0xffffffu
+#define WARP_STATE_SHIFT 24
+#define WARP_EMPTY 0u
+#define WARP_PARTIAL 2u
+
 // 2^x on the special-function unit; 2^−∞ = 0, which masked scores rely on.
 __device__ __forceinline__ float fast_exp2(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
 
@@ -135,7 +141,7 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
 
     load_tile_async<BM_FWD, D, FWD_THREADS>(sq, q + ((size_t)head * seqlen + q0) * D, min(BM_FWD, seqlen - q0));
     if (begin < end) {
-        const int k0 = (int)(tiles[begin] & 0x7fffffffu) * BN;
+        const int k0 = (int)(tiles[begin] & KEY_TILE_BITS) * BN;
         load_tile_async<BN, D, FWD_THREADS>(sk, kh + (size_t)k0 * D, min(BN, seqlen - k0));
     }
     commit_copies();
@@ -164,22 +170,26 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
 
     for (unsigned w = begin; w < end; ++w) {
         const unsigned entry = tiles[w];
-        const bool partial = entry >> 31;
-        const int k0 = (int)(entry & 0x7fffffffu) * BN;
+        // This warp's rows see the key tile: not at all, fully or partly.
+        const unsigned state = (entry >> (WARP_STATE_SHIFT + 2 * warp)) & 3u;
+        const bool partial = state == WARP_PARTIAL;
+        const int k0 = (int)(entry & KEY_TILE_BITS) * BN;
         __syncthreads();  // every warp is done with V(j-1)
         load_tile_async<BN, D, FWD_THREADS>(sv, vh + (size_t)k0 * D, min(BN, seqlen - k0));
         commit_copies();
         wait_copies<1>();  // K(j) (and Q) have landed
         __syncthreads();
 
-        // S = Q·Kᵀ for the warp's 32 rows × 64 keys.
+        // S = Q·Kᵀ for the warp's 32 rows × 64 keys. A warp whose rows see none of the tile's
+        // keys only keeps the barriers (the state is the same across the warp).
+        const bool visible = state != WARP_EMPTY;
         float s[FWD_M][BN / 8][4];
         #pragma unroll
         for (int mb = 0; mb < FWD_M; ++mb)
             #pragma unroll
             for (int n = 0; n < BN / 8; ++n) s[mb][n][0] = s[mb][n][1] = s[mb][n][2] = s[mb][n][3] = 0.0f;
         #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
+        for (int kk = 0; kk < D / 16 && visible; ++kk) {
             u32 qa[FWD_M][4];
             #pragma unroll
             for (int mb = 0; mb < FWD_M; ++mb) a_fragment<D>(qa[mb], sq, warp * 16 * FWD_M + mb * 16, kk);
@@ -196,13 +206,14 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
         }
         __syncthreads();  // every warp is done with K(j): fetch K(j+1) while this tile finishes
         if (w + 1 < end) {
-            const int k1 = (int)(tiles[w + 1] & 0x7fffffffu) * BN;
+            const int k1 = (int)(tiles[w + 1] & KEY_TILE_BITS) * BN;
             load_tile_async<BN, D, FWD_THREADS>(sk, kh + (size_t)k1 * D, min(BN, seqlen - k1));
         }
         commit_copies();
 
         // Scale into the log2 domain; mask what the tile does not allow (and keys past the end).
-        if (partial || k0 + BN > seqlen) {
+        if (!visible) {
+        } else if (partial || k0 + BN > seqlen) {
             #pragma unroll
             for (int mb = 0; mb < FWD_M; ++mb)
                 #pragma unroll
@@ -225,7 +236,7 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
         }
         // Online softmax per row: maxima over the 4 threads that share a row, then rescale.
         #pragma unroll
-        for (int slot = 0; slot < 2 * FWD_M; ++slot) {
+        for (int slot = 0; slot < 2 * FWD_M && visible; ++slot) {
             const int mb = slot >> 1, i0 = (slot & 1) * 2;
             float mx = m[slot];
             #pragma unroll
@@ -250,7 +261,7 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
         __syncthreads();
         // O += P·V: P's accumulators become A fragments, 16 keys at a time.
         #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
+        for (int kk = 0; kk < BN / 16 && visible; ++kk) {
             u32 pa[FWD_M][4];
             #pragma unroll
             for (int mb = 0; mb < FWD_M; ++mb) {

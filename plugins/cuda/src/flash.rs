@@ -27,6 +27,11 @@ const SOURCE: &str = include_str!("../kernels/flash.cu");
 const TILE: u64 = 64;
 /// Query rows per tile of the forward pass (`BM_FWD`; its key tiles are `TILE` long).
 const FORWARD_TILE: u64 = 128;
+/// Query rows of one warp of the forward pass: each forward tile entry says, per warp, whether
+/// its rows see the key tile fully, partly or not at all.
+const WARP_ROWS: u64 = 32;
+/// Bits of a forward tile entry below the warps' states (the key tile's index).
+const WARP_STATE_SHIFT: u32 = 24;
 
 pub struct Kernels {
     module: Arc<CudaModule>,
@@ -49,12 +54,21 @@ pub fn unsupported(shape: &Shape, element: Element) -> Option<String> {
             shape.head_dim
         ));
     }
-    None
+    too_long(shape.seqlen as u64)
 }
 
-/// The work lists: per mask and query tile, the key tiles to visit (bit 31: partial) — for the
-/// forward's 128-row and the backward's 64-row query tiles — with the forward's query tiles of
-/// each mask ordered longest list first; per mask and key tile, the query tiles that visit it
+/// Why `len` tokens are more than the work lists can index, if they are.
+fn too_long(len: u64) -> Option<String> {
+    let most = TILE << WARP_STATE_SHIFT;
+    (len > most).then(|| {
+        format!("the flash kernel's work lists index 2^{WARP_STATE_SHIFT} key tiles: at most {most} tokens, not {len}")
+    })
+}
+
+/// The work lists: per mask and query tile, the key tiles to visit — for the forward's 128-row
+/// query tiles with each warp's state in the top 8 bits (its 32 rows see the key tile fully,
+/// partly or not at all), for the backward's 64-row ones with bit 31 set on partial tiles — the
+/// forward's query tiles of each mask ordered longest list first; per mask and key tile, the query tiles that visit it
 /// (the backward's dK/dV); and per mask, every row's key intervals (CSR over one shared interval
 /// array).
 #[derive(Debug, PartialEq)]
@@ -73,6 +87,7 @@ struct Tables {
 /// One mask as the tables need it: its tiles at the forward's and the backward's sizes, and its
 /// rows' key intervals.
 struct MaskTiles {
+    /// At the forward warps' granularity (32 rows × 64 keys).
     forward: BlockMask,
     backward: BlockMask,
     rows: RowIntervals,
@@ -82,7 +97,7 @@ impl MaskTiles {
     /// From a block's rows, as an in-process attention call brings them.
     fn of_rows(rows: RowIntervals, k_len: u64) -> MaskTiles {
         MaskTiles {
-            forward: rows.block_mask(k_len, FORWARD_TILE, TILE),
+            forward: rows.block_mask(k_len, WARP_ROWS, TILE),
             backward: rows.block_mask(k_len, TILE, TILE),
             rows,
         }
@@ -94,7 +109,7 @@ impl MaskTiles {
             .map(|index| {
                 let mask = &masks.set.masks[index];
                 MaskTiles {
-                    forward: mask.block_mask(FORWARD_TILE, TILE),
+                    forward: mask.block_mask(WARP_ROWS, TILE),
                     backward: mask.block_mask(TILE, TILE),
                     rows: masks.row_intervals(index),
                 }
@@ -115,17 +130,31 @@ fn tables(masks: &[MaskTiles]) -> Tables {
         row_start: Vec::new(),
         intervals: Vec::new(),
     };
+    let warps = (FORWARD_TILE / WARP_ROWS) as usize;
     for mask in masks {
         let blocks = &mask.forward;
         let mut lengths = Vec::new();
-        for q_tile in 0..blocks.q_tiles() as usize {
-            let before = t.forward_tiles.len();
-            for (k_tile, full) in blocks.row(q_tile) {
-                t.forward_tiles
-                    .push(k_tile | if full { 0 } else { 1 << 31 });
+        let q_tiles = blocks.q_tiles().div_ceil(warps as u64) as usize;
+        for q_tile in 0..q_tiles {
+            // Per key tile, the state of each warp's rows: 0 none allowed, 1 all, 2 some.
+            let mut states = std::collections::BTreeMap::<u32, u32>::new();
+            for warp in 0..warps {
+                let row = q_tile * warps + warp;
+                if row >= blocks.q_tiles() as usize {
+                    break;
+                }
+                for (k_tile, full) in blocks.row(row) {
+                    let state = if full { 1 } else { 2 };
+                    *states.entry(k_tile).or_default() |=
+                        state << (WARP_STATE_SHIFT + 2 * warp as u32);
+                }
             }
+            t.forward_tiles
+                .extend(states.into_iter().map(|(k_tile, state)| k_tile | state));
             t.forward_tile_start.push(t.forward_tiles.len() as u32);
-            lengths.push((t.forward_tiles.len() - before, q_tile as u32));
+            let length = t.forward_tile_start[t.forward_tile_start.len() - 1]
+                - t.forward_tile_start[t.forward_tile_start.len() - 2];
+            lengths.push((length as usize, q_tile as u32));
         }
         lengths.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
         t.forward_order
@@ -602,6 +631,9 @@ pub fn accepts(call: &AttentionCall<'_>) -> Result<(Element, Dims), String> {
             call.q_len, call.k_len
         ));
     }
+    if let Some(reason) = too_long(call.k_len) {
+        return Err(reason);
+    }
     if hkv == 0
         || hq % hkv != 0
         || call.kv_head_of.len() != hq
@@ -746,5 +778,39 @@ mod tests {
             .map(|mask| MaskTiles::of_rows(RowIntervals::restrict(mask, &all, &all), s))
             .collect();
         assert_eq!(tables(&from_rows), from_slices);
+    }
+
+    /// A forward tile entry says, per 32-row warp, whether its rows see the key tile fully (1),
+    /// partly (2) or not at all (0): on a causal mask, the warps above the diagonal skip it.
+    #[test]
+    fn forward_entries_carry_each_warps_state() {
+        let s = 256u64;
+        let causal = Mask::square(s, vec![Slice::new([0, s], [0, s], SliceKind::Causal)])
+            .expect("a valid mask");
+        let all: Vec<u32> = (0..s as u32).collect();
+        let t = tables(&[MaskTiles::of_rows(
+            RowIntervals::restrict(&causal, &all, &all),
+            s,
+        )]);
+        let entry = |k_tile: u32, states: [u32; 4]| {
+            states.iter().enumerate().fold(k_tile, |e, (w, &st)| {
+                e | st << (WARP_STATE_SHIFT + 2 * w as u32)
+            })
+        };
+        // Query tile 0 (rows 0–127) meets key tiles 0 and 1; query tile 1 all four.
+        assert_eq!(t.forward_tile_start, vec![0, 2, 6]);
+        assert_eq!(
+            &t.forward_tiles[..6],
+            &[
+                entry(0, [2, 2, 1, 1]),
+                entry(1, [0, 0, 2, 2]),
+                entry(0, [1, 1, 1, 1]),
+                entry(1, [1, 1, 1, 1]),
+                entry(2, [2, 2, 1, 1]),
+                entry(3, [0, 0, 2, 2]),
+            ]
+        );
+        // Longest list first.
+        assert_eq!(t.forward_order, vec![1, 0]);
     }
 }
