@@ -188,8 +188,9 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
         for (int mb = 0; mb < FWD_M; ++mb)
             #pragma unroll
             for (int n = 0; n < BN / 8; ++n) s[mb][n][0] = s[mb][n][1] = s[mb][n][2] = s[mb][n][3] = 0.0f;
+        if (visible) {
         #pragma unroll
-        for (int kk = 0; kk < D / 16 && visible; ++kk) {
+        for (int kk = 0; kk < D / 16; ++kk) {
             u32 qa[FWD_M][4];
             #pragma unroll
             for (int mb = 0; mb < FWD_M; ++mb) a_fragment<D>(qa[mb], sq, warp * 16 * FWD_M + mb * 16, kk);
@@ -203,6 +204,7 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
                     mma<E>(s[mb][2 * n16 + 1], qa[mb], b + 2);
                 }
             }
+        }
         }
         __syncthreads();  // every warp is done with K(j): fetch K(j+1) while this tile finishes
         if (w + 1 < end) {
@@ -235,8 +237,9 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
                     for (int i = 0; i < 4; ++i) s[mb][n][i] *= scale_log2;
         }
         // Online softmax per row: maxima over the 4 threads that share a row, then rescale.
+        if (visible) {
         #pragma unroll
-        for (int slot = 0; slot < 2 * FWD_M && visible; ++slot) {
+        for (int slot = 0; slot < 2 * FWD_M; ++slot) {
             const int mb = slot >> 1, i0 = (slot & 1) * 2;
             float mx = m[slot];
             #pragma unroll
@@ -257,11 +260,13 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
             #pragma unroll
             for (int n = 0; n < D / 8; ++n) { acc[mb][n][i0] *= shrink; acc[mb][n][i0 + 1] *= shrink; }
         }
+        }
         wait_copies<1>();  // V(j) has landed
         __syncthreads();
         // O += P·V: P's accumulators become A fragments, 16 keys at a time.
+        if (visible) {
         #pragma unroll
-        for (int kk = 0; kk < BN / 16 && visible; ++kk) {
+        for (int kk = 0; kk < BN / 16; ++kk) {
             u32 pa[FWD_M][4];
             #pragma unroll
             for (int mb = 0; mb < FWD_M; ++mb) {
@@ -280,6 +285,7 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
                     mma<E>(acc[mb][2 * c2 + 1], pa[mb], b + 2);
                 }
             }
+        }
         }
     }
     // Row sums over the 4 threads of a row, then O = acc / l and LSE = ln(l) + m·ln 2.

@@ -3,10 +3,11 @@
 //! masking) or partial (masked element-wise from each row's key intervals); empty tiles are never
 //! visited. Tensor-core products (mma.sync, f32 accumulation, ldmatrix from swizzled shared
 //! tiles filled by cp.async) and an online softmax in registers; bf16 or fp16, head dimension 64
-//! or 128, MHA and GQA. The backward pass walks, per key tile, the transposed work list (the
-//! query tiles that touch it) for dK and dV, and adds each step's share of dQ with atomics; its
-//! deterministic variant writes every gradient element once, dQ per query tile in a second
-//! kernel that recomputes S and dP (seven products per tile pair instead of five).
+//! or 128, MHA and GQA. The backward pass (`Backward::Split`, deterministic) walks, per key tile,
+//! the transposed work list (the query tiles that touch it) for dK and dV, and per query tile
+//! the forward one for dQ, recomputing S and dP: seven products per tile pair. `Backward::Fused`
+//! adds each step's share of dQ from the key-tile walk with atomics instead (five products; the
+//! order of the sums varies run to run).
 //! The CUDA C is `kernels/flash.cu`.
 
 use std::ffi::c_void;
@@ -388,7 +389,7 @@ unsafe fn launch_backward(
     x: &Tensors,
     g: &GradTensors,
     t: &DeviceTables,
-    deterministic: bool,
+    backward: Backward,
 ) -> Result<(), PluginError> {
     let rows = (dims.heads_q * dims.len) as i32;
     let mut launch = stream.launch_builder(&f.delta);
@@ -422,7 +423,7 @@ unsafe fn launch_backward(
             key_tile_shared_bytes(dims.head_dim, fused),
         )
     };
-    let launches = if deterministic {
+    let launches = if backward == Backward::Split {
         vec![
             (
                 &f.dq,
@@ -464,8 +465,15 @@ unsafe fn launch_backward(
     Ok(())
 }
 
+/// How the backward pass computes dQ (see the module's documentation).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Backward {
+    Split,
+    Fused,
+}
+
 /// What only the backward pass needs.
-struct Backward {
+struct Gradients {
     d_out: Buffer<u8>,
     delta: Buffer<f32>,
     dq: Buffer<f32>,
@@ -482,9 +490,8 @@ pub struct Problem {
     pub lse: Buffer<f32>,
     tables: DeviceTables,
     functions: Functions,
-    grad: Option<Backward>,
-    /// The backward pass's deterministic variant (see the module's documentation).
-    pub deterministic: bool,
+    grad: Option<Gradients>,
+    pub backward: Backward,
 }
 
 impl Problem {
@@ -501,7 +508,7 @@ impl Problem {
         let mask_of_head: Vec<i32> = masks.index_of_head.iter().map(|&i| i as i32).collect();
         let tables = DeviceTables::upload(gpu, &tables(&MaskTiles::of_set(masks)), &mask_of_head)?;
         let grad = if backward {
-            Some(Backward {
+            Some(Gradients {
                 d_out: gpu.upload("dO", &element.encode(&inputs.d_out))?,
                 delta: gpu.alloc("D", shape.heads_q * shape.seqlen)?,
                 dq: gpu.alloc("dQ", shape.q_len())?,
@@ -527,7 +534,7 @@ impl Problem {
             tables,
             functions: kernels.functions(element, shape.head_dim)?,
             grad,
-            deterministic: false,
+            backward: Backward::Split,
         })
     }
 
@@ -580,7 +587,7 @@ impl Problem {
                 &self.tensors(gpu),
                 &g,
                 &self.tables,
-                self.deterministic,
+                self.backward,
             )
         }
     }
@@ -706,7 +713,15 @@ pub fn attend(gpu: &Gpu, kernels: &Kernels, call: &AttentionCall<'_>) -> Result<
                     dk: address(call.dk as *const c_void),
                     dv: address(call.dv as *const c_void),
                 };
-                launch_backward(&gpu.stream, &functions, dims, &x, &g, &tables, false)
+                launch_backward(
+                    &gpu.stream,
+                    &functions,
+                    dims,
+                    &x,
+                    &g,
+                    &tables,
+                    Backward::Split,
+                )
             }
         }
     };

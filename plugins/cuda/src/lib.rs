@@ -82,7 +82,7 @@ impl Plugin for Cuda {
                     StageSpec::new("benchmark")
                         .doc("Times one kernel on one mask (from a masks/generate node), checked against the reference first.")
                         .param(ParamSpec::new("kernel", ParamType::one_of(&["naive", "flash"])).default("naive").doc("`naive`: cuBLAS GEMMs around a masked softmax, S×S scores per head (the GPU reference). `flash`: tiled tensor-core kernel driven by the mask IR (forward and backward; bf16/fp16; head_dim 64 or 128)."))
-                        .param(ParamSpec::new("deterministic", ParamType::Bool).default(false).doc("`flash`'s backward with every gradient element written once, in a fixed order (a second kernel recomputes S and dP for dQ: slower), instead of dQ summed with atomics, whose order varies run to run (differences of f32 rounding). Recorded as kernel `cuda-flash-deterministic`; `naive` is deterministic either way."))
+                        .param(ParamSpec::new("backward", ParamType::one_of(&["split", "fused"])).default("split").doc("`flash`'s backward: `split` (deterministic) computes dK and dV per key tile and dQ per query tile in a second kernel, which recomputes S and dP; `fused` adds dQ from the key-tile kernel with atomics (two of seven products saved; the order of the sums, so the last bits, vary run to run). Recorded as kernel `cuda-flash-fused`."))
                         .param(ParamSpec::new("direction", ParamType::one_of(&["fwd", "bwd", "fwd_bwd"])).default("fwd").doc("`bwd` is timed alone: the forward runs once, outside the timed region."))
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
                         .param(ParamSpec::new("heads_kv", ParamType::Int).default(8))
@@ -244,7 +244,7 @@ fn gemm(request: &StageRequest) -> Result<Value, PluginError> {
 struct BenchParams {
     kernel: String,
     check_max_seqlen: usize,
-    deterministic: bool,
+    backward: String,
     #[serde(flatten)]
     common: attnbench_sdk::measure::KernelParams,
 }
@@ -281,8 +281,8 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
     })?;
     let harness = p.common.harness.apply(default_harness());
     let measured_shape = p.common.measured_shape();
-    let kernel = match (p.kernel.as_str(), p.deterministic) {
-        ("flash", true) => "cuda-flash-deterministic".to_string(),
+    let kernel = match (p.kernel.as_str(), p.backward.as_str()) {
+        ("flash", "fused") => "cuda-flash-fused".to_string(),
         (name, _) => format!("cuda-{name}"),
     };
     let plugin = ("cuda", env!("CARGO_PKG_VERSION"));
@@ -356,7 +356,9 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
                 gpu, kernels, shape, element, &masks, &inputs, backward,
             )
             .map(|mut problem| {
-                problem.deterministic = p.deterministic;
+                if p.backward == "fused" {
+                    problem.backward = flash::Backward::Fused;
+                }
                 Problem::Flash(Box::new(problem))
             }),
             (_, Some(kernels)) => {
