@@ -98,25 +98,17 @@ template <int D> __device__ __forceinline__ void b_fragments(u32* b, const u16* 
     ldmatrix_x4_trans(b, tile + swizzled<D>(k16 + (m & 1) * 8 + (lane & 7), c2 * 2 + (m >> 1)));
 }
 
-#define BM_FWD 128
 #define FWD_THREADS 128
-#define FWD_M 2  // 16-row blocks per warp: each K and V fragment feeds FWD_M products
-
-// A forward tile entry: the key tile's index in the low bits, then each warp's state in 2 bits.
-#define KEY_TILE_BITS 0xffffffu
-#define WARP_STATE_SHIFT 24
-#define WARP_EMPTY 0u
-#define WARP_PARTIAL 2u
 
 // 2^x on the special-function unit; 2^−∞ = 0, which masked scores rely on.
 __device__ __forceinline__ float fast_exp2(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
 
-// Forward: one CTA of 4 warps per (128-row query tile, query head), each warp 32 rows (two
-// 16-row blocks sharing every K and V fragment it loads: half the shared-memory traffic per
-// product of 16-row warps). Q stays in shared memory; K and V tiles arrive by cp.async into one
+// Forward: one CTA of 4 warps per (64·M-row query tile, query head), each warp 16·M rows (M
+// 16-row blocks sharing every K and V fragment it loads: at M = 2, half the shared-memory traffic
+// per product of 16-row warps; M = 1 for masks whose blocks split 128-row tiles, see flash.rs). Q stays in shared memory; K and V tiles arrive by cp.async into one
 // buffer each, overlapped with compute: V(j) loads during S = Q·K(j)ᵀ, K(j+1) during the
-// softmax and O += P·V(j). Dynamic shared memory: (128 + 2·64)·D 16-bit elements.
-template <int E, int D>
+// softmax and O += P·V(j). Dynamic shared memory: (64·M + 2·64)·D 16-bit elements.
+template <int E, int D, int M>
 __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                               float* __restrict__ out, float* __restrict__ lse,
                               const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles,
@@ -124,6 +116,7 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
                               const unsigned* __restrict__ row_start, const unsigned* __restrict__ intervals,
                               const int* __restrict__ mask_of_head,
                               int seqlen, int group, float scale_log2) {
+    constexpr int BM_FWD = 64 * M, FWD_M = M;
     extern __shared__ __align__(128) u16 dynamic_shared[];
     u16* sq = dynamic_shared;
     u16* sk = sq + BM_FWD * D;
@@ -141,7 +134,7 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
 
     load_tile_async<BM_FWD, D, FWD_THREADS>(sq, q + ((size_t)head * seqlen + q0) * D, min(BM_FWD, seqlen - q0));
     if (begin < end) {
-        const int k0 = (int)(tiles[begin] & KEY_TILE_BITS) * BN;
+        const int k0 = (int)(tiles[begin] & 0x7fffffffu) * BN;
         load_tile_async<BN, D, FWD_THREADS>(sk, kh + (size_t)k0 * D, min(BN, seqlen - k0));
     }
     commit_copies();
@@ -170,25 +163,20 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
 
     for (unsigned w = begin; w < end; ++w) {
         const unsigned entry = tiles[w];
-        // This warp's rows see the key tile: not at all, fully or partly.
-        const unsigned state = (entry >> (WARP_STATE_SHIFT + 2 * warp)) & 3u;
-        const bool partial = state == WARP_PARTIAL;
-        const int k0 = (int)(entry & KEY_TILE_BITS) * BN;
+        const bool partial = entry >> 31;
+        const int k0 = (int)(entry & 0x7fffffffu) * BN;
         __syncthreads();  // every warp is done with V(j-1)
         load_tile_async<BN, D, FWD_THREADS>(sv, vh + (size_t)k0 * D, min(BN, seqlen - k0));
         commit_copies();
         wait_copies<1>();  // K(j) (and Q) have landed
         __syncthreads();
 
-        // S = Q·Kᵀ for the warp's 32 rows × 64 keys. A warp whose rows see none of the tile's
-        // keys only keeps the barriers (the state is the same across the warp).
-        const bool visible = state != WARP_EMPTY;
+        // S = Q·Kᵀ for the warp's 32 rows × 64 keys.
         float s[FWD_M][BN / 8][4];
         #pragma unroll
         for (int mb = 0; mb < FWD_M; ++mb)
             #pragma unroll
             for (int n = 0; n < BN / 8; ++n) s[mb][n][0] = s[mb][n][1] = s[mb][n][2] = s[mb][n][3] = 0.0f;
-        if (visible) {
         #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             u32 qa[FWD_M][4];
@@ -205,17 +193,15 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
                 }
             }
         }
-        }
         __syncthreads();  // every warp is done with K(j): fetch K(j+1) while this tile finishes
         if (w + 1 < end) {
-            const int k1 = (int)(tiles[w + 1] & KEY_TILE_BITS) * BN;
+            const int k1 = (int)(tiles[w + 1] & 0x7fffffffu) * BN;
             load_tile_async<BN, D, FWD_THREADS>(sk, kh + (size_t)k1 * D, min(BN, seqlen - k1));
         }
         commit_copies();
 
         // Scale into the log2 domain; mask what the tile does not allow (and keys past the end).
-        if (!visible) {
-        } else if (partial || k0 + BN > seqlen) {
+        if (partial || k0 + BN > seqlen) {
             #pragma unroll
             for (int mb = 0; mb < FWD_M; ++mb)
                 #pragma unroll
@@ -237,7 +223,6 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
                     for (int i = 0; i < 4; ++i) s[mb][n][i] *= scale_log2;
         }
         // Online softmax per row: maxima over the 4 threads that share a row, then rescale.
-        if (visible) {
         #pragma unroll
         for (int slot = 0; slot < 2 * FWD_M; ++slot) {
             const int mb = slot >> 1, i0 = (slot & 1) * 2;
@@ -260,11 +245,9 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
             #pragma unroll
             for (int n = 0; n < D / 8; ++n) { acc[mb][n][i0] *= shrink; acc[mb][n][i0 + 1] *= shrink; }
         }
-        }
         wait_copies<1>();  // V(j) has landed
         __syncthreads();
         // O += P·V: P's accumulators become A fragments, 16 keys at a time.
-        if (visible) {
         #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
             u32 pa[FWD_M][4];
@@ -286,7 +269,6 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
                 }
             }
         }
-        }
     }
     // Row sums over the 4 threads of a row, then O = acc / l and LSE = ln(l) + m·ln 2.
     const float ln2 = 0.6931471805599453f;
@@ -307,12 +289,15 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
     }
 }
 
-#define FLASH_FORWARD(SUFFIX, E, D) \
-extern "C" __global__ void __launch_bounds__(FWD_THREADS, 2) flash_forward_##SUFFIX( \
+#define FLASH_FORWARD_TILE(NAME, SUFFIX, E, D, M) \
+extern "C" __global__ void __launch_bounds__(FWD_THREADS, 2) NAME##_##SUFFIX( \
     const u16* q, const u16* k, const u16* v, float* out, float* lse, const unsigned* tile_start, const unsigned* tiles, \
     const unsigned* order, const unsigned* row_start, const unsigned* intervals, const int* mask_of_head, \
     int seqlen, int group, float scale_log2) { \
-    flash_forward<E, D>(q, k, v, out, lse, tile_start, tiles, order, row_start, intervals, mask_of_head, seqlen, group, scale_log2); }
+    flash_forward<E, D, M>(q, k, v, out, lse, tile_start, tiles, order, row_start, intervals, mask_of_head, seqlen, group, scale_log2); }
+#define FLASH_FORWARD(SUFFIX, E, D) \
+    FLASH_FORWARD_TILE(flash_forward, SUFFIX, E, D, 2) \
+    FLASH_FORWARD_TILE(flash_forward_narrow, SUFFIX, E, D, 1)
 FLASH_FORWARD(bf16_d64, 1, 64)
 FLASH_FORWARD(bf16_d128, 1, 128)
 FLASH_FORWARD(f16_d64, 2, 64)

@@ -26,13 +26,9 @@ const SOURCE: &str = include_str!("../kernels/flash.cu");
 
 /// Query and key rows per tile of the backward pass (`BM`, `BN` in the source).
 const TILE: u64 = 64;
-/// Query rows per tile of the forward pass (`BM_FWD`; its key tiles are `TILE` long).
+/// Query rows per tile of the forward pass (`BM_FWD`; its key tiles are `TILE` long), unless
+/// the mask set's blocks split such tiles (then `TILE`, see [`Tables::forward_rows`]).
 const FORWARD_TILE: u64 = 128;
-/// Query rows of one warp of the forward pass: each forward tile entry says, per warp, whether
-/// its rows see the key tile fully, partly or not at all.
-const WARP_ROWS: u64 = 32;
-/// Bits of a forward tile entry below the warps' states (the key tile's index).
-const WARP_STATE_SHIFT: u32 = 24;
 
 pub struct Kernels {
     module: Arc<CudaModule>,
@@ -55,25 +51,20 @@ pub fn unsupported(shape: &Shape, element: Element) -> Option<String> {
             shape.head_dim
         ));
     }
-    too_long(shape.seqlen as u64)
+    None
 }
 
-/// Why `len` tokens are more than the work lists can index, if they are.
-fn too_long(len: u64) -> Option<String> {
-    let most = TILE << WARP_STATE_SHIFT;
-    (len > most).then(|| {
-        format!("the flash kernel's work lists index 2^{WARP_STATE_SHIFT} key tiles: at most {most} tokens, not {len}")
-    })
-}
-
-/// The work lists: per mask and query tile, the key tiles to visit — for the forward's 128-row
-/// query tiles with each warp's state in the top 8 bits (its 32 rows see the key tile fully,
-/// partly or not at all), for the backward's 64-row ones with bit 31 set on partial tiles — the
-/// forward's query tiles of each mask ordered longest list first; per mask and key tile, the query tiles that visit it
-/// (the backward's dK/dV); and per mask, every row's key intervals (CSR over one shared interval
+/// The work lists: per mask and query tile, the key tiles to visit (bit 31: partial) — for the
+/// forward's and the backward's 64-row query tiles — with the forward's query tiles of each mask
+/// ordered longest list first; per mask and key tile, the query tiles that visit it (the
+/// backward's dK/dV); and per mask, every row's key intervals (CSR over one shared interval
 /// array).
 #[derive(Debug, PartialEq)]
 struct Tables {
+    /// The forward's query rows per tile: 128, or 64 when the masks' blocks split 128-row tiles
+    /// (block-sparse masks on 64-token blocks: every 128 × 64 tile partial, every row scanning
+    /// hundreds of key intervals, against none at 64 rows).
+    forward_rows: u64,
     forward_tile_start: Vec<u32>,
     forward_tiles: Vec<u32>,
     forward_order: Vec<u32>,
@@ -88,7 +79,7 @@ struct Tables {
 /// One mask as the tables need it: its tiles at the forward's and the backward's sizes, and its
 /// rows' key intervals.
 struct MaskTiles {
-    /// At the forward warps' granularity (32 rows × 64 keys).
+    /// At the forward's wide tiles (128 rows × 64 keys).
     forward: BlockMask,
     backward: BlockMask,
     rows: RowIntervals,
@@ -98,7 +89,7 @@ impl MaskTiles {
     /// From a block's rows, as an in-process attention call brings them.
     fn of_rows(rows: RowIntervals, k_len: u64) -> MaskTiles {
         MaskTiles {
-            forward: rows.block_mask(k_len, WARP_ROWS, TILE),
+            forward: rows.block_mask(k_len, FORWARD_TILE, TILE),
             backward: rows.block_mask(k_len, TILE, TILE),
             rows,
         }
@@ -110,7 +101,7 @@ impl MaskTiles {
             .map(|index| {
                 let mask = &masks.set.masks[index];
                 MaskTiles {
-                    forward: mask.block_mask(WARP_ROWS, TILE),
+                    forward: mask.block_mask(FORWARD_TILE, TILE),
                     backward: mask.block_mask(TILE, TILE),
                     rows: masks.row_intervals(index),
                 }
@@ -119,8 +110,28 @@ impl MaskTiles {
     }
 }
 
+/// The forward's query tile for a mask set: 128 rows, unless their partial tiles cover more
+/// than twice the rows that 64-row tiles' do and more than a quarter of what 128-row tiles visit
+/// (a partial tile scans each row's key intervals; a full one does not).
+fn forward_rows(masks: &[MaskTiles]) -> u64 {
+    let partial = |blocks: &BlockMask| blocks.full.iter().filter(|full| !**full).count() as u64;
+    let (wide, wide_visited, narrow) = masks.iter().fold((0, 0, 0), |(w, v, n), mask| {
+        (
+            w + partial(&mask.forward),
+            v + mask.forward.full.len() as u64,
+            n + partial(&mask.backward),
+        )
+    });
+    if wide * FORWARD_TILE > 2 * narrow * TILE && 4 * wide > wide_visited {
+        TILE
+    } else {
+        FORWARD_TILE
+    }
+}
+
 fn tables(masks: &[MaskTiles]) -> Tables {
     let mut t = Tables {
+        forward_rows: FORWARD_TILE,
         forward_tile_start: vec![0],
         forward_tiles: Vec::new(),
         forward_order: Vec::new(),
@@ -131,31 +142,23 @@ fn tables(masks: &[MaskTiles]) -> Tables {
         row_start: Vec::new(),
         intervals: Vec::new(),
     };
-    let warps = (FORWARD_TILE / WARP_ROWS) as usize;
+    let forward_rows = forward_rows(masks);
+    t.forward_rows = forward_rows;
     for mask in masks {
-        let blocks = &mask.forward;
+        let blocks = if forward_rows == FORWARD_TILE {
+            &mask.forward
+        } else {
+            &mask.backward
+        };
         let mut lengths = Vec::new();
-        let q_tiles = blocks.q_tiles().div_ceil(warps as u64) as usize;
-        for q_tile in 0..q_tiles {
-            // Per key tile, the state of each warp's rows: 0 none allowed, 1 all, 2 some.
-            let mut states = std::collections::BTreeMap::<u32, u32>::new();
-            for warp in 0..warps {
-                let row = q_tile * warps + warp;
-                if row >= blocks.q_tiles() as usize {
-                    break;
-                }
-                for (k_tile, full) in blocks.row(row) {
-                    let state = if full { 1 } else { 2 };
-                    *states.entry(k_tile).or_default() |=
-                        state << (WARP_STATE_SHIFT + 2 * warp as u32);
-                }
+        for q_tile in 0..blocks.q_tiles() as usize {
+            let before = t.forward_tiles.len();
+            for (k_tile, full) in blocks.row(q_tile) {
+                t.forward_tiles
+                    .push(k_tile | if full { 0 } else { 1 << 31 });
             }
-            t.forward_tiles
-                .extend(states.into_iter().map(|(k_tile, state)| k_tile | state));
             t.forward_tile_start.push(t.forward_tiles.len() as u32);
-            let length = t.forward_tile_start[t.forward_tile_start.len() - 1]
-                - t.forward_tile_start[t.forward_tile_start.len() - 2];
-            lengths.push((length as usize, q_tile as u32));
+            lengths.push((t.forward_tiles.len() - before, q_tile as u32));
         }
         lengths.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
         t.forward_order
@@ -202,6 +205,7 @@ pub fn bytes_needed(shape: &Shape, element: Element, backward: bool) -> usize {
 /// The kernels of one element type and head dimension.
 struct Functions {
     forward: CudaFunction,
+    forward_narrow: CudaFunction,
     delta: CudaFunction,
     dq: CudaFunction,
     dkdv: CudaFunction,
@@ -221,7 +225,14 @@ impl Kernels {
                 .map_err(|err| PluginError::failed(format!("{name}: {err}")))
         };
         Ok(Functions {
-            forward: allow_shared(function("forward")?, forward_shared_bytes(head_dim))?,
+            forward: allow_shared(
+                function("forward")?,
+                forward_shared_bytes(FORWARD_TILE, head_dim),
+            )?,
+            forward_narrow: allow_shared(
+                function("forward_narrow")?,
+                forward_shared_bytes(TILE, head_dim),
+            )?,
             delta: function("delta")?,
             dq: function("backward_dq")?,
             dkdv: allow_shared(
@@ -238,6 +249,7 @@ impl Kernels {
 
 /// A mask's work lists and row intervals on the device.
 struct DeviceTables {
+    forward_rows: u64,
     forward_tile_start: Buffer<u32>,
     forward_tiles: Buffer<u32>,
     forward_order: Buffer<u32>,
@@ -253,6 +265,7 @@ struct DeviceTables {
 impl DeviceTables {
     fn upload(gpu: &Gpu, t: &Tables, mask_of_head: &[i32]) -> Result<DeviceTables, PluginError> {
         Ok(DeviceTables {
+            forward_rows: t.forward_rows,
             forward_tile_start: gpu.upload("forward tile lists", &t.forward_tile_start)?,
             forward_tiles: gpu.upload("forward tiles", &t.forward_tiles)?,
             forward_order: gpu.upload("forward tile order", &t.forward_order)?,
@@ -296,8 +309,8 @@ struct GradTensors {
 }
 
 /// The forward kernel's dynamic shared memory: a Q tile and one K and one V tile, 16-bit.
-fn forward_shared_bytes(head_dim: usize) -> u32 {
-    ((FORWARD_TILE + 2 * TILE) as usize * head_dim * 2) as u32
+fn forward_shared_bytes(rows: u64, head_dim: usize) -> u32 {
+    ((rows + 2 * TILE) as usize * head_dim * 2) as u32
 }
 
 /// The key-tile backward kernel's dynamic shared memory: two stages of 32-row Q and dO tiles,
@@ -355,21 +368,27 @@ unsafe fn launch_forward(
     ];
     let (len, group) = (dims.len as i32, (dims.heads_q / dims.heads_kv) as i32);
     let scale_log2 = dims.scale * std::f32::consts::LOG2_E;
-    let mut launch = stream.launch_builder(&f.forward);
+    let rows = t.forward_rows;
+    let function = if rows == FORWARD_TILE {
+        &f.forward
+    } else {
+        &f.forward_narrow
+    };
+    let mut launch = stream.launch_builder(function);
     for address in &addresses {
         launch.arg(address);
     }
     launch.arg(&len).arg(&group).arg(&scale_log2);
-    // One 128-thread CTA per (query head, 128-row query tile): the heads of a KV group sit side
-    // by side in the grid and read the same K and V tiles while they are in L2.
+    // One 128-thread CTA per (query head, query tile): the heads of a KV group sit side by side
+    // in the grid and read the same K and V tiles while they are in L2.
     let config = LaunchConfig {
         grid_dim: (
             dims.heads_q as u32,
-            dims.len.div_ceil(FORWARD_TILE as usize) as u32,
+            dims.len.div_ceil(rows as usize) as u32,
             1,
         ),
         block_dim: (128, 1, 1),
-        shared_mem_bytes: forward_shared_bytes(dims.head_dim),
+        shared_mem_bytes: forward_shared_bytes(rows, dims.head_dim),
     };
     // SAFETY: the caller vouches for the extents (above).
     unsafe { launch.launch(config) }
@@ -638,9 +657,6 @@ pub fn accepts(call: &AttentionCall<'_>) -> Result<(Element, Dims), String> {
             call.q_len, call.k_len
         ));
     }
-    if let Some(reason) = too_long(call.k_len) {
-        return Err(reason);
-    }
     if hkv == 0
         || hq % hkv != 0
         || call.kv_head_of.len() != hq
@@ -795,37 +811,77 @@ mod tests {
         assert_eq!(tables(&from_rows), from_slices);
     }
 
-    /// A forward tile entry says, per 32-row warp, whether its rows see the key tile fully (1),
-    /// partly (2) or not at all (0): on a causal mask, the warps above the diagonal skip it.
+    /// Every static mask of the catalogue keeps 128-row forward tiles (the 64-row ones are
+    /// slower on them); block-sparse masks take 64-row tiles on 64-token blocks only.
     #[test]
-    fn forward_entries_carry_each_warps_state() {
-        let s = 256u64;
+    fn catalogue_masks_choose_their_forward_tiles() {
+        use attnbench_mask_catalogue::{generate, Params, PATTERNS};
+        use attnbench_sdk::histogram::{Bucket, Histogram};
+        let histogram = Histogram {
+            buckets: vec![Bucket {
+                lo: 64,
+                hi: 4096,
+                weight: 1.0,
+            }],
+        };
+        let s = 8192u64;
+        let shape = Shape {
+            heads_q: 8,
+            heads_kv: 1,
+            seqlen: s as usize,
+            head_dim: 64,
+        };
+        let rows_of = |params: &Params| {
+            let set = generate(params, &histogram, 3).expect("a catalogue mask");
+            tables(&MaskTiles::of_set(&HeadMasks::new(&set, &shape))).forward_rows
+        };
+        for pattern in PATTERNS.iter().filter(|p| !p.starts_with("block_sparse")) {
+            assert_eq!(rows_of(&Params::new(pattern, s)), 128, "{pattern}");
+        }
+        for (block, rows) in [(64, 64), (128, 128)] {
+            let params = Params {
+                sparse_block: block,
+                heads_q: 8,
+                heads_kv: 1,
+                ..Params::new("block_sparse_uniform", s)
+            };
+            assert_eq!(rows_of(&params), rows, "block {block}");
+        }
+    }
+
+    /// Block-sparse masks on 64-token blocks split 128-row forward tiles (every visited one
+    /// partial): their forward runs 64-row tiles, all full; causal keeps 128-row tiles.
+    #[test]
+    fn forward_tiles_follow_the_masks_blocks() {
+        let s = 1024u64;
+        let all: Vec<u32> = (0..s as u32).collect();
+        let rows_of = |mask: &Mask| {
+            tables(&[MaskTiles::of_rows(
+                RowIntervals::restrict(mask, &all, &all),
+                s,
+            )])
+        };
         let causal = Mask::square(s, vec![Slice::new([0, s], [0, s], SliceKind::Causal)])
             .expect("a valid mask");
-        let all: Vec<u32> = (0..s as u32).collect();
-        let t = tables(&[MaskTiles::of_rows(
-            RowIntervals::restrict(&causal, &all, &all),
-            s,
-        )]);
-        let entry = |k_tile: u32, states: [u32; 4]| {
-            states.iter().enumerate().fold(k_tile, |e, (w, &st)| {
-                e | st << (WARP_STATE_SHIFT + 2 * w as u32)
+        assert_eq!(rows_of(&causal).forward_rows, 128);
+        // A checkerboard of 64-token blocks.
+        let blocks = (0..s / 64)
+            .flat_map(|i| (0..s / 64).map(move |j| (i, j)))
+            .filter(|(i, j)| (i + j) % 2 == 0)
+            .map(|(i, j)| {
+                Slice::new(
+                    [i * 64, i * 64 + 64],
+                    [j * 64, j * 64 + 64],
+                    SliceKind::Full,
+                )
             })
-        };
-        // Query tile 0 (rows 0–127) meets key tiles 0 and 1; query tile 1 all four.
-        assert_eq!(t.forward_tile_start, vec![0, 2, 6]);
-        assert_eq!(
-            &t.forward_tiles[..6],
-            &[
-                entry(0, [2, 2, 1, 1]),
-                entry(1, [0, 0, 2, 2]),
-                entry(0, [1, 1, 1, 1]),
-                entry(1, [1, 1, 1, 1]),
-                entry(2, [2, 2, 1, 1]),
-                entry(3, [0, 0, 2, 2]),
-            ]
-        );
-        // Longest list first.
-        assert_eq!(t.forward_order, vec![1, 0]);
+            .collect();
+        let sparse = Mask::square(s, blocks).expect("a valid mask");
+        let t = rows_of(&sparse);
+        assert_eq!(t.forward_rows, 64);
+        assert_eq!(t.forward_tile_start.len() as u64, s / 64 + 1);
+        assert!(t.forward_tiles[..t.forward_tiles.len() - 1]
+            .iter()
+            .all(|entry| entry >> 31 == 0));
     }
 }
