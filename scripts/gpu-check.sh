@@ -49,14 +49,14 @@ stages:
     needs: [masks]
     matrix: {kernel: [${CHECK_KERNELS:-naive, flash}], dtype: [bf16, fp16, f32], direction: [fwd, bwd]}
     with: {check_max_seqlen: 1k, warmup_reps: 1, min_reps: 3, max_time_s: 0.2}
-  deterministic:
+  fused:
     uses: cuda/benchmark
     needs: [masks]
     matrix: {dtype: [bf16, fp16]}
-    with: {kernel: flash, deterministic: true, direction: bwd, check_max_seqlen: 1k, warmup_reps: 1, min_reps: 3, max_time_s: 0.2}
+    with: {kernel: flash, backward: fused, direction: bwd, check_max_seqlen: 1k, warmup_reps: 1, min_reps: 3, max_time_s: 0.2}
   report:
     uses: report/table
-    needs: {bench: all, deterministic: all}
+    needs: {bench: all, fused: all}
 YAML
   $attnbench run "$out/check.yaml" -q 2>&1 | tail -4
 fi
