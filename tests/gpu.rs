@@ -48,11 +48,11 @@ fn without_a_gpu_the_cuda_plugin_loads_and_refuses_in_one_sentence() {
         "{text}"
     );
 
-    sandbox.write("g.yaml", "stages:\n  masks:\n    uses: masks/generate\n    with: {mask: causal, seqlen: 1k}\n  gemm:\n    uses: cuda/gemm\n  bench:\n    uses: cuda/benchmark\n    needs: [masks]\n");
+    sandbox.write("g.yaml", "stages:\n  masks:\n    uses: masks/generate\n    with: {mask: causal, seqlen: 1k}\n  gemm:\n    uses: cuda/gemm\n  bench:\n    uses: cuda/benchmark\n    needs: [masks]\n  links:\n    uses: cp/links\n");
     let run = sandbox.run(&["run", "g.yaml"]);
     assert_eq!(run.status.code(), Some(1), "{}", stderr(&run));
     let record = sandbox.last_record();
-    for id in ["gemm", "bench"] {
+    for id in ["gemm", "bench", "links"] {
         let node = record["nodes"]
             .as_array()
             .unwrap()

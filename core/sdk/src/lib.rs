@@ -23,6 +23,7 @@ mod error;
 mod export;
 pub mod histogram;
 mod host;
+pub mod libraries;
 mod manifest;
 pub mod mask;
 pub mod measure;

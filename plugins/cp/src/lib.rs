@@ -2,11 +2,13 @@
 //! threads of one process on CPU tensors: outputs checked against the single-device reference,
 //! bytes each rank sent checked against the method's formula, per-rank time as the paper defines
 //! per-GPU throughput (global FLOPs / ranks / the slowest rank's time). `cp/model` predicts each
-//! method's per-GPU throughput from 8 to 1024 GPUs (see `model`).
+//! method's per-GPU throughput from 8 to 1024 GPUs (see `model`); `cp/links` measures the NCCL
+//! collectives those methods use between this machine's GPUs (see `links`).
 
 mod comm;
 mod launch;
 mod layout;
+mod links;
 mod local;
 mod methods;
 mod model;
@@ -20,9 +22,10 @@ use attnbench_sdk::reference::{
     self, CheckMode, Element, Forward, Grads, HeadMasks, Inputs, Shape,
 };
 use attnbench_sdk::{
-    write_json, CacheScope, Host, ParamSpec, ParamType, Plugin, PluginError, PluginManifest,
-    StageRequest, StageSpec,
+    write_json, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError,
+    PluginManifest, StageRequest, StageSpec,
 };
+use links::Collective;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -74,6 +77,20 @@ impl Plugin for Cp {
                 .timeout_s(1800.0),
             )
             .stage(
+                StageSpec::new("links")
+                    .doc("Measures NCCL between this machine's GPUs, one process per GPU: a send/recv ring, all-to-all, all-gather, reduce-scatter and all-reduce from `min_bytes` to `max_bytes`, every result checked; algorithm and bus bandwidth per size, latency and bus bandwidth per collective (a line fitted through the sizes).")
+                    .param(ParamSpec::new("ranks", ParamType::Int).default(0).doc("GPUs (one rank each); 0: every GPU the driver lists."))
+                    .param(ParamSpec::new("min_bytes", ParamType::Size).default("4k"))
+                    .param(ParamSpec::new("max_bytes", ParamType::Size).default("1g").doc("Sizes go from min_bytes to max_bytes, ×4 apart."))
+                    .param(ParamSpec::new("collectives", ParamType::List(Box::new(ParamType::one_of(&Collective::ALL.map(Collective::name))))).default(json!(Collective::ALL.map(Collective::name))))
+                    .param(ParamSpec::new("samples", ParamType::Int).default(5).doc("Timed samples per collective and size (the median counts), each ≥ 5 ms of calls."))
+                    .output("links")
+                    .isolation(Isolation::Worker)
+                    .exclusive()
+                    .cache_scope(CacheScope::Machine)
+                    .timeout_s(1800.0),
+            )
+            .stage(
                 StageSpec::new("model")
                     .doc("Predicts each method's per-GPU TFLOP/s at every world size from a kernel's throughput, the links and the traffic formulas.")
                     .param(ParamSpec::new("mask", ParamType::one_of(&["full", "causal"])).default("causal"))
@@ -86,7 +103,7 @@ impl Plugin for Cp {
                     .param(ParamSpec::new("kernel_tflops", ParamType::Float).default(0.0).doc("The attention kernel's measured TFLOP/s; 0: sdpa-flash (FA2) on one H200 at 8K tokens, full mask, as measured by pipelines/dense-kernels.yaml (351 forward, 296 backward)."))
                     .param(ParamSpec::new("worlds", ParamType::List(Box::new(ParamType::Int))).default(json!([8, 16, 32, 64, 128, 256, 512, 1024])))
                     .param(ParamSpec::new("gpus_per_node", ParamType::Int).default(8))
-                    .param(ParamSpec::new("nvlink_gbs", ParamType::Float).default(370.0).doc("NVLink bandwidth per GPU, GB/s."))
+                    .param(ParamSpec::new("nvlink_gbs", ParamType::Float).default(370.0).doc("NVLink bandwidth per GPU, GB/s; with a cp/links node in `needs`, its measured send/recv ring's instead (and its latency for nvlink_latency_us)."))
                     .param(ParamSpec::new("infiniband_gbs", ParamType::Float).default(48.0).doc("InfiniBand bandwidth per GPU, GB/s."))
                     .param(ParamSpec::new("nvlink_latency_us", ParamType::Float).default(5.0))
                     .param(ParamSpec::new("infiniband_latency_us", ParamType::Float).default(10.0))
@@ -100,9 +117,10 @@ impl Plugin for Cp {
         match stage {
             "threads" => threads_stage(&request, host),
             "model" => model_stage(&request),
+            "links" => links_stage(&request, host),
             other => Err(PluginError::UnknownStage {
                 stage: other.into(),
-                known: "threads, model".into(),
+                known: "threads, links, model".into(),
             }),
         }
     }
@@ -380,11 +398,19 @@ fn model_stage(request: &StageRequest) -> Result<Value, PluginError> {
             "worlds: {world} is not a world size"
         )));
     }
+    let (nvlink_gbs, nvlink_latency_us, nvlink_source) = match measured_link(request)? {
+        Some((gbs, us)) => (
+            gbs,
+            us,
+            "cp/links: the send/recv ring's fitted bus bandwidth and latency",
+        ),
+        None => (p.nvlink_gbs, p.nvlink_latency_us, "parameters"),
+    };
     let machine = model::Machine {
         gpus_per_node: p.gpus_per_node,
-        nvlink: p.nvlink_gbs * 1e9,
+        nvlink: nvlink_gbs * 1e9,
         infiniband: p.infiniband_gbs * 1e9,
-        nvlink_latency: p.nvlink_latency_us * 1e-6,
+        nvlink_latency: nvlink_latency_us * 1e-6,
         infiniband_latency: p.infiniband_latency_us * 1e-6,
     };
     let workload = model::Workload {
@@ -413,9 +439,10 @@ fn model_stage(request: &StageRequest) -> Result<Value, PluginError> {
     for (key, value) in [
         ("kernel_tflops", json!(kernel_tflops)),
         ("gpus_per_node", json!(p.gpus_per_node)),
-        ("nvlink_gbs", json!(p.nvlink_gbs)),
+        ("nvlink_gbs", json!(nvlink_gbs)),
         ("infiniband_gbs", json!(p.infiniband_gbs)),
-        ("nvlink_latency_us", json!(p.nvlink_latency_us)),
+        ("nvlink_latency_us", json!(nvlink_latency_us)),
+        ("nvlink_from", json!(nvlink_source)),
         ("infiniband_latency_us", json!(p.infiniband_latency_us)),
         ("placement", json!(p.placement)),
         ("groups", json!("USP and LoongTrain: Ulysses groups of min(world, 8), LoongTrain windows: the largest m with m² ≤ ring size (LongCA-bench's choices)")),
@@ -434,7 +461,116 @@ fn model_stage(request: &StageRequest) -> Result<Value, PluginError> {
     serde_json::to_value(&predictions).map_err(|err| PluginError::failed(err.to_string()))
 }
 
+/// NVLink's (bus bandwidth GB/s, latency µs) from a `cp/links` node in `needs`: its send/recv
+/// ring's fit, the pattern of a ring step.
+fn measured_link(request: &StageRequest) -> Result<Option<(f64, f64)>, PluginError> {
+    let Some(input) = request.inputs_from("cp/links").find(|i| i.succeeded()) else {
+        return Ok(None);
+    };
+    let path = input.dir.join(links::FILE);
+    let text = std::fs::read(&path)
+        .map_err(|err| PluginError::failed(format!("{}: {err}", path.display())))?;
+    let links: Value = serde_json::from_slice(&text)
+        .map_err(|err| PluginError::failed(format!("{}: {err}", path.display())))?;
+    let fit = links["fits"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|fit| fit["collective"] == "send_recv");
+    match fit.map(|fit| (fit["bus_gbs"].as_f64(), fit["latency_us"].as_f64())) {
+        Some((Some(gbs), Some(us))) => Ok(Some((gbs, us))),
+        _ => Err(PluginError::Params(format!(
+            "{}: no send/recv bandwidth between GPUs to model NVLink with (measured on {} GPU(s)); run cp/links on at least 2 GPUs with send_recv among its collectives",
+            path.display(),
+            links["ranks"]
+        ))),
+    }
+}
+
 attnbench_sdk::export_plugin!(Cp);
+
+#[derive(Deserialize)]
+struct LinksParams {
+    ranks: usize,
+    min_bytes: u64,
+    max_bytes: u64,
+    collectives: Vec<String>,
+    samples: usize,
+}
+
+/// GPUs the driver lists, or why there are none to use.
+fn gpu_count() -> Result<usize, String> {
+    attnbench_sdk::libraries::require("libcuda", "NVIDIA driver")?;
+    cudarc::driver::CudaContext::device_count()
+        .map(|n| n.max(0) as usize)
+        .map_err(|err| format!("cannot count the GPUs: {err}"))
+}
+
+fn links_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginError> {
+    let p: LinksParams = request.params()?;
+    let collectives = p
+        .collectives
+        .iter()
+        .map(|name| {
+            Collective::parse(name).ok_or_else(|| {
+                PluginError::Params(format!(
+                    "collectives: unknown `{name}`; expected some of {}",
+                    Collective::ALL.map(Collective::name).join(", ")
+                ))
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if p.min_bytes == 0 || p.min_bytes > p.max_bytes {
+        return Err(PluginError::Params(format!(
+            "min_bytes ({}) must be at least 1 and at most max_bytes ({})",
+            p.min_bytes, p.max_bytes
+        )));
+    }
+    let gpus = gpu_count().map_err(PluginError::failed)?;
+    let ranks = if p.ranks == 0 { gpus } else { p.ranks };
+    if ranks == 0 || ranks > gpus {
+        return Err(PluginError::Params(format!(
+            "ranks: {ranks} GPUs asked for, the driver lists {gpus}"
+        )));
+    }
+    let ranks_dir = request.output_dir.join("ranks");
+    let job = links::LinksJob {
+        ranks,
+        sizes: links::sizes(p.min_bytes, p.max_bytes, ranks),
+        collectives,
+        samples: p.samples,
+        results: ranks_dir.clone(),
+    };
+    write_json(&request.output_dir, "job.json", &job)?;
+    host.info(&format!(
+        "{} collectives × {} sizes on {ranks} GPUs",
+        job.collectives.len(),
+        job.sizes.len()
+    ));
+    processes::start_ranks(
+        &request.output_dir.join("job.json"),
+        ranks,
+        &ranks_dir,
+        std::time::Duration::from_secs(1500),
+    )
+    .map_err(PluginError::failed)?;
+    let results: Vec<links::RankLinks> =
+        processes::read_rank_results(&ranks_dir, ranks).map_err(PluginError::failed)?;
+    let _ = std::fs::remove_dir_all(&ranks_dir);
+    let (rows, fits) = links::assemble(ranks, &results);
+    let result = links::record(ranks, &results, &rows, &fits);
+    for fit in &fits {
+        host.info(&format!(
+            "{}: {:.1} µs latency, {} bus bandwidth",
+            fit.collective.name(),
+            fit.latency_us,
+            fit.bus_gbs
+                .map_or("no".to_string(), |b| format!("{b:.0} GB/s"))
+        ));
+    }
+    write_json(&request.output_dir, links::FILE, &result)?;
+    Ok(json!({"ranks": ranks, "rows": rows.len(), "fits": fits}))
+}
 
 #[cfg(test)]
 mod tests;

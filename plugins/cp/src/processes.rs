@@ -94,9 +94,15 @@ impl Job {
     }
 }
 
-/// Runs this process's rank of the job at `path`.
+/// Runs this process's rank of the job at `path`: a context-parallel attention job, or a links
+/// job (`"kind": "links"`, see `links`).
 pub fn rank_main(path: &Path) -> Result<(), String> {
     let text = std::fs::read(path).map_err(|err| format!("{}: {err}", path.display()))?;
+    let kind: serde_json::Value = serde_json::from_slice(&text)
+        .map_err(|err| format!("{}: not a job: {err}", path.display()))?;
+    if kind.get("kind").and_then(|k| k.as_str()) == Some("links") {
+        return crate::links::rank_main(&text, path);
+    }
     let job: Job = serde_json::from_slice(&text)
         .map_err(|err| format!("{}: not a job: {err}", path.display()))?;
     let info = RankInfo::from_env()?;
@@ -127,12 +133,31 @@ pub fn rank_main(path: &Path) -> Result<(), String> {
         job.backward,
         attention.as_ref(),
     )?;
-    let bytes = serde_json::to_vec(&result).map_err(|err| err.to_string())?;
-    let target = job.results.join(format!("rank-{}.json", info.rank));
+    write_rank_result(&job.results, info.rank, &result)
+}
+
+/// Writes rank `rank`'s result as `rank-<rank>.json` in `dir`, whole or not at all.
+pub fn write_rank_result(dir: &Path, rank: usize, result: &impl Serialize) -> Result<(), String> {
+    let bytes = serde_json::to_vec(result).map_err(|err| err.to_string())?;
+    let target = dir.join(format!("rank-{rank}.json"));
     let partial = target.with_extension("partial");
     std::fs::write(&partial, bytes)
         .and_then(|_| std::fs::rename(&partial, &target))
         .map_err(|err| format!("{}: {err}", target.display()))
+}
+
+/// Every rank's `rank-<r>.json` from `dir`.
+pub fn read_rank_results<T: for<'de> Deserialize<'de>>(
+    dir: &Path,
+    ranks: usize,
+) -> Result<Vec<T>, String> {
+    (0..ranks)
+        .map(|rank| {
+            let file = dir.join(format!("rank-{rank}.json"));
+            let bytes = std::fs::read(&file).map_err(|err| format!("{}: {err}", file.display()))?;
+            serde_json::from_slice(&bytes).map_err(|err| format!("{}: {err}", file.display()))
+        })
+        .collect()
 }
 
 /// The rank binary: beside the running `attnbench` (how it is installed and built), else on PATH.
@@ -160,9 +185,17 @@ fn free_port() -> Result<u16, String> {
 pub fn run(job: &Job, path: &Path, timeout: Duration) -> Result<Outcome, String> {
     let shape = job.shape();
     threads::check(&job.setup, &shape)?;
-    let dir = &job.results;
-    std::fs::create_dir_all(dir).map_err(|err| format!("{}: {err}", dir.display()))?;
     let n = job.setup.layout.world();
+    start_ranks(path, n, &job.results, timeout)?;
+    let results: Vec<RankResult> = read_rank_results(&job.results, n)?;
+    Ok(threads::assemble(&shape, results, job.backward))
+}
+
+/// Runs `n` rank processes of the job at `path` on this machine (torchrun-style variables, GPU
+/// `LOCAL_RANK` each) until all have finished, or one has failed, or `timeout`; their logs go
+/// into `dir`, `rank-<r>.log`.
+pub fn start_ranks(path: &Path, n: usize, dir: &Path, timeout: Duration) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|err| format!("{}: {err}", dir.display()))?;
     let port = free_port()?;
     let binary = rank_binary();
     let mut children: Vec<(Child, PathBuf)> = Vec::new();
@@ -236,12 +269,5 @@ pub fn run(job: &Job, path: &Path, timeout: Duration) -> Result<Outcome, String>
         }
         return Err(failure);
     }
-    let results: Vec<RankResult> = (0..n)
-        .map(|rank| {
-            let file = job.results.join(format!("rank-{rank}.json"));
-            let bytes = std::fs::read(&file).map_err(|err| format!("{}: {err}", file.display()))?;
-            serde_json::from_slice(&bytes).map_err(|err| format!("{}: {err}", file.display()))
-        })
-        .collect::<Result<_, String>>()?;
-    Ok(threads::assemble(&shape, results, job.backward))
+    Ok(())
 }

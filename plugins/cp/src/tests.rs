@@ -193,3 +193,60 @@ fn the_paper_worked_example_of_traffic_holds() {
     let ring = setup(Method::RingP2p, 8, 0, 0, Placement::RingInner, 8192 * 8).unwrap();
     assert_eq!(volume::bytes(&ring, &sizes), (224 * mib, 448 * mib));
 }
+
+/// `cp/model` takes NVLink's bandwidth and latency from a `cp/links` node's record (its send/recv
+/// ring), and refuses one measured on a single GPU, where nothing crossed a link.
+#[test]
+fn the_model_takes_nvlink_from_a_links_record() {
+    use crate::links::{self, Collective, RankLinks, Timed};
+    use attnbench_sdk::{InputArtifact, StageRequest};
+    let links_node = |ranks: usize| {
+        let timed = [1u64 << 20, 1 << 24, 1 << 28]
+            .into_iter()
+            .map(|bytes| Timed {
+                collective: Collective::SendRecv,
+                bytes,
+                seconds: 8e-6 + bytes as f64 / 250e9,
+            })
+            .collect();
+        let results = vec![RankLinks {
+            device: "gpu".into(),
+            nccl_version: 22809,
+            timed,
+        }];
+        let (rows, fits) = links::assemble(ranks, &results);
+        let dir =
+            std::env::temp_dir().join(format!("attnbench-links-{}-{ranks}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join(links::FILE),
+            serde_json::to_vec(&links::record(ranks, &results, &rows, &fits)).unwrap(),
+        )
+        .unwrap();
+        let input: InputArtifact = serde_json::from_value(serde_json::json!({
+            "node": "links", "uses": "cp/links", "params": {}, "dir": dir, "result": null,
+        }))
+        .unwrap();
+        StageRequest {
+            node: "model".into(),
+            stage: "model".into(),
+            params: Default::default(),
+            seed: 0,
+            output_dir: dir.clone(),
+            inputs: vec![input],
+            plugins: Default::default(),
+        }
+    };
+    let (gbs, us) = crate::measured_link(&links_node(2)).unwrap().unwrap();
+    assert!(
+        (gbs - 250.0).abs() < 1e-6 && (us - 8.0).abs() < 1e-6,
+        "{gbs} {us}"
+    );
+    let err = crate::measured_link(&links_node(1))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("measured on 1 GPU(s)"), "{err}");
+    for ranks in [1, 2] {
+        let _ = std::fs::remove_dir_all(&links_node(ranks).output_dir);
+    }
+}

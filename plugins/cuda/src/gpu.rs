@@ -13,24 +13,9 @@ use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use serde_json::{json, Value};
 
-/// cudarc panics when a library it needs cannot be opened; look first and say it plainly.
+/// Opens `stem` under the names cudarc tries, or says which library is missing (a stage error).
 pub fn require_library(stem: &str, what: &str) -> Result<(), PluginError> {
-    let candidates = [
-        format!("{stem}.so"),
-        format!("{stem}.so.1"),
-        format!("{stem}.so.13"),
-        format!("{stem}.so.12"),
-    ];
-    for name in &candidates {
-        // SAFETY: opening a system library only runs its initialisers, as cudarc would.
-        if unsafe { libloading::Library::new(name) }.is_ok() {
-            return Ok(());
-        }
-    }
-    Err(PluginError::failed(format!(
-        "this stage needs a GPU, but the {what} library ({stem}.so) could not be loaded from LD_LIBRARY_PATH={} or the system library cache; `attnbench doctor` shows where attnbench looked",
-        std::env::var("LD_LIBRARY_PATH").unwrap_or_default()
-    )))
+    attnbench_sdk::libraries::require(stem, what).map_err(PluginError::failed)
 }
 
 /// The start of the message of an allocation the device could not satisfy: such a node is
