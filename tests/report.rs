@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use attnbench_tests::{stderr, target_dir, Sandbox};
+use attnbench_tests::{stderr, stdout, target_dir, Sandbox};
 
 const PIPELINE: &str = r#"
 name: report-check
@@ -299,4 +299,106 @@ fn an_imported_older_record_does_not_replace_a_newer_one() {
     for row in &rows {
         assert_eq!(row["time_s"]["n"], 3, "the newer run's record: {row}");
     }
+}
+
+/// `attnbench compare`: records against themselves are the same everywhere; against copies with
+/// one cell 50% slower and one cell failing its check, it says so, writes the verdicts as JSON,
+/// and with `--fail-if-slower` exits with status 1. (The records are a real run's, with their
+/// timing samples replaced by tight ones, so that the verdicts do not depend on this machine's
+/// noise.)
+#[test]
+fn compare_finds_the_slower_cell_and_the_broken_one() {
+    let sandbox = Sandbox::new();
+    sandbox.write("short.json", r#"{"[16,64)": 1, "[64,200)": 1}"#);
+    sandbox.write("p.yaml", PIPELINE);
+    let run = sandbox.run(&[
+        "run",
+        "p.yaml",
+        "-q",
+        "--set",
+        "stages.report.uses=report/table",
+        "--set",
+        "stages.masks.matrix.seqlen=[256]",
+        "--set",
+        "stages.masks.matrix.mask=[causal]",
+    ]);
+    assert!(run.status.success(), "{}", stderr(&run));
+    let cells = attnbench_tests::measurements(&sandbox.last_record(), "bench");
+    assert_eq!(cells.len(), 4);
+    let write = |side: &str, edit: &dyn Fn(&str, &mut serde_json::Value)| {
+        let root = sandbox.path().join(side);
+        for (index, (id, measurement)) in cells.iter().enumerate() {
+            let mut measurement = measurement.clone();
+            let median = measurement["time_s"]["p50"].as_f64().unwrap();
+            measurement["timing"]["samples"] =
+                (0..10).map(|i| median * (1.0 + 0.001 * i as f64)).collect();
+            edit(id, &mut measurement);
+            let dir = root.join(index.to_string());
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(
+                dir.join("measurement.json"),
+                serde_json::to_vec(&measurement).unwrap(),
+            )
+            .unwrap();
+        }
+        root.to_str().unwrap().to_string()
+    };
+    let base = write("base", &|_, _| {});
+    let new = write("new", &|id, m| {
+        if id == "bench[mask=causal,seqlen=256,kernel=naive,direction=fwd]" {
+            for sample in m["timing"]["samples"].as_array_mut().unwrap() {
+                *sample = serde_json::json!(sample.as_f64().unwrap() * 1.5);
+            }
+        }
+        if id == "bench[mask=causal,seqlen=256,kernel=tiled,direction=bwd]" {
+            m["correctness"]["passed"] = serde_json::json!(false);
+        }
+    });
+
+    let same = sandbox.run(&["compare", &base, &base, "--fail-if-slower"]);
+    let text = stdout(&same);
+    assert!(same.status.success(), "{text}{}", stderr(&same));
+    assert!(
+        text.contains("4 cells compared (threshold ±2.0%): 0 faster, 0 slower, 4 same"),
+        "{text}"
+    );
+
+    let json = sandbox.path().join("verdicts.json");
+    let compared = sandbox.run(&[
+        "compare",
+        &base,
+        &new,
+        "--fail-if-slower",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let text = stdout(&compared);
+    assert_eq!(
+        compared.status.code(),
+        Some(1),
+        "{text}{}",
+        stderr(&compared)
+    );
+    let line = |needle: &str| {
+        text.lines()
+            .find(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no line with {needle}: {text}"))
+            .to_string()
+    };
+    let slower = line("cpu-naive causal 256 fwd");
+    assert!(
+        slower.ends_with("slower") && slower.contains("+50.0%"),
+        "{text}"
+    );
+    assert!(
+        line("cpu-tiled causal 256 bwd").contains("ok → ok (check failed)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("0 faster, 1 slower, 2 same, 0 unsure; 1 changed status"),
+        "{text}"
+    );
+    let verdicts: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(verdicts.as_array().unwrap().len(), 4);
 }

@@ -1,6 +1,7 @@
 //! `attnbench`: long-context attention benchmarks as reproducible, cached pipelines of plugins.
 
 mod cache_cmd;
+mod compare_cmd;
 mod doctor;
 mod mask_cmd;
 mod plugin_kit;
@@ -105,6 +106,9 @@ enum Command {
     },
     /// One report (tables, plots, HTML) from the measurements of earlier runs, merged.
     Report(report_cmd::ReportArgs),
+    /// Cell by cell, how NEW's measurements differ from BASE's: time ratios with 95% intervals,
+    /// verdicts, status changes and the environments' differences.
+    Compare(compare_cmd::CompareArgs),
     /// Look at mask patterns: parameters, documents, area, FLOPs, a picture.
     Mask {
         #[command(subcommand)]
@@ -232,6 +236,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Cache { command } => cache_cmd::run(command, &open_cache(&cli.cache)?),
         Command::Mask { command } => mask_cmd::run(command, &cli.plugin_dirs),
         Command::Report(args) => report_cmd::run(args, &cli.plugin_dirs),
+        Command::Compare(args) => compare_cmd::run(args),
         Command::Doctor => doctor::run(&cli.plugin_dirs, &open_cache(&cli.cache)?),
     }
 }

@@ -41,30 +41,7 @@ struct Found {
 }
 
 pub fn run(args: ReportArgs, plugin_dirs: &[PathBuf]) -> Result<ExitCode> {
-    let mut found = Vec::new();
-    for path in &args.paths {
-        let before = found.len();
-        collect(path, &mut found)?;
-        if found.len() == before {
-            bail!(
-                "{}: no measurement records ({}) in it or below it; give a run directory, a cache directory or a folder of measurements",
-                path.display(),
-                Measurement::FILE
-            );
-        }
-    }
-    // The newest record of each cell wins: a rerun replaces what it measured again.
-    let mut cells: BTreeMap<String, Found> = BTreeMap::new();
-    for item in found {
-        match cells.get(&item.cell) {
-            Some(kept) if kept.recorded > item.recorded => {}
-            _ => {
-                cells.insert(item.cell.clone(), item);
-            }
-        }
-    }
-    let inputs: Vec<InputArtifact> = cells.into_values().map(|f| f.input).collect();
-
+    let inputs: Vec<InputArtifact> = newest_by_cell(&args.paths)?.into_values().collect();
     if args.out.exists()
         && std::fs::read_dir(&args.out)
             .with_context(|| format!("{}", args.out.display()))?
@@ -99,6 +76,34 @@ pub fn run(args: ReportArgs, plugin_dirs: &[PathBuf]) -> Result<ExitCode> {
         args.out.join(main_file).display()
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// The records under `paths` (see [`ReportArgs::paths`]), the newest of each cell, by what
+/// identifies the cell; a path without any is an error.
+pub fn newest_by_cell(paths: &[PathBuf]) -> Result<BTreeMap<String, InputArtifact>> {
+    let mut found = Vec::new();
+    for path in paths {
+        let before = found.len();
+        collect(path, &mut found)?;
+        if found.len() == before {
+            bail!(
+                "{}: no measurement records ({}) in it or below it; give a run directory, a cache directory or a folder of measurements",
+                path.display(),
+                Measurement::FILE
+            );
+        }
+    }
+    // The newest record of each cell wins: a rerun replaces what it measured again.
+    let mut cells: BTreeMap<String, Found> = BTreeMap::new();
+    for item in found {
+        match cells.get(&item.cell) {
+            Some(kept) if kept.recorded > item.recorded => {}
+            _ => {
+                cells.insert(item.cell.clone(), item);
+            }
+        }
+    }
+    Ok(cells.into_iter().map(|(cell, f)| (cell, f.input)).collect())
 }
 
 /// Everything under `path`: a run record's measured nodes, or every measurement record found by
