@@ -172,7 +172,7 @@ fn environment(records: &[&Measurement]) -> BTreeMap<String, BTreeSet<String>> {
 }
 
 fn status_name(m: &Measurement) -> String {
-    serde_json::to_value(&m.status)
+    serde_json::to_value(m.status)
         .ok()
         .and_then(|v| v.as_str().map(str::to_string))
         .unwrap_or_else(|| format!("{:?}", m.status))
