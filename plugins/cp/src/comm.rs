@@ -5,7 +5,9 @@
 //!
 //! Sends never block (a posted send is a handed-over buffer, or a frame written to a socket),
 //! receives wait for their message: a method that posts its next send before it computes overlaps
-//! the two, as on a GPU.
+//! the two, as on a GPU. The methods never send alone: every send is half of an
+//! [`Communicator::exchange`] that names where the matching receive comes from, as NCCL needs
+//! (a ring whose ranks each send before receiving waits forever unless the pair is one group).
 
 use std::collections::{HashMap, VecDeque};
 use std::io::Write;
@@ -28,6 +30,15 @@ pub trait Communicator: Send + Sync {
     fn send(&self, to: usize, tag: u32, data: Vec<f64>);
     /// The next message from member `from` with `tag`, waiting for it.
     fn recv(&self, from: usize, tag: u32) -> Vec<f64>;
+
+    /// Hands `data` to member `to` while the next message with `tag` from member `from` starts on
+    /// its way here, to be taken by [`Communicator::recv`]: one step of a ring, whose receive a
+    /// GPU communicator must start together with the send. Here the receive is a later mailbox
+    /// read, so only the send happens now.
+    fn exchange(&self, to: usize, from: usize, tag: u32, data: Vec<f64>) {
+        let _ = from;
+        self.send(to, tag, data);
+    }
 
     /// Waits until every member has reached the barrier (an all-gather of nothing).
     fn barrier(&self) {

@@ -294,7 +294,8 @@ impl RingStep<'_> {
         for step in 0..n {
             if step + 1 < n {
                 // The next step's block travels while this one is computed.
-                self.comm.send((r + 1) % n, FWD_KV, pack(&k_now, &v_now));
+                self.comm
+                    .exchange((r + 1) % n, (r + n - 1) % n, FWD_KV, pack(&k_now, &v_now));
             }
             done.merge(&self.problem.forward(q, &k_now, &v_now)?, d);
             if step + 1 < n {
@@ -321,7 +322,7 @@ impl RingStep<'_> {
         let mut dq = own.dq;
         let (mut k_now, mut v_now) = (k.clone(), v.clone());
         for step in 1..n {
-            self.comm.send(next, BWD_KV, pack(&k_now, &v_now));
+            self.comm.exchange(next, prev, BWD_KV, pack(&k_now, &v_now));
             let source = (r + n - step) % n;
             (k_now, v_now) = self.receive_kv(prev, BWD_KV, source, &k.heads);
             let grads = self.problem.backward(q, &k_now, &v_now, done, d_out)?;
@@ -330,7 +331,7 @@ impl RingStep<'_> {
             if step > 1 {
                 add(&mut accumulator, &self.comm.recv(prev, BWD_DKV));
             }
-            self.comm.send(next, BWD_DKV, accumulator);
+            self.comm.exchange(next, prev, BWD_DKV, accumulator);
         }
         let (mut dk, mut dv) = (own.dk, own.dv);
         if n > 1 {
@@ -415,8 +416,9 @@ impl RingStep<'_> {
         for t in 0..m {
             if t + 1 < m {
                 // The next window's block travels during this whole window.
-                self.comm.send(
+                self.comm.exchange(
                     self.member(j + 1, a),
+                    self.member(j + m - 1, a),
                     FWD_INTER_KV,
                     pack(&k_window, &v_window),
                 );
@@ -424,8 +426,12 @@ impl RingStep<'_> {
             let (mut k_now, mut v_now) = (k_window.clone(), v_window.clone());
             for i in 0..w {
                 if i + 1 < w {
-                    self.comm
-                        .send(self.member(j, a + 1), FWD_KV, pack(&k_now, &v_now));
+                    self.comm.exchange(
+                        self.member(j, a + 1),
+                        self.member(j, a + w - 1),
+                        FWD_KV,
+                        pack(&k_now, &v_now),
+                    );
                 }
                 done.merge(&self.problem.forward(q, &k_now, &v_now)?, d);
                 if i + 1 < w {
@@ -463,14 +469,19 @@ impl RingStep<'_> {
         let mut completed = Vec::new();
         for t in 0..m {
             if t + 1 < m {
-                self.comm
-                    .send(inter_next, BWD_INTER_KV, pack(&k_window, &v_window));
+                self.comm.exchange(
+                    inter_next,
+                    inter_prev,
+                    BWD_INTER_KV,
+                    pack(&k_window, &v_window),
+                );
             }
             let (mut k_now, mut v_now) = (k_window.clone(), v_window.clone());
             let mut returned = Vec::new();
             for i in 0..w {
                 if i + 1 < w {
-                    self.comm.send(intra_next, BWD_KV, pack(&k_now, &v_now));
+                    self.comm
+                        .exchange(intra_next, intra_prev, BWD_KV, pack(&k_now, &v_now));
                 }
                 let grads = self.problem.backward(q, &k_now, &v_now, done, d_out)?;
                 add(&mut dq, &grads.dq);
@@ -481,7 +492,8 @@ impl RingStep<'_> {
                     add(&mut accumulator, &self.comm.recv(inter_prev, BWD_INTER_DKV));
                 }
                 if w > 1 {
-                    self.comm.send(intra_next, BWD_DKV, accumulator);
+                    self.comm
+                        .exchange(intra_next, intra_prev, BWD_DKV, accumulator);
                 } else {
                     returned = accumulator;
                 }
@@ -495,7 +507,8 @@ impl RingStep<'_> {
                 returned = self.comm.recv(intra_prev, BWD_DKV);
             }
             if m > 1 {
-                self.comm.send(inter_next, BWD_INTER_DKV, returned);
+                self.comm
+                    .exchange(inter_next, inter_prev, BWD_INTER_DKV, returned);
             } else {
                 completed = returned;
             }
