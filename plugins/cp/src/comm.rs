@@ -22,82 +22,29 @@ const RECEIVE_TIMEOUT: Duration = Duration::from_secs(600);
 /// The tag barriers use.
 const BARRIER_TAG: u32 = 0xffff;
 
-/// Point-to-point and collective operations among the members of one group.
+/// Point-to-point and collective operations among the members of one group, on the values of
+/// a [`crate::local::Store`].
 pub trait Communicator: Send + Sync {
+    type Values;
+
     fn rank(&self) -> usize;
     fn size(&self) -> usize;
-    /// Hands `data` to member `to` (does not wait).
-    fn send(&self, to: usize, tag: u32, data: Vec<f64>);
-    /// The next message from member `from` with `tag`, waiting for it.
-    fn recv(&self, from: usize, tag: u32) -> Vec<f64>;
 
     /// Hands `data` to member `to` while the next message with `tag` from member `from` starts on
     /// its way here, to be taken by [`Communicator::recv`]: one step of a ring, whose receive a
-    /// GPU communicator must start together with the send. Here the receive is a later mailbox
-    /// read, so only the send happens now.
-    fn exchange(&self, to: usize, from: usize, tag: u32, data: Vec<f64>) {
-        let _ = from;
-        self.send(to, tag, data);
-    }
-
-    /// Waits until every member has reached the barrier (an all-gather of nothing).
-    fn barrier(&self) {
-        self.all_gather(BARRIER_TAG, Vec::new());
-    }
-
+    /// GPU communicator must start together with the send (rings move equal blocks, so the
+    /// incoming message is the size of `data`).
+    fn exchange(&self, to: usize, from: usize, tag: u32, data: Self::Values);
+    /// The message from member `from` with `tag` that an exchange started, waiting for it.
+    fn recv(&self, from: usize, tag: u32) -> Self::Values;
+    /// Waits until every member has reached the barrier.
+    fn barrier(&self);
     /// Member j receives `chunks[j]`; returns what each member sent here, by member.
-    fn all_to_all(&self, tag: u32, mut chunks: Vec<Vec<f64>>) -> Vec<Vec<f64>> {
-        let (me, n) = (self.rank(), self.size());
-        for (to, chunk) in chunks.iter_mut().enumerate() {
-            if to != me {
-                self.send(to, tag, std::mem::take(chunk));
-            }
-        }
-        let own = std::mem::take(&mut chunks[me]);
-        (0..n)
-            .map(|from| {
-                if from == me {
-                    own.clone()
-                } else {
-                    self.recv(from, tag)
-                }
-            })
-            .collect()
-    }
-
-    /// Every member's `data`, by member, through a ring: N − 1 steps, each passing one block on.
-    fn all_gather(&self, tag: u32, data: Vec<f64>) -> Vec<Vec<f64>> {
-        let (me, n) = (self.rank(), self.size());
-        let mut blocks = vec![Vec::new(); n];
-        blocks[me] = data;
-        for step in 0..n - 1 {
-            let outgoing = (me + n - step) % n;
-            self.send((me + 1) % n, tag, blocks[outgoing].clone());
-            let incoming = (me + n - step - 1) % n;
-            blocks[incoming] = self.recv((me + n - 1) % n, tag);
-        }
-        blocks
-    }
-
-    /// The sum over members of their `chunks[me]`, through a ring: N − 1 steps, each passing one
-    /// partial sum on.
-    fn reduce_scatter(&self, tag: u32, chunks: Vec<Vec<f64>>) -> Vec<f64> {
-        let (me, n) = (self.rank(), self.size());
-        // Partial sums travel towards their owner: the one started here for member
-        // (me + n − 1) mod n goes first, each member adding its own share.
-        let mut partial = chunks[(me + n - 1) % n].clone();
-        for step in 0..n - 1 {
-            self.send((me + 1) % n, tag, partial);
-            let received = self.recv((me + n - 1) % n, tag);
-            let owner = (me + 2 * n - step - 2) % n;
-            partial = received
-                .iter()
-                .zip(&chunks[owner])
-                .map(|(a, b)| a + b)
-                .collect();
-        }
-        partial
-    }
+    fn all_to_all(&self, tag: u32, chunks: Vec<Self::Values>) -> Vec<Self::Values>;
+    /// Every member's `data`, by member.
+    fn all_gather(&self, tag: u32, data: Self::Values) -> Vec<Self::Values>;
+    /// The sum over members of their `chunks[me]`.
+    fn reduce_scatter(&self, tag: u32, chunks: Vec<Self::Values>) -> Self::Values;
 }
 
 /// A message waiting in a mailbox: from whom, and with which tag.
@@ -221,7 +168,19 @@ impl Group {
     }
 }
 
+impl Group {
+    /// Hands `data` to member `to` (does not wait).
+    pub fn send(&self, to: usize, tag: u32, data: Vec<f64>) {
+        let (from, to) = (self.members[self.me], self.members[to]);
+        self.world.post(from, to, self.tag(tag), data);
+    }
+}
+
+/// The collectives as the ring algorithms NCCL also uses, so that the elements counted are what
+/// a GPU run sends.
 impl Communicator for Group {
+    type Values = Vec<f64>;
+
     fn rank(&self) -> usize {
         self.me
     }
@@ -230,14 +189,71 @@ impl Communicator for Group {
         self.members.len()
     }
 
-    fn send(&self, to: usize, tag: u32, data: Vec<f64>) {
-        let (from, to) = (self.members[self.me], self.members[to]);
-        self.world.post(from, to, self.tag(tag), data);
+    /// The receive is a later mailbox read, so only the send happens now.
+    fn exchange(&self, to: usize, _from: usize, tag: u32, data: Vec<f64>) {
+        self.send(to, tag, data);
     }
 
     fn recv(&self, from: usize, tag: u32) -> Vec<f64> {
         let (me, from) = (self.members[self.me], self.members[from]);
         self.world.take(me, from, self.tag(tag))
+    }
+
+    /// An all-gather of nothing.
+    fn barrier(&self) {
+        self.all_gather(BARRIER_TAG, Vec::new());
+    }
+
+    fn all_to_all(&self, tag: u32, mut chunks: Vec<Vec<f64>>) -> Vec<Vec<f64>> {
+        let (me, n) = (self.rank(), self.size());
+        for (to, chunk) in chunks.iter_mut().enumerate() {
+            if to != me {
+                self.send(to, tag, std::mem::take(chunk));
+            }
+        }
+        let own = std::mem::take(&mut chunks[me]);
+        (0..n)
+            .map(|from| {
+                if from == me {
+                    own.clone()
+                } else {
+                    self.recv(from, tag)
+                }
+            })
+            .collect()
+    }
+
+    /// Through a ring: N − 1 steps, each passing one block on.
+    fn all_gather(&self, tag: u32, data: Vec<f64>) -> Vec<Vec<f64>> {
+        let (me, n) = (self.rank(), self.size());
+        let mut blocks = vec![Vec::new(); n];
+        blocks[me] = data;
+        for step in 0..n - 1 {
+            let outgoing = (me + n - step) % n;
+            self.send((me + 1) % n, tag, blocks[outgoing].clone());
+            let incoming = (me + n - step - 1) % n;
+            blocks[incoming] = self.recv((me + n - 1) % n, tag);
+        }
+        blocks
+    }
+
+    /// Through a ring: N − 1 steps, each passing one partial sum on.
+    fn reduce_scatter(&self, tag: u32, chunks: Vec<Vec<f64>>) -> Vec<f64> {
+        let (me, n) = (self.rank(), self.size());
+        // Partial sums travel towards their owner: the one started here for member
+        // (me + n − 1) mod n goes first, each member adding its own share.
+        let mut partial = chunks[(me + n - 1) % n].clone();
+        for step in 0..n - 1 {
+            self.send((me + 1) % n, tag, partial);
+            let received = self.recv((me + n - 1) % n, tag);
+            let owner = (me + 2 * n - step - 2) % n;
+            partial = received
+                .iter()
+                .zip(&chunks[owner])
+                .map(|(a, b)| a + b)
+                .collect();
+        }
+        partial
     }
 }
 

@@ -1,31 +1,72 @@
-//! Attention of one rank's queries against one block of keys, in f64: the local call every
+//! Attention of one rank's queries against one block of keys: the local call every
 //! context-parallel step makes. Rows and keys carry their global positions, so the mask is the
 //! whole sequence's mask restricted to the block whatever the sharding, and a block's partial
 //! results merge exactly.
 //!
-//! Tensors are head-major: `[heads][tokens][head_dim]`; LSE `[heads][tokens]`.
+//! Tensors are head-major: `[heads][tokens][head_dim]`; LSE `[heads][tokens]`. Where their
+//! values live is a [`Store`]'s business: [`HostStore`] keeps f64 vectors on the host (exact, what
+//! the threads and processes backends run); a GPU store keeps device buffers.
 
 use std::ops::Range;
 
 use attnbench_sdk::attention::{Backend, HostBlock, RowIntervals};
 use attnbench_sdk::mask::Mask;
 
+/// The memory a rank's tensors live in and the arithmetic the methods do on them.
+pub trait Store {
+    /// The values of one tensor.
+    type Values: Clone;
+
+    /// Elements of `x`.
+    fn len(&self, x: &Self::Values) -> usize;
+    /// `count` zeros, to accumulate results in (f32 on a GPU, whose inputs are 16-bit).
+    fn zeros(&self, count: usize) -> Self::Values;
+    /// `count` times −∞ (the LSE of rows without keys).
+    fn negative_infinities(&self, count: usize) -> Self::Values;
+    /// The concatenation of ranges of tensors (of one kind).
+    fn gather(&self, parts: &[(&Self::Values, Range<usize>)]) -> Self::Values;
+    /// `target[at..at + len(source)] += source`.
+    fn add(&self, target: &mut Self::Values, at: usize, source: &Self::Values);
+    /// Folds `other` (O and LSE over other keys of the same rows) into `done`.
+    fn merge(&self, done: &mut Partial<Self::Values>, other: &Partial<Self::Values>, d: usize);
+    /// O and LSE of `block` into `out[spans.rows]` and `lse[spans.lse]`, from
+    /// `q[spans.rows]`, `k[spans.keys]` and `v[spans.keys]`.
+    fn forward(
+        &self,
+        block: &HostBlock<'_>,
+        spans: &Span,
+        qkv: (&Self::Values, &Self::Values, &Self::Values),
+        out: &mut Self::Values,
+        lse: &mut Self::Values,
+    ) -> Result<(), String>;
+    /// The block's dQ into `dq[spans.rows]` and its dK and dV (keys × head_dim each, for the
+    /// block's KV heads), given the rows' final O and LSE and dO.
+    fn backward(
+        &self,
+        block: &HostBlock<'_>,
+        spans: &Span,
+        qkv: (&Self::Values, &Self::Values, &Self::Values),
+        done: (&Self::Values, &Self::Values, &Self::Values),
+        dq: &mut Self::Values,
+    ) -> Result<(Self::Values, Self::Values), String>;
+}
+
 /// Tokens of one side of a block: their global positions and, per head, their vectors.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-pub struct Tokens {
+pub struct Tokens<V> {
     pub positions: Vec<u32>,
     /// Global head indices of the heads held (query heads for Q, KV heads for K and V).
     pub heads: Vec<usize>,
-    pub data: Vec<f64>,
+    pub data: V,
 }
 
-impl Tokens {
+impl<V> Tokens<V> {
     pub fn len(&self) -> usize {
         self.positions.len()
     }
 
     /// Other values over the same tokens and heads.
-    pub fn like(&self, data: Vec<f64>) -> Tokens {
+    pub fn like<W>(&self, data: W) -> Tokens<W> {
         Tokens {
             positions: self.positions.clone(),
             heads: self.heads.clone(),
@@ -34,9 +75,33 @@ impl Tokens {
     }
 }
 
+/// A block's or a merged result: O normalised over the keys seen so far, and their LSE.
+#[derive(Debug, Clone)]
+pub struct Partial<V> {
+    pub out: V,
+    pub lse: V,
+}
+
+impl<V> Partial<V> {
+    /// Nothing seen yet: O = 0, LSE = −∞ (the empty-row convention).
+    pub fn empty<S: Store<Values = V>>(store: &S, heads: usize, tokens: usize, d: usize) -> Self {
+        Partial {
+            out: store.zeros(heads * tokens * d),
+            lse: store.negative_infinities(heads * tokens),
+        }
+    }
+}
+
+/// Gradients of one block: dQ for the rows, dK and dV for the block's keys.
+#[derive(Debug, Clone)]
+pub struct BlockGrads<V> {
+    pub dq: V,
+    pub dk: V,
+    pub dv: V,
+}
+
 /// The masks of the heads: `mask_of_head[h]` indexes `masks` for global query head `h`; query head
-/// `h` reads global KV head `h / group`. Blocks run on `backend` — a kernel plugin's in-process
-/// attention backend — or, when it is `None`, on the SDK's f64 host block directly.
+/// `h` reads global KV head `h / group`.
 #[derive(Clone, Copy)]
 pub struct Problem<'a> {
     pub masks: &'a [Mask],
@@ -44,52 +109,6 @@ pub struct Problem<'a> {
     pub group: usize,
     pub head_dim: usize,
     pub scale: f64,
-    pub backend: Option<&'a Backend>,
-}
-
-/// A block's or a merged result: O normalised over the keys seen so far, and their LSE.
-#[derive(Debug, Clone)]
-pub struct Partial {
-    pub out: Vec<f64>,
-    pub lse: Vec<f64>,
-}
-
-impl Partial {
-    /// Nothing seen yet: O = 0, LSE = −∞ (the empty-row convention).
-    pub fn empty(heads: usize, tokens: usize, d: usize) -> Partial {
-        Partial {
-            out: vec![0.0; heads * tokens * d],
-            lse: vec![f64::NEG_INFINITY; heads * tokens],
-        }
-    }
-
-    /// Folds `other` (over other keys of the same rows) into this one.
-    pub fn merge(&mut self, other: &Partial, d: usize) {
-        for (row, (lse, other_lse)) in self.lse.iter_mut().zip(&other.lse).enumerate() {
-            if *other_lse == f64::NEG_INFINITY {
-                continue;
-            }
-            let merged = if *lse == f64::NEG_INFINITY {
-                *other_lse
-            } else {
-                let top = lse.max(*other_lse);
-                top + ((*lse - top).exp() + (*other_lse - top).exp()).ln()
-            };
-            let (mine, theirs) = ((*lse - merged).exp(), (*other_lse - merged).exp());
-            for i in row * d..(row + 1) * d {
-                self.out[i] = self.out[i] * mine + other.out[i] * theirs;
-            }
-            *lse = merged;
-        }
-    }
-}
-
-/// Gradients of one block: dQ for the rows, dK and dV for the block's keys.
-#[derive(Debug, Clone)]
-pub struct BlockGrads {
-    pub dq: Vec<f64>,
-    pub dk: Vec<f64>,
-    pub dv: Vec<f64>,
 }
 
 /// One call of a block: the query heads it covers (all of the block's, or one) with the KV
@@ -103,9 +122,17 @@ struct Call {
     rows: RowIntervals,
 }
 
+/// Where a call's heads lie in the block's head-major tensors: its query rows (Q, O, dO, dQ),
+/// its keys (K, V, dK, dV) and its LSE entries.
+pub struct Span {
+    pub rows: Range<usize>,
+    pub keys: Range<usize>,
+    pub lse: Range<usize>,
+}
+
 impl Problem<'_> {
     /// Index in `kv.heads` of the KV head query head `h` reads.
-    fn kv_index(&self, kv: &Tokens, h: usize) -> usize {
+    fn kv_index<V>(&self, kv: &Tokens<V>, h: usize) -> usize {
         let wanted = h / self.group;
         kv.heads
             .iter()
@@ -117,7 +144,7 @@ impl Problem<'_> {
 
     /// The block's calls: one for all heads when they share a mask (the common case, one
     /// backend call), else one per head.
-    fn calls(&self, q: &Tokens, kv: &Tokens) -> Vec<Call> {
+    fn calls<V>(&self, q: &Tokens<V>, kv: &Tokens<V>) -> Vec<Call> {
         let mask_of = |hi: usize| self.mask_of_head[q.heads[hi]];
         let restrict =
             |m: usize| RowIntervals::restrict(&self.masks[m], &q.positions, &kv.positions);
@@ -147,14 +174,21 @@ impl Problem<'_> {
     }
 
     /// Attention of `q` over the keys of `kv` only.
-    pub fn forward(&self, q: &Tokens, k: &Tokens, v: &Tokens) -> Result<Partial, String> {
-        let mut result = Partial::empty(q.heads.len(), q.len(), self.head_dim);
-        self.each_call(q, k, |block, Span { rows, keys, lse }| {
-            self.run_forward(
+    pub fn forward<S: Store>(
+        &self,
+        store: &S,
+        q: &Tokens<S::Values>,
+        k: &Tokens<S::Values>,
+        v: &Tokens<S::Values>,
+    ) -> Result<Partial<S::Values>, String> {
+        let mut result = Partial::empty(store, q.heads.len(), q.len(), self.head_dim);
+        self.each_call(q, k, |block, span| {
+            store.forward(
                 block,
-                (&q.data[rows.clone()], &k.data[keys.clone()], &v.data[keys]),
-                &mut result.out[rows],
-                &mut result.lse[lse],
+                &span,
+                (&q.data, &k.data, &v.data),
+                &mut result.out,
+                &mut result.lse,
             )
         })?;
         Ok(result)
@@ -162,38 +196,31 @@ impl Problem<'_> {
 
     /// The block's share of the gradients, given the rows' final O and LSE (over all keys) and
     /// dO.
-    pub fn backward(
+    pub fn backward<S: Store>(
         &self,
-        q: &Tokens,
-        k: &Tokens,
-        v: &Tokens,
-        done: &Partial,
-        d_out: &[f64],
-    ) -> Result<BlockGrads, String> {
+        store: &S,
+        q: &Tokens<S::Values>,
+        k: &Tokens<S::Values>,
+        v: &Tokens<S::Values>,
+        done: &Partial<S::Values>,
+        d_out: &S::Values,
+    ) -> Result<BlockGrads<S::Values>, String> {
         let mut grads = BlockGrads {
-            dq: vec![0.0; q.data.len()],
-            dk: vec![0.0; k.data.len()],
-            dv: vec![0.0; v.data.len()],
+            dq: store.zeros(store.len(&q.data)),
+            dk: store.zeros(store.len(&k.data)),
+            dv: store.zeros(store.len(&v.data)),
         };
-        self.each_call(q, k, |block, Span { rows, keys, lse }| {
+        self.each_call(q, k, |block, span| {
             // A KV head's gradients add up over the calls of the heads that read it.
-            let (mut dk, mut dv) = (vec![0.0; keys.len()], vec![0.0; keys.len()]);
-            self.run_backward(
+            let (dk, dv) = store.backward(
                 block,
-                (
-                    &q.data[rows.clone()],
-                    &k.data[keys.clone()],
-                    &v.data[keys.clone()],
-                ),
-                (
-                    &done.out[rows.clone()],
-                    &done.lse[lse],
-                    &d_out[rows.clone()],
-                ),
-                (&mut grads.dq[rows], &mut dk, &mut dv),
+                &span,
+                (&q.data, &k.data, &v.data),
+                (&done.out, &done.lse, d_out),
+                &mut grads.dq,
             )?;
-            add(&mut grads.dk[keys.clone()], &dk);
-            add(&mut grads.dv[keys], &dv);
+            store.add(&mut grads.dk, span.keys.start, &dk);
+            store.add(&mut grads.dv, span.keys.start, &dv);
             Ok(())
         })?;
         Ok(grads)
@@ -201,10 +228,10 @@ impl Problem<'_> {
 
     /// Runs `work` on every call of the block `q` × `kv`, with the call's host block and where
     /// its heads lie in the block's tensors.
-    fn each_call(
+    fn each_call<V>(
         &self,
-        q: &Tokens,
-        kv: &Tokens,
+        q: &Tokens<V>,
+        kv: &Tokens<V>,
         mut work: impl FnMut(&HostBlock<'_>, Span) -> Result<(), String>,
     ) -> Result<(), String> {
         let (d, ql, kl) = (self.head_dim, q.len(), kv.len());
@@ -230,14 +257,77 @@ impl Problem<'_> {
         }
         Ok(())
     }
+}
 
-    fn run_forward(
+/// Host memory, f64: blocks run on `backend` — a kernel plugin's in-process attention backend —
+/// or, when it is `None`, on the SDK's f64 host block directly.
+#[derive(Clone, Copy)]
+pub struct HostStore<'a> {
+    pub backend: Option<&'a Backend>,
+}
+
+impl Store for HostStore<'_> {
+    type Values = Vec<f64>;
+
+    fn len(&self, x: &Vec<f64>) -> usize {
+        x.len()
+    }
+
+    fn zeros(&self, count: usize) -> Vec<f64> {
+        vec![0.0; count]
+    }
+
+    fn negative_infinities(&self, count: usize) -> Vec<f64> {
+        vec![f64::NEG_INFINITY; count]
+    }
+
+    fn gather(&self, parts: &[(&Vec<f64>, Range<usize>)]) -> Vec<f64> {
+        let mut data = Vec::with_capacity(parts.iter().map(|(_, r)| r.len()).sum());
+        for (x, range) in parts {
+            data.extend_from_slice(&x[range.clone()]);
+        }
+        data
+    }
+
+    fn add(&self, target: &mut Vec<f64>, at: usize, source: &Vec<f64>) {
+        for (t, s) in target[at..at + source.len()].iter_mut().zip(source) {
+            *t += s;
+        }
+    }
+
+    fn merge(&self, done: &mut Partial<Vec<f64>>, other: &Partial<Vec<f64>>, d: usize) {
+        for (row, (lse, other_lse)) in done.lse.iter_mut().zip(&other.lse).enumerate() {
+            if *other_lse == f64::NEG_INFINITY {
+                continue;
+            }
+            let merged = if *lse == f64::NEG_INFINITY {
+                *other_lse
+            } else {
+                let top = lse.max(*other_lse);
+                top + ((*lse - top).exp() + (*other_lse - top).exp()).ln()
+            };
+            let (mine, theirs) = ((*lse - merged).exp(), (*other_lse - merged).exp());
+            for i in row * d..(row + 1) * d {
+                done.out[i] = done.out[i] * mine + other.out[i] * theirs;
+            }
+            *lse = merged;
+        }
+    }
+
+    fn forward(
         &self,
         block: &HostBlock<'_>,
-        qkv: (&[f64], &[f64], &[f64]),
-        out: &mut [f64],
-        lse: &mut [f64],
+        spans: &Span,
+        (q, k, v): (&Vec<f64>, &Vec<f64>, &Vec<f64>),
+        out: &mut Vec<f64>,
+        lse: &mut Vec<f64>,
     ) -> Result<(), String> {
+        let qkv = (
+            &q[spans.rows.clone()],
+            &k[spans.keys.clone()],
+            &v[spans.keys.clone()],
+        );
+        let (out, lse) = (&mut out[spans.rows.clone()], &mut lse[spans.lse.clone()]);
         match self.backend {
             Some(backend) => backend.forward_host(block, qkv, out, lse),
             None => {
@@ -247,34 +337,32 @@ impl Problem<'_> {
         }
     }
 
-    fn run_backward(
+    fn backward(
         &self,
         block: &HostBlock<'_>,
-        qkv: (&[f64], &[f64], &[f64]),
-        (out, lse, d_out): (&[f64], &[f64], &[f64]),
-        (dq, dk, dv): (&mut [f64], &mut [f64], &mut [f64]),
-    ) -> Result<(), String> {
+        spans: &Span,
+        (q, k, v): (&Vec<f64>, &Vec<f64>, &Vec<f64>),
+        (out, lse, d_out): (&Vec<f64>, &Vec<f64>, &Vec<f64>),
+        dq: &mut Vec<f64>,
+    ) -> Result<(Vec<f64>, Vec<f64>), String> {
+        let qkv = (
+            &q[spans.rows.clone()],
+            &k[spans.keys.clone()],
+            &v[spans.keys.clone()],
+        );
+        let (out, lse, d_out) = (
+            &out[spans.rows.clone()],
+            &lse[spans.lse.clone()],
+            &d_out[spans.rows.clone()],
+        );
+        let dq = &mut dq[spans.rows.clone()];
+        let (mut dk, mut dv) = (vec![0.0; spans.keys.len()], vec![0.0; spans.keys.len()]);
         match self.backend {
-            Some(backend) => backend.backward_host(block, qkv, out, lse, d_out, (dq, dk, dv)),
-            None => {
-                block.backward(qkv, out, lse, d_out, dq, dk, dv);
-                Ok(())
+            Some(backend) => {
+                backend.backward_host(block, qkv, out, lse, d_out, (dq, &mut dk, &mut dv))?
             }
+            None => block.backward(qkv, out, lse, d_out, dq, &mut dk, &mut dv),
         }
-    }
-}
-
-/// Where a call's heads lie in the block's head-major tensors: its query rows (Q, O, dO, dQ),
-/// its keys (K, V, dK, dV) and its LSE entries.
-struct Span {
-    rows: Range<usize>,
-    keys: Range<usize>,
-    lse: Range<usize>,
-}
-
-/// `target += source`, element by element.
-pub fn add(target: &mut [f64], source: &[f64]) {
-    for (t, s) in target.iter_mut().zip(source) {
-        *t += s;
+        Ok((dk, dv))
     }
 }

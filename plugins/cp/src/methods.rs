@@ -3,10 +3,14 @@
 //! this one is computed), Ring AllGather (all KV gathered, dK/dV reduce-scattered), USP (Ulysses ×
 //! ring) and LoongTrain (Ulysses × a double ring of `windows` windows). Every local call goes
 //! through [`Problem`], which works on global positions, so any mask of the IR runs exactly.
+//! The methods are written once for any [`Store`] (where the tensors live) and
+//! [`Communicator`] over its values.
+
+use std::ops::Range;
 
 use crate::comm::Communicator;
 use crate::layout::Layout;
-use crate::local::{add, Partial, Problem, Tokens};
+use crate::local::{Partial, Problem, Store, Tokens};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -52,7 +56,7 @@ pub struct Setup {
 }
 
 /// dQ of the local rows, dK and dV of the local keys.
-type Grads = (Vec<f64>, Vec<f64>, Vec<f64>);
+type Grads<V> = (V, V, V);
 
 // Message tags, one per kind of traffic.
 const A2A: [u32; 8] = [10, 11, 12, 13, 14, 15, 16, 17];
@@ -68,70 +72,78 @@ const SCATTER_DK: u32 = 28;
 const SCATTER_DV: u32 = 29;
 
 /// What a rank keeps from its forward pass for the backward, in the layout the ring ran in.
-pub struct Saved {
-    q: Tokens,
-    k: Tokens,
-    v: Tokens,
-    done: Partial,
+pub struct Saved<V> {
+    q: Tokens<V>,
+    k: Tokens<V>,
+    v: Tokens<V>,
+    done: Partial<V>,
     /// Each KV head repeated this many times (Ulysses with more ranks than KV heads).
     kv_repeat: usize,
 }
 
 /// A rank's forward results: O in its own tokens (all heads), and the LSE of the rows and heads
 /// it computed (after Ulysses' all-to-all: its heads over its ring shard).
-pub struct Forward {
-    pub out: Tokens,
-    pub lse: Tokens,
-    pub saved: Saved,
+pub struct Forward<V> {
+    pub out: Tokens<V>,
+    pub lse: Tokens<V>,
+    pub saved: Saved<V>,
 }
 
 /// A rank's gradients, in its own tokens and all heads.
-pub struct Gradients {
-    pub dq: Tokens,
-    pub dk: Tokens,
-    pub dv: Tokens,
+pub struct Gradients<V> {
+    pub dq: Tokens<V>,
+    pub dk: Tokens<V>,
+    pub dv: Tokens<V>,
 }
 
 /// The communicators of one rank.
-pub struct Groups<'a> {
-    pub ulysses: &'a dyn Communicator,
-    pub ring: &'a dyn Communicator,
+pub struct Groups<'a, V> {
+    pub ulysses: &'a dyn Communicator<Values = V>,
+    pub ring: &'a dyn Communicator<Values = V>,
 }
 
 /// `x` with every head repeated `times` times, in place (head h becomes h·times … h·times+times−1).
-fn repeat_heads(x: &Tokens, times: usize, d: usize) -> Tokens {
+fn repeat_heads<S: Store>(
+    store: &S,
+    x: &Tokens<S::Values>,
+    times: usize,
+    d: usize,
+) -> Tokens<S::Values> {
     if times == 1 {
         return x.clone();
     }
     let block = x.len() * d;
-    let mut data = Vec::with_capacity(x.data.len() * times);
+    let mut parts = Vec::new();
     let mut heads = Vec::new();
     for (index, &head) in x.heads.iter().enumerate() {
         for copy in 0..times {
-            data.extend_from_slice(&x.data[index * block..(index + 1) * block]);
+            parts.push((&x.data, index * block..(index + 1) * block));
             heads.push(head * times + copy);
         }
     }
     Tokens {
         positions: x.positions.clone(),
         heads,
-        data,
+        data: store.gather(&parts),
     }
 }
 
 /// Sums the copies of every head made by [`repeat_heads`].
-fn sum_repeats(x: Tokens, times: usize, d: usize) -> Tokens {
+fn sum_repeats<S: Store>(
+    store: &S,
+    x: Tokens<S::Values>,
+    times: usize,
+    d: usize,
+) -> Tokens<S::Values> {
     if times == 1 {
         return x;
     }
     let block = x.len() * d;
     let heads: Vec<usize> = x.heads.iter().step_by(times).map(|h| h / times).collect();
-    let mut data = vec![0.0; heads.len() * block];
-    for (index, chunk) in x.data.chunks(block).enumerate() {
-        let target = &mut data[(index / times) * block..(index / times + 1) * block];
-        for (t, value) in target.iter_mut().zip(chunk) {
-            *t += value;
-        }
+    let mut data = store.zeros(heads.len() * block);
+    for index in 0..x.heads.len() {
+        let copy = store.gather(&[(&x.data, index * block..(index + 1) * block)]);
+        store.add(&mut data, (index / times) * block, &copy);
     }
     Tokens {
         positions: x.positions,
@@ -140,46 +152,52 @@ fn sum_repeats(x: Tokens, times: usize, d: usize) -> Tokens {
     }
 }
 
+/// The range of values of head `index` in a head-major tensor of `rows` values per head.
+fn head(index: usize, rows: usize) -> Range<usize> {
+    index * rows..(index + 1) * rows
+}
+
 /// Sequence-sharded, all heads → this member's heads over the whole group's tokens (in member
 /// order): one all-to-all.
-fn seq_to_heads(
-    comm: &dyn Communicator,
+fn seq_to_heads<S: Store>(
+    store: &S,
+    comm: &dyn Communicator<Values = S::Values>,
     tag: u32,
-    x: &Tokens,
+    x: &Tokens<S::Values>,
     positions_of: &dyn Fn(usize) -> Vec<u32>,
     d: usize,
-) -> Tokens {
+) -> Tokens<S::Values> {
     let (me, n) = (comm.rank(), comm.size());
     let per = x.heads.len() / n;
     let block = per * x.len() * d;
     let chunks = (0..n)
-        .map(|j| x.data[j * block..(j + 1) * block].to_vec())
+        .map(|j| store.gather(&[(&x.data, head(j, block))]))
         .collect();
     let received = comm.all_to_all(tag, chunks);
     let positions: Vec<Vec<u32>> = (0..n).map(positions_of).collect();
-    let mut data = Vec::with_capacity(received.iter().map(Vec::len).sum());
-    for head in 0..per {
+    let mut parts = Vec::new();
+    for h in 0..per {
         for (from, part) in received.iter().enumerate() {
-            let rows = positions[from].len() * d;
-            data.extend_from_slice(&part[head * rows..(head + 1) * rows]);
+            parts.push((part, head(h, positions[from].len() * d)));
         }
     }
     Tokens {
         positions: positions.concat(),
         heads: x.heads[me * per..(me + 1) * per].to_vec(),
-        data,
+        data: store.gather(&parts),
     }
 }
 
 /// The inverse of [`seq_to_heads`]: this member's heads over the group's tokens → its own tokens,
 /// all of the group's heads.
-fn heads_to_seq(
-    comm: &dyn Communicator,
+fn heads_to_seq<S: Store>(
+    store: &S,
+    comm: &dyn Communicator<Values = S::Values>,
     tag: u32,
-    x: &Tokens,
+    x: &Tokens<S::Values>,
     positions_of: &dyn Fn(usize) -> Vec<u32>,
     d: usize,
-) -> Tokens {
+) -> Tokens<S::Values> {
     let (me, n) = (comm.rank(), comm.size());
     let lengths: Vec<usize> = (0..n).map(|j| positions_of(j).len()).collect();
     let offsets: Vec<usize> = lengths
@@ -192,37 +210,50 @@ fn heads_to_seq(
     let total = x.len();
     let chunks = (0..n)
         .map(|j| {
-            let mut chunk = Vec::with_capacity(x.heads.len() * lengths[j] * d);
-            for head in 0..x.heads.len() {
-                let start = (head * total + offsets[j]) * d;
-                chunk.extend_from_slice(&x.data[start..start + lengths[j] * d]);
-            }
-            chunk
+            let parts: Vec<_> = (0..x.heads.len())
+                .map(|h| {
+                    let start = (h * total + offsets[j]) * d;
+                    (&x.data, start..start + lengths[j] * d)
+                })
+                .collect();
+            store.gather(&parts)
         })
         .collect();
     let received = comm.all_to_all(tag, chunks);
     let per = x.heads.len();
     let first_head = x.heads[0] - me * per;
+    let whole: Vec<_> = received
+        .iter()
+        .map(|part| (part, 0..store.len(part)))
+        .collect();
     Tokens {
         positions: positions_of(me),
         heads: (first_head..first_head + per * n).collect(),
-        data: received.concat(),
+        data: store.gather(&whole),
     }
 }
 
-/// K and V as one message.
-fn pack(k: &Tokens, v: &Tokens) -> Vec<f64> {
-    [k.data.as_slice(), v.data.as_slice()].concat()
+/// Two tensors as one message (K and V, or dK and dV).
+fn pack<S: Store>(store: &S, a: &S::Values, b: &S::Values) -> S::Values {
+    store.gather(&[(a, 0..store.len(a)), (b, 0..store.len(b))])
+}
+
+/// The halves of a [`pack`]ed message.
+fn unpack<S: Store>(store: &S, message: &S::Values) -> (S::Values, S::Values) {
+    let half = store.len(message) / 2;
+    (
+        store.gather(&[(message, 0..half)]),
+        store.gather(&[(message, half..2 * half)]),
+    )
 }
 
 /// Blocks of the same heads over consecutive token segments, as one block.
-fn concat(blocks: &[Tokens], d: usize) -> Tokens {
+fn concat<S: Store>(store: &S, blocks: &[Tokens<S::Values>], d: usize) -> Tokens<S::Values> {
     let heads = blocks[0].heads.clone();
-    let mut data = Vec::new();
-    for head in 0..heads.len() {
+    let mut parts = Vec::new();
+    for h in 0..heads.len() {
         for block in blocks {
-            let rows = block.len() * d;
-            data.extend_from_slice(&block.data[head * rows..(head + 1) * rows]);
+            parts.push((&block.data, head(h, block.len() * d)));
         }
     }
     Tokens {
@@ -231,40 +262,57 @@ fn concat(blocks: &[Tokens], d: usize) -> Tokens {
             .flat_map(|b| b.positions.iter().copied())
             .collect(),
         heads,
-        data,
+        data: store.gather(&parts),
     }
 }
 
 /// The per-segment parts of a concatenated block's tensor (the inverse of [`concat`]).
-fn split(data: &[f64], heads: usize, lengths: &[usize], d: usize) -> Vec<Vec<f64>> {
+fn split<S: Store>(
+    store: &S,
+    data: &S::Values,
+    heads: usize,
+    lengths: &[usize],
+    d: usize,
+) -> Vec<S::Values> {
     let total: usize = lengths.iter().sum();
     let mut offset = 0;
     lengths
         .iter()
         .map(|&length| {
-            let mut part = Vec::with_capacity(heads * length * d);
-            for head in 0..heads {
-                let start = (head * total + offset) * d;
-                part.extend_from_slice(&data[start..start + length * d]);
-            }
+            let parts: Vec<_> = (0..heads)
+                .map(|h| {
+                    let start = (h * total + offset) * d;
+                    (data, start..start + length * d)
+                })
+                .collect();
             offset += length;
-            part
+            store.gather(&parts)
         })
         .collect()
 }
 
 /// The ring part of a method, on one ring group.
-struct RingStep<'a> {
+struct RingStep<'a, S: Store> {
+    store: &'a S,
     problem: &'a Problem<'a>,
-    comm: &'a dyn Communicator,
+    comm: &'a dyn Communicator<Values = S::Values>,
     /// Tokens of each ring member's shard.
     positions_of: &'a dyn Fn(usize) -> Vec<u32>,
     windows: usize,
 }
 
-impl RingStep<'_> {
+impl<S: Store> RingStep<'_, S> {
     fn d(&self) -> usize {
         self.problem.head_dim
+    }
+
+    fn forward_block(
+        &self,
+        q: &Tokens<S::Values>,
+        k: &Tokens<S::Values>,
+        v: &Tokens<S::Values>,
+    ) -> Result<Partial<S::Values>, String> {
+        self.problem.forward(self.store, q, k, v)
     }
 
     /// The K and V block of ring member `source`, received from member `from` (a [`pack`]ed
@@ -275,29 +323,38 @@ impl RingStep<'_> {
         tag: u32,
         source: usize,
         heads: &[usize],
-    ) -> (Tokens, Tokens) {
-        let message = self.comm.recv(from, tag);
-        let (k, v) = message.split_at(message.len() / 2);
+    ) -> (Tokens<S::Values>, Tokens<S::Values>) {
+        let (k, v) = unpack(self.store, &self.comm.recv(from, tag));
         let positions = (self.positions_of)(source);
-        let tokens = |data: &[f64]| Tokens {
+        let tokens = |data| Tokens {
             positions: positions.clone(),
             heads: heads.to_vec(),
-            data: data.to_vec(),
+            data,
         };
         (tokens(k), tokens(v))
     }
 
-    fn p2p_forward(&self, q: &Tokens, k: &Tokens, v: &Tokens) -> Result<Partial, String> {
+    fn p2p_forward(
+        &self,
+        q: &Tokens<S::Values>,
+        k: &Tokens<S::Values>,
+        v: &Tokens<S::Values>,
+    ) -> Result<Partial<S::Values>, String> {
         let (r, n, d) = (self.comm.rank(), self.comm.size(), self.d());
-        let mut done = Partial::empty(q.heads.len(), q.len(), d);
+        let mut done = Partial::empty(self.store, q.heads.len(), q.len(), d);
         let (mut k_now, mut v_now) = (k.clone(), v.clone());
         for step in 0..n {
             if step + 1 < n {
                 // The next step's block travels while this one is computed.
-                self.comm
-                    .exchange((r + 1) % n, (r + n - 1) % n, FWD_KV, pack(&k_now, &v_now));
+                self.comm.exchange(
+                    (r + 1) % n,
+                    (r + n - 1) % n,
+                    FWD_KV,
+                    pack(self.store, &k_now.data, &v_now.data),
+                );
             }
-            done.merge(&self.problem.forward(q, &k_now, &v_now)?, d);
+            let block = self.forward_block(q, &k_now, &v_now)?;
+            self.store.merge(&mut done, &block, d);
             if step + 1 < n {
                 let source = (r + n - step - 1) % n;
                 (k_now, v_now) = self.receive_kv((r + n - 1) % n, FWD_KV, source, &k.heads);
@@ -310,89 +367,105 @@ impl RingStep<'_> {
     /// with it, one hop behind: started by the next rank, completed by the owner.
     fn p2p_backward(
         &self,
-        q: &Tokens,
-        k: &Tokens,
-        v: &Tokens,
-        done: &Partial,
-        d_out: &[f64],
-    ) -> Result<Grads, String> {
+        q: &Tokens<S::Values>,
+        k: &Tokens<S::Values>,
+        v: &Tokens<S::Values>,
+        done: &Partial<S::Values>,
+        d_out: &S::Values,
+    ) -> Result<Grads<S::Values>, String> {
+        let store = self.store;
         let (r, n) = (self.comm.rank(), self.comm.size());
         let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-        let own = self.problem.backward(q, k, v, done, d_out)?;
+        let own = self.problem.backward(store, q, k, v, done, d_out)?;
         let mut dq = own.dq;
         let (mut k_now, mut v_now) = (k.clone(), v.clone());
         for step in 1..n {
-            self.comm.exchange(next, prev, BWD_KV, pack(&k_now, &v_now));
+            self.comm
+                .exchange(next, prev, BWD_KV, pack(store, &k_now.data, &v_now.data));
             let source = (r + n - step) % n;
             (k_now, v_now) = self.receive_kv(prev, BWD_KV, source, &k.heads);
-            let grads = self.problem.backward(q, &k_now, &v_now, done, d_out)?;
-            add(&mut dq, &grads.dq);
-            let mut accumulator = [grads.dk, grads.dv].concat();
+            let grads = self
+                .problem
+                .backward(store, q, &k_now, &v_now, done, d_out)?;
+            store.add(&mut dq, 0, &grads.dq);
+            let mut accumulator = pack(store, &grads.dk, &grads.dv);
             if step > 1 {
-                add(&mut accumulator, &self.comm.recv(prev, BWD_DKV));
+                store.add(&mut accumulator, 0, &self.comm.recv(prev, BWD_DKV));
             }
             self.comm.exchange(next, prev, BWD_DKV, accumulator);
         }
         let (mut dk, mut dv) = (own.dk, own.dv);
         if n > 1 {
-            let others = self.comm.recv(prev, BWD_DKV);
-            let (k_part, v_part) = others.split_at(dk.len());
-            add(&mut dk, k_part);
-            add(&mut dv, v_part);
+            let (k_part, v_part) = unpack(store, &self.comm.recv(prev, BWD_DKV));
+            store.add(&mut dk, 0, &k_part);
+            store.add(&mut dv, 0, &v_part);
         }
         Ok((dq, dk, dv))
     }
 
-    fn gathered(&self, k: &Tokens, v: &Tokens) -> (Tokens, Tokens, Vec<usize>) {
+    fn gathered(
+        &self,
+        k: &Tokens<S::Values>,
+        v: &Tokens<S::Values>,
+    ) -> (Tokens<S::Values>, Tokens<S::Values>, Vec<usize>) {
         let n = self.comm.size();
         let ks = self.comm.all_gather(GATHER_K, k.data.clone());
         let vs = self.comm.all_gather(GATHER_V, v.data.clone());
-        let block = |data: Vec<f64>, s: usize| Tokens {
+        let block = |data, s: usize| Tokens {
             positions: (self.positions_of)(s),
             heads: k.heads.clone(),
             data,
         };
-        let k_blocks: Vec<Tokens> = ks
+        let k_blocks: Vec<_> = ks
             .into_iter()
             .enumerate()
             .map(|(s, x)| block(x, s))
             .collect();
-        let v_blocks: Vec<Tokens> = vs
+        let v_blocks: Vec<_> = vs
             .into_iter()
             .enumerate()
             .map(|(s, x)| block(x, s))
             .collect();
         let lengths = (0..n).map(|s| k_blocks[s].len()).collect();
         (
-            concat(&k_blocks, self.d()),
-            concat(&v_blocks, self.d()),
+            concat(self.store, &k_blocks, self.d()),
+            concat(self.store, &v_blocks, self.d()),
             lengths,
         )
     }
 
-    fn allgather_forward(&self, q: &Tokens, k: &Tokens, v: &Tokens) -> Result<Partial, String> {
+    fn allgather_forward(
+        &self,
+        q: &Tokens<S::Values>,
+        k: &Tokens<S::Values>,
+        v: &Tokens<S::Values>,
+    ) -> Result<Partial<S::Values>, String> {
         let (k_all, v_all, _) = self.gathered(k, v);
-        self.problem.forward(q, &k_all, &v_all)
+        self.forward_block(q, &k_all, &v_all)
     }
 
     fn allgather_backward(
         &self,
-        q: &Tokens,
-        k: &Tokens,
-        v: &Tokens,
-        done: &Partial,
-        d_out: &[f64],
-    ) -> Result<Grads, String> {
+        q: &Tokens<S::Values>,
+        k: &Tokens<S::Values>,
+        v: &Tokens<S::Values>,
+        done: &Partial<S::Values>,
+        d_out: &S::Values,
+    ) -> Result<Grads<S::Values>, String> {
         // K and V are gathered again rather than kept from the forward pass.
         let (k_all, v_all, lengths) = self.gathered(k, v);
-        let grads = self.problem.backward(q, &k_all, &v_all, done, d_out)?;
+        let grads = self
+            .problem
+            .backward(self.store, q, &k_all, &v_all, done, d_out)?;
         let heads = k.heads.len();
-        let dk = self
-            .comm
-            .reduce_scatter(SCATTER_DK, split(&grads.dk, heads, &lengths, self.d()));
-        let dv = self
-            .comm
-            .reduce_scatter(SCATTER_DV, split(&grads.dv, heads, &lengths, self.d()));
+        let dk = self.comm.reduce_scatter(
+            SCATTER_DK,
+            split(self.store, &grads.dk, heads, &lengths, self.d()),
+        );
+        let dv = self.comm.reduce_scatter(
+            SCATTER_DV,
+            split(self.store, &grads.dv, heads, &lengths, self.d()),
+        );
         Ok((grads.dq, dk, dv))
     }
 
@@ -408,10 +481,16 @@ impl RingStep<'_> {
         (self.comm.rank() / w, self.comm.rank() % w, w)
     }
 
-    fn double_forward(&self, q: &Tokens, k: &Tokens, v: &Tokens) -> Result<Partial, String> {
+    fn double_forward(
+        &self,
+        q: &Tokens<S::Values>,
+        k: &Tokens<S::Values>,
+        v: &Tokens<S::Values>,
+    ) -> Result<Partial<S::Values>, String> {
         let (m, d) = (self.windows, self.d());
         let (j, a, w) = self.place();
-        let mut done = Partial::empty(q.heads.len(), q.len(), d);
+        let store = self.store;
+        let mut done = Partial::empty(store, q.heads.len(), q.len(), d);
         let (mut k_window, mut v_window) = (k.clone(), v.clone());
         for t in 0..m {
             if t + 1 < m {
@@ -420,7 +499,7 @@ impl RingStep<'_> {
                     self.member(j + 1, a),
                     self.member(j + m - 1, a),
                     FWD_INTER_KV,
-                    pack(&k_window, &v_window),
+                    pack(store, &k_window.data, &v_window.data),
                 );
             }
             let (mut k_now, mut v_now) = (k_window.clone(), v_window.clone());
@@ -430,10 +509,11 @@ impl RingStep<'_> {
                         self.member(j, a + 1),
                         self.member(j, a + w - 1),
                         FWD_KV,
-                        pack(&k_now, &v_now),
+                        pack(store, &k_now.data, &v_now.data),
                     );
                 }
-                done.merge(&self.problem.forward(q, &k_now, &v_now)?, d);
+                let block = self.forward_block(q, &k_now, &v_now)?;
+                store.merge(&mut done, &block, d);
                 if i + 1 < w {
                     let source = self.member(j + m - t, a + w - i - 1);
                     (k_now, v_now) =
@@ -454,48 +534,59 @@ impl RingStep<'_> {
     /// window (one send), and is back with its owner after the last window.
     fn double_backward(
         &self,
-        q: &Tokens,
-        k: &Tokens,
-        v: &Tokens,
-        done: &Partial,
-        d_out: &[f64],
-    ) -> Result<Grads, String> {
+        q: &Tokens<S::Values>,
+        k: &Tokens<S::Values>,
+        v: &Tokens<S::Values>,
+        done: &Partial<S::Values>,
+        d_out: &S::Values,
+    ) -> Result<Grads<S::Values>, String> {
+        let store = self.store;
         let m = self.windows;
         let (j, a, w) = self.place();
         let (intra_next, intra_prev) = (self.member(j, a + 1), self.member(j, a + w - 1));
         let (inter_next, inter_prev) = (self.member(j + 1, a), self.member(j + m - 1, a));
-        let mut dq = vec![0.0; q.data.len()];
+        let mut dq = store.zeros(store.len(&q.data));
         let (mut k_window, mut v_window) = (k.clone(), v.clone());
-        let mut completed = Vec::new();
+        let mut completed = None;
         for t in 0..m {
             if t + 1 < m {
                 self.comm.exchange(
                     inter_next,
                     inter_prev,
                     BWD_INTER_KV,
-                    pack(&k_window, &v_window),
+                    pack(store, &k_window.data, &v_window.data),
                 );
             }
             let (mut k_now, mut v_now) = (k_window.clone(), v_window.clone());
-            let mut returned = Vec::new();
+            let mut returned = None;
             for i in 0..w {
                 if i + 1 < w {
-                    self.comm
-                        .exchange(intra_next, intra_prev, BWD_KV, pack(&k_now, &v_now));
+                    self.comm.exchange(
+                        intra_next,
+                        intra_prev,
+                        BWD_KV,
+                        pack(store, &k_now.data, &v_now.data),
+                    );
                 }
-                let grads = self.problem.backward(q, &k_now, &v_now, done, d_out)?;
-                add(&mut dq, &grads.dq);
-                let mut accumulator = [grads.dk, grads.dv].concat();
+                let grads = self
+                    .problem
+                    .backward(store, q, &k_now, &v_now, done, d_out)?;
+                store.add(&mut dq, 0, &grads.dq);
+                let mut accumulator = pack(store, &grads.dk, &grads.dv);
                 if i > 0 {
-                    add(&mut accumulator, &self.comm.recv(intra_prev, BWD_DKV));
+                    store.add(&mut accumulator, 0, &self.comm.recv(intra_prev, BWD_DKV));
                 } else if t > 0 {
-                    add(&mut accumulator, &self.comm.recv(inter_prev, BWD_INTER_DKV));
+                    store.add(
+                        &mut accumulator,
+                        0,
+                        &self.comm.recv(inter_prev, BWD_INTER_DKV),
+                    );
                 }
                 if w > 1 {
                     self.comm
                         .exchange(intra_next, intra_prev, BWD_DKV, accumulator);
                 } else {
-                    returned = accumulator;
+                    returned = Some(accumulator);
                 }
                 if i + 1 < w {
                     let source = self.member(j + m - t, a + w - i - 1);
@@ -504,46 +595,53 @@ impl RingStep<'_> {
             }
             if w > 1 {
                 // The window-start block's accumulator, back after going round the window.
-                returned = self.comm.recv(intra_prev, BWD_DKV);
+                returned = Some(self.comm.recv(intra_prev, BWD_DKV));
             }
+            let returned = returned.expect("a window has at least one member");
             if m > 1 {
                 self.comm
                     .exchange(inter_next, inter_prev, BWD_INTER_DKV, returned);
             } else {
-                completed = returned;
+                completed = Some(returned);
             }
             if t + 1 < m {
                 let source = self.member(j + m - t - 1, a);
                 (k_window, v_window) = self.receive_kv(inter_prev, BWD_INTER_KV, source, &k.heads);
             }
         }
-        if m > 1 {
-            completed = self.comm.recv(inter_prev, BWD_INTER_DKV);
-        }
-        let (dk, dv) = completed.split_at(k.data.len());
-        Ok((dq, dk.to_vec(), dv.to_vec()))
+        let completed = match completed {
+            Some(completed) => completed,
+            None => self.comm.recv(inter_prev, BWD_INTER_DKV),
+        };
+        let (dk, dv) = unpack(store, &completed);
+        Ok((dq, dk, dv))
     }
 
     fn forward(
         &self,
         method: Method,
-        q: &Tokens,
-        k: &Tokens,
-        v: &Tokens,
-    ) -> Result<Partial, String> {
+        q: &Tokens<S::Values>,
+        k: &Tokens<S::Values>,
+        v: &Tokens<S::Values>,
+    ) -> Result<Partial<S::Values>, String> {
         match method {
-            Method::Ulysses => self.problem.forward(q, k, v),
+            Method::Ulysses => self.forward_block(q, k, v),
             Method::RingP2p | Method::Usp => self.p2p_forward(q, k, v),
             Method::RingAllGather => self.allgather_forward(q, k, v),
             Method::LoongTrain => self.double_forward(q, k, v),
         }
     }
 
-    fn backward(&self, method: Method, saved: &Saved, d_out: &[f64]) -> Result<Grads, String> {
+    fn backward(
+        &self,
+        method: Method,
+        saved: &Saved<S::Values>,
+        d_out: &S::Values,
+    ) -> Result<Grads<S::Values>, String> {
         let (q, k, v, done) = (&saved.q, &saved.k, &saved.v, &saved.done);
         match method {
             Method::Ulysses => {
-                let g = self.problem.backward(q, k, v, done, d_out)?;
+                let g = self.problem.backward(self.store, q, k, v, done, d_out)?;
                 Ok((g.dq, g.dk, g.dv))
             }
             Method::RingP2p | Method::Usp => self.p2p_backward(q, k, v, done, d_out),
@@ -594,13 +692,20 @@ impl Rank<'_> {
     }
 
     /// Runs `work` with this rank's ring step, for KV heads repeated `repeat` times.
-    fn with_ring<T>(&self, groups: &Groups, repeat: usize, work: impl FnOnce(&RingStep) -> T) -> T {
+    fn with_ring<S: Store, T>(
+        &self,
+        store: &S,
+        groups: &Groups<S::Values>,
+        repeat: usize,
+        work: impl FnOnce(&RingStep<S>) -> T,
+    ) -> T {
         let problem = Problem {
             group: self.heads_q / (self.heads_kv * repeat),
             ..self.problem
         };
         let ring_of = |r| self.setup.layout.ring_positions(r);
         work(&RingStep {
+            store,
             problem: &problem,
             comm: groups.ring,
             positions_of: &ring_of,
@@ -608,34 +713,38 @@ impl Rank<'_> {
         })
     }
 
-    pub fn forward(
+    pub fn forward<S: Store>(
         &self,
-        groups: &Groups,
-        q: &Tokens,
-        k: &Tokens,
-        v: &Tokens,
-    ) -> Result<Forward, String> {
+        store: &S,
+        groups: &Groups<S::Values>,
+        q: &Tokens<S::Values>,
+        k: &Tokens<S::Values>,
+        v: &Tokens<S::Values>,
+    ) -> Result<Forward<S::Values>, String> {
         let layout = self.setup.layout;
         let d = self.problem.head_dim;
         let repeat = kv_repeat(self.heads_q, self.heads_kv, layout.ulysses)?;
-        let (k, v) = (repeat_heads(k, repeat, d), repeat_heads(v, repeat, d));
+        let (k, v) = (
+            repeat_heads(store, k, repeat, d),
+            repeat_heads(store, v, repeat, d),
+        );
         let piece_of = self.piece_of();
         let (q, k, v) = if layout.ulysses > 1 {
             let u = groups.ulysses;
             (
-                seq_to_heads(u, A2A[0], q, &piece_of, d),
-                seq_to_heads(u, A2A[1], &k, &piece_of, d),
-                seq_to_heads(u, A2A[2], &v, &piece_of, d),
+                seq_to_heads(store, u, A2A[0], q, &piece_of, d),
+                seq_to_heads(store, u, A2A[1], &k, &piece_of, d),
+                seq_to_heads(store, u, A2A[2], &v, &piece_of, d),
             )
         } else {
             (q.clone(), k, v)
         };
-        let done = self.with_ring(groups, repeat, |ring| {
+        let done = self.with_ring(store, groups, repeat, |ring| {
             ring.forward(self.setup.method, &q, &k, &v)
         })?;
         let out = q.like(done.out.clone());
         let out = if layout.ulysses > 1 {
-            heads_to_seq(groups.ulysses, A2A[3], &out, &piece_of, d)
+            heads_to_seq(store, groups.ulysses, A2A[3], &out, &piece_of, d)
         } else {
             out
         };
@@ -653,38 +762,39 @@ impl Rank<'_> {
         })
     }
 
-    pub fn backward(
+    pub fn backward<S: Store>(
         &self,
-        groups: &Groups,
-        saved: &Saved,
-        d_out: &Tokens,
-    ) -> Result<Gradients, String> {
+        store: &S,
+        groups: &Groups<S::Values>,
+        saved: &Saved<S::Values>,
+        d_out: &Tokens<S::Values>,
+    ) -> Result<Gradients<S::Values>, String> {
         let layout = self.setup.layout;
         let d = self.problem.head_dim;
         let piece_of = self.piece_of();
         let d_out = if layout.ulysses > 1 {
-            seq_to_heads(groups.ulysses, A2A[4], d_out, &piece_of, d)
+            seq_to_heads(store, groups.ulysses, A2A[4], d_out, &piece_of, d)
         } else {
             d_out.clone()
         };
-        let (dq, dk, dv) = self.with_ring(groups, saved.kv_repeat, |ring| {
+        let (dq, dk, dv) = self.with_ring(store, groups, saved.kv_repeat, |ring| {
             ring.backward(self.setup.method, saved, &d_out.data)
         })?;
         let (dq, dk, dv) = (saved.q.like(dq), saved.k.like(dk), saved.v.like(dv));
         let (dq, dk, dv) = if layout.ulysses > 1 {
             let u = groups.ulysses;
             (
-                heads_to_seq(u, A2A[5], &dq, &piece_of, d),
-                heads_to_seq(u, A2A[6], &dk, &piece_of, d),
-                heads_to_seq(u, A2A[7], &dv, &piece_of, d),
+                heads_to_seq(store, u, A2A[5], &dq, &piece_of, d),
+                heads_to_seq(store, u, A2A[6], &dk, &piece_of, d),
+                heads_to_seq(store, u, A2A[7], &dv, &piece_of, d),
             )
         } else {
             (dq, dk, dv)
         };
         Ok(Gradients {
             dq,
-            dk: sum_repeats(dk, saved.kv_repeat, d),
-            dv: sum_repeats(dv, saved.kv_repeat, d),
+            dk: sum_repeats(store, dk, saved.kv_repeat, d),
+            dv: sum_repeats(store, dv, saved.kv_repeat, d),
         })
     }
 }

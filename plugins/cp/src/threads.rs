@@ -11,7 +11,10 @@ use attnbench_sdk::reference::{HeadMasks, Inputs, Shape};
 use serde::{Deserialize, Serialize};
 
 use crate::comm::{Communicator, Group, World};
-use crate::local::{Problem, Tokens};
+use crate::local::{HostStore, Problem, Tokens};
+
+/// A rank's tokens on the host.
+type HostTokens = Tokens<Vec<f64>>;
 use crate::methods::{Groups, Rank, Setup};
 
 /// Global outputs and per-rank traffic and times.
@@ -30,14 +33,14 @@ pub struct Outcome {
 /// What one rank computed, in its own tokens and heads.
 #[derive(Serialize, Deserialize)]
 pub struct RankResult {
-    out: Tokens,
-    lse: Tokens,
-    grads: Option<[Tokens; 3]>,
+    out: HostTokens,
+    lse: HostTokens,
+    grads: Option<[HostTokens; 3]>,
     sent: (u64, u64),
     seconds: (f64, f64),
 }
 
-fn gather(data: &[f32], positions: &[u32], heads: &[usize], shape: &Shape) -> Tokens {
+fn gather(data: &[f32], positions: &[u32], heads: &[usize], shape: &Shape) -> HostTokens {
     let d = shape.head_dim;
     let mut gathered = Vec::with_capacity(heads.len() * positions.len() * d);
     for &h in heads {
@@ -54,7 +57,7 @@ fn gather(data: &[f32], positions: &[u32], heads: &[usize], shape: &Shape) -> To
 }
 
 /// Writes a rank's tokens into a global `[heads][seqlen][width]` tensor.
-fn scatter(global: &mut [f32], tokens: &Tokens, seqlen: usize, width: usize) {
+fn scatter(global: &mut [f32], tokens: &HostTokens, seqlen: usize, width: usize) {
     for (hi, &h) in tokens.heads.iter().enumerate() {
         for (t, &p) in tokens.positions.iter().enumerate() {
             let from = (hi * tokens.len() + t) * width;
@@ -122,7 +125,6 @@ pub fn run_rank(
             group: shape.group(),
             head_dim: shape.head_dim,
             scale: 1.0 / (shape.head_dim as f64).sqrt(),
-            backend: attention,
         },
         heads_q: shape.heads_q,
         heads_kv: shape.heads_kv,
@@ -135,7 +137,8 @@ pub fn run_rank(
     let v = gather(&inputs.v, &positions, &kv_heads, shape);
     everyone.barrier();
     let start = Instant::now();
-    let forward = rank.forward(&groups, &q, &k, &v)?;
+    let store = HostStore { backend: attention };
+    let forward = rank.forward(&store, &groups, &q, &k, &v)?;
     let forward_s = start.elapsed().as_secs_f64();
     let sent_forward = world.sent_elements(w);
     let mut grads = None;
@@ -144,7 +147,7 @@ pub fn run_rank(
         let d_out = gather(&inputs.d_out, &positions, &q_heads, shape);
         everyone.barrier();
         let start = Instant::now();
-        let g = rank.backward(&groups, &forward.saved, &d_out)?;
+        let g = rank.backward(&store, &groups, &forward.saved, &d_out)?;
         backward_s = start.elapsed().as_secs_f64();
         grads = Some([g.dq, g.dk, g.dv]);
     }
