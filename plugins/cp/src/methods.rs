@@ -247,50 +247,6 @@ fn unpack<S: Store>(store: &S, message: &S::Values) -> (S::Values, S::Values) {
     )
 }
 
-/// Blocks of the same heads over consecutive token segments, as one block.
-fn concat<S: Store>(store: &S, blocks: &[Tokens<S::Values>], d: usize) -> Tokens<S::Values> {
-    let heads = blocks[0].heads.clone();
-    let mut parts = Vec::new();
-    for h in 0..heads.len() {
-        for block in blocks {
-            parts.push((&block.data, head(h, block.len() * d)));
-        }
-    }
-    Tokens {
-        positions: blocks
-            .iter()
-            .flat_map(|b| b.positions.iter().copied())
-            .collect(),
-        heads,
-        data: store.gather(&parts),
-    }
-}
-
-/// The per-segment parts of a concatenated block's tensor (the inverse of [`concat`]).
-fn split<S: Store>(
-    store: &S,
-    data: &S::Values,
-    heads: usize,
-    lengths: &[usize],
-    d: usize,
-) -> Vec<S::Values> {
-    let total: usize = lengths.iter().sum();
-    let mut offset = 0;
-    lengths
-        .iter()
-        .map(|&length| {
-            let parts: Vec<_> = (0..heads)
-                .map(|h| {
-                    let start = (h * total + offset) * d;
-                    (data, start..start + length * d)
-                })
-                .collect();
-            offset += length;
-            store.gather(&parts)
-        })
-        .collect()
-}
-
 /// The ring part of a method, on one ring group.
 struct RingStep<'a, S: Store> {
     store: &'a S,
@@ -403,45 +359,43 @@ impl<S: Store> RingStep<'_, S> {
         Ok((dq, dk, dv))
     }
 
+    /// Every ring member's K and V block, gathered.
     fn gathered(
         &self,
         k: &Tokens<S::Values>,
         v: &Tokens<S::Values>,
-    ) -> (Tokens<S::Values>, Tokens<S::Values>, Vec<usize>) {
-        let n = self.comm.size();
+    ) -> Vec<(Tokens<S::Values>, Tokens<S::Values>)> {
         let ks = self.comm.all_gather(GATHER_K, k.data.clone());
         let vs = self.comm.all_gather(GATHER_V, v.data.clone());
-        let block = |data, s: usize| Tokens {
-            positions: (self.positions_of)(s),
-            heads: k.heads.clone(),
-            data,
-        };
-        let k_blocks: Vec<_> = ks
-            .into_iter()
+        ks.into_iter()
+            .zip(vs)
             .enumerate()
-            .map(|(s, x)| block(x, s))
-            .collect();
-        let v_blocks: Vec<_> = vs
-            .into_iter()
-            .enumerate()
-            .map(|(s, x)| block(x, s))
-            .collect();
-        let lengths = (0..n).map(|s| k_blocks[s].len()).collect();
-        (
-            concat(self.store, &k_blocks, self.d()),
-            concat(self.store, &v_blocks, self.d()),
-            lengths,
-        )
+            .map(|(s, (k_block, v_block))| {
+                let tokens = |data| Tokens {
+                    positions: (self.positions_of)(s),
+                    heads: k.heads.clone(),
+                    data,
+                };
+                (tokens(k_block), tokens(v_block))
+            })
+            .collect()
     }
 
+    /// The gathered keys block by block, merged: the same result as one block of all keys, with
+    /// every local call as long in queries as in keys (what a flash kernel takes).
     fn allgather_forward(
         &self,
         q: &Tokens<S::Values>,
         k: &Tokens<S::Values>,
         v: &Tokens<S::Values>,
     ) -> Result<Partial<S::Values>, String> {
-        let (k_all, v_all, _) = self.gathered(k, v);
-        self.forward_block(q, &k_all, &v_all)
+        let d = self.d();
+        let mut done = Partial::empty(self.store, q.heads.len(), q.len(), d);
+        for (k_block, v_block) in self.gathered(k, v) {
+            let block = self.forward_block(q, &k_block, &v_block)?;
+            self.store.merge(&mut done, &block, d);
+        }
+        Ok(done)
     }
 
     fn allgather_backward(
@@ -452,21 +406,21 @@ impl<S: Store> RingStep<'_, S> {
         done: &Partial<S::Values>,
         d_out: &S::Values,
     ) -> Result<Grads<S::Values>, String> {
+        let store = self.store;
         // K and V are gathered again rather than kept from the forward pass.
-        let (k_all, v_all, lengths) = self.gathered(k, v);
-        let grads = self
-            .problem
-            .backward(self.store, q, &k_all, &v_all, done, d_out)?;
-        let heads = k.heads.len();
-        let dk = self.comm.reduce_scatter(
-            SCATTER_DK,
-            split(self.store, &grads.dk, heads, &lengths, self.d()),
-        );
-        let dv = self.comm.reduce_scatter(
-            SCATTER_DV,
-            split(self.store, &grads.dv, heads, &lengths, self.d()),
-        );
-        Ok((grads.dq, dk, dv))
+        let mut dq = store.zeros(store.len(&q.data));
+        let (mut dks, mut dvs) = (Vec::new(), Vec::new());
+        for (k_block, v_block) in self.gathered(k, v) {
+            let grads = self
+                .problem
+                .backward(store, q, &k_block, &v_block, done, d_out)?;
+            store.add(&mut dq, 0, &grads.dq);
+            dks.push(grads.dk);
+            dvs.push(grads.dv);
+        }
+        let dk = self.comm.reduce_scatter(SCATTER_DK, dks);
+        let dv = self.comm.reduce_scatter(SCATTER_DV, dvs);
+        Ok((dq, dk, dv))
     }
 
     /// Ring rank of window `window`, position `index` in it; windows are consecutive ring ranks.
