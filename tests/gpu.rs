@@ -48,11 +48,11 @@ fn without_a_gpu_the_cuda_plugin_loads_and_refuses_in_one_sentence() {
         "{text}"
     );
 
-    sandbox.write("g.yaml", "stages:\n  masks:\n    uses: masks/generate\n    with: {mask: causal, seqlen: 1k}\n  gemm:\n    uses: cuda/gemm\n  bench:\n    uses: cuda/benchmark\n    needs: [masks]\n  links:\n    uses: cp/links\n");
+    sandbox.write("g.yaml", "stages:\n  masks:\n    uses: masks/generate\n    with: {mask: causal, seqlen: 1k}\n  gemm:\n    uses: cuda/gemm\n  bench:\n    uses: cuda/benchmark\n    needs: [masks]\n  links:\n    uses: cp/links\n  ring:\n    uses: cp/threads\n    needs: [masks]\n    with: {backend: nccl, attention: cuda/flash, world: 2, heads_q: 8, heads_kv: 2, head_dim: 128}\n");
     let run = sandbox.run(&["run", "g.yaml"]);
     assert_eq!(run.status.code(), Some(1), "{}", stderr(&run));
     let record = sandbox.last_record();
-    for id in ["gemm", "bench", "links"] {
+    for id in ["gemm", "bench", "links", "ring"] {
         let node = record["nodes"]
             .as_array()
             .unwrap()
@@ -61,6 +61,10 @@ fn without_a_gpu_the_cuda_plugin_loads_and_refuses_in_one_sentence() {
             .unwrap();
         assert_eq!(node["status"], "error", "{node}");
         let error = node["error"].as_str().unwrap();
+        // A GPU rank's error comes with which rank said it.
+        let error = error
+            .strip_prefix("rank 0 exit status: 1: attnbench-cp-rank: ")
+            .unwrap_or(error);
         assert!(error.starts_with("this stage needs a GPU, but the NVIDIA driver library (libcuda.so) could not be loaded"), "{error}");
         assert_eq!(error.lines().count(), 1, "{error}");
     }
@@ -70,13 +74,14 @@ fn without_a_gpu_the_cuda_plugin_loads_and_refuses_in_one_sentence() {
 fn every_cuda_kernel_source_compiles_with_nvrtc_for_hopper() {
     let python = attnbench_tests::python_with_nvrtc();
     let root = attnbench_tests::workspace_root();
-    let mut sources: Vec<_> = std::fs::read_dir(root.join("plugins/cuda/kernels"))
-        .unwrap()
+    let mut sources: Vec<_> = ["plugins/cuda/kernels", "plugins/cp/kernels"]
+        .iter()
+        .flat_map(|dir| std::fs::read_dir(root.join(dir)).unwrap())
         .map(|e| e.unwrap().path())
         .filter(|p| p.extension().is_some_and(|e| e == "cu"))
         .collect();
     sources.sort();
-    assert!(sources.len() >= 2, "{sources:?}");
+    assert!(sources.len() >= 3, "{sources:?}");
     let output = std::process::Command::new(&python)
         .arg(root.join("scripts/nvrtc-check.py"))
         .args(["--arch", "sm_90"])

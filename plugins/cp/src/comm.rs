@@ -24,7 +24,7 @@ const BARRIER_TAG: u32 = 0xffff;
 
 /// Point-to-point and collective operations among the members of one group, on the values of
 /// a [`crate::local::Store`].
-pub trait Communicator: Send + Sync {
+pub trait Communicator {
     type Values;
 
     fn rank(&self) -> usize;

@@ -6,12 +6,15 @@
 //! collectives those methods use between this machine's GPUs (see `links`).
 
 mod comm;
+mod device;
+mod gpu_rank;
 mod launch;
 mod layout;
 mod links;
 mod local;
 mod methods;
 mod model;
+mod nccl;
 mod processes;
 mod tcp;
 mod threads;
@@ -64,7 +67,7 @@ impl Plugin for Cp {
                         .param(ParamSpec::new("ulysses", ParamType::Int).default(0).doc("Ulysses group size for usp and loongtrain (0: the largest divisor U of world with U² ≤ world)."))
                         .param(ParamSpec::new("windows", ParamType::Int).default(0).doc("LoongTrain's ring windows (0: the largest divisor m of the ring size R with m² ≤ R, as LongCA-bench)."))
                         .param(ParamSpec::new("placement", ParamType::one_of(&["ring_inner", "ulysses_inner"])).default("ring_inner").doc("Which group is made of consecutive ranks."))
-                        .param(ParamSpec::new("backend", ParamType::one_of(&["threads", "processes"])).default("threads").doc("`threads`: ranks as threads of the worker; `processes`: one `attnbench-cp-rank` process per rank, joined over TCP on loopback (as srun/mpirun/torchrun would start them across machines)."))
+                        .param(ParamSpec::new("backend", ParamType::one_of(&["threads", "processes", "nccl"])).default("threads").doc("`threads`: ranks as threads of the worker; `processes`: one `attnbench-cp-rank` process per rank, joined over TCP on loopback (as srun/mpirun/torchrun would start them across machines); `nccl`: one such process per GPU, tensors on the GPUs (bf16/fp16 inputs, f32 results), NCCL between them, blocks on `attention`'s device backend (e.g. cuda/flash), outputs checked on 16 rows of every head."))
                         .param(ParamSpec::new("attention", ParamType::Backend).default("builtin").doc("The local attention of every block: `builtin` (f64, in this plugin) or a kernel plugin's in-process backend, e.g. `cpu/reference`."))
                         .param(ParamSpec::new("direction", ParamType::one_of(&["fwd", "bwd", "fwd_bwd"])).default("fwd"))
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(8))
@@ -261,6 +264,17 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
     let inputs = Inputs::random_as(&shape, request.seed, element);
     let backward = p.direction != "fwd";
     let attention = attention_library(request, &p.attention)?;
+    if p.backend == "nccl" {
+        let run = GpuRun {
+            p: &p,
+            set: &set,
+            shape,
+            setup,
+            inputs: &inputs,
+            element,
+        };
+        return run.measure(request, attention, measurement, &harness);
+    }
     let opened = attention
         .as_ref()
         .map(|(path, kernel)| processes::open_attention(path, kernel))
@@ -357,6 +371,156 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
         }),
     );
     measurement.write(&request.output_dir)
+}
+
+/// A `cp/threads` node with `backend: nccl`: one rank process per GPU.
+struct GpuRun<'a> {
+    p: &'a Params,
+    set: &'a attnbench_sdk::mask::MaskSet,
+    shape: Shape,
+    setup: Setup,
+    inputs: &'a Inputs,
+    element: Element,
+}
+
+impl GpuRun<'_> {
+    /// Runs the ranks once (a warm-up and the timed repetitions inside each), checks the gathered
+    /// outputs on 16 rows of every head, and records per-GPU throughput from the slowest rank of
+    /// each repetition.
+    fn measure(
+        &self,
+        request: &StageRequest,
+        attention: Option<(std::path::PathBuf, String)>,
+        mut measurement: Measurement,
+        harness: &Harness,
+    ) -> Result<Value, PluginError> {
+        let (p, shape, setup) = (self.p, &self.shape, self.setup);
+        let attention = attention.ok_or_else(|| {
+            PluginError::Params(
+                "backend nccl runs every block on a GPU kernel's in-process backend: set `attention` to one, e.g. cuda/flash".into(),
+            )
+        })?;
+        let tolerance = match self.element {
+            Element::Bf16 => 2e-2,
+            Element::F16 => 5e-3,
+            Element::F32 => {
+                return Err(PluginError::Params(
+                    "dtype f32: GPU ranks take bf16 or fp16 inputs".into(),
+                ))
+            }
+        };
+        let n = setup.layout.world();
+        let ranks_dir = request.output_dir.join("ranks");
+        std::fs::create_dir_all(&ranks_dir)
+            .map_err(|err| PluginError::failed(format!("{}: {err}", ranks_dir.display())))?;
+        let job = gpu_rank::GpuJob {
+            setup,
+            heads_q: p.heads_q,
+            heads_kv: p.heads_kv,
+            head_dim: p.head_dim,
+            dtype: p.dtype.clone(),
+            seed: request.seed,
+            backward: p.direction != "fwd",
+            mask: self.set.clone(),
+            attention,
+            reps: harness.min_reps.max(10).min(harness.max_reps.max(1)) as usize,
+            results: ranks_dir.clone(),
+        };
+        write_json(&request.output_dir, "job.json", &job)?;
+        processes::start_ranks(
+            &request.output_dir.join("job.json"),
+            n,
+            &ranks_dir,
+            std::time::Duration::from_secs(1500),
+        )
+        .map_err(PluginError::failed)?;
+        let results: Vec<gpu_rank::GpuRankResult> =
+            processes::read_rank_results(&ranks_dir, n).map_err(PluginError::failed)?;
+
+        let (s, d) = (shape.seqlen, shape.head_dim);
+        let mut out = vec![0f32; shape.q_len()];
+        let mut lse = vec![f32::NEG_INFINITY; shape.heads_q * s];
+        let mut grads = job.backward.then(|| {
+            [
+                vec![0f32; shape.q_len()],
+                vec![0f32; shape.kv_len()],
+                vec![0f32; shape.kv_len()],
+            ]
+        });
+        let read =
+            |tokens: &local::Tokens<String>| -> Result<local::Tokens<Vec<f32>>, PluginError> {
+                gpu_rank::read_f32(&ranks_dir, &tokens.data)
+                    .map(|values| tokens.like(values))
+                    .map_err(PluginError::failed)
+            };
+        for result in &results {
+            threads::scatter(&mut out, &read(&result.out)?, s, d);
+            threads::scatter(&mut lse, &read(&result.lse)?, s, 1);
+            if let (Some(global), Some(local)) = (grads.as_mut(), result.grads.as_ref()) {
+                for (g, l) in global.iter_mut().zip(local) {
+                    threads::scatter(g, &read(l)?, s, d);
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(&ranks_dir);
+        let grads = grads.map(|[dq, dk, dv]| Grads { dq, dk, dv });
+        measurement.correctness = Some(reference::check(
+            shape,
+            &HeadMasks::new(self.set, shape),
+            self.inputs,
+            &Forward { out, lse },
+            grads.as_ref(),
+            CheckMode::Sampled { rows: 16 },
+            tolerance,
+        ));
+        let slowest = |times: &dyn Fn(&gpu_rank::GpuRankResult) -> &Vec<f64>, rep: usize| {
+            results
+                .iter()
+                .map(|r| times(r).get(rep).copied().unwrap_or(0.0))
+                .fold(0.0, f64::max)
+        };
+        let samples: Vec<f64> = (0..job.reps)
+            .map(|rep| {
+                let forward = slowest(&|r| &r.forward_s, rep);
+                let backward = slowest(&|r| &r.backward_s, rep);
+                match p.direction.as_str() {
+                    "fwd" => forward,
+                    "bwd" => backward,
+                    _ => forward + backward,
+                }
+            })
+            .collect();
+        let per_rank_flops = measurement.flops / n as u64;
+        let times = Quantiles::of(&samples);
+        measurement.tflops = times.map(|t| Throughput::of(per_rank_flops, &t));
+        measurement.time_s = times;
+        measurement.timing = Some(attnbench_sdk::measure::Timing {
+            rel_ci: attnbench_sdk::measure::median_rel_ci(&samples),
+            samples,
+            stopped: format!("{} repetitions in every rank after a warm-up", job.reps),
+        });
+        let sizes = volume::Sizes {
+            tokens: (s / n) as u64,
+            heads_q: p.heads_q as u64,
+            heads_kv: p.heads_kv as u64,
+            head_dim: p.head_dim as u64,
+            element: self.element.bytes() as u64,
+        };
+        let (formula_fwd, formula_bwd) = volume::bytes(&setup, &sizes);
+        measurement.environment.insert(
+            "context_parallel".into(),
+            json!({
+                "method": setup.method.name(), "world": n, "ulysses": setup.layout.ulysses, "ring": setup.layout.ring,
+                "windows": setup.windows, "placement": p.placement, "backend": p.backend, "attention": p.attention,
+                "devices": results.iter().map(|r| r.device.clone()).collect::<Vec<_>>(),
+                "throughput": "per GPU: global FLOPs / ranks / the slowest rank's time of each repetition",
+                "bytes_sent_forward": results.iter().map(|r| r.sent.0).collect::<Vec<_>>(), "formula_forward": formula_fwd,
+                "bytes_sent_backward": results.iter().map(|r| r.sent.1).collect::<Vec<_>>(), "formula_backward": formula_bwd,
+                "bytes_note": "on GPUs K and V travel in the inputs' 16-bit type, dK and dV accumulators in f32",
+            }),
+        );
+        measurement.write(&request.output_dir)
+    }
 }
 
 #[derive(Deserialize)]

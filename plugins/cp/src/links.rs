@@ -11,10 +11,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use cudarc::nccl::{Comm, Id, ReduceOp};
+use cudarc::nccl::{Comm, ReduceOp};
 use serde::{Deserialize, Serialize};
 
-use crate::comm::{Communicator, Group};
+use crate::comm::Group;
 use crate::launch::RankInfo;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -139,42 +139,12 @@ pub struct RankLinks {
     pub timed: Vec<Timed>,
 }
 
-/// Tag of the TCP message that carries NCCL's unique id from rank 0.
-const NCCL_ID: u32 = 1;
-
 fn nccl_failed(what: String) -> impl Fn(cudarc::nccl::result::NcclError) -> String {
     move |err| format!("NCCL {what}: {err:?}")
 }
 
 fn driver_failed(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> String {
     move |err| format!("{what}: {err}")
-}
-
-/// Rank 0's NCCL id, handed to every rank over the TCP mesh the ranks join first.
-fn shared_id(info: &RankInfo) -> Result<Id, String> {
-    let world = crate::tcp::join(info)?;
-    let group = Group::new(world, (0..info.world).collect(), info.rank, 0);
-    if info.rank == 0 {
-        let id = Id::new().map_err(nccl_failed("unique id".into()))?;
-        let bytes: Vec<f64> = id.internal().iter().map(|&b| b as f64).collect();
-        for peer in 1..info.world {
-            group.send(peer, NCCL_ID, bytes.clone());
-        }
-        Ok(id)
-    } else {
-        let bytes = group.recv(0, NCCL_ID);
-        let mut internal = [0 as std::ffi::c_char; 128];
-        if bytes.len() != internal.len() {
-            return Err(format!(
-                "rank 0 sent an NCCL id of {} bytes, not 128",
-                bytes.len()
-            ));
-        }
-        for (slot, byte) in internal.iter_mut().zip(bytes) {
-            *slot = byte as std::ffi::c_char;
-        }
-        Ok(Id::uninit(internal))
-    }
 }
 
 /// One call of `collective` from `send` into `receive` on the communicator's stream. All-to-all
@@ -272,7 +242,8 @@ pub fn run_rank(job: &LinksJob, info: &RankInfo) -> Result<RankLinks, String> {
     })?;
     let device = ctx.name().map_err(driver_failed("device name"))?;
     let stream = ctx.new_stream().map_err(driver_failed("stream"))?;
-    let id = shared_id(info)?;
+    let world = crate::tcp::join(info)?;
+    let id = crate::nccl::group_id(&Group::new(world, (0..info.world).collect(), info.rank, 0))?;
     let comm = Comm::from_rank(stream.clone(), info.rank, info.world, id)
         .map_err(nccl_failed(format!("communicator of {} ranks", info.world)))?;
     let nccl_version =

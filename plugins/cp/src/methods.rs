@@ -58,6 +58,9 @@ pub struct Setup {
 /// dQ of the local rows, dK and dV of the local keys.
 type Grads<V> = (V, V, V);
 
+/// A ring member's K and V.
+type KvBlock<V> = (Tokens<V>, Tokens<V>);
+
 // Message tags, one per kind of traffic.
 const A2A: [u32; 8] = [10, 11, 12, 13, 14, 15, 16, 17];
 const FWD_KV: u32 = 20;
@@ -360,11 +363,7 @@ impl<S: Store> RingStep<'_, S> {
     }
 
     /// Every ring member's K and V block, gathered.
-    fn gathered(
-        &self,
-        k: &Tokens<S::Values>,
-        v: &Tokens<S::Values>,
-    ) -> Vec<(Tokens<S::Values>, Tokens<S::Values>)> {
+    fn gathered(&self, k: &Tokens<S::Values>, v: &Tokens<S::Values>) -> Vec<KvBlock<S::Values>> {
         let ks = self.comm.all_gather(GATHER_K, k.data.clone());
         let vs = self.comm.all_gather(GATHER_V, v.data.clone());
         ks.into_iter()

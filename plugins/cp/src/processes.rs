@@ -100,8 +100,10 @@ pub fn rank_main(path: &Path) -> Result<(), String> {
     let text = std::fs::read(path).map_err(|err| format!("{}: {err}", path.display()))?;
     let kind: serde_json::Value = serde_json::from_slice(&text)
         .map_err(|err| format!("{}: not a job: {err}", path.display()))?;
-    if kind.get("kind").and_then(|k| k.as_str()) == Some("links") {
-        return crate::links::rank_main(&text, path);
+    match kind.get("kind").and_then(|k| k.as_str()) {
+        Some("links") => return crate::links::rank_main(&text, path),
+        Some("gpu") => return crate::gpu_rank::rank_main(&text, path),
+        _ => {}
     }
     let job: Job = serde_json::from_slice(&text)
         .map_err(|err| format!("{}: not a job: {err}", path.display()))?;

@@ -40,30 +40,43 @@ pub struct RankResult {
     seconds: (f64, f64),
 }
 
-fn gather(data: &[f32], positions: &[u32], heads: &[usize], shape: &Shape) -> HostTokens {
+/// A rank's shard of a global `[heads][seqlen][head_dim]` tensor: `heads` at `positions`.
+pub fn shard(data: &[f32], positions: &[u32], heads: &[usize], shape: &Shape) -> Vec<f32> {
     let d = shape.head_dim;
     let mut gathered = Vec::with_capacity(heads.len() * positions.len() * d);
     for &h in heads {
         for &p in positions {
             let start = (h * shape.seqlen + p as usize) * d;
-            gathered.extend(data[start..start + d].iter().map(|&x| x as f64));
+            gathered.extend_from_slice(&data[start..start + d]);
         }
     }
+    gathered
+}
+
+fn gather(data: &[f32], positions: &[u32], heads: &[usize], shape: &Shape) -> HostTokens {
     Tokens {
         positions: positions.to_vec(),
         heads: heads.to_vec(),
-        data: gathered,
+        data: shard(data, positions, heads, shape)
+            .into_iter()
+            .map(f64::from)
+            .collect(),
     }
 }
 
 /// Writes a rank's tokens into a global `[heads][seqlen][width]` tensor.
-fn scatter(global: &mut [f32], tokens: &HostTokens, seqlen: usize, width: usize) {
+pub fn scatter<V: std::ops::Index<usize, Output = T>, T: Copy + Into<f64>>(
+    global: &mut [f32],
+    tokens: &Tokens<V>,
+    seqlen: usize,
+    width: usize,
+) {
     for (hi, &h) in tokens.heads.iter().enumerate() {
         for (t, &p) in tokens.positions.iter().enumerate() {
             let from = (hi * tokens.len() + t) * width;
             let to = (h * seqlen + p as usize) * width;
             for i in 0..width {
-                global[to + i] = tokens.data[from + i] as f32;
+                global[to + i] = tokens.data[from + i].into() as f32;
             }
         }
     }

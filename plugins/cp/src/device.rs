@@ -1,0 +1,371 @@
+//! A rank's tensors on its GPU: Q, K, V and dO in 16-bit (bf16 or fp16, what the kernels take),
+//! O, LSE and the gradients in f32, all on one compute stream; blocks run on a kernel plugin's
+//! in-process device backend (`cuda/flash`). The store's own arithmetic — gathering ranges,
+//! adding, merging partial results — is `kernels/store.cu`, compiled by NVRTC.
+//!
+//! The [`Store`] trait has no room for errors (the host store has none): a failure here is a
+//! broken GPU or an exhausted one, and unwinds with its message to the rank's boundary
+//! (`gpu_rank`), which reports it as the rank's error.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use attnbench_sdk::abi::abi_stable::std_types::RSlice;
+use attnbench_sdk::attention::{AttentionCall, Backend, DType, HostBlock, Memory};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+};
+
+use crate::local::{Partial, Span, Store};
+
+const SOURCE: &str = include_str!("../kernels/store.cu");
+
+/// What a buffer holds: inputs (16-bit) or accumulated results (f32).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Input,
+    Accumulator,
+}
+
+/// One tensor's values on the GPU. Clones share the buffer; the store copies before it changes
+/// a shared one.
+#[derive(Clone)]
+pub struct DeviceValues {
+    buffer: Arc<CudaSlice<u8>>,
+    pub kind: Kind,
+    /// Elements.
+    pub len: usize,
+}
+
+impl DeviceValues {
+    /// The device address of element `at`.
+    pub fn address(&self, stream: &CudaStream, at: usize, element_bytes: usize) -> u64 {
+        let (pointer, _) = self.buffer.device_ptr(stream);
+        pointer + (at * element_bytes) as u64
+    }
+
+    pub fn buffer(&self) -> &CudaSlice<u8> {
+        &self.buffer
+    }
+
+    /// The buffer, if these values are its only holder.
+    pub fn buffer_mut(&mut self) -> Option<&mut CudaSlice<u8>> {
+        Arc::get_mut(&mut self.buffer)
+    }
+}
+
+struct Kernels {
+    gather: CudaFunction,
+    add: CudaFunction,
+    fill: CudaFunction,
+    merge: CudaFunction,
+}
+
+pub struct DeviceStore {
+    pub stream: Arc<CudaStream>,
+    kernels: Kernels,
+    backend: Backend,
+    /// bf16 or fp16.
+    input: DType,
+}
+
+fn check<T>(what: &str, result: Result<T, cudarc::driver::DriverError>) -> T {
+    result.unwrap_or_else(|err| panic!("{what}: {err}"))
+}
+
+/// A grid-stride launch over `n` elements.
+fn elementwise(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(256).clamp(1, 132 * 16) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+impl DeviceStore {
+    /// The store of `ctx` on `stream`, running blocks on `backend` with `input` (bf16 or fp16)
+    /// inputs.
+    pub fn new(
+        ctx: &Arc<CudaContext>,
+        stream: Arc<CudaStream>,
+        backend: Backend,
+        input: DType,
+    ) -> Result<DeviceStore, String> {
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|err| format!("compute capability: {err}"))?;
+        let options = cudarc::nvrtc::CompileOptions {
+            arch: Some(Box::leak(format!("sm_{major}{minor}").into_boxed_str())),
+            ..Default::default()
+        };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, options)
+            .map_err(|err| format!("NVRTC could not compile the store's kernels: {err}"))?;
+        let module = ctx
+            .load_module(ptx)
+            .map_err(|err| format!("loading the store's kernels: {err}"))?;
+        let function = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(|err| format!("{name}: {err}"))
+        };
+        Ok(DeviceStore {
+            stream,
+            kernels: Kernels {
+                gather: function("gather_parts")?,
+                add: function("add_f32")?,
+                fill: function("fill_f32")?,
+                merge: function("merge_rows")?,
+            },
+            backend,
+            input,
+        })
+    }
+
+    pub fn element_bytes(&self, kind: Kind) -> usize {
+        match kind {
+            Kind::Input => 2,
+            Kind::Accumulator => 4,
+        }
+    }
+
+    /// `len` elements of `kind`, uninitialised (for what is written whole before it is read,
+    /// such as a receive buffer).
+    pub fn uninitialised(&self, len: usize, kind: Kind) -> DeviceValues {
+        let bytes = (len * self.element_bytes(kind)).max(16);
+        // SAFETY: every caller writes the whole buffer before it is read.
+        let buffer = check("device memory", unsafe { self.stream.alloc::<u8>(bytes) });
+        DeviceValues {
+            buffer: Arc::new(buffer),
+            kind,
+            len,
+        }
+    }
+
+    /// Host bytes of `kind` (16-bit inputs or f32) as device values.
+    pub fn upload(&self, bytes: &[u8], kind: Kind) -> DeviceValues {
+        let len = bytes.len() / self.element_bytes(kind);
+        let buffer = check("upload", self.stream.clone_htod(bytes));
+        DeviceValues {
+            buffer: Arc::new(buffer),
+            kind,
+            len,
+        }
+    }
+
+    /// The values of an accumulator as f32.
+    pub fn download_f32(&self, x: &DeviceValues) -> Vec<f32> {
+        assert_eq!(x.kind, Kind::Accumulator, "only results are read back");
+        let bytes = check("download", self.stream.clone_dtoh(x.buffer.as_ref()));
+        bytes[..x.len * 4]
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
+    }
+
+    /// `x` as a buffer of its own, copied if it is shared.
+    fn own<'a>(&self, x: &'a mut DeviceValues) -> &'a mut DeviceValues {
+        if Arc::strong_count(&x.buffer) > 1 {
+            *x = self.gather(&[(&*x, 0..x.len)]);
+        }
+        x
+    }
+
+    fn fill(&self, x: &DeviceValues, value: f32) {
+        let (pointer, n) = (x.address(&self.stream, 0, 4), x.len as u64);
+        let mut launch = self.stream.launch_builder(&self.kernels.fill);
+        launch.arg(&pointer).arg(&value).arg(&n);
+        // SAFETY: the buffer holds n f32 values.
+        check(
+            "fill",
+            unsafe { launch.launch(elementwise(x.len)) }.map(drop),
+        );
+    }
+
+    /// An attention call on device pointers for `block`, this store's stream and element types.
+    fn call<'a>(&self, block: &'a HostBlock<'a>, backward: bool) -> AttentionCall<'a> {
+        let null = std::ptr::null_mut::<std::ffi::c_void>();
+        AttentionCall {
+            memory: Memory::Cuda,
+            input: self.input,
+            output: DType::F32,
+            backward,
+            heads_q: block.kv_head_of.len() as u32,
+            heads_kv: block.heads_kv as u32,
+            head_dim: block.head_dim as u32,
+            q_len: block.q_len as u64,
+            k_len: block.k_len as u64,
+            scale: block.scale,
+            kv_head_of: RSlice::from_slice(block.kv_head_of),
+            row_start: RSlice::from_slice(&block.rows.row_start),
+            intervals: RSlice::from_slice(&block.rows.intervals),
+            q: null,
+            k: null,
+            v: null,
+            out: null,
+            lse: null,
+            d_out: null,
+            dq: null,
+            dk: null,
+            dv: null,
+            stream: self.stream.cu_stream() as *mut std::ffi::c_void,
+        }
+    }
+}
+
+impl Store for DeviceStore {
+    type Values = DeviceValues;
+
+    fn len(&self, x: &DeviceValues) -> usize {
+        x.len
+    }
+
+    fn zeros(&self, count: usize) -> DeviceValues {
+        let x = self.uninitialised(count, Kind::Accumulator);
+        self.fill(&x, 0.0);
+        x
+    }
+
+    fn negative_infinities(&self, count: usize) -> DeviceValues {
+        let x = self.uninitialised(count, Kind::Accumulator);
+        self.fill(&x, f32::NEG_INFINITY);
+        x
+    }
+
+    fn gather(&self, parts: &[(&DeviceValues, Range<usize>)]) -> DeviceValues {
+        let kind = parts.first().map_or(Kind::Accumulator, |(x, _)| x.kind);
+        let size = self.element_bytes(kind);
+        let total: usize = parts.iter().map(|(_, r)| r.len()).sum();
+        let out = self.uninitialised(total, kind);
+        let (mut sources, mut targets, mut lengths) = (Vec::new(), Vec::new(), Vec::new());
+        let mut offset = 0;
+        for (x, range) in parts {
+            assert_eq!(x.kind, kind, "a gather mixes inputs and results");
+            let bytes = range.len() * size;
+            assert!(
+                (range.start * size).is_multiple_of(16) && bytes.is_multiple_of(16),
+                "gather parts are whole 16-byte chunks (head_dim × element size)"
+            );
+            if bytes > 0 {
+                sources.push(x.address(&self.stream, range.start, size));
+                targets.push(out.address(&self.stream, offset, size));
+                lengths.push(bytes as u64);
+            }
+            offset += range.len();
+        }
+        if lengths.is_empty() {
+            return out;
+        }
+        let table = |values: &[u64]| check("gather table", self.stream.clone_htod(values));
+        let (sources_d, targets_d, lengths_d) = (table(&sources), table(&targets), table(&lengths));
+        let longest = lengths.iter().max().copied().unwrap_or(0) as usize / 16;
+        let config = LaunchConfig {
+            grid_dim: (
+                longest.div_ceil(256).clamp(1, 64) as u32,
+                lengths.len() as u32,
+                1,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = self.stream.launch_builder(&self.kernels.gather);
+        launch.arg(&sources_d).arg(&targets_d).arg(&lengths_d);
+        // SAFETY: every part lies inside its source and the output (checked above).
+        check("gather", unsafe { launch.launch(config) }.map(drop));
+        out
+    }
+
+    fn add(&self, target: &mut DeviceValues, at: usize, source: &DeviceValues) {
+        assert!(
+            target.kind == Kind::Accumulator && source.kind == Kind::Accumulator,
+            "only results are added"
+        );
+        assert!(
+            at + source.len <= target.len,
+            "an addition past the target's end"
+        );
+        let target = self.own(target);
+        let (to, from, n) = (
+            target.address(&self.stream, at, 4),
+            source.address(&self.stream, 0, 4),
+            source.len as u64,
+        );
+        let mut launch = self.stream.launch_builder(&self.kernels.add);
+        launch.arg(&to).arg(&from).arg(&n);
+        // SAFETY: both ranges hold n f32 values (checked above).
+        check(
+            "add",
+            unsafe { launch.launch(elementwise(source.len)) }.map(drop),
+        );
+    }
+
+    fn merge(&self, done: &mut Partial<DeviceValues>, other: &Partial<DeviceValues>, d: usize) {
+        let rows = done.lse.len;
+        let out = self.own(&mut done.out).address(&self.stream, 0, 4);
+        let lse = self.own(&mut done.lse).address(&self.stream, 0, 4);
+        let (other_out, other_lse) = (
+            other.out.address(&self.stream, 0, 4),
+            other.lse.address(&self.stream, 0, 4),
+        );
+        let (rows_arg, d_arg) = (rows as u64, d as i32);
+        let mut launch = self.stream.launch_builder(&self.kernels.merge);
+        launch
+            .arg(&out)
+            .arg(&lse)
+            .arg(&other_out)
+            .arg(&other_lse)
+            .arg(&rows_arg)
+            .arg(&d_arg);
+        let config = LaunchConfig {
+            grid_dim: ((rows * 32).div_ceil(256).max(1) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: O holds rows × d and LSE rows f32 values on both sides.
+        check("merge", unsafe { launch.launch(config) }.map(drop));
+    }
+
+    fn forward(
+        &self,
+        block: &HostBlock<'_>,
+        spans: &Span,
+        (q, k, v): (&DeviceValues, &DeviceValues, &DeviceValues),
+        out: &mut DeviceValues,
+        lse: &mut DeviceValues,
+    ) -> Result<(), String> {
+        let s = &self.stream;
+        let mut call = self.call(block, false);
+        call.q = q.address(s, spans.rows.start, 2) as *const _;
+        call.k = k.address(s, spans.keys.start, 2) as *const _;
+        call.v = v.address(s, spans.keys.start, 2) as *const _;
+        call.out = self.own(out).address(s, spans.rows.start, 4) as *mut _;
+        call.lse = self.own(lse).address(s, spans.lse.start, 4) as *mut _;
+        self.backend.call(&call)
+    }
+
+    fn backward(
+        &self,
+        block: &HostBlock<'_>,
+        spans: &Span,
+        (q, k, v): (&DeviceValues, &DeviceValues, &DeviceValues),
+        (out, lse, d_out): (&DeviceValues, &DeviceValues, &DeviceValues),
+        dq: &mut DeviceValues,
+    ) -> Result<(DeviceValues, DeviceValues), String> {
+        let s = &self.stream;
+        let (dk, dv) = (
+            self.uninitialised(spans.keys.len(), Kind::Accumulator),
+            self.uninitialised(spans.keys.len(), Kind::Accumulator),
+        );
+        let mut call = self.call(block, true);
+        call.q = q.address(s, spans.rows.start, 2) as *const _;
+        call.k = k.address(s, spans.keys.start, 2) as *const _;
+        call.v = v.address(s, spans.keys.start, 2) as *const _;
+        call.out = out.address(s, spans.rows.start, 4) as *mut _;
+        call.lse = lse.address(s, spans.lse.start, 4) as *mut _;
+        call.d_out = d_out.address(s, spans.rows.start, 2) as *const _;
+        call.dq = self.own(dq).address(s, spans.rows.start, 4) as *mut _;
+        call.dk = dk.address(s, 0, 4) as *mut _;
+        call.dv = dv.address(s, 0, 4) as *mut _;
+        self.backend.call(&call)?;
+        Ok((dk, dv))
+    }
+}

@@ -1,0 +1,282 @@
+//! One rank of a context-parallel run on GPUs (`backend: nccl`): its GPU, its NCCL groups, its
+//! shard of the inputs in 16-bit, the method on the [`DeviceStore`] with blocks on a kernel
+//! plugin's device backend (`cuda/flash`), timed with CUDA events over `reps` repetitions after
+//! a warm-up (every repetition starts at a barrier), and its outputs written back as f32 files
+//! for the stage to check.
+
+use std::path::{Path, PathBuf};
+
+use attnbench_sdk::attention::{Backend, DType};
+use attnbench_sdk::mask::MaskSet;
+use attnbench_sdk::reference::{Element, HeadMasks, Inputs, Shape};
+use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+use cudarc::driver::CudaContext;
+use serde::{Deserialize, Serialize};
+
+use crate::comm::{Communicator, Group};
+use crate::device::{DeviceStore, DeviceValues, Kind};
+use crate::launch::RankInfo;
+use crate::local::{Problem, Tokens};
+use crate::methods::{Groups, Rank, Setup};
+use crate::nccl::NcclGroup;
+
+/// Everything a GPU rank needs; read by `attnbench-cp-rank` (`"kind": "gpu"`).
+#[derive(Serialize, Deserialize)]
+#[serde(tag = "kind", rename = "gpu")]
+pub struct GpuJob {
+    pub setup: Setup,
+    pub heads_q: usize,
+    pub heads_kv: usize,
+    pub head_dim: usize,
+    /// bf16 or fp16.
+    pub dtype: String,
+    pub seed: u64,
+    pub backward: bool,
+    pub mask: MaskSet,
+    /// The device backend: a plugin library and its in-process kernel.
+    pub attention: (PathBuf, String),
+    /// Timed repetitions after the warm-up.
+    pub reps: usize,
+    /// Each rank writes `rank-<r>.json` and its f32 output files here.
+    pub results: PathBuf,
+}
+
+impl GpuJob {
+    pub fn shape(&self) -> Shape {
+        Shape {
+            heads_q: self.heads_q,
+            heads_kv: self.heads_kv,
+            seqlen: self.mask.seqlen as usize,
+            head_dim: self.head_dim,
+        }
+    }
+}
+
+/// What one GPU rank reports: its device, per-repetition times, bytes sent, and where its
+/// outputs are (file names in `results`, with their tokens and heads).
+#[derive(Serialize, Deserialize)]
+pub struct GpuRankResult {
+    pub device: String,
+    pub forward_s: Vec<f64>,
+    pub backward_s: Vec<f64>,
+    /// Bytes sent in one forward and one backward pass.
+    pub sent: (u64, u64),
+    pub out: Tokens<String>,
+    pub lse: Tokens<String>,
+    pub grads: Option<[Tokens<String>; 3]>,
+}
+
+/// Restricts this process to its GPU before CUDA starts: under a launcher that already gave
+/// each rank one GPU (`CUDA_VISIBLE_DEVICES` naming one), that one; else the `LOCAL_RANK`-th of
+/// those visible.
+fn select_gpu(info: &RankInfo) -> Result<(), String> {
+    let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    let chosen = match visible.as_deref() {
+        Some(list) if !list.contains(',') && !list.trim().is_empty() => return Ok(()),
+        Some(list) if !list.trim().is_empty() => list
+            .split(',')
+            .nth(info.local_rank)
+            .map(str::to_string)
+            .ok_or_else(|| {
+                format!(
+                    "LOCAL_RANK {} but CUDA_VISIBLE_DEVICES={list} names fewer GPUs",
+                    info.local_rank
+                )
+            })?,
+        _ => info.local_rank.to_string(),
+    };
+    // SAFETY: the rank's threads that could read the environment do not exist yet.
+    unsafe { std::env::set_var("CUDA_VISIBLE_DEVICES", chosen) };
+    Ok(())
+}
+
+/// Writes `values` as little-endian f32 to `dir/name`.
+fn write_f32(dir: &Path, name: &str, values: &[f32]) -> Result<(), String> {
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    std::fs::write(dir.join(name), bytes).map_err(|err| format!("{}: {err}", dir.display()))
+}
+
+/// Reads a file [`write_f32`] wrote.
+pub fn read_f32(dir: &Path, name: &str) -> Result<Vec<f32>, String> {
+    let bytes =
+        std::fs::read(dir.join(name)).map_err(|err| format!("{}/{name}: {err}", dir.display()))?;
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect())
+}
+
+/// Runs this process's rank of `job` and writes its result.
+pub fn rank_main(text: &[u8], path: &Path) -> Result<(), String> {
+    let job: GpuJob = serde_json::from_slice(text)
+        .map_err(|err| format!("{}: not a GPU job: {err}", path.display()))?;
+    let info = RankInfo::from_env()?;
+    select_gpu(&info)?;
+    // The device store and the NCCL groups unwind on a broken or exhausted GPU; the rank reports
+    // that like any other error.
+    let result = std::panic::catch_unwind(|| run(&job, &info)).unwrap_or_else(|panic| {
+        let text = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default();
+        Err(format!("rank {} stopped: {text}", info.rank))
+    })?;
+    crate::processes::write_rank_result(&job.results, info.rank, &result)
+}
+
+fn seconds_between(
+    start: &cudarc::driver::CudaEvent,
+    end: &cudarc::driver::CudaEvent,
+) -> Result<f64, String> {
+    start
+        .elapsed_ms(end)
+        .map(|ms| ms as f64 * 1e-3)
+        .map_err(|err| format!("timing events: {err}"))
+}
+
+fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, String> {
+    attnbench_sdk::libraries::require("libcuda", "NVIDIA driver")?;
+    attnbench_sdk::libraries::require("libnccl", "NCCL")?;
+    let setup = job.setup;
+    let layout = setup.layout;
+    let n = layout.world();
+    if info.world != n {
+        return Err(format!(
+            "{} ranks were started ({}), the job needs {n}",
+            info.world, info.source
+        ));
+    }
+    let (element, input) = match job.dtype.as_str() {
+        "bf16" => (Element::Bf16, DType::Bf16),
+        "fp16" => (Element::F16, DType::F16),
+        other => return Err(format!("dtype `{other}`: GPU ranks take bf16 or fp16")),
+    };
+    let shape = job.shape();
+    crate::threads::check(&setup, &shape)?;
+    let w = info.rank;
+
+    // The TCP mesh carries the NCCL ids; the host groups name each NCCL group's members.
+    let world = crate::tcp::join(info)?;
+    let (u, r) = layout.coords(w);
+    let everyone = Group::new(world.clone(), (0..n).collect(), w, 0);
+    let ulysses_members: Vec<usize> = (0..layout.ulysses)
+        .map(|i| layout.world_rank(i, r))
+        .collect();
+    let ring_members: Vec<usize> = (0..layout.ring).map(|i| layout.world_rank(u, i)).collect();
+    let ulysses_host = Group::new(world.clone(), ulysses_members, w, 1);
+    let ring_host = Group::new(world.clone(), ring_members, w, 2);
+
+    let ctx = CudaContext::new(0).map_err(|err| format!("cannot open the rank's GPU: {err}"))?;
+    // Every stream order here is explicit (events between the compute and NCCL streams).
+    // SAFETY: no buffer exists yet.
+    unsafe { ctx.disable_event_tracking() };
+    let device = ctx.name().map_err(|err| format!("device name: {err}"))?;
+    let stream = |what: &str| {
+        ctx.new_stream()
+            .map_err(|err| format!("{what} stream: {err}"))
+    };
+    let backend = Backend::open(&job.attention.0, &job.attention.1)?;
+    let store = DeviceStore::new(&ctx, stream("compute")?, backend, input)?;
+    let world_nccl = NcclGroup::join(&everyone, stream("world")?, &store)?;
+    let ulysses = NcclGroup::join(&ulysses_host, stream("Ulysses")?, &store)?;
+    let ring = NcclGroup::join(&ring_host, stream("ring")?, &store)?;
+    let groups = Groups {
+        ulysses: &ulysses,
+        ring: &ring,
+    };
+
+    let inputs = Inputs::random_as(&shape, job.seed, element);
+    let head_masks = HeadMasks::new(&job.mask, &shape);
+    let rank = Rank {
+        setup,
+        world_rank: w,
+        problem: Problem {
+            masks: &job.mask.masks,
+            mask_of_head: &head_masks.index_of_head,
+            group: shape.group(),
+            head_dim: shape.head_dim,
+            scale: 1.0 / (shape.head_dim as f64).sqrt(),
+        },
+        heads_q: shape.heads_q,
+        heads_kv: shape.heads_kv,
+    };
+    let positions = layout.positions(w);
+    let (q_heads, kv_heads): (Vec<usize>, Vec<usize>) =
+        ((0..shape.heads_q).collect(), (0..shape.heads_kv).collect());
+    let upload = |data: &[f32], heads: &[usize]| Tokens {
+        positions: positions.clone(),
+        heads: heads.to_vec(),
+        data: store.upload(
+            &element.encode(&crate::threads::shard(data, &positions, heads, &shape)),
+            Kind::Input,
+        ),
+    };
+    let (q, k, v) = (
+        upload(&inputs.q, &q_heads),
+        upload(&inputs.k, &kv_heads),
+        upload(&inputs.v, &kv_heads),
+    );
+    let d_out = job.backward.then(|| upload(&inputs.d_out, &q_heads));
+
+    let sent = || ulysses.sent_bytes() + ring.sent_bytes();
+    let event = || {
+        store
+            .stream
+            .record_event(Some(CU_EVENT_DEFAULT))
+            .map_err(|err| format!("timing event: {err}"))
+    };
+    let (mut forward_s, mut backward_s) = (Vec::new(), Vec::new());
+    let mut sent_per_pass = (0, 0);
+    let mut last = None;
+    for rep in 0..=job.reps {
+        world_nccl.barrier();
+        let before = sent();
+        let start = event()?;
+        let forward = rank.forward(&store, &groups, &q, &k, &v)?;
+        let end = event()?;
+        let forward_sent = sent() - before;
+        let mut grads = None;
+        let mut backward_time = None;
+        if let Some(d_out) = &d_out {
+            world_nccl.barrier();
+            let start = event()?;
+            grads = Some(rank.backward(&store, &groups, &forward.saved, d_out)?);
+            let end = event()?;
+            backward_time = Some(seconds_between(&start, &end)?);
+        }
+        let forward_time = seconds_between(&start, &end)?;
+        if rep == 0 {
+            sent_per_pass = (forward_sent, sent() - before - forward_sent);
+        } else {
+            forward_s.push(forward_time);
+            backward_s.extend(backward_time);
+        }
+        last = Some((forward, grads));
+    }
+    world_nccl.barrier();
+    let (forward, grads) = last.expect("at least the warm-up ran");
+    let dir = &job.results;
+    let write = |name: &str, tokens: &Tokens<DeviceValues>| -> Result<Tokens<String>, String> {
+        let file = format!("rank-{w}-{name}.f32");
+        write_f32(dir, &file, &store.download_f32(&tokens.data))?;
+        Ok(tokens.like(file))
+    };
+    Ok(GpuRankResult {
+        device,
+        forward_s,
+        backward_s,
+        sent: sent_per_pass,
+        out: write("out", &forward.out)?,
+        lse: write("lse", &forward.lse)?,
+        grads: grads
+            .map(|g| -> Result<[Tokens<String>; 3], String> {
+                Ok([
+                    write("dq", &g.dq)?,
+                    write("dk", &g.dk)?,
+                    write("dv", &g.dv)?,
+                ])
+            })
+            .transpose()?,
+    })
+}
