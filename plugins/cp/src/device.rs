@@ -69,7 +69,8 @@ pub struct DeviceStore {
     input: DType,
 }
 
-fn check<T>(what: &str, result: Result<T, cudarc::driver::DriverError>) -> T {
+/// The value of a driver call, or an unwinding with what failed (see the module's documentation).
+pub fn check<T>(what: &str, result: Result<T, cudarc::driver::DriverError>) -> T {
     result.unwrap_or_else(|err| panic!("{what}: {err}"))
 }
 

@@ -139,10 +139,6 @@ pub struct RankLinks {
     pub timed: Vec<Timed>,
 }
 
-fn nccl_failed(what: String) -> impl Fn(cudarc::nccl::result::NcclError) -> String {
-    move |err| format!("NCCL {what}: {err:?}")
-}
-
 fn driver_failed(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> String {
     move |err| format!("{what}: {err}")
 }
@@ -157,7 +153,7 @@ fn issue(
     receive: &mut CudaSlice<f32>,
 ) -> Result<(), String> {
     let (me, n) = (comm.rank(), comm.world_size());
-    let failed = || nccl_failed(collective.name().to_string());
+    let failed = || crate::nccl::failed(collective.name());
     match collective {
         Collective::AllGather => comm.all_gather(send, receive).map(drop).map_err(failed()),
         Collective::ReduceScatter => comm
@@ -245,9 +241,9 @@ pub fn run_rank(job: &LinksJob, info: &RankInfo) -> Result<RankLinks, String> {
     let world = crate::tcp::join(info)?;
     let id = crate::nccl::group_id(&Group::new(world, (0..info.world).collect(), info.rank, 0))?;
     let comm = Comm::from_rank(stream.clone(), info.rank, info.world, id)
-        .map_err(nccl_failed(format!("communicator of {} ranks", info.world)))?;
+        .map_err(crate::nccl::failed("communicator"))?;
     let nccl_version =
-        cudarc::nccl::result::get_nccl_version().map_err(nccl_failed("version".into()))?;
+        cudarc::nccl::result::get_nccl_version().map_err(crate::nccl::failed("version"))?;
     let mut timed = Vec::new();
     for &collective in &job.collectives {
         for &bytes in &job.sizes {

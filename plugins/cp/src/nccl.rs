@@ -14,12 +14,13 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView};
 use cudarc::nccl::{Comm, Id, ReduceOp};
 
 use crate::comm::{Communicator, Group};
-use crate::device::{DeviceStore, DeviceValues, Kind};
+use crate::device::{check, DeviceStore, DeviceValues, Kind};
 
 /// Tag of the TCP message that carries a group's NCCL id.
 const NCCL_ID: u32 = 0xfffe;
 
-fn failed(what: &str) -> impl Fn(cudarc::nccl::result::NcclError) -> String + '_ {
+/// An NCCL error as a message that says what was being done.
+pub fn failed(what: &str) -> impl Fn(cudarc::nccl::result::NcclError) -> String + '_ {
     move |err| format!("NCCL {what}: {err:?}")
 }
 
@@ -63,10 +64,6 @@ pub struct NcclGroup<'a> {
     store: &'a DeviceStore,
     pending: Mutex<HashMap<(usize, u32), VecDeque<Incoming>>>,
     sent_bytes: AtomicU64,
-}
-
-fn check<T>(what: &str, result: Result<T, cudarc::driver::DriverError>) -> T {
-    result.unwrap_or_else(|err| panic!("{what}: {err}"))
 }
 
 fn nccl<T>(what: &str, result: Result<T, cudarc::nccl::result::NcclError>) -> T {
@@ -150,8 +147,10 @@ impl Communicator for NcclGroup<'_> {
             to != self.rank() && from != self.rank(),
             "an exchange is between two other members"
         );
-        self.after_compute();
+        // Buffers come from the compute stream's pool: made before the group's stream is
+        // ordered after it, so that they exist when NCCL writes them.
         let mut incoming = self.like(&data);
+        self.after_compute();
         let n = bytes(self.store, &data);
         {
             let outgoing = view(self.store, &data);
@@ -205,8 +204,8 @@ impl Communicator for NcclGroup<'_> {
 
     fn all_to_all(&self, _tag: u32, chunks: Vec<DeviceValues>) -> Vec<DeviceValues> {
         let me = self.rank();
-        self.after_compute();
         let mut received: Vec<DeviceValues> = chunks.iter().map(|c| self.like(c)).collect();
+        self.after_compute();
         {
             let outgoing: Vec<CudaView<u8>> = chunks.iter().map(|c| view(self.store, c)).collect();
             let landing: Vec<_> = received
@@ -238,8 +237,8 @@ impl Communicator for NcclGroup<'_> {
     fn all_gather(&self, _tag: u32, data: DeviceValues) -> Vec<DeviceValues> {
         let n = self.size();
         let len = data.len;
-        self.after_compute();
         let mut all = self.store.uninitialised(n * len, data.kind);
+        self.after_compute();
         let total = n * bytes(self.store, &data);
         nccl(
             "all-gather",
@@ -274,8 +273,8 @@ impl Communicator for NcclGroup<'_> {
         );
         let parts: Vec<_> = chunks.iter().map(|c| (c, 0..len)).collect();
         let packed = self.store.gather(&parts);
-        self.after_compute();
         let mut mine = self.store.uninitialised(len, Kind::Accumulator);
+        self.after_compute();
         {
             // SAFETY: both buffers hold f32 values (their kind), as many as the lengths say.
             let send = unsafe { packed.buffer().transmute::<f32>(n * len) }
