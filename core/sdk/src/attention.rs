@@ -484,40 +484,56 @@ fn host_call<'a>(
     lse: *mut f64,
     grads: Option<GradPointers>,
 ) -> AttentionCall<'a> {
-    let null = std::ptr::null_mut::<c_void>();
-    let (d_out, dq, dk, dv) = match grads {
-        Some((d_out, dq, dk, dv)) => (
-            d_out as *const c_void,
-            dq as *mut c_void,
-            dk as *mut c_void,
-            dv as *mut c_void,
-        ),
-        None => (null as *const c_void, null, null, null),
-    };
-    AttentionCall {
-        memory: Memory::Host,
-        input: DType::F64,
-        output: DType::F64,
-        backward: grads.is_some(),
-        heads_q: block.kv_head_of.len() as u32,
-        heads_kv: block.heads_kv as u32,
-        head_dim: block.head_dim as u32,
-        q_len: block.q_len as u64,
-        k_len: block.k_len as u64,
-        scale: block.scale,
-        kv_head_of: RSlice::from_slice(block.kv_head_of),
-        row_start: RSlice::from_slice(&block.rows.row_start),
-        intervals: RSlice::from_slice(&block.rows.intervals),
-        q: q.as_ptr() as *const c_void,
-        k: k.as_ptr() as *const c_void,
-        v: v.as_ptr() as *const c_void,
-        out: out as *mut c_void,
-        lse: lse as *mut c_void,
-        d_out,
-        dq,
-        dk,
-        dv,
-        stream: null,
+    let mut call = block.call(Memory::Host, (DType::F64, DType::F64), grads.is_some());
+    call.q = q.as_ptr() as *const c_void;
+    call.k = k.as_ptr() as *const c_void;
+    call.v = v.as_ptr() as *const c_void;
+    call.out = out as *mut c_void;
+    call.lse = lse as *mut c_void;
+    if let Some((d_out, dq, dk, dv)) = grads {
+        call.d_out = d_out as *const c_void;
+        call.dq = dq as *mut c_void;
+        call.dk = dk as *mut c_void;
+        call.dv = dv as *mut c_void;
+    }
+    call
+}
+
+impl<'a> HostBlock<'a> {
+    /// A call of this block's shape and mask in `memory`, with (input, output) element types;
+    /// its tensor pointers and stream are null, for the caller to set.
+    pub fn call(
+        &self,
+        memory: Memory,
+        (input, output): (DType, DType),
+        backward: bool,
+    ) -> AttentionCall<'a> {
+        let null = std::ptr::null_mut::<c_void>();
+        AttentionCall {
+            memory,
+            input,
+            output,
+            backward,
+            heads_q: self.kv_head_of.len() as u32,
+            heads_kv: self.heads_kv as u32,
+            head_dim: self.head_dim as u32,
+            q_len: self.q_len as u64,
+            k_len: self.k_len as u64,
+            scale: self.scale,
+            kv_head_of: RSlice::from_slice(self.kv_head_of),
+            row_start: RSlice::from_slice(&self.rows.row_start),
+            intervals: RSlice::from_slice(&self.rows.intervals),
+            q: null,
+            k: null,
+            v: null,
+            out: null,
+            lse: null,
+            d_out: null,
+            dq: null,
+            dk: null,
+            dv: null,
+            stream: null,
+        }
     }
 }
 

@@ -10,7 +10,6 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use attnbench_sdk::abi::abi_stable::std_types::RSlice;
 use attnbench_sdk::attention::{AttentionCall, Backend, DType, HostBlock, Memory};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
@@ -182,34 +181,12 @@ impl DeviceStore {
         );
     }
 
-    /// An attention call on device pointers for `block`, this store's stream and element types.
+    /// An attention call for `block` on this store's stream and element types (its device
+    /// pointers are the caller's to set).
     fn call<'a>(&self, block: &'a HostBlock<'a>, backward: bool) -> AttentionCall<'a> {
-        let null = std::ptr::null_mut::<std::ffi::c_void>();
-        AttentionCall {
-            memory: Memory::Cuda,
-            input: self.input,
-            output: DType::F32,
-            backward,
-            heads_q: block.kv_head_of.len() as u32,
-            heads_kv: block.heads_kv as u32,
-            head_dim: block.head_dim as u32,
-            q_len: block.q_len as u64,
-            k_len: block.k_len as u64,
-            scale: block.scale,
-            kv_head_of: RSlice::from_slice(block.kv_head_of),
-            row_start: RSlice::from_slice(&block.rows.row_start),
-            intervals: RSlice::from_slice(&block.rows.intervals),
-            q: null,
-            k: null,
-            v: null,
-            out: null,
-            lse: null,
-            d_out: null,
-            dq: null,
-            dk: null,
-            dv: null,
-            stream: self.stream.cu_stream() as *mut std::ffi::c_void,
-        }
+        let mut call = block.call(Memory::Cuda, (self.input, DType::F32), backward);
+        call.stream = self.stream.cu_stream() as *mut std::ffi::c_void;
+        call
     }
 }
 

@@ -112,17 +112,7 @@ pub fn rank_main(text: &[u8], path: &Path) -> Result<(), String> {
         .map_err(|err| format!("{}: not a GPU job: {err}", path.display()))?;
     let info = RankInfo::from_env()?;
     select_gpu(&info)?;
-    // The device store and the NCCL groups unwind on a broken or exhausted GPU; the rank reports
-    // that like any other error.
-    let result = std::panic::catch_unwind(|| run(&job, &info)).unwrap_or_else(|panic| {
-        let text = panic
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_default();
-        Err(format!("rank {} stopped: {text}", info.rank))
-    })?;
-    crate::processes::write_rank_result(&job.results, info.rank, &result)
+    crate::processes::run_rank_catching(&job.results, info.rank, || run(&job, &info))
 }
 
 fn seconds_between(

@@ -295,16 +295,7 @@ pub fn rank_main(text: &[u8], path: &Path) -> Result<(), String> {
     let job: LinksJob = serde_json::from_slice(text)
         .map_err(|err| format!("{}: not a links job: {err}", path.display()))?;
     let info = RankInfo::from_env()?;
-    // cudarc panics on some failures; a rank reports them like any other error.
-    let result = std::panic::catch_unwind(|| run_rank(&job, &info)).unwrap_or_else(|panic| {
-        let text = panic
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_default();
-        Err(format!("rank {} stopped: {text}", info.rank))
-    })?;
-    crate::processes::write_rank_result(&job.results, info.rank, &result)
+    crate::processes::run_rank_catching(&job.results, info.rank, || run_rank(&job, &info))
 }
 
 /// One collective at one size over all ranks: the slowest rank's time per call.

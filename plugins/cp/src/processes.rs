@@ -139,13 +139,33 @@ pub fn rank_main(path: &Path) -> Result<(), String> {
 }
 
 /// Writes rank `rank`'s result as `rank-<rank>.json` in `dir`, whole or not at all.
-pub fn write_rank_result(dir: &Path, rank: usize, result: &impl Serialize) -> Result<(), String> {
+fn write_rank_result(dir: &Path, rank: usize, result: &impl Serialize) -> Result<(), String> {
     let bytes = serde_json::to_vec(result).map_err(|err| err.to_string())?;
     let target = dir.join(format!("rank-{rank}.json"));
     let partial = target.with_extension("partial");
     std::fs::write(&partial, bytes)
         .and_then(|_| std::fs::rename(&partial, &target))
         .map_err(|err| format!("{}: {err}", target.display()))
+}
+
+/// Runs `work` as rank `rank` and writes what it returns (see [`write_rank_result`]). cudarc
+/// and the GPU store unwind on some failures (a missing library, a broken or exhausted GPU):
+/// the rank reports those like any other error.
+pub fn run_rank_catching<T: Serialize>(
+    dir: &Path,
+    rank: usize,
+    work: impl FnOnce() -> Result<T, String>,
+) -> Result<(), String> {
+    let result =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)).unwrap_or_else(|panic| {
+            let text = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            Err(format!("rank {rank} stopped: {text}"))
+        })?;
+    write_rank_result(dir, rank, &result)
 }
 
 /// Every rank's `rank-<r>.json` from `dir`.
