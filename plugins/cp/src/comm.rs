@@ -146,6 +146,9 @@ pub struct Group {
     members: Vec<usize>,
     me: usize,
     space: u32,
+    /// The lengths of the messages this member's exchanges started, by (member, tag): what a GPU
+    /// communicator allocates for them, so receiving anything else is a method's mistake.
+    started: Mutex<HashMap<Key, VecDeque<usize>>>,
 }
 
 impl Group {
@@ -160,6 +163,7 @@ impl Group {
             members,
             me,
             space,
+            started: Mutex::new(HashMap::new()),
         }
     }
 
@@ -169,10 +173,18 @@ impl Group {
 }
 
 impl Group {
-    /// Hands `data` to member `to` (does not wait).
+    /// Hands `data` to member `to` (does not wait): a protocol's own message, outside the
+    /// methods' exchanges.
     pub fn send(&self, to: usize, tag: u32, data: Vec<f64>) {
         let (from, to) = (self.members[self.me], self.members[to]);
         self.world.post(from, to, self.tag(tag), data);
+    }
+
+    /// The next message from member `from` with `tag`, waiting for it; the counterpart of
+    /// [`Group::send`].
+    pub fn take(&self, from: usize, tag: u32) -> Vec<f64> {
+        let (me, from) = (self.members[self.me], self.members[from]);
+        self.world.take(me, from, self.tag(tag))
     }
 }
 
@@ -190,13 +202,39 @@ impl Communicator for Group {
     }
 
     /// The receive is a later mailbox read, so only the send happens now.
-    fn exchange(&self, to: usize, _from: usize, tag: u32, data: Vec<f64>) {
+    fn exchange(&self, to: usize, from: usize, tag: u32, data: Vec<f64>) {
+        assert!(
+            to != self.me && from != self.me,
+            "an exchange is between two other members"
+        );
+        self.started
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry((from, tag))
+            .or_default()
+            .push_back(data.len());
         self.send(to, tag, data);
     }
 
+    /// Only what an exchange started, of the length it sent: what a GPU communicator can do.
     fn recv(&self, from: usize, tag: u32) -> Vec<f64> {
-        let (me, from) = (self.members[self.me], self.members[from]);
-        self.world.take(me, from, self.tag(tag))
+        let expected = self
+            .started
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(&(from, tag))
+            .and_then(VecDeque::pop_front)
+            .unwrap_or_else(|| {
+                panic!("member {} receives from member {from} (tag {tag:#x}) what no exchange of its own started", self.me)
+            });
+        let message = self.take(from, tag);
+        assert_eq!(
+            message.len(),
+            expected,
+            "member {from} sent {} values where this member's exchange sent {expected} (rings move equal blocks)",
+            message.len()
+        );
+        message
     }
 
     /// An all-gather of nothing.
@@ -206,6 +244,7 @@ impl Communicator for Group {
 
     fn all_to_all(&self, tag: u32, mut chunks: Vec<Vec<f64>>) -> Vec<Vec<f64>> {
         let (me, n) = (self.rank(), self.size());
+        let lengths: Vec<usize> = chunks.iter().map(Vec::len).collect();
         for (to, chunk) in chunks.iter_mut().enumerate() {
             if to != me {
                 self.send(to, tag, std::mem::take(chunk));
@@ -215,10 +254,18 @@ impl Communicator for Group {
         (0..n)
             .map(|from| {
                 if from == me {
-                    own.clone()
-                } else {
-                    self.recv(from, tag)
+                    return own.clone();
                 }
+                let chunk = self.take(from, tag);
+                // A GPU communicator receives into a buffer the size of the chunk sent back.
+                assert_eq!(
+                    chunk.len(),
+                    lengths[from],
+                    "member {from} sent {} values for the {} this member sent it",
+                    chunk.len(),
+                    lengths[from]
+                );
+                chunk
             })
             .collect()
     }
@@ -232,7 +279,7 @@ impl Communicator for Group {
             let outgoing = (me + n - step) % n;
             self.send((me + 1) % n, tag, blocks[outgoing].clone());
             let incoming = (me + n - step - 1) % n;
-            blocks[incoming] = self.recv((me + n - 1) % n, tag);
+            blocks[incoming] = self.take((me + n - 1) % n, tag);
         }
         blocks
     }
@@ -245,7 +292,7 @@ impl Communicator for Group {
         let mut partial = chunks[(me + n - 1) % n].clone();
         for step in 0..n - 1 {
             self.send((me + 1) % n, tag, partial);
-            let received = self.recv((me + n - 1) % n, tag);
+            let received = self.take((me + n - 1) % n, tag);
             let owner = (me + 2 * n - step - 2) % n;
             partial = received
                 .iter()
@@ -274,6 +321,35 @@ mod tests {
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
         (results, world)
+    }
+
+    /// What a GPU communicator cannot do fails here too: taking a message no exchange of one's
+    /// own started, or one of another length than the exchange sent.
+    #[test]
+    fn receives_must_match_an_exchange() {
+        let unstarted = std::panic::catch_unwind(|| {
+            on_threads(2, |group| {
+                group.send(1 - group.rank(), 5, vec![1.0]);
+                group.recv(1 - group.rank(), 5)
+            })
+        });
+        assert!(unstarted.is_err());
+        let (results, _) = on_threads(3, |group| {
+            let (me, n) = (group.rank(), group.size());
+            let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+            group.exchange(next, prev, 6, vec![me as f64; 2]);
+            let equal = group.recv(prev, 6);
+            // Member 0 sends a longer block than the others expect.
+            group.exchange(next, prev, 7, vec![me as f64; if me == 0 { 3 } else { 2 }]);
+            let unequal =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| group.recv(prev, 7)));
+            (equal, unequal.is_err())
+        });
+        for (me, (equal, failed)) in results.iter().enumerate() {
+            assert_eq!(equal, &vec![((me + 2) % 3) as f64; 2]);
+            // Member 1 gets member 0's longer block; member 0 expects one as long as its own.
+            assert_eq!(*failed, me <= 1, "member {me}");
+        }
     }
 
     #[test]

@@ -35,7 +35,7 @@ pub fn group_id(host: &Group) -> Result<Id, String> {
         }
         Ok(id)
     } else {
-        let bytes = host.recv(0, NCCL_ID);
+        let bytes = host.take(0, NCCL_ID);
         let mut internal = [0 as std::ffi::c_char; 128];
         if bytes.len() != internal.len() {
             return Err(format!(
