@@ -250,3 +250,323 @@ fn the_model_takes_nvlink_from_a_links_record() {
         let _ = std::fs::remove_dir_all(&links_node(ranks).output_dir);
     }
 }
+
+/// Values beside what a GPU store holds them in: inputs in 16 bits, results in f32.
+#[derive(Clone, Debug)]
+struct Typed {
+    kind: crate::device::Kind,
+    values: Vec<f64>,
+}
+
+/// The host's arithmetic, refusing what the GPU store refuses: a gather of mixed kinds, adding
+/// or merging inputs, a block's inputs or results of the wrong kind.
+struct KindStore;
+
+mod kinds {
+    use super::Typed;
+    use crate::device::Kind::{self, Accumulator, Input};
+    use crate::local::{HostStore, Partial, Span, Store};
+    use attnbench_sdk::attention::HostBlock;
+    use std::ops::Range;
+
+    const HOST: HostStore<'static> = HostStore { backend: None };
+
+    fn expect(kind: Kind, x: &Typed, what: &str) {
+        assert_eq!(x.kind, kind, "{what} of the wrong kind");
+    }
+
+    fn result(values: Vec<f64>) -> Typed {
+        Typed {
+            kind: Accumulator,
+            values,
+        }
+    }
+
+    impl Store for super::KindStore {
+        type Values = Typed;
+
+        fn len(&self, x: &Typed) -> usize {
+            x.values.len()
+        }
+
+        fn zeros(&self, count: usize) -> Typed {
+            result(HOST.zeros(count))
+        }
+
+        fn negative_infinities(&self, count: usize) -> Typed {
+            result(HOST.negative_infinities(count))
+        }
+
+        fn gather(&self, parts: &[(&Typed, Range<usize>)]) -> Typed {
+            let kind = parts.first().map_or(Accumulator, |(x, _)| x.kind);
+            for (x, _) in parts {
+                expect(kind, x, "a gathered part");
+            }
+            let values: Vec<_> = parts.iter().map(|(x, r)| (&x.values, r.clone())).collect();
+            Typed {
+                kind,
+                values: HOST.gather(&values),
+            }
+        }
+
+        fn add(&self, target: &mut Typed, at: usize, source: &Typed) {
+            expect(Accumulator, target, "an addition's target");
+            expect(Accumulator, source, "an addition's source");
+            HOST.add(&mut target.values, at, &source.values);
+        }
+
+        fn merge(&self, done: &mut Partial<Typed>, other: &Partial<Typed>, d: usize) {
+            for x in [&done.out, &done.lse, &other.out, &other.lse] {
+                expect(Accumulator, x, "a merged result");
+            }
+            let mut inner = Partial {
+                out: std::mem::take(&mut done.out.values),
+                lse: std::mem::take(&mut done.lse.values),
+            };
+            let theirs = Partial {
+                out: other.out.values.clone(),
+                lse: other.lse.values.clone(),
+            };
+            HOST.merge(&mut inner, &theirs, d);
+            (done.out.values, done.lse.values) = (inner.out, inner.lse);
+        }
+
+        fn forward(
+            &self,
+            block: &HostBlock<'_>,
+            spans: &Span,
+            (q, k, v): (&Typed, &Typed, &Typed),
+            out: &mut Typed,
+            lse: &mut Typed,
+        ) -> Result<(), String> {
+            for x in [q, k, v] {
+                expect(Input, x, "a block's Q, K or V");
+            }
+            expect(Accumulator, out, "a block's O");
+            expect(Accumulator, lse, "a block's LSE");
+            let qkv = (&q.values, &k.values, &v.values);
+            HOST.forward(block, spans, qkv, &mut out.values, &mut lse.values)
+        }
+
+        fn backward(
+            &self,
+            block: &HostBlock<'_>,
+            spans: &Span,
+            (q, k, v): (&Typed, &Typed, &Typed),
+            (out, lse, d_out): (&Typed, &Typed, &Typed),
+            dq: &mut Typed,
+        ) -> Result<(Typed, Typed), String> {
+            for x in [q, k, v, d_out] {
+                expect(Input, x, "a block's Q, K, V or dO");
+            }
+            for x in [out, lse, &*dq] {
+                expect(Accumulator, x, "a block's O, LSE or dQ");
+            }
+            let qkv = (&q.values, &k.values, &v.values);
+            let done = (&out.values, &lse.values, &d_out.values);
+            let (dk, dv) = HOST.backward(block, spans, qkv, done, &mut dq.values)?;
+            Ok((result(dk), result(dv)))
+        }
+    }
+}
+
+/// The host communicator carrying each message's kind along (as its first value).
+struct TypedGroup(crate::comm::Group);
+
+impl crate::comm::Communicator for TypedGroup {
+    type Values = Typed;
+
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.0.size()
+    }
+
+    fn exchange(&self, to: usize, from: usize, tag: u32, data: Typed) {
+        self.0.exchange(to, from, tag, encode(data));
+    }
+
+    fn recv(&self, from: usize, tag: u32) -> Typed {
+        decode(self.0.recv(from, tag))
+    }
+
+    fn barrier(&self) {
+        self.0.barrier();
+    }
+
+    fn all_to_all(&self, tag: u32, chunks: Vec<Typed>) -> Vec<Typed> {
+        let chunks = chunks.into_iter().map(encode).collect();
+        self.0
+            .all_to_all(tag, chunks)
+            .into_iter()
+            .map(decode)
+            .collect()
+    }
+
+    fn all_gather(&self, tag: u32, data: Typed) -> Vec<Typed> {
+        self.0
+            .all_gather(tag, encode(data))
+            .into_iter()
+            .map(decode)
+            .collect()
+    }
+
+    fn reduce_scatter(&self, tag: u32, chunks: Vec<Typed>) -> Typed {
+        assert!(
+            chunks
+                .iter()
+                .all(|c| c.kind == crate::device::Kind::Accumulator),
+            "reduce-scatter sums results only"
+        );
+        let sums = self
+            .0
+            .reduce_scatter(tag, chunks.into_iter().map(|c| c.values).collect());
+        Typed {
+            kind: crate::device::Kind::Accumulator,
+            values: sums,
+        }
+    }
+}
+
+fn encode(x: Typed) -> Vec<f64> {
+    let code = if x.kind == crate::device::Kind::Input {
+        1.0
+    } else {
+        0.0
+    };
+    std::iter::once(code).chain(x.values).collect()
+}
+
+fn decode(message: Vec<f64>) -> Typed {
+    let kind = if message[0] == 1.0 {
+        crate::device::Kind::Input
+    } else {
+        crate::device::Kind::Accumulator
+    };
+    Typed {
+        kind,
+        values: message[1..].to_vec(),
+    }
+}
+
+/// Every method, forward and backward, keeps inputs and results apart as the GPU store needs
+/// (it would stop on a mix), and gives exactly the host store's numbers.
+#[test]
+fn the_methods_keep_inputs_and_results_apart_as_a_gpu_store_must() {
+    use crate::comm::{Group, World};
+    use crate::local::{Problem, Tokens};
+    use crate::methods::{Groups, Rank};
+    let set = mask("causal_document");
+    for world in [2, 4] {
+        let shape = shape_for(world);
+        let inputs = Inputs::random(&shape, 9, true);
+        for method in Method::ALL {
+            let setup = setup(method, world, 0, 0, Placement::RingInner, SEQLEN).unwrap();
+            let expected = threads::run(setup, &shape, &set, &inputs, true, None).unwrap();
+            let layout = setup.layout;
+            let comm = World::new(world);
+            let head_masks = HeadMasks::new(&set, &shape);
+            let ranks: Vec<_> = std::thread::scope(|scope| {
+                let handles: Vec<_> = (0..world)
+                    .map(|w| {
+                        let (comm, set, shape, inputs, head_masks) =
+                            (comm.clone(), &set, &shape, &inputs, &head_masks);
+                        scope.spawn(move || {
+                            let (u, r) = layout.coords(w);
+                            let group = |members: Vec<usize>, space| {
+                                TypedGroup(Group::new(comm.clone(), members, w, space))
+                            };
+                            let ulysses = group(
+                                (0..layout.ulysses)
+                                    .map(|i| layout.world_rank(i, r))
+                                    .collect(),
+                                1,
+                            );
+                            let ring = group(
+                                (0..layout.ring).map(|i| layout.world_rank(u, i)).collect(),
+                                2,
+                            );
+                            let groups = Groups {
+                                ulysses: &ulysses,
+                                ring: &ring,
+                            };
+                            let rank = Rank {
+                                setup,
+                                world_rank: w,
+                                problem: Problem {
+                                    masks: &set.masks,
+                                    mask_of_head: &head_masks.index_of_head,
+                                    group: shape.group(),
+                                    head_dim: shape.head_dim,
+                                    scale: 1.0 / (shape.head_dim as f64).sqrt(),
+                                },
+                                heads_q: shape.heads_q,
+                                heads_kv: shape.heads_kv,
+                            };
+                            let positions = layout.positions(w);
+                            let input = |data: &[f32], heads: usize| {
+                                let heads: Vec<usize> = (0..heads).collect();
+                                let values = threads::shard(data, &positions, &heads, shape);
+                                Tokens {
+                                    positions: positions.clone(),
+                                    heads,
+                                    data: Typed {
+                                        kind: crate::device::Kind::Input,
+                                        values: values.into_iter().map(f64::from).collect(),
+                                    },
+                                }
+                            };
+                            let (q, k, v, d_out) = (
+                                input(&inputs.q, shape.heads_q),
+                                input(&inputs.k, shape.heads_kv),
+                                input(&inputs.v, shape.heads_kv),
+                                input(&inputs.d_out, shape.heads_q),
+                            );
+                            let forward = rank.forward(&KindStore, &groups, &q, &k, &v).unwrap();
+                            let grads = rank
+                                .backward(&KindStore, &groups, &forward.saved, &d_out)
+                                .unwrap();
+                            let values = |t: Tokens<Typed>| {
+                                assert_eq!(t.data.kind, crate::device::Kind::Accumulator);
+                                t.like(t.data.values.clone())
+                            };
+                            [
+                                values(forward.out),
+                                values(forward.lse),
+                                values(grads.dq),
+                                values(grads.dk),
+                                values(grads.dv),
+                            ]
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let (s, d) = (shape.seqlen, shape.head_dim);
+            let mut global = [
+                vec![0f32; shape.q_len()],
+                vec![f32::NEG_INFINITY; shape.heads_q * s],
+                vec![0f32; shape.q_len()],
+                vec![0f32; shape.kv_len()],
+                vec![0f32; shape.kv_len()],
+            ];
+            for rank in &ranks {
+                for (i, tokens) in rank.iter().enumerate() {
+                    threads::scatter(&mut global[i], tokens, s, if i == 1 { 1 } else { d });
+                }
+            }
+            let [dq, dk, dv] = expected.grads.as_ref().unwrap();
+            for (name, actual, host) in [
+                ("out", &global[0], &expected.out),
+                ("lse", &global[1], &expected.lse),
+                ("dq", &global[2], dq),
+                ("dk", &global[3], dk),
+                ("dv", &global[4], dv),
+            ] {
+                assert_eq!(actual, host, "{method:?} at {world} ranks: {name}");
+            }
+        }
+    }
+}
