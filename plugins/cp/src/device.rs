@@ -12,7 +12,8 @@ use std::sync::Arc;
 
 use attnbench_sdk::attention::{AttentionCall, Backend, DType, HostBlock, Memory};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
+    PushKernelArg,
 };
 
 use crate::local::{Partial, Span, Store};
@@ -66,6 +67,36 @@ pub struct DeviceStore {
     backend: Backend,
     /// bf16 or fp16.
     input: DType,
+    /// Events around every block's kernels since [`DeviceStore::take_block_seconds`].
+    blocks: Spans,
+}
+
+/// Pairs of timing events around work on one stream, to sum once that work is done.
+#[derive(Default)]
+pub struct Spans(std::sync::Mutex<Vec<(CudaEvent, CudaEvent)>>);
+
+impl Spans {
+    /// A timing event on `stream` now.
+    pub fn mark(stream: &CudaStream) -> CudaEvent {
+        use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+        check("timing event", stream.record_event(Some(CU_EVENT_DEFAULT)))
+    }
+
+    pub fn push(&self, start: CudaEvent, end: CudaEvent) {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((start, end));
+    }
+
+    /// Seconds between the events of every pair so far (waiting for them), and forgets them.
+    pub fn take_seconds(&self) -> f64 {
+        let pairs = std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()));
+        pairs
+            .iter()
+            .map(|(start, end)| check("timing", start.elapsed_ms(end)) as f64 * 1e-3)
+            .sum()
+    }
 }
 
 /// The value of a driver call, or an unwinding with what failed (see the module's documentation).
@@ -118,7 +149,21 @@ impl DeviceStore {
             },
             backend,
             input,
+            blocks: Spans::default(),
         })
+    }
+
+    /// Seconds the blocks' kernels took since the last call (for how much of a pass was compute).
+    pub fn take_block_seconds(&self) -> f64 {
+        self.blocks.take_seconds()
+    }
+
+    /// `call` on the backend, timed.
+    fn run_block(&self, call: &AttentionCall<'_>) -> Result<(), String> {
+        let start = Spans::mark(&self.stream);
+        self.backend.call(call)?;
+        self.blocks.push(start, Spans::mark(&self.stream));
+        Ok(())
     }
 
     pub fn element_bytes(&self, kind: Kind) -> usize {
@@ -317,7 +362,7 @@ impl Store for DeviceStore {
         call.v = v.address(s, spans.keys.start, 2) as *const _;
         call.out = self.own(out).address(s, spans.rows.start, 4) as *mut _;
         call.lse = self.own(lse).address(s, spans.lse.start, 4) as *mut _;
-        self.backend.call(&call)
+        self.run_block(&call)
     }
 
     fn backward(
@@ -343,7 +388,7 @@ impl Store for DeviceStore {
         call.dq = self.own(dq).address(s, spans.rows.start, 4) as *mut _;
         call.dk = dk.address(s, 0, 4) as *mut _;
         call.dv = dv.address(s, 0, 4) as *mut _;
-        self.backend.call(&call)?;
+        self.run_block(&call)?;
         Ok((dk, dv))
     }
 }

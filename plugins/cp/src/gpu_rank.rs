@@ -59,6 +59,9 @@ pub struct GpuRankResult {
     pub device: String,
     pub forward_s: Vec<f64>,
     pub backward_s: Vec<f64>,
+    /// Per repetition: seconds in the blocks' kernels, and seconds the NCCL streams were busy.
+    pub forward_parts_s: Vec<(f64, f64)>,
+    pub backward_parts_s: Vec<(f64, f64)>,
     /// Bytes sent in one forward and one backward pass.
     pub sent: (u64, u64),
     pub out: Tokens<String>,
@@ -217,6 +220,14 @@ fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, String> {
             .map_err(|err| format!("timing event: {err}"))
     };
     let (mut forward_s, mut backward_s) = (Vec::new(), Vec::new());
+    let (mut forward_parts_s, mut backward_parts_s) = (Vec::new(), Vec::new());
+    // Where a pass's time went, read once its work is done: kernels, and busy NCCL streams.
+    let parts = || {
+        (
+            store.take_block_seconds(),
+            ulysses.take_busy_seconds() + ring.take_busy_seconds(),
+        )
+    };
     let mut sent_per_pass = (0, 0);
     let mut last = None;
     for rep in 0..=job.reps {
@@ -225,6 +236,8 @@ fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, String> {
         let start = event()?;
         let forward = rank.forward(&store, &groups, &q, &k, &v)?;
         let end = event()?;
+        let forward_time = seconds_between(&start, &end)?;
+        let forward_parts = parts();
         let forward_sent = sent() - before;
         let mut grads = None;
         let mut backward_time = None;
@@ -233,14 +246,17 @@ fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, String> {
             let start = event()?;
             grads = Some(rank.backward(&store, &groups, &forward.saved, d_out)?);
             let end = event()?;
-            backward_time = Some(seconds_between(&start, &end)?);
+            backward_time = Some((seconds_between(&start, &end)?, parts()));
         }
-        let forward_time = seconds_between(&start, &end)?;
         if rep == 0 {
             sent_per_pass = (forward_sent, sent() - before - forward_sent);
         } else {
             forward_s.push(forward_time);
-            backward_s.extend(backward_time);
+            forward_parts_s.push(forward_parts);
+            if let Some((time, parts)) = backward_time {
+                backward_s.push(time);
+                backward_parts_s.push(parts);
+            }
         }
         last = Some((forward, grads));
     }
@@ -256,6 +272,8 @@ fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, String> {
         device,
         forward_s,
         backward_s,
+        forward_parts_s,
+        backward_parts_s,
         sent: sent_per_pass,
         out: write("out", &forward.out)?,
         lse: write("lse", &forward.lse)?,

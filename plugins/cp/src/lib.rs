@@ -373,6 +373,20 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
     measurement.write(&request.output_dir)
 }
 
+/// A GPU rank's medians over repetitions: the pass, its blocks' kernels, its busy NCCL streams,
+/// and what of the pass was not kernels (exposed communication and the store's own work).
+fn time_parts(total: &[f64], parts: &[(f64, f64)]) -> Value {
+    let median = |values: Vec<f64>| Quantiles::of(&values).map(|q| q.p50);
+    let (compute, busy): (Vec<f64>, Vec<f64>) = parts.iter().copied().unzip();
+    let exposed = total.iter().zip(&compute).map(|(t, c)| t - c).collect();
+    json!({
+        "total_s": median(total.to_vec()),
+        "kernels_s": median(compute),
+        "communication_busy_s": median(busy),
+        "not_kernels_s": median(exposed),
+    })
+}
+
 /// A `cp/threads` node with `backend: nccl`: one rank process per GPU.
 struct GpuRun<'a> {
     p: &'a Params,
@@ -517,6 +531,11 @@ impl GpuRun<'_> {
                 "bytes_sent_forward": results.iter().map(|r| r.sent.0).collect::<Vec<_>>(), "formula_forward": formula_fwd,
                 "bytes_sent_backward": results.iter().map(|r| r.sent.1).collect::<Vec<_>>(), "formula_backward": formula_bwd,
                 "bytes_note": "on GPUs K and V travel in the inputs' 16-bit type, dK and dV accumulators in f32",
+                "ranks": results.iter().map(|r| json!({
+                    "device": r.device,
+                    "forward": time_parts(&r.forward_s, &r.forward_parts_s),
+                    "backward": time_parts(&r.backward_s, &r.backward_parts_s),
+                })).collect::<Vec<_>>(),
             }),
         );
         measurement.write(&request.output_dir)

@@ -14,7 +14,7 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView};
 use cudarc::nccl::{Comm, Id, ReduceOp};
 
 use crate::comm::{Communicator, Group};
-use crate::device::{check, DeviceStore, DeviceValues, Kind};
+use crate::device::{check, DeviceStore, DeviceValues, Kind, Spans};
 
 /// Tag of the TCP message that carries a group's NCCL id.
 const NCCL_ID: u32 = 0xfffe;
@@ -64,6 +64,8 @@ pub struct NcclGroup<'a> {
     store: &'a DeviceStore,
     pending: Mutex<HashMap<(usize, u32), VecDeque<Incoming>>>,
     sent_bytes: AtomicU64,
+    /// Events around every operation on the group's stream since [`NcclGroup::take_busy_seconds`].
+    busy: Spans,
 }
 
 fn nccl<T>(what: &str, result: Result<T, cudarc::nccl::result::NcclError>) -> T {
@@ -87,7 +89,14 @@ impl<'a> NcclGroup<'a> {
             store,
             pending: Mutex::new(HashMap::new()),
             sent_bytes: AtomicU64::new(0),
+            busy: Spans::default(),
         })
+    }
+
+    /// Seconds the group's stream spent in NCCL operations since the last call, waits for peers
+    /// included: the communication a profiler shows, some of it hidden behind compute.
+    pub fn take_busy_seconds(&self) -> f64 {
+        self.busy.take_seconds()
     }
 
     /// Bytes this rank has sent in this group so far.
@@ -95,15 +104,20 @@ impl<'a> NcclGroup<'a> {
         self.sent_bytes.load(Ordering::Relaxed)
     }
 
-    /// The group's stream waits for what the compute stream has queued so far.
-    fn after_compute(&self) {
+    /// The group's stream waits for what the compute stream has queued so far; returns when
+    /// the operation that follows starts (a timing event).
+    fn after_compute(&self) -> CudaEvent {
         let ready = check("event", self.store.stream.record_event(None));
         check("stream wait", self.stream.wait(&ready));
+        Spans::mark(&self.stream)
     }
 
-    /// An event when the group's stream has done what is queued on it so far.
-    fn landed(&self) -> CudaEvent {
-        check("event", self.stream.record_event(None))
+    /// An event when the group's stream has done what is queued on it so far, the operation
+    /// since `started` counted as busy time.
+    fn landed(&self, started: CudaEvent) -> CudaEvent {
+        let landed = Spans::mark(&self.stream);
+        self.busy.push(started, Spans::mark(&self.stream));
+        landed
     }
 
     fn count(&self, x: &DeviceValues) {
@@ -150,7 +164,7 @@ impl Communicator for NcclGroup<'_> {
         // Buffers come from the compute stream's pool: made before the group's stream is
         // ordered after it, so that they exist when NCCL writes them.
         let mut incoming = self.like(&data);
-        self.after_compute();
+        let started = self.after_compute();
         let n = bytes(self.store, &data);
         {
             let outgoing = view(self.store, &data);
@@ -160,7 +174,7 @@ impl Communicator for NcclGroup<'_> {
             nccl("receive", group.recv(landing, from as i32));
         }
         self.count(&data);
-        let landed = self.landed();
+        let landed = self.landed(started);
         self.pending
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -190,7 +204,8 @@ impl Communicator for NcclGroup<'_> {
     fn barrier(&self) {
         let one = self.store.uninitialised(1, Kind::Accumulator);
         let mut sum = self.store.uninitialised(1, Kind::Accumulator);
-        self.after_compute();
+        // A barrier's wait is not communication: its span is dropped.
+        drop(self.after_compute());
         nccl(
             "barrier",
             self.comm.all_reduce(
@@ -205,7 +220,7 @@ impl Communicator for NcclGroup<'_> {
     fn all_to_all(&self, _tag: u32, chunks: Vec<DeviceValues>) -> Vec<DeviceValues> {
         let me = self.rank();
         let mut received: Vec<DeviceValues> = chunks.iter().map(|c| self.like(c)).collect();
-        self.after_compute();
+        let started = self.after_compute();
         {
             let outgoing: Vec<CudaView<u8>> = chunks.iter().map(|c| view(self.store, c)).collect();
             let landing: Vec<_> = received
@@ -229,7 +244,7 @@ impl Communicator for NcclGroup<'_> {
                 self.count(chunk);
             }
         }
-        check("stream wait", self.store.stream.wait(&self.landed()));
+        check("stream wait", self.store.stream.wait(&self.landed(started)));
         received[me] = chunks[me].clone();
         received
     }
@@ -238,7 +253,7 @@ impl Communicator for NcclGroup<'_> {
         let n = self.size();
         let len = data.len;
         let mut all = self.store.uninitialised(n * len, data.kind);
-        self.after_compute();
+        let started = self.after_compute();
         let total = n * bytes(self.store, &data);
         nccl(
             "all-gather",
@@ -251,7 +266,7 @@ impl Communicator for NcclGroup<'_> {
             ((n - 1) * bytes(self.store, &data)) as u64,
             Ordering::Relaxed,
         );
-        check("stream wait", self.store.stream.wait(&self.landed()));
+        check("stream wait", self.store.stream.wait(&self.landed(started)));
         use crate::local::Store;
         (0..n)
             .map(|member| {
@@ -274,7 +289,7 @@ impl Communicator for NcclGroup<'_> {
         let parts: Vec<_> = chunks.iter().map(|c| (c, 0..len)).collect();
         let packed = self.store.gather(&parts);
         let mut mine = self.store.uninitialised(len, Kind::Accumulator);
-        self.after_compute();
+        let started = self.after_compute();
         {
             // SAFETY: both buffers hold f32 values (their kind), as many as the lengths say.
             let send = unsafe { packed.buffer().transmute::<f32>(n * len) }
@@ -289,7 +304,7 @@ impl Communicator for NcclGroup<'_> {
         }
         self.sent_bytes
             .fetch_add(((n - 1) * len * 4) as u64, Ordering::Relaxed);
-        check("stream wait", self.store.stream.wait(&self.landed()));
+        check("stream wait", self.store.stream.wait(&self.landed(started)));
         mine
     }
 }
