@@ -401,4 +401,20 @@ fn compare_finds_the_slower_cell_and_the_broken_one() {
     let verdicts: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     assert_eq!(verdicts.as_array().unwrap().len(), 4);
+
+    // One kernel against another in the same records: tiled against naive, cell by cell.
+    let kernels = sandbox.run(&["compare", &base, &base, "--kernels", "cpu-naive:cpu-tiled"]);
+    let text = stdout(&kernels);
+    assert!(kernels.status.success(), "{text}{}", stderr(&kernels));
+    assert!(
+        text.contains("cpu-naive→cpu-tiled causal 256 fwd"),
+        "{text}"
+    );
+    assert!(text.contains("2 cells compared"), "{text}");
+    let unknown = sandbox.run(&["compare", &base, &base, "--kernels", "cpu-naive:nothing"]);
+    assert!(
+        stderr(&unknown).contains("no measurements of kernel `nothing`"),
+        "{}",
+        stderr(&unknown)
+    );
 }

@@ -36,6 +36,11 @@ pub struct CompareArgs {
     /// Also write every compared cell as JSON to this file.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
+    /// Compare one kernel with another (`BASE_KERNEL:NEW_KERNEL`, e.g. `flex:cuda-flash`):
+    /// BASE's cells of the first against NEW's of the second on the same mask, shape and
+    /// direction. BASE and NEW may be the same folder.
+    #[arg(long, value_name = "A:B")]
+    kernels: Option<String>,
 }
 
 /// Resamples drawn for each interval; seeded, so a comparison always reads the same.
@@ -118,16 +123,16 @@ fn read(dir: &std::path::Path) -> Result<Option<Measurement>> {
     Ok(Some(record))
 }
 
-/// How a person names a cell: kernel, mask, length, direction, shape.
-fn label(m: &Measurement) -> String {
+/// How a person names a cell: kernel (or the two compared), mask, length, direction, shape.
+fn label(m: &Measurement, kernels: Option<&(String, String)>) -> String {
+    let kernel = kernels.map_or_else(|| m.kernel.clone(), |(a, b)| format!("{a}→{b}"));
     let cp = m
         .environment
         .get("context_parallel")
         .map(|v| format!(" {v}"))
         .unwrap_or_default();
     format!(
-        "{} {} {} {} {}:{} d{} {}{cp}",
-        m.kernel,
+        "{kernel} {} {} {} {}:{} d{} {}{cp}",
         m.mask.pattern,
         m.mask.seqlen,
         m.direction,
@@ -189,16 +194,52 @@ pub fn run(args: CompareArgs) -> Result<ExitCode> {
             args.threshold
         );
     }
-    let load = |path: &PathBuf| -> Result<BTreeMap<String, Measurement>> {
+    let kernels = match &args.kernels {
+        None => None,
+        Some(pair) => match pair.split_once(':') {
+            Some((a, b)) if !a.is_empty() && !b.is_empty() => Some((a.to_string(), b.to_string())),
+            _ => bail!("--kernels {pair}: give BASE_KERNEL:NEW_KERNEL, e.g. flex:cuda-flash"),
+        },
+    };
+    // With --kernels, one side's cells of one kernel meet the other's of the other: the kernel
+    // leaves the cell's identity.
+    let load = |path: &PathBuf, kernel: Option<&str>| -> Result<BTreeMap<String, Measurement>> {
         let mut cells = BTreeMap::new();
         for (cell, input) in crate::report_cmd::newest_by_cell(std::slice::from_ref(path))? {
-            if let Some(record) = read(&input.dir)? {
-                cells.insert(cell, record);
+            let Some(record) = read(&input.dir)? else {
+                continue;
+            };
+            match kernel {
+                None => {
+                    cells.insert(cell, record);
+                }
+                Some(kernel) if record.kernel == kernel => {
+                    let key = json!([
+                        record.mask.params,
+                        record.mask.pattern,
+                        record.mask.seqlen,
+                        record.shape,
+                        record.direction,
+                        record.environment.get("context_parallel"),
+                    ]);
+                    cells.insert(key.to_string(), record);
+                }
+                Some(_) => {}
             }
         }
         Ok(cells)
     };
-    let (base, new) = (load(&args.base)?, load(&args.new)?);
+    let (base, new) = (
+        load(&args.base, kernels.as_ref().map(|k| k.0.as_str()))?,
+        load(&args.new, kernels.as_ref().map(|k| k.1.as_str()))?,
+    );
+    if let Some((a, b)) = &kernels {
+        for (kernel, side, cells) in [(a, &args.base, &base), (b, &args.new, &new)] {
+            if cells.is_empty() {
+                bail!("{}: no measurements of kernel `{kernel}`", side.display());
+            }
+        }
+    }
 
     let mut compared = Vec::new();
     let mut changed = Vec::new();
@@ -211,7 +252,7 @@ pub fn run(args: CompareArgs) -> Result<ExitCode> {
                 _ => status_name(m),
             };
             let worse = (b_ok && !n_ok) || (passed(b) == Some(true) && passed(n) == Some(false));
-            changed.push((label(b), describe(b), describe(n), worse));
+            changed.push((label(b, kernels.as_ref()), describe(b), describe(n), worse));
             continue;
         }
         let samples = |m: &Measurement| m.timing.as_ref().map(|t| t.samples.clone());
@@ -224,7 +265,15 @@ pub fn run(args: CompareArgs) -> Result<ExitCode> {
         let (ratio, low, high) = ratio_interval(&bs, &ns, index as u64);
         let judged = verdict(low, high, args.threshold, (bs.len(), ns.len()));
         let tflops = |m: &Measurement| m.tflops.as_ref().map(|t| t.p50);
-        compared.push((label(b), tflops(b), tflops(n), ratio, low, high, judged));
+        compared.push((
+            label(b, kernels.as_ref()),
+            tflops(b),
+            tflops(n),
+            ratio,
+            low,
+            high,
+            judged,
+        ));
     }
     compared.sort_by(|a, b| a.3.total_cmp(&b.3));
 
