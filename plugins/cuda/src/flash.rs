@@ -10,8 +10,9 @@
 //! order of the sums varies run to run).
 //! The CUDA C is `kernels/flash.cu`.
 
+use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use attnbench_sdk::attention::{require_tensors, AttentionCall, DType, Memory, RowIntervals};
 use attnbench_sdk::mask::BlockMask;
@@ -32,12 +33,35 @@ const FORWARD_TILE: u64 = 128;
 
 pub struct Kernels {
     module: Arc<CudaModule>,
+    /// The work lists of blocks that in-process calls brought, by a digest of their shape and
+    /// rows: a context-parallel run brings the same blocks every repetition, and building their
+    /// lists takes more host time than some of their kernels take.
+    blocks: Mutex<HashMap<[u8; 32], Arc<DeviceTables>>>,
 }
+
+/// Blocks whose work lists [`Kernels`] keeps (all of them are dropped past this many).
+const KEPT_BLOCKS: usize = 512;
 
 pub fn compile(gpu: &Gpu) -> Result<Kernels, PluginError> {
     Ok(Kernels {
         module: gpu.compile("the flash kernel", SOURCE)?,
+        blocks: Mutex::new(HashMap::new()),
     })
+}
+
+/// What identifies a call's work lists: its lengths, heads and rows.
+fn block_digest(call: &AttentionCall<'_>) -> [u8; 32] {
+    let mut digest = blake3::Hasher::new();
+    for number in [call.q_len, call.k_len, call.heads_q as u64] {
+        digest.update(&number.to_le_bytes());
+    }
+    for list in [&call.row_start, &call.intervals] {
+        digest.update(&(list.len() as u64).to_le_bytes());
+        for value in list.iter() {
+            digest.update(&value.to_le_bytes());
+        }
+    }
+    digest.finalize().into()
 }
 
 /// Why the flash kernel cannot run this problem, if it cannot.
@@ -687,15 +711,35 @@ pub fn accepts(call: &AttentionCall<'_>) -> Result<(Element, Dims), String> {
 /// context-parallel methods make) and the usual KV-head grouping; refuses the rest with why.
 pub fn attend(gpu: &Gpu, kernels: &Kernels, call: &AttentionCall<'_>) -> Result<(), String> {
     let (element, dims) = accepts(call)?;
-    let rows = RowIntervals::of_call(call)?;
     let (hq, len) = (dims.heads_q, dims.len);
     let as_message = |err: PluginError| err.to_string();
-    let tables = DeviceTables::upload(
-        gpu,
-        &tables(&[MaskTiles::of_rows(rows, call.k_len)]),
-        &vec![0; hq],
-    )
-    .map_err(as_message)?;
+    let digest = block_digest(call);
+    let kept = kernels
+        .blocks
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&digest)
+        .cloned();
+    let tables = match kept {
+        Some(tables) => tables,
+        None => {
+            let rows = RowIntervals::of_call(call)?;
+            let made = Arc::new(
+                DeviceTables::upload(
+                    gpu,
+                    &tables(&[MaskTiles::of_rows(rows, call.k_len)]),
+                    &vec![0; hq],
+                )
+                .map_err(as_message)?,
+            );
+            let mut blocks = kernels.blocks.lock().unwrap_or_else(|e| e.into_inner());
+            if blocks.len() >= KEPT_BLOCKS {
+                blocks.clear();
+            }
+            blocks.insert(digest, made.clone());
+            made
+        }
+    };
     let functions = kernels
         .functions(element, dims.head_dim)
         .map_err(as_message)?;
