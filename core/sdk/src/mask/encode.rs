@@ -316,11 +316,17 @@ impl Mask {
 
     /// Whether every cell of the tile rows `[r0, r1)` × keys `[k0, k1)` is allowed by the union.
     fn tile_is_full(&self, active: &[&Slice], r0: u64, r1: u64, k0: u64, k1: u64) -> bool {
+        // Only slices over the tile's keys matter (a band of a block-sparse mask has hundreds).
+        let touching: Vec<&Slice> = active
+            .iter()
+            .copied()
+            .filter(|s| s.k[0] < k1 && k0 < s.k[1])
+            .collect();
         let mut intervals = Vec::new();
         (r0..r1).all(|q| {
             intervals.clear();
             intervals.extend(
-                active
+                touching
                     .iter()
                     .filter(|s| s.q[0] <= q && q < s.q[1])
                     .filter_map(|s| s.keys_of_row(q)),

@@ -169,9 +169,16 @@ fn head_rows(
     let mask = &masks.set.masks[masks.index_of_head[h]];
     for &q in rows {
         let query = &inputs.q[(h * s + q) * d..(h * s + q + 1) * d];
-        let mut keys: Vec<usize> = (0..s)
-            .filter(|&k| mask.allows(q as u64, k as u64))
+        // The row's keys straight from the slices that hold it (not through the kernels' row
+        // tables): a key allowed by several slices counts once.
+        let mut keys: Vec<usize> = mask
+            .slices
+            .iter()
+            .filter(|slice| slice.q[0] <= q as u64 && (q as u64) < slice.q[1])
+            .filter_map(|slice| slice.keys_of_row(q as u64))
+            .flat_map(|(a, b)| a as usize..b as usize)
             .collect();
+        keys.sort_unstable();
         keys.dedup();
         let scores: Vec<f64> = keys
             .iter()
