@@ -73,6 +73,17 @@ fn block_sparse_host_work() {
         "block_sparse_uniform 32K/64: tiles at 128×64 and 64×64",
         time.as_secs_f64() * 1e3
     );
+    let half: Vec<u32> = (0..16u32 << 10).collect();
+    let (time, bounds) = best(3, || {
+        attnbench_sdk::attention::RowIntervals::restrict(&set.masks[0], &half, &half)
+            .intervals
+            .len()
+    });
+    println!(
+        "{:<52} {:>10.2}  < 1000 ms ({bounds} interval bounds)",
+        "block_sparse_uniform 32K/64: a 16K × 16K block's rows",
+        time.as_secs_f64() * 1e3
+    );
     let inputs = Inputs::random_as(&shape, 1, Element::Bf16);
     let rows = sample_rows(shape.seqlen, 16);
     let (time, _) = best(3, || reference_rows(&shape, &masks, &inputs, &rows, true));

@@ -40,21 +40,25 @@ impl RowIntervals {
                 _ => runs.push((p as u64, 1, local as u64)),
             }
         }
-        let mut result = RowIntervals {
-            row_start: Vec::with_capacity(q_positions.len() + 1),
-            intervals: Vec::new(),
-        };
-        result.row_start.push(0);
+        // Rows in increasing position against slices by first row, so that each row meets only
+        // the slices that hold it (a block-sparse mask has hundreds of thousands).
+        let mut slices: Vec<&crate::mask::Slice> = mask.slices.iter().collect();
+        slices.sort_by_key(|s| s.q[0]);
+        let mut order: Vec<usize> = (0..q_positions.len()).collect();
+        order.sort_by_key(|&i| q_positions[i]);
+        let mut rows: Vec<Vec<u32>> = vec![Vec::new(); q_positions.len()];
+        let (mut next, mut active) = (0, Vec::new());
         let mut global = Vec::new();
         let mut local = Vec::new();
-        for &q in q_positions {
+        for &row in &order {
+            let q = q_positions[row] as u64;
+            while next < slices.len() && slices[next].q[0] <= q {
+                active.push(slices[next]);
+                next += 1;
+            }
+            active.retain(|s| q < s.q[1]);
             global.clear();
-            global.extend(
-                mask.slices
-                    .iter()
-                    .filter(|s| s.q[0] <= q as u64 && (q as u64) < s.q[1])
-                    .filter_map(|s| s.keys_of_row(q as u64)),
-            );
+            global.extend(active.iter().filter_map(|s| s.keys_of_row(q)));
             local.clear();
             for &(a, b) in &global {
                 for &(first, length, offset) in &runs {
@@ -65,20 +69,29 @@ impl RowIntervals {
                 }
             }
             local.sort_unstable();
+            let intervals = &mut rows[row];
             let mut merged: Option<(u64, u64)> = None;
             for &(a, b) in &local {
                 merged = match merged {
                     Some((start, end)) if a <= end => Some((start, end.max(b))),
                     Some((start, end)) => {
-                        result.intervals.extend([start as u32, end as u32]);
+                        intervals.extend([start as u32, end as u32]);
                         Some((a, b))
                     }
                     None => Some((a, b)),
                 };
             }
             if let Some((start, end)) = merged {
-                result.intervals.extend([start as u32, end as u32]);
+                intervals.extend([start as u32, end as u32]);
             }
+        }
+        let mut result = RowIntervals {
+            row_start: Vec::with_capacity(q_positions.len() + 1),
+            intervals: Vec::with_capacity(rows.iter().map(Vec::len).sum()),
+        };
+        result.row_start.push(0);
+        for intervals in rows {
+            result.intervals.extend(intervals);
             result.row_start.push((result.intervals.len() / 2) as u32);
         }
         result
