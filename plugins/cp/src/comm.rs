@@ -172,6 +172,26 @@ impl Group {
     }
 }
 
+/// World rank `w`'s groups under `layout`: everyone, its Ulysses group and its ring (tag spaces
+/// 0, 1 and 2).
+pub fn rank_groups(world: &Arc<World>, layout: &crate::layout::Layout, w: usize) -> [Group; 3] {
+    let (u, r) = layout.coords(w);
+    let group = |members: Vec<usize>, space| Group::new(world.clone(), members, w, space);
+    [
+        group((0..layout.world()).collect(), 0),
+        group(
+            (0..layout.ulysses)
+                .map(|i| layout.world_rank(i, r))
+                .collect(),
+            1,
+        ),
+        group(
+            (0..layout.ring).map(|i| layout.world_rank(u, i)).collect(),
+            2,
+        ),
+    ]
+}
+
 impl Group {
     /// Hands `data` to member `to` (does not wait): a protocol's own message, outside the
     /// methods' exchanges.

@@ -13,10 +13,10 @@ use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
 use cudarc::driver::CudaContext;
 use serde::{Deserialize, Serialize};
 
-use crate::comm::{Communicator, Group};
+use crate::comm::{rank_groups, Communicator};
 use crate::device::{DeviceStore, DeviceValues, Kind};
 use crate::launch::RankInfo;
-use crate::local::{Problem, Tokens};
+use crate::local::Tokens;
 use crate::methods::{Groups, Rank, Setup};
 use crate::nccl::NcclGroup;
 
@@ -151,14 +151,7 @@ fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, String> {
 
     // The TCP mesh carries the NCCL ids; the host groups name each NCCL group's members.
     let world = crate::tcp::join(info)?;
-    let (u, r) = layout.coords(w);
-    let everyone = Group::new(world.clone(), (0..n).collect(), w, 0);
-    let ulysses_members: Vec<usize> = (0..layout.ulysses)
-        .map(|i| layout.world_rank(i, r))
-        .collect();
-    let ring_members: Vec<usize> = (0..layout.ring).map(|i| layout.world_rank(u, i)).collect();
-    let ulysses_host = Group::new(world.clone(), ulysses_members, w, 1);
-    let ring_host = Group::new(world.clone(), ring_members, w, 2);
+    let [everyone, ulysses_host, ring_host] = rank_groups(&world, &layout, w);
 
     let ctx = CudaContext::new(0).map_err(|err| format!("cannot open the rank's GPU: {err}"))?;
     // Every stream order here is explicit (events between the compute and NCCL streams).
@@ -181,19 +174,7 @@ fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, String> {
 
     let inputs = Inputs::random_as(&shape, job.seed, element);
     let head_masks = HeadMasks::new(&job.mask, &shape);
-    let rank = Rank {
-        setup,
-        world_rank: w,
-        problem: Problem {
-            masks: &job.mask.masks,
-            mask_of_head: &head_masks.index_of_head,
-            group: shape.group(),
-            head_dim: shape.head_dim,
-            scale: 1.0 / (shape.head_dim as f64).sqrt(),
-        },
-        heads_q: shape.heads_q,
-        heads_kv: shape.heads_kv,
-    };
+    let rank = Rank::new(setup, w, &job.mask, &head_masks, &shape);
     let positions = layout.positions(w);
     let (q_heads, kv_heads): (Vec<usize>, Vec<usize>) =
         ((0..shape.heads_q).collect(), (0..shape.heads_kv).collect());

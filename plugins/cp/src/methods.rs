@@ -630,7 +630,30 @@ pub struct Rank<'a> {
     pub heads_kv: usize,
 }
 
-impl Rank<'_> {
+impl<'a> Rank<'a> {
+    /// World rank `w` of `setup` on the masks of `set` (`head_masks` says which head has which).
+    pub fn new(
+        setup: Setup,
+        w: usize,
+        set: &'a attnbench_sdk::mask::MaskSet,
+        head_masks: &'a attnbench_sdk::reference::HeadMasks,
+        shape: &attnbench_sdk::reference::Shape,
+    ) -> Rank<'a> {
+        Rank {
+            setup,
+            world_rank: w,
+            problem: Problem {
+                masks: &set.masks,
+                mask_of_head: &head_masks.index_of_head,
+                group: shape.group(),
+                head_dim: shape.head_dim,
+                scale: 1.0 / (shape.head_dim as f64).sqrt(),
+            },
+            heads_q: shape.heads_q,
+            heads_kv: shape.heads_kv,
+        }
+    }
+
     fn coords(&self) -> (usize, usize) {
         self.setup.layout.coords(self.world_rank)
     }

@@ -455,8 +455,8 @@ fn decode(message: Vec<f64>) -> Typed {
 /// (it would stop on a mix), and gives exactly the host store's numbers.
 #[test]
 fn the_methods_keep_inputs_and_results_apart_as_a_gpu_store_must() {
-    use crate::comm::{Group, World};
-    use crate::local::{Problem, Tokens};
+    use crate::comm::{rank_groups, World};
+    use crate::local::Tokens;
     use crate::methods::{Groups, Rank};
     let set = mask("causal_document");
     for world in [2, 4] {
@@ -474,37 +474,13 @@ fn the_methods_keep_inputs_and_results_apart_as_a_gpu_store_must() {
                         let (comm, set, shape, inputs, head_masks) =
                             (comm.clone(), &set, &shape, &inputs, &head_masks);
                         scope.spawn(move || {
-                            let (u, r) = layout.coords(w);
-                            let group = |members: Vec<usize>, space| {
-                                TypedGroup(Group::new(comm.clone(), members, w, space))
-                            };
-                            let ulysses = group(
-                                (0..layout.ulysses)
-                                    .map(|i| layout.world_rank(i, r))
-                                    .collect(),
-                                1,
-                            );
-                            let ring = group(
-                                (0..layout.ring).map(|i| layout.world_rank(u, i)).collect(),
-                                2,
-                            );
+                            let [_, ulysses, ring] = rank_groups(&comm, &layout, w);
+                            let (ulysses, ring) = (TypedGroup(ulysses), TypedGroup(ring));
                             let groups = Groups {
                                 ulysses: &ulysses,
                                 ring: &ring,
                             };
-                            let rank = Rank {
-                                setup,
-                                world_rank: w,
-                                problem: Problem {
-                                    masks: &set.masks,
-                                    mask_of_head: &head_masks.index_of_head,
-                                    group: shape.group(),
-                                    head_dim: shape.head_dim,
-                                    scale: 1.0 / (shape.head_dim as f64).sqrt(),
-                                },
-                                heads_q: shape.heads_q,
-                                heads_kv: shape.heads_kv,
-                            };
+                            let rank = Rank::new(setup, w, set, head_masks, shape);
                             let positions = layout.positions(w);
                             let input = |data: &[f32], heads: usize| {
                                 let heads: Vec<usize> = (0..heads).collect();

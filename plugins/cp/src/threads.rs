@@ -10,8 +10,8 @@ use attnbench_sdk::mask::MaskSet;
 use attnbench_sdk::reference::{HeadMasks, Inputs, Shape};
 use serde::{Deserialize, Serialize};
 
-use crate::comm::{Communicator, Group, World};
-use crate::local::{HostStore, Problem, Tokens};
+use crate::comm::{rank_groups, Communicator, World};
+use crate::local::{HostStore, Tokens};
 
 /// A rank's tokens on the host.
 type HostTokens = Tokens<Vec<f64>>;
@@ -107,41 +107,13 @@ pub fn run_rank(
     attention: Option<&Backend>,
 ) -> Result<RankResult, String> {
     let layout = setup.layout;
-    let n = layout.world();
     let head_masks = HeadMasks::new(set, shape);
-    let (u, r) = layout.coords(w);
-    let everyone = Group::new(world.clone(), (0..n).collect(), w, 0);
-    let ulysses = Group::new(
-        world.clone(),
-        (0..layout.ulysses)
-            .map(|i| layout.world_rank(i, r))
-            .collect(),
-        w,
-        1,
-    );
-    let ring = Group::new(
-        world.clone(),
-        (0..layout.ring).map(|i| layout.world_rank(u, i)).collect(),
-        w,
-        2,
-    );
+    let [everyone, ulysses, ring] = rank_groups(&world, &layout, w);
     let groups = Groups {
         ulysses: &ulysses,
         ring: &ring,
     };
-    let rank = Rank {
-        setup,
-        world_rank: w,
-        problem: Problem {
-            masks: &set.masks,
-            mask_of_head: &head_masks.index_of_head,
-            group: shape.group(),
-            head_dim: shape.head_dim,
-            scale: 1.0 / (shape.head_dim as f64).sqrt(),
-        },
-        heads_q: shape.heads_q,
-        heads_kv: shape.heads_kv,
-    };
+    let rank = Rank::new(setup, w, set, &head_masks, shape);
     let (q_heads, kv_heads): (Vec<usize>, Vec<usize>) =
         ((0..shape.heads_q).collect(), (0..shape.heads_kv).collect());
     let positions = layout.positions(w);
