@@ -4,13 +4,14 @@
 
 typedef unsigned long long u64;
 
-// Part p copies bytes[p] bytes from src[p] to dst[p]; blockIdx.y is the part, blockIdx.x with the
-// threads strides over its 16-byte chunks (parts start and end 16-byte aligned, see device.rs).
-extern "C" __global__ void gather_parts(const u64* src, const u64* dst, const u64* bytes) {
-    const int p = blockIdx.y;
-    const uint4* from = reinterpret_cast<const uint4*>(src[p]);
-    uint4* to = reinterpret_cast<uint4*>(dst[p]);
-    const u64 chunks = bytes[p] / 16;
+// Part p copies table[2P + p] bytes from address table[p] to address table[P + p] (P parts);
+// blockIdx.y is the part, blockIdx.x with the threads strides over its 16-byte chunks (parts
+// start and end 16-byte aligned, see device.rs).
+extern "C" __global__ void gather_parts(const u64* table) {
+    const int p = blockIdx.y, parts = gridDim.y;
+    const uint4* from = reinterpret_cast<const uint4*>(table[p]);
+    uint4* to = reinterpret_cast<uint4*>(table[parts + p]);
+    const u64 chunks = table[2 * parts + p] / 16;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < chunks; i += (u64)gridDim.x * blockDim.x)
         to[i] = from[i];
 }

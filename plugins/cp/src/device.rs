@@ -278,20 +278,18 @@ impl Store for DeviceStore {
         if lengths.is_empty() {
             return out;
         }
-        let table = |values: &[u64]| check("gather table", self.stream.clone_htod(values));
-        let (sources_d, targets_d, lengths_d) = (table(&sources), table(&targets), table(&lengths));
+        // One upload per gather: sources, then targets, then lengths.
+        let count = lengths.len();
         let longest = lengths.iter().max().copied().unwrap_or(0) as usize / 16;
+        let table = [sources, targets, lengths].concat();
+        let table = check("gather table", self.stream.clone_htod(&table));
         let config = LaunchConfig {
-            grid_dim: (
-                longest.div_ceil(256).clamp(1, 64) as u32,
-                lengths.len() as u32,
-                1,
-            ),
+            grid_dim: (longest.div_ceil(256).clamp(1, 64) as u32, count as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut launch = self.stream.launch_builder(&self.kernels.gather);
-        launch.arg(&sources_d).arg(&targets_d).arg(&lengths_d);
+        launch.arg(&table);
         // SAFETY: every part lies inside its source and the output (checked above).
         check("gather", unsafe { launch.launch(config) }.map(drop));
         out

@@ -57,9 +57,8 @@ fn block_digest(call: &AttentionCall<'_>) -> [u8; 32] {
     }
     for list in [&call.row_start, &call.intervals] {
         digest.update(&(list.len() as u64).to_le_bytes());
-        for value in list.iter() {
-            digest.update(&value.to_le_bytes());
-        }
+        let bytes: Vec<u8> = list.iter().flat_map(|value| value.to_le_bytes()).collect();
+        digest.update(&bytes);
     }
     digest.finalize().into()
 }
