@@ -65,6 +65,17 @@ impl Verdict {
     }
 }
 
+/// One cell measured on both sides: its TFLOP/s there, NEW's time over BASE's with its 95%
+/// interval, and the verdict.
+struct Compared {
+    label: String,
+    base_tflops: Option<f64>,
+    new_tflops: Option<f64>,
+    ratio: f64,
+    interval: (f64, f64),
+    verdict: Verdict,
+}
+
 /// NEW's median time over BASE's, with the 2.5th and 97.5th percentiles of the ratio over
 /// bootstrap resamples of both sample sets.
 pub fn ratio_interval(base: &[f64], new: &[f64], seed: u64) -> (f64, f64, f64) {
@@ -265,24 +276,23 @@ pub fn run(args: CompareArgs) -> Result<ExitCode> {
         let (ratio, low, high) = ratio_interval(&bs, &ns, index as u64);
         let judged = verdict(low, high, args.threshold, (bs.len(), ns.len()));
         let tflops = |m: &Measurement| m.tflops.as_ref().map(|t| t.p50);
-        compared.push((
-            label(b, kernels.as_ref()),
-            tflops(b),
-            tflops(n),
+        compared.push(Compared {
+            label: label(b, kernels.as_ref()),
+            base_tflops: tflops(b),
+            new_tflops: tflops(n),
             ratio,
-            low,
-            high,
-            judged,
-        ));
+            interval: (low, high),
+            verdict: judged,
+        });
     }
-    compared.sort_by(|a, b| a.3.total_cmp(&b.3));
+    compared.sort_by(|a, b| a.ratio.total_cmp(&b.ratio));
 
     let only = |a: &BTreeMap<String, Measurement>, b: &BTreeMap<String, Measurement>| {
         a.keys().filter(|k| !b.contains_key(*k)).count()
     };
     let width = compared
         .iter()
-        .map(|c| c.0.len())
+        .map(|c| c.label.len())
         .chain(changed.iter().map(|c| c.0.len()))
         .max()
         .unwrap_or(4);
@@ -297,21 +307,22 @@ pub fn run(args: CompareArgs) -> Result<ExitCode> {
             "cell", "base TF/s", "new TF/s", "time", "95% interval"
         );
     }
-    for (label, b, n, ratio, low, high, judged) in &compared {
+    for c in &compared {
         println!(
-            "{label:<width$}  {:>9}  {:>9}  {:>+6.1}%  [{:>+6.1}%, {:>+6.1}%]  {}",
-            number(*b),
-            number(*n),
-            (ratio - 1.0) * 100.0,
-            (low - 1.0) * 100.0,
-            (high - 1.0) * 100.0,
-            judged.name()
+            "{:<width$}  {:>9}  {:>9}  {:>+6.1}%  [{:>+6.1}%, {:>+6.1}%]  {}",
+            c.label,
+            number(c.base_tflops),
+            number(c.new_tflops),
+            (c.ratio - 1.0) * 100.0,
+            (c.interval.0 - 1.0) * 100.0,
+            (c.interval.1 - 1.0) * 100.0,
+            c.verdict.name()
         );
     }
     for (label, before, after, _) in &changed {
         println!("{label:<width$}  {before} → {after}");
     }
-    let count = |v: Verdict| compared.iter().filter(|c| c.6 == v).count();
+    let count = |v: Verdict| compared.iter().filter(|c| c.verdict == v).count();
     println!(
         "{} cells compared (threshold ±{:.1}%): {} faster, {} slower, {} same, {} unsure; {} changed status; {} only in BASE, {} only in NEW",
         compared.len(),
@@ -343,9 +354,10 @@ pub fn run(args: CompareArgs) -> Result<ExitCode> {
     if let Some(path) = &args.json {
         let cells: Vec<Value> = compared
             .iter()
-            .map(|(label, b, n, ratio, low, high, judged)| {
-                json!({"cell": label, "base_tflops": b, "new_tflops": n, "time_ratio": ratio,
-                       "interval": [low, high], "verdict": judged.name()})
+            .map(|c| {
+                json!({"cell": c.label, "base_tflops": c.base_tflops, "new_tflops": c.new_tflops,
+                       "time_ratio": c.ratio, "interval": [c.interval.0, c.interval.1],
+                       "verdict": c.verdict.name()})
             })
             .chain(changed.iter().map(|(label, before, after, worse)| {
                 json!({"cell": label, "base_status": before, "new_status": after, "worse": worse})
