@@ -508,6 +508,7 @@ impl GpuRun<'_> {
         let times = Quantiles::of(&samples);
         measurement.tflops = times.map(|t| Throughput::of(per_rank_flops, &t));
         measurement.time_s = times;
+        measurement.harness.timer = "CUDA events around each pass on every rank's compute stream, each repetition after a barrier; the slowest rank per repetition".into();
         measurement.timing = Some(attnbench_sdk::measure::Timing {
             rel_ci: attnbench_sdk::measure::median_rel_ci(&samples),
             samples,

@@ -219,6 +219,22 @@ fn time_calls(
     Ok(ms as f64 * 1e-3 / reps as f64)
 }
 
+/// The largest of every rank's `seconds`.
+fn slowest(comm: &Comm, stream: &Arc<CudaStream>, seconds: f64) -> Result<f64, String> {
+    let mine = stream
+        .clone_htod(&[seconds as f32])
+        .map_err(driver_failed("agreement buffer"))?;
+    let mut all = stream
+        .alloc_zeros::<f32>(1)
+        .map_err(driver_failed("agreement buffer"))?;
+    comm.all_reduce(&mine, &mut all, &ReduceOp::Max)
+        .map_err(crate::nccl::failed("agreement"))?;
+    let all = stream
+        .clone_dtoh(&all)
+        .map_err(driver_failed("agreement buffer"))?;
+    Ok(all[0] as f64)
+}
+
 /// Runs this process's rank of `job`: joins the others, then every collective at every size,
 /// checked once, then timed.
 pub fn run_rank(job: &LinksJob, info: &RankInfo) -> Result<RankLinks, String> {
@@ -271,6 +287,9 @@ pub fn run_rank(job: &LinksJob, info: &RankInfo) -> Result<RankLinks, String> {
                 ));
             }
             let once = time_calls(1, collective, &comm, &stream, &send, &mut receive)?;
+            // Every rank must make the same number of calls, or the last ones wait forever
+            // for partners: the count follows the slowest rank's first call.
+            let once = slowest(&comm, &stream, once)?;
             let reps = ((5e-3 / once.max(1e-7)) as usize).clamp(1, 200);
             let mut samples = (0..job.samples.max(1))
                 .map(|_| time_calls(reps, collective, &comm, &stream, &send, &mut receive))
