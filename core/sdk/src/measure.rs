@@ -451,11 +451,36 @@ pub struct Prediction {
     pub reason: Option<String>,
 }
 
-/// What a cost model writes: its assumptions and its curves.
+/// A context-parallel cell measured on GPUs beside the cost model's prediction for it: the same
+/// method, world, groups and tokens, compute at the cell's own kernel rate (its slowest rank's
+/// kernel time), so that the two differ only in what the model says about communication.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Comparison {
+    pub method: String,
+    pub mask: String,
+    pub direction: String,
+    pub world: u64,
+    pub tokens_per_gpu: u64,
+    /// The cell's median time of one pass, from its slowest rank.
+    pub measured_time_s: f64,
+    pub measured_tflops_per_gpu: f64,
+    /// The slowest rank's time in its blocks' kernels, and the rest of its pass (communication
+    /// not hidden by compute, plus the rank's own merging and copying, which the model omits).
+    pub kernels_s: f64,
+    pub not_kernels_s: f64,
+    /// How long that rank's NCCL streams were busy, hidden or not.
+    pub communication_busy_s: f64,
+    pub predicted: Prediction,
+}
+
+/// What a cost model writes: its assumptions, its curves, and how it fares against measured
+/// cells it was given.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Predictions {
     pub model: Map<String, Value>,
     pub points: Vec<Prediction>,
+    #[serde(default)]
+    pub against_measurements: Vec<Comparison>,
 }
 
 impl Predictions {

@@ -18,6 +18,17 @@ pub enum Placement {
     UlyssesInner,
 }
 
+impl Placement {
+    /// The placement a `placement` parameter names (`ring_inner` or `ulysses_inner`).
+    pub fn named(name: &str) -> Option<Placement> {
+        match name {
+            "ring_inner" => Some(Placement::RingInner),
+            "ulysses_inner" => Some(Placement::UlyssesInner),
+            _ => None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
 pub struct Layout {
     pub seqlen: usize,

@@ -38,7 +38,7 @@ pub use processes::rank_main;
 
 struct Cp;
 
-fn default_harness() -> Harness {
+pub(crate) fn default_harness() -> Harness {
     Harness {
         timer: "wall clock of the slowest rank (threads of one process)".into(),
         warmup_reps: 1,
@@ -224,11 +224,8 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
         .map_err(PluginError::Params)?;
     let method = Method::parse(&p.method)
         .ok_or_else(|| PluginError::Params(format!("unknown method `{}`", p.method)))?;
-    let placement = if p.placement == "ulysses_inner" {
-        Placement::UlyssesInner
-    } else {
-        Placement::RingInner
-    };
+    let placement = Placement::named(&p.placement)
+        .ok_or_else(|| PluginError::Params(format!("placement `{}`", p.placement)))?;
     let shape = Shape {
         heads_q: p.heads_q,
         heads_kv: p.heads_kv,
@@ -544,7 +541,7 @@ impl GpuRun<'_> {
 }
 
 #[derive(Deserialize)]
-struct ModelParams {
+pub(crate) struct ModelParams {
     mask: String,
     direction: String,
     tokens_per_gpu: u64,
@@ -609,11 +606,8 @@ fn model_stage(request: &StageRequest) -> Result<Value, PluginError> {
         backward,
         kernel_flops: kernel_tflops * 1e12,
     };
-    let placement = if p.placement == "ring_inner" {
-        Placement::RingInner
-    } else {
-        Placement::UlyssesInner
-    };
+    let placement = Placement::named(&p.placement)
+        .ok_or_else(|| PluginError::Params(format!("placement `{}`", p.placement)))?;
     let points = Method::ALL
         .iter()
         .flat_map(|&method| p.worlds.iter().map(move |&world| (method, world)))
@@ -636,6 +630,7 @@ fn model_stage(request: &StageRequest) -> Result<Value, PluginError> {
     let predictions = attnbench_sdk::measure::Predictions {
         model: assumptions,
         points,
+        against_measurements: against_measurements(request, &p, &machine)?,
     };
     write_json(
         &request.output_dir,
@@ -643,6 +638,104 @@ fn model_stage(request: &StageRequest) -> Result<Value, PluginError> {
         &predictions,
     )?;
     serde_json::to_value(&predictions).map_err(|err| PluginError::failed(err.to_string()))
+}
+
+/// Every GPU cell among the inputs (`cp/threads` with `backend: nccl`) of this node's mask and
+/// direction, beside the model's prediction for its method, world, groups and tokens at its own
+/// kernel rate.
+fn against_measurements(
+    request: &StageRequest,
+    p: &ModelParams,
+    machine: &model::Machine,
+) -> Result<Vec<attnbench_sdk::measure::Comparison>, PluginError> {
+    let mut comparisons = Vec::new();
+    for input in request.inputs_from("cp/threads").filter(|i| i.succeeded()) {
+        let m: Measurement = serde_json::from_value(input.result.clone()).map_err(|err| {
+            PluginError::failed(format!("{}: not a measurement: {err}", input.node))
+        })?;
+        let Some(cp) = m.environment.get("context_parallel") else {
+            continue;
+        };
+        if cp["backend"] != "nccl" || m.mask.pattern != p.mask || m.direction != p.direction {
+            continue;
+        }
+        let unreadable = |what: &str| {
+            PluginError::failed(format!(
+                "{}: its record lacks context_parallel.{what}",
+                input.node
+            ))
+        };
+        let count = |key: &str| {
+            cp[key]
+                .as_u64()
+                .map(|v| v as usize)
+                .ok_or_else(|| unreadable(key))
+        };
+        let method = cp["method"]
+            .as_str()
+            .and_then(Method::parse)
+            .ok_or_else(|| unreadable("method"))?;
+        let placement = cp["placement"]
+            .as_str()
+            .and_then(Placement::named)
+            .ok_or_else(|| unreadable("placement"))?;
+        let setup = Setup {
+            method,
+            layout: Layout {
+                seqlen: m.mask.seqlen as usize,
+                ulysses: count("ulysses")?,
+                ring: count("ring")?,
+                placement,
+            },
+            windows: count("windows")?,
+        };
+        let world = setup.layout.world();
+        // The slowest rank's pass, split as it recorded it.
+        let pass = if p.direction == "bwd" {
+            "backward"
+        } else {
+            "forward"
+        };
+        let seconds = |rank: &Value, key: &str| rank[pass][key].as_f64().unwrap_or(0.0);
+        let slowest = cp["ranks"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .max_by(|a, b| seconds(a, "total_s").total_cmp(&seconds(b, "total_s")))
+            .ok_or_else(|| unreadable("ranks"))?;
+        let (Some(time), Some(tflops)) = (m.time_s.as_ref(), m.tflops.as_ref()) else {
+            continue;
+        };
+        let kernels_s = seconds(slowest, "kernels_s");
+        let element = Element::parse(&m.shape.dtype).ok_or_else(|| unreadable("shape.dtype"))?;
+        let workload = model::Workload {
+            sizes: volume::Sizes {
+                tokens: m.mask.seqlen / world as u64,
+                heads_q: m.shape.heads_q,
+                heads_kv: m.shape.heads_kv,
+                head_dim: m.shape.head_dim,
+                element: element.bytes() as u64,
+            },
+            causal: p.mask == "causal",
+            backward: p.direction == "bwd",
+            kernel_flops: m.flops as f64 / world as f64 / kernels_s.max(1e-12),
+        };
+        comparisons.push(attnbench_sdk::measure::Comparison {
+            method: method.name().into(),
+            mask: p.mask.clone(),
+            direction: p.direction.clone(),
+            world: world as u64,
+            tokens_per_gpu: workload.sizes.tokens,
+            measured_time_s: time.p50,
+            measured_tflops_per_gpu: tflops.p50,
+            kernels_s,
+            not_kernels_s: seconds(slowest, "not_kernels_s"),
+            communication_busy_s: seconds(slowest, "communication_busy_s"),
+            predicted: model::predict_setup(&setup, machine, &workload),
+        });
+    }
+    comparisons.sort_by(|a, b| (a.world, &a.method).cmp(&(b.world, &b.method)));
+    Ok(comparisons)
 }
 
 /// NVLink's (bus bandwidth GB/s, latency µs) from a `cp/links` node in `needs`: its send/recv

@@ -118,7 +118,8 @@ fn flops(workload: &Workload, seqlen: f64) -> f64 {
     }
 }
 
-/// The predicted time of one rank (rank 0: every rank does the same in this model).
+/// The predicted time of one rank (rank 0: every rank does the same in this model) with
+/// LongCA-bench's groups.
 pub fn predict(
     method: Method,
     world: usize,
@@ -126,9 +127,19 @@ pub fn predict(
     machine: &Machine,
     workload: &Workload,
 ) -> Prediction {
+    let seqlen = workload.sizes.tokens as usize * world;
+    predict_setup(
+        &paper_setup(method, world, placement, seqlen),
+        machine,
+        workload,
+    )
+}
+
+/// The predicted time of one rank of `setup`.
+pub fn predict_setup(setup: &Setup, machine: &Machine, workload: &Workload) -> Prediction {
     let s = workload.sizes;
+    let (method, world) = (setup.method, setup.layout.world());
     let seqlen = s.tokens as usize * world;
-    let setup = paper_setup(method, world, placement, seqlen);
     let mask = if workload.causal { "causal" } else { "full" };
     let mut prediction = Prediction {
         method: method.name().into(),

@@ -251,6 +251,91 @@ fn the_model_takes_nvlink_from_a_links_record() {
     }
 }
 
+/// A `cp/model` node sets each measured GPU cell of its mask and direction beside its prediction
+/// for the same method and groups, computing at the cell's own kernel time (its slowest rank's);
+/// cells of other masks, or not on GPUs, stay out.
+#[test]
+fn the_model_sets_measured_gpu_cells_beside_its_predictions() {
+    use attnbench_sdk::measure::{Measurement, Quantiles, Shape as MeasuredShape, Throughput};
+    use attnbench_sdk::{InputArtifact, StageRequest};
+    use serde_json::json;
+    let cell = |pattern: &str, backend: &str, (total, kernels): (f64, f64)| {
+        let set = mask(pattern);
+        let shape = MeasuredShape {
+            batch: 1,
+            heads_q: 4,
+            heads_kv: 2,
+            head_dim: 8,
+            dtype: "bf16".into(),
+        };
+        let mut m = Measurement::for_kernel(
+            "cp-ring_p2p",
+            ("cp", "0"),
+            &set,
+            shape,
+            "fwd",
+            crate::default_harness(),
+        );
+        let times = Quantiles::of(&[total, total]).unwrap();
+        m.tflops = Some(Throughput::of(m.flops / 2, &times));
+        m.time_s = Some(times);
+        let pass = |total: f64, kernels: f64| json!({"forward": {"total_s": total, "kernels_s": kernels, "communication_busy_s": 1e-4, "not_kernels_s": total - kernels}});
+        m.environment.insert(
+            "context_parallel".into(),
+            json!({"method": "ring_p2p", "world": 2, "ulysses": 1, "ring": 2, "windows": 1,
+                   "placement": "ring_inner", "backend": backend,
+                   "ranks": [pass(total * 0.9, kernels * 0.8), pass(total, kernels)]}),
+        );
+        serde_json::from_value::<InputArtifact>(json!({
+            "node": format!("cp[{pattern},{backend}]"), "uses": "cp/threads", "params": {},
+            "dir": std::env::temp_dir(), "result": serde_json::to_value(&m).unwrap(),
+        }))
+        .unwrap()
+    };
+    let request = StageRequest {
+        node: "model".into(),
+        stage: "model".into(),
+        params: Default::default(),
+        seed: 0,
+        output_dir: std::env::temp_dir(),
+        inputs: vec![
+            cell("full", "nccl", (2e-3, 1.5e-3)),
+            cell("full", "threads", (2e-3, 1.5e-3)),
+            cell("causal", "nccl", (2e-3, 1.5e-3)),
+        ],
+        plugins: Default::default(),
+    };
+    let params: crate::ModelParams = serde_json::from_value(json!({
+        "mask": "full", "direction": "fwd", "tokens_per_gpu": 48, "heads_q": 4, "heads_kv": 2,
+        "head_dim": 8, "dtype": "bf16", "kernel_tflops": 0.0, "worlds": [2], "gpus_per_node": 8,
+        "nvlink_gbs": 300.0, "infiniband_gbs": 48.0, "nvlink_latency_us": 20.0,
+        "infiniband_latency_us": 5.0, "placement": "ring_inner",
+    }))
+    .unwrap();
+    let machine = crate::model::Machine {
+        gpus_per_node: 8,
+        nvlink: 300e9,
+        infiniband: 48e9,
+        nvlink_latency: 20e-6,
+        infiniband_latency: 5e-6,
+    };
+    let rows = crate::against_measurements(&request, &params, &machine).unwrap();
+    assert_eq!(rows.len(), 1, "only the full-mask GPU cell: {rows:?}");
+    let row = &rows[0];
+    assert_eq!((row.world, row.tokens_per_gpu), (2, 48));
+    assert_eq!(row.kernels_s, 1.5e-3, "the slowest rank's kernels");
+    let predicted = &row.predicted;
+    let compute = predicted.compute_s.unwrap();
+    assert!(
+        (compute - 1.5e-3).abs() < 1e-12,
+        "compute at the cell's kernel rate: {compute}"
+    );
+    // A two-rank ring: the first block, then the second after max(compute, one hop).
+    let hop = 2.0 * 48.0 * 2.0 * 8.0 * 2.0 / 300e9 + 20e-6;
+    let expected = compute / 2.0 + (compute / 2.0).max(hop);
+    assert!((predicted.time_s.unwrap() - expected).abs() < 1e-12);
+}
+
 /// Values beside what a GPU store holds them in: inputs in 16 bits, results in f32.
 #[derive(Clone, Debug)]
 struct Typed {

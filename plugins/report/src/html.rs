@@ -42,6 +42,7 @@ pub struct Page<'a> {
     pub throughput: Vec<(String, String)>,
     pub memory: Vec<(String, String)>,
     pub predictions: &'a [attnbench_sdk::measure::Prediction],
+    pub comparisons: &'a [attnbench_sdk::measure::Comparison],
     pub predicted: Vec<(String, String)>,
 }
 
@@ -59,6 +60,24 @@ fn predictions(out: &mut String, points: &[attnbench_sdk::measure::Prediction]) 
             "<tr><td>{}</td><td>{}</td><td>{}</td><td class=num>{}</td><td class=num>{tflops}</td><td class=num>{}</td><td class=num>{}</td><td class=num>{}</td></tr>",
             escape(&p.method), escape(&p.mask), escape(&p.direction), p.world,
             ms(p.time_s), ms(p.compute_s), ms(p.exposed_communication_s)
+        ));
+    }
+    out.push_str("</table>");
+}
+
+/// Measured GPU cells beside the model's prediction for the same method, world and groups.
+fn comparisons(out: &mut String, rows: &[attnbench_sdk::measure::Comparison]) {
+    out.push_str("<table id=\"against-measurements\"><tr><th>method</th><th>mask</th><th>direction</th><th>GPUs</th><th>TFLOP/s per GPU measured</th><th>predicted</th><th>time measured</th><th>predicted</th><th>kernels</th><th>not in kernels</th><th>predicted exposed communication</th><th>NCCL busy</th></tr>");
+    let ms = |s: Option<f64>| s.map(|s| format!("{:.3} ms", s * 1e3)).unwrap_or_default();
+    for c in rows {
+        let p = &c.predicted;
+        out.push_str(&format!(
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td class=num>{}</td><td class=num>{:.1}</td><td class=num>{}</td><td class=num>{}</td><td class=num>{}</td><td class=num>{}</td><td class=num>{}</td><td class=num>{}</td><td class=num>{}</td></tr>",
+            escape(&c.method), escape(&c.mask), escape(&c.direction), c.world,
+            c.measured_tflops_per_gpu,
+            p.tflops_per_gpu.map(|t| format!("{t:.1}")).unwrap_or_default(),
+            ms(Some(c.measured_time_s)), ms(p.time_s), ms(Some(c.kernels_s)), ms(Some(c.not_kernels_s)),
+            ms(p.exposed_communication_s), ms(Some(c.communication_busy_s))
         ));
     }
     out.push_str("</table>");
@@ -229,6 +248,10 @@ pub fn render(page: &Page) -> String {
         out.push_str("<h2>Predicted context-parallel throughput</h2><p class=\"sub\">A cost model from the kernel's throughput, link bandwidths and latencies and each method's traffic; not a measurement.</p>");
         figures(&mut out, &page.predicted);
         predictions(&mut out, page.predictions);
+    }
+    if !page.comparisons.is_empty() {
+        out.push_str("<h2>Cost model against measurements</h2><p class=\"sub\">Each measured GPU cell beside the model's prediction for its method, world, groups and tokens, with compute at the cell's own kernel time (its slowest rank's): the difference is what the model says about communication. Not in kernels: the slowest rank's communication not hidden by compute plus its own merging and copying, which the model omits.</p>");
+        comparisons(&mut out, page.comparisons);
     }
     out.push_str("<h2>Support matrix</h2><p class=\"sub\">Statuses over all lengths and directions; hover a cell for the details.</p>");
     support_matrix(&mut out, page.rows);

@@ -52,7 +52,8 @@ impl Plugin for Report {
             .unwrap_or("attnbench report")
             .to_string();
         let rows = rows::collect(&request.inputs).map_err(PluginError::failed)?;
-        let predictions = rows::predictions(&request.inputs).map_err(PluginError::failed)?;
+        let (predictions, comparisons) =
+            rows::predictions(&request.inputs).map_err(PluginError::failed)?;
         if rows.is_empty() && predictions.is_empty() {
             return Err(PluginError::Params(
                 "no measurements (or cost-model predictions) reached the report; give it `needs: {bench: all}`".into(),
@@ -95,6 +96,7 @@ impl Plugin for Report {
             throughput,
             memory,
             predictions: &predictions,
+            comparisons: &comparisons,
             predicted,
         });
         write_atomically(dir, "report.html", page.as_bytes())?;

@@ -136,10 +136,17 @@ pub fn from_failure(input: &InputArtifact) -> Row {
 
 /// Rows from every input: measurement records where they exist, failures otherwise.
 /// The cost-model curves among the inputs.
+/// Every cost model's points, and its predictions beside the measured cells it was given.
 pub fn predictions(
     inputs: &[InputArtifact],
-) -> Result<Vec<attnbench_sdk::measure::Prediction>, String> {
-    let mut points = Vec::new();
+) -> Result<
+    (
+        Vec<attnbench_sdk::measure::Prediction>,
+        Vec<attnbench_sdk::measure::Comparison>,
+    ),
+    String,
+> {
+    let (mut points, mut comparisons) = (Vec::new(), Vec::new());
     for input in inputs.iter().filter(|i| i.succeeded()) {
         let path = input.dir.join(attnbench_sdk::measure::Predictions::FILE);
         let Ok(bytes) = std::fs::read(&path) else {
@@ -148,8 +155,9 @@ pub fn predictions(
         let predictions: attnbench_sdk::measure::Predictions = serde_json::from_slice(&bytes)
             .map_err(|err| format!("{}: not a cost model's predictions: {err}", path.display()))?;
         points.extend(predictions.points);
+        comparisons.extend(predictions.against_measurements);
     }
-    Ok(points)
+    Ok((points, comparisons))
 }
 
 pub fn collect(inputs: &[InputArtifact]) -> Result<Vec<Row>, String> {
