@@ -7,7 +7,9 @@
 //! values live is a [`Store`]'s business: [`HostStore`] keeps f64 vectors on the host (exact, what
 //! the threads and processes backends run); a GPU store keeps device buffers.
 
+use std::collections::HashMap;
 use std::ops::Range;
+use std::sync::{Arc, Mutex};
 
 use attnbench_sdk::attention::{Backend, HostBlock, RowIntervals};
 use attnbench_sdk::mask::Mask;
@@ -102,14 +104,25 @@ pub struct BlockGrads<V> {
 
 /// The masks of the heads: `mask_of_head[h]` indexes `masks` for global query head `h`; query head
 /// `h` reads global KV head `h / group`.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub struct Problem<'a> {
     pub masks: &'a [Mask],
     pub mask_of_head: &'a [usize],
     pub group: usize,
     pub head_dim: usize,
     pub scale: f64,
+    pub calls: Arc<CallCache>,
 }
+
+/// The calls of the blocks a rank has met. A block's calls (its mask restricted to its rows and
+/// keys) depend only on the mask, the grouping and where the rows and keys lie, so each is
+/// worked out once — at the warm-up — as training works out a batch's mask metadata once for all
+/// the calls of its forward and backward passes.
+#[derive(Default)]
+pub struct CallCache(Mutex<HashMap<CallKey, Arc<Vec<Call>>>>);
+
+/// The grouping, the query and KV heads, and the rows' and keys' positions.
+type CallKey = (usize, Vec<usize>, Vec<usize>, Vec<u32>, Vec<u32>);
 
 /// One call of a block: the query heads it covers (all of the block's, or one) with the KV
 /// heads they read, and their mask restricted to the block.
@@ -140,6 +153,22 @@ impl Problem<'_> {
             .unwrap_or_else(|| {
                 panic!("query head {h} needs KV head {wanted}, which this block does not hold")
             })
+    }
+
+    /// The block's calls, worked out once per block (see [`CallCache`]).
+    fn cached_calls<V>(&self, q: &Tokens<V>, kv: &Tokens<V>) -> Arc<Vec<Call>> {
+        let key = (
+            self.group,
+            q.heads.clone(),
+            kv.heads.clone(),
+            q.positions.clone(),
+            kv.positions.clone(),
+        );
+        let mut cache = self.calls.0.lock().unwrap_or_else(|e| e.into_inner());
+        cache
+            .entry(key)
+            .or_insert_with(|| Arc::new(self.calls(q, kv)))
+            .clone()
     }
 
     /// The block's calls: one for all heads when they share a mask (the common case, one
@@ -235,7 +264,7 @@ impl Problem<'_> {
         mut work: impl FnMut(&HostBlock<'_>, Span) -> Result<(), String>,
     ) -> Result<(), String> {
         let (d, ql, kl) = (self.head_dim, q.len(), kv.len());
-        for call in self.calls(q, kv) {
+        for call in self.cached_calls(q, kv).iter() {
             let block = HostBlock {
                 head_dim: d,
                 q_len: ql,

@@ -648,6 +648,7 @@ impl<'a> Rank<'a> {
                 group: shape.group(),
                 head_dim: shape.head_dim,
                 scale: 1.0 / (shape.head_dim as f64).sqrt(),
+                calls: Default::default(),
             },
             heads_q: shape.heads_q,
             heads_kv: shape.heads_kv,
@@ -677,7 +678,7 @@ impl<'a> Rank<'a> {
     ) -> T {
         let problem = Problem {
             group: self.heads_q / (self.heads_kv * repeat),
-            ..self.problem
+            ..self.problem.clone()
         };
         let ring_of = |r| self.setup.layout.ring_positions(r);
         work(&RingStep {

@@ -200,7 +200,8 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
         }
         commit_copies();
 
-        // Scale into the log2 domain; mask what the tile does not allow (and keys past the end).
+        // Mask what the tile does not allow (and keys past the end). Scores stay unscaled: the
+        // scale into the log2 domain joins the exponent below (one FFMA per score).
         if (partial || k0 + BN > seqlen) {
             #pragma unroll
             for (int mb = 0; mb < FWD_M; ++mb)
@@ -212,38 +213,38 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
                         const int key = k0 + n * 8 + t * 2 + (i & 1);
                         bool ok = key < seqlen;
                         if (ok && partial) ok = allowed(key, intervals + 2 * iv_begin[slot], iv_count[slot]);
-                        s[mb][n][i] = ok ? s[mb][n][i] * scale_log2 : minus_inf;
+                        if (!ok) s[mb][n][i] = minus_inf;
                     }
-        } else {
-            #pragma unroll
-            for (int mb = 0; mb < FWD_M; ++mb)
-                #pragma unroll
-                for (int n = 0; n < BN / 8; ++n)
-                    #pragma unroll
-                    for (int i = 0; i < 4; ++i) s[mb][n][i] *= scale_log2;
         }
-        // Online softmax per row: maxima over the 4 threads that share a row, then rescale.
+        // Online softmax per row: maxima over the 4 threads that share a row (in the log2
+        // domain; the scale is positive), then rescale.
         #pragma unroll
         for (int slot = 0; slot < 2 * FWD_M; ++slot) {
             const int mb = slot >> 1, i0 = (slot & 1) * 2;
-            float mx = m[slot];
+            float mx = minus_inf;
             #pragma unroll
             for (int n = 0; n < BN / 8; ++n) mx = fmaxf(mx, fmaxf(s[mb][n][i0], s[mb][n][i0 + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            mx = fmaxf(m[slot], mx * scale_log2);
             const float base = (mx == minus_inf) ? 0.0f : mx;
             const float shrink = fast_exp2(m[slot] - base);
+            // O needs rescaling only where a row's maximum moved; the warp votes, so that it
+            // stays on one path (most tiles past the first few move no maximum).
+            const bool moved = __any_sync(0xffffffffu, mx != m[slot]);
             m[slot] = mx;
             float sum = 0.0f;
             #pragma unroll
             for (int n = 0; n < BN / 8; ++n) {
-                s[mb][n][i0] = fast_exp2(s[mb][n][i0] - base);
-                s[mb][n][i0 + 1] = fast_exp2(s[mb][n][i0 + 1] - base);
+                s[mb][n][i0] = fast_exp2(fmaf(s[mb][n][i0], scale_log2, -base));
+                s[mb][n][i0 + 1] = fast_exp2(fmaf(s[mb][n][i0 + 1], scale_log2, -base));
                 sum += s[mb][n][i0] + s[mb][n][i0 + 1];
             }
             l[slot] = l[slot] * shrink + sum;
-            #pragma unroll
-            for (int n = 0; n < D / 8; ++n) { acc[mb][n][i0] *= shrink; acc[mb][n][i0 + 1] *= shrink; }
+            if (moved) {
+                #pragma unroll
+                for (int n = 0; n < D / 8; ++n) { acc[mb][n][i0] *= shrink; acc[mb][n][i0 + 1] *= shrink; }
+            }
         }
         wait_copies<1>();  // V(j) has landed
         __syncthreads();
@@ -423,18 +424,32 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
         }
         commit_copies();
         // dS = P∘(dP − D), P = exp2(S·scale·log2e − LSE·log2e); masked cells contribute nothing.
-        #pragma unroll
-        for (int n = 0; n < BN / 8; ++n) {
+        // A full tile inside the sequence needs no test: every cell is allowed, so every row has
+        // a key and a finite LSE.
+        if (!partial && k0 + BN <= seqlen && q0 + BM <= seqlen) {
             #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int key = k0 + n * 8 + t * 2 + (i & 1);
-                const bool upper = i < 2;
-                const float row_lse = upper ? lse0 : lse1;
-                bool ok = key < seqlen && row_lse != minus_inf;
-                if (ok && partial) ok = upper ? allowed(key, intervals + 2 * iv0_begin, iv0_count)
-                                              : allowed(key, intervals + 2 * iv1_begin, iv1_count);
-                const float p = ok ? fast_exp2(s[n][i] * scale_log2 - row_lse) : 0.0f;
-                s[n][i] = p * (dp[n][i] - (upper ? d0 : d1));
+            for (int n = 0; n < BN / 8; ++n) {
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const bool upper = i < 2;
+                    const float p = fast_exp2(fmaf(s[n][i], scale_log2, -(upper ? lse0 : lse1)));
+                    s[n][i] = p * (dp[n][i] - (upper ? d0 : d1));
+                }
+            }
+        } else {
+            #pragma unroll
+            for (int n = 0; n < BN / 8; ++n) {
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int key = k0 + n * 8 + t * 2 + (i & 1);
+                    const bool upper = i < 2;
+                    const float row_lse = upper ? lse0 : lse1;
+                    bool ok = key < seqlen && row_lse != minus_inf;
+                    if (ok && partial) ok = upper ? allowed(key, intervals + 2 * iv0_begin, iv0_count)
+                                                  : allowed(key, intervals + 2 * iv1_begin, iv1_count);
+                    const float p = ok ? fast_exp2(s[n][i] * scale_log2 - row_lse) : 0.0f;
+                    s[n][i] = p * (dp[n][i] - (upper ? d0 : d1));
+                }
             }
         }
         // dQ += dS·K, 16 keys at a time.
@@ -496,7 +511,8 @@ __device__ void flash_backward_dkdv(const u16* __restrict__ q, const u16* __rest
     u16* sk = buffers + 2 * 2 * BQ * D;
     u16* sv = sk + BN * D;
     u16* sds = sv + BN * D;
-    __shared__ float s_lse[2][BQ], s_delta[2][BQ];
+    __shared__ __align__(16) float s_lse[2][BQ];
+    __shared__ __align__(16) float s_delta[2][BQ];
     const int k_tile = blockIdx.x, kv_head = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int k0 = k_tile * BN;
@@ -573,29 +589,50 @@ __device__ void flash_backward_dkdv(const u16* __restrict__ q, const u16* __rest
             a_fragment<D>(ka, sk, warp * 16, kk);
             a_fragment<D>(va, sv, warp * 16, kk);
         }, sq, sdo);
-        // Pᵀ (kept in st) and dSᵀ (in dpt).
-        #pragma unroll
-        for (int n = 0; n < BQ / 8; ++n) {
+        // Pᵀ (kept in st) and dSᵀ (in dpt). A full step inside the sequence needs no test: every
+        // cell is allowed, so every row has a key and a finite LSE; a thread's columns come in
+        // pairs, read as one 8-byte word each.
+        if (!partial && q0 + BQ <= seqlen && k0 + BN <= seqlen) {
             #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int column = n * 8 + t * 2 + (i & 1);
-                const int row_q = q0 + column;
-                const int key = i < 2 ? key0 : key1;
-                const float row_lse = s_lse[stage][column];
-                bool ok = key < seqlen && row_q < seqlen && row_lse != minus_inf;
-                if (ok && partial) {
-                    const unsigned begin = table_rows[row_q];
-                    ok = allowed(key, intervals + 2 * begin, table_rows[row_q + 1] - begin);
-                }
-                const float p = ok ? fast_exp2(st[n][i] * scale_log2 - row_lse) : 0.0f;
-                st[n][i] = p;
-                dpt[n][i] = p * (dpt[n][i] - s_delta[stage][column]);
-                if constexpr (DQ) {
-                    // dS, query-major, for dQ's A fragments (rounded as the products round it).
-                    const int tile_key = warp * 16 + g + (i >> 1) * 8;
-                    sds[swizzled<BN>(column, tile_key >> 3) + (tile_key & 7)] = to_bits<E>(dpt[n][i]);
+            for (int n = 0; n < BQ / 8; ++n) {
+                const float2 row_lse = *reinterpret_cast<const float2*>(&s_lse[stage][n * 8 + t * 2]);
+                const float2 row_delta = *reinterpret_cast<const float2*>(&s_delta[stage][n * 8 + t * 2]);
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float p = fast_exp2(fmaf(st[n][i], scale_log2, -((i & 1) ? row_lse.y : row_lse.x)));
+                    st[n][i] = p;
+                    dpt[n][i] = p * (dpt[n][i] - ((i & 1) ? row_delta.y : row_delta.x));
                 }
             }
+        } else {
+            #pragma unroll
+            for (int n = 0; n < BQ / 8; ++n) {
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int column = n * 8 + t * 2 + (i & 1);
+                    const int row_q = q0 + column;
+                    const int key = i < 2 ? key0 : key1;
+                    const float row_lse = s_lse[stage][column];
+                    bool ok = key < seqlen && row_q < seqlen && row_lse != minus_inf;
+                    if (ok && partial) {
+                        const unsigned begin = table_rows[row_q];
+                        ok = allowed(key, intervals + 2 * begin, table_rows[row_q + 1] - begin);
+                    }
+                    const float p = ok ? fast_exp2(st[n][i] * scale_log2 - row_lse) : 0.0f;
+                    st[n][i] = p;
+                    dpt[n][i] = p * (dpt[n][i] - s_delta[stage][column]);
+                }
+            }
+        }
+        if constexpr (DQ) {
+            // dS, query-major, for dQ's A fragments (rounded as the products round it).
+            #pragma unroll
+            for (int n = 0; n < BQ / 8; ++n)
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int column = n * 8 + t * 2 + (i & 1), tile_key = warp * 16 + g + (i >> 1) * 8;
+                    sds[swizzled<BN>(column, tile_key >> 3) + (tile_key & 7)] = to_bits<E>(dpt[n][i]);
+                }
         }
         // dV += Pᵀ·dO and dK += dSᵀ·Q, 16 queries at a time.
         #pragma unroll
