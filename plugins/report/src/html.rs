@@ -262,3 +262,71 @@ pub fn render(page: &Page) -> String {
     out.push_str(&format!("<script>{CHECK}</script></body></html>\n"));
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use attnbench_sdk::measure::{Comparison, Prediction};
+
+    /// A cost model's comparisons get their own section: each measured cell beside its
+    /// prediction, in milliseconds and TFLOP/s.
+    #[test]
+    fn measured_cells_appear_beside_their_predictions() {
+        let predicted = Prediction {
+            method: "ring_p2p".into(),
+            mask: "full".into(),
+            direction: "fwd".into(),
+            world: 2,
+            tokens_per_gpu: 8192,
+            tflops_per_gpu: Some(290.4),
+            time_s: Some(15.18e-3),
+            compute_s: Some(15.18e-3),
+            exposed_communication_s: Some(0.0),
+            reason: None,
+        };
+        let comparison = Comparison {
+            method: "ring_p2p".into(),
+            mask: "full".into(),
+            direction: "fwd".into(),
+            world: 2,
+            tokens_per_gpu: 8192,
+            measured_time_s: 18.72e-3,
+            measured_tflops_per_gpu: 235.2,
+            kernels_s: 15.18e-3,
+            not_kernels_s: 3.51e-3,
+            communication_busy_s: 0.18e-3,
+            predicted: predicted.clone(),
+        };
+        let html = render(&Page {
+            title: "t",
+            rows: &[],
+            throughput: Vec::new(),
+            memory: Vec::new(),
+            predictions: &[predicted],
+            comparisons: &[comparison],
+            predicted: Vec::new(),
+        });
+        assert!(html.contains("Cost model against measurements"));
+        let table = &html[html.find("id=\"against-measurements\"").unwrap()..];
+        for cell in [
+            "235.2",
+            "290.4",
+            "18.720 ms",
+            "15.180 ms",
+            "3.510 ms",
+            "0.180 ms",
+        ] {
+            assert!(table.contains(cell), "{cell} missing from {table}");
+        }
+        let without = render(&Page {
+            title: "t",
+            rows: &[],
+            throughput: Vec::new(),
+            memory: Vec::new(),
+            predictions: &[],
+            comparisons: &[],
+            predicted: Vec::new(),
+        });
+        assert!(!without.contains("Cost model against measurements"));
+    }
+}
