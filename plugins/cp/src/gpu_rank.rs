@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use attnbench_sdk::attention::{Backend, DType};
 use attnbench_sdk::mask::MaskSet;
-use attnbench_sdk::reference::{Element, HeadMasks, Inputs, Shape};
+use attnbench_sdk::reference::{Element, HeadMasks, RandomInputs, Shape, Tensor};
 use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
 use cudarc::driver::CudaContext;
 use serde::{Deserialize, Serialize};
@@ -172,26 +172,28 @@ fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, String> {
         ring: &ring,
     };
 
-    let inputs = Inputs::random_as(&shape, job.seed, element);
+    // The rank's own share of the inputs, drawn alone: the same values as the stage's whole
+    // tensors, without every rank holding them.
+    let draws = RandomInputs::new(&shape, job.seed, element);
     let head_masks = HeadMasks::new(&job.mask, &shape);
     let rank = Rank::new(setup, w, &job.mask, &head_masks, &shape);
     let positions = layout.positions(w);
     let (q_heads, kv_heads): (Vec<usize>, Vec<usize>) =
         ((0..shape.heads_q).collect(), (0..shape.heads_kv).collect());
-    let upload = |data: &[f32], heads: &[usize]| Tokens {
+    let upload = |tensor: Tensor, heads: &[usize]| Tokens {
         positions: positions.clone(),
         heads: heads.to_vec(),
         data: store.upload(
-            &element.encode(&crate::threads::shard(data, &positions, heads, &shape)),
+            &element.encode(&draws.shard(tensor, heads, &positions)),
             Kind::Input,
         ),
     };
     let (q, k, v) = (
-        upload(&inputs.q, &q_heads),
-        upload(&inputs.k, &kv_heads),
-        upload(&inputs.v, &kv_heads),
+        upload(Tensor::Q, &q_heads),
+        upload(Tensor::K, &kv_heads),
+        upload(Tensor::V, &kv_heads),
     );
-    let d_out = job.backward.then(|| upload(&inputs.d_out, &q_heads));
+    let d_out = job.backward.then(|| upload(Tensor::DOut, &q_heads));
 
     let sent = || ulysses.sent_bytes() + ring.sent_bytes();
     let event = || {

@@ -136,15 +136,8 @@ impl Inputs {
     /// rounded to `element`. splitmix64's i-th value depends on i alone, so the machine's cores
     /// fill the tensors together (a billion values at 48K tokens) with the same values as one.
     pub fn random_as(shape: &Shape, seed: u64, element: Element) -> Inputs {
-        const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
-        let start = seed ^ GAMMA;
-        let value = move |index: u64| {
-            let mut z = start.wrapping_add(index.wrapping_add(1).wrapping_mul(GAMMA));
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            element.round((z >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
-        };
+        let values = RandomInputs::new(shape, seed, element);
+        let value = |index: u64| values.value(index);
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let fill = |first: usize, n: usize| {
             let mut out = vec![0.0f32; n];
@@ -168,6 +161,76 @@ impl Inputs {
             v: fill(q_len + kv_len, kv_len),
             d_out: fill(q_len + 2 * kv_len, q_len),
         }
+    }
+}
+
+/// One of the four input tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tensor {
+    Q,
+    K,
+    V,
+    DOut,
+}
+
+/// The values [`Inputs::random_as`] draws, one at a time: a context-parallel rank makes its own
+/// share of the inputs without the whole tensors (gigabytes per rank at long sequences).
+#[derive(Debug, Clone, Copy)]
+pub struct RandomInputs {
+    shape: Shape,
+    start: u64,
+    element: Element,
+}
+
+impl RandomInputs {
+    const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+
+    pub fn new(shape: &Shape, seed: u64, element: Element) -> RandomInputs {
+        RandomInputs {
+            shape: *shape,
+            start: seed ^ Self::GAMMA,
+            element,
+        }
+    }
+
+    /// The `index`-th value of the stream through q, k, v and dO.
+    fn value(&self, index: u64) -> f32 {
+        let mut z = self
+            .start
+            .wrapping_add(index.wrapping_add(1).wrapping_mul(Self::GAMMA));
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        self.element
+            .round((z >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+    }
+
+    /// `tensor`'s rows of `heads` (query heads for Q and dO, KV heads for K and V) at
+    /// `positions`, head-major: `[heads][positions][head_dim]`, as cut from the whole tensor.
+    pub fn shard(&self, tensor: Tensor, heads: &[usize], positions: &[u32]) -> Vec<f32> {
+        let s = &self.shape;
+        let (q_len, kv_len) = (s.q_len(), s.kv_len());
+        let first = match tensor {
+            Tensor::Q => 0,
+            Tensor::K => q_len,
+            Tensor::V => q_len + kv_len,
+            Tensor::DOut => q_len + 2 * kv_len,
+        } as u64;
+        let d = s.head_dim;
+        let mut out = vec![0.0f32; heads.len() * positions.len() * d];
+        std::thread::scope(|scope| {
+            for (&h, chunk) in heads.iter().zip(out.chunks_mut(positions.len() * d)) {
+                scope.spawn(move || {
+                    for (row, &p) in chunk.chunks_mut(d).zip(positions) {
+                        let at = first + ((h * s.seqlen + p as usize) * d) as u64;
+                        for (i, slot) in row.iter_mut().enumerate() {
+                            *slot = self.value(at + i as u64);
+                        }
+                    }
+                });
+            }
+        });
+        out
     }
 }
 
@@ -277,6 +340,44 @@ pub const OUTPUT_TENSORS: [&str; 5] = ["out.f32", "lse.f32", "dq.f32", "dk.f32",
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A shard drawn on its own holds the values the whole tensors hold at its heads and
+    /// positions, for every tensor (GQA: fewer KV heads).
+    #[test]
+    fn a_shard_drawn_alone_equals_the_cut_from_the_whole_inputs() {
+        let shape = Shape {
+            heads_q: 6,
+            heads_kv: 2,
+            seqlen: 37,
+            head_dim: 8,
+        };
+        let whole = Inputs::random_as(&shape, 11, Element::Bf16);
+        let draws = RandomInputs::new(&shape, 11, Element::Bf16);
+        let positions = [36u32, 0, 5, 6, 20];
+        let cut = |data: &[f32], heads: &[usize]| -> Vec<f32> {
+            let d = shape.head_dim;
+            heads
+                .iter()
+                .flat_map(|&h| {
+                    positions.iter().flat_map(move |&p| {
+                        let start = (h * shape.seqlen + p as usize) * d;
+                        data[start..start + d].to_vec()
+                    })
+                })
+                .collect()
+        };
+        let (q_heads, kv_heads) = ([5usize, 1, 2], [1usize]);
+        for (tensor, data, heads) in [
+            (Tensor::Q, &whole.q, &q_heads[..]),
+            (Tensor::K, &whole.k, &kv_heads[..]),
+            (Tensor::V, &whole.v, &kv_heads[..]),
+            (Tensor::DOut, &whole.d_out, &q_heads[..]),
+        ] {
+            let shard = draws.shard(tensor, heads, &positions);
+            assert_eq!(shard, cut(data, heads), "{tensor:?}");
+            assert!(shard.iter().all(|v| round_bf16(*v) == *v));
+        }
+    }
 
     #[test]
     fn the_reference_gives_the_same_bits_on_any_number_of_threads() {
