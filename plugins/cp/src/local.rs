@@ -92,6 +92,26 @@ impl<V> Partial<V> {
             lse: store.negative_infinities(heads * tokens),
         }
     }
+
+    /// Folds a block's result into what the rows have seen so far. The first block is taken as
+    /// it is: merged into an empty partial it would only be copied (O·1 + 0, the same LSE).
+    pub fn fold<S: Store<Values = V>>(store: &S, seen: &mut Option<Self>, block: Self, d: usize) {
+        match seen {
+            Some(seen) => store.merge(seen, &block, d),
+            None => *seen = Some(block),
+        }
+    }
+
+    /// What the rows have seen, or nothing seen when no block came.
+    pub fn seen<S: Store<Values = V>>(
+        store: &S,
+        seen: Option<Self>,
+        heads: usize,
+        tokens: usize,
+        d: usize,
+    ) -> Self {
+        seen.unwrap_or_else(|| Partial::empty(store, heads, tokens, d))
+    }
 }
 
 /// Gradients of one block: dQ for the rows, dK and dV for the block's keys.

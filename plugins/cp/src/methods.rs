@@ -300,7 +300,7 @@ impl<S: Store> RingStep<'_, S> {
         v: &Tokens<S::Values>,
     ) -> Result<Partial<S::Values>, String> {
         let (r, n, d) = (self.comm.rank(), self.comm.size(), self.d());
-        let mut done = Partial::empty(self.store, q.heads.len(), q.len(), d);
+        let mut done = None;
         let (mut k_now, mut v_now) = (k.clone(), v.clone());
         for step in 0..n {
             if step + 1 < n {
@@ -313,13 +313,13 @@ impl<S: Store> RingStep<'_, S> {
                 );
             }
             let block = self.forward_block(q, &k_now, &v_now)?;
-            self.store.merge(&mut done, &block, d);
+            Partial::fold(self.store, &mut done, block, d);
             if step + 1 < n {
                 let source = (r + n - step - 1) % n;
                 (k_now, v_now) = self.receive_kv((r + n - 1) % n, FWD_KV, source, &k.heads);
             }
         }
-        Ok(done)
+        Ok(Partial::seen(self.store, done, q.heads.len(), q.len(), d))
     }
 
     /// dQ of the local rows and dK, dV of the local block. Each block's dK/dV accumulator travels
@@ -389,12 +389,12 @@ impl<S: Store> RingStep<'_, S> {
         v: &Tokens<S::Values>,
     ) -> Result<Partial<S::Values>, String> {
         let d = self.d();
-        let mut done = Partial::empty(self.store, q.heads.len(), q.len(), d);
+        let mut done = None;
         for (k_block, v_block) in self.gathered(k, v) {
             let block = self.forward_block(q, &k_block, &v_block)?;
-            self.store.merge(&mut done, &block, d);
+            Partial::fold(self.store, &mut done, block, d);
         }
-        Ok(done)
+        Ok(Partial::seen(self.store, done, q.heads.len(), q.len(), d))
     }
 
     fn allgather_backward(
@@ -443,7 +443,7 @@ impl<S: Store> RingStep<'_, S> {
         let (m, d) = (self.windows, self.d());
         let (j, a, w) = self.place();
         let store = self.store;
-        let mut done = Partial::empty(store, q.heads.len(), q.len(), d);
+        let mut done = None;
         let (mut k_window, mut v_window) = (k.clone(), v.clone());
         for t in 0..m {
             if t + 1 < m {
@@ -466,7 +466,7 @@ impl<S: Store> RingStep<'_, S> {
                     );
                 }
                 let block = self.forward_block(q, &k_now, &v_now)?;
-                store.merge(&mut done, &block, d);
+                Partial::fold(store, &mut done, block, d);
                 if i + 1 < w {
                     let source = self.member(j + m - t, a + w - i - 1);
                     (k_now, v_now) =
@@ -479,7 +479,7 @@ impl<S: Store> RingStep<'_, S> {
                     self.receive_kv(self.member(j + m - 1, a), FWD_INTER_KV, source, &k.heads);
             }
         }
-        Ok(done)
+        Ok(Partial::seen(store, done, q.heads.len(), q.len(), d))
     }
 
     /// The double ring's backward: KV moves as in the forward pass; each block's dK/dV
