@@ -421,6 +421,13 @@ impl GpuRun<'_> {
             }
         };
         let n = setup.layout.world();
+        // The stage starts every rank on this machine, one GPU each.
+        let gpus = gpu_count().map_err(PluginError::failed)?;
+        if n > gpus {
+            return Err(PluginError::Params(format!(
+                "world {n}: one GPU per rank, and the driver lists {gpus} here; set `world` to at most {gpus}"
+            )));
+        }
         let ranks_dir = request.output_dir.join("ranks");
         std::fs::create_dir_all(&ranks_dir)
             .map_err(|err| PluginError::failed(format!("{}: {err}", ranks_dir.display())))?;
