@@ -7,8 +7,7 @@
 use std::path::{Path, PathBuf};
 
 use attnbench_sdk::attention::{Backend, DType};
-use attnbench_sdk::mask::MaskSet;
-use attnbench_sdk::reference::{Element, HeadMasks, RandomInputs, Shape, Tensor};
+use attnbench_sdk::reference::{Element, HeadMasks, RandomInputs, Tensor};
 use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
 use cudarc::driver::CudaContext;
 use serde::{Deserialize, Serialize};
@@ -17,39 +16,23 @@ use crate::comm::{rank_groups, Communicator};
 use crate::device::{DeviceStore, DeviceValues, Kind};
 use crate::launch::RankInfo;
 use crate::local::Tokens;
-use crate::methods::{Groups, Rank, Setup};
+use crate::methods::{Groups, Rank};
 use crate::nccl::NcclGroup;
+use crate::processes::RankProblem;
 
 /// Everything a GPU rank needs; read by `attnbench-cp-rank` (`"kind": "gpu"`).
 #[derive(Serialize, Deserialize)]
 #[serde(tag = "kind", rename = "gpu")]
 pub struct GpuJob {
-    pub setup: Setup,
-    pub heads_q: usize,
-    pub heads_kv: usize,
-    pub head_dim: usize,
-    /// bf16 or fp16.
-    pub dtype: String,
-    pub seed: u64,
-    pub backward: bool,
-    pub mask: MaskSet,
+    /// The problem, its dtype bf16 or fp16.
+    #[serde(flatten)]
+    pub problem: RankProblem,
     /// The device backend: a plugin library and its in-process kernel.
     pub attention: (PathBuf, String),
     /// Timed repetitions after the warm-up.
     pub reps: usize,
     /// Each rank writes `rank-<r>.json` and its f32 output files here.
     pub results: PathBuf,
-}
-
-impl GpuJob {
-    pub fn shape(&self) -> Shape {
-        Shape {
-            heads_q: self.heads_q,
-            heads_kv: self.heads_kv,
-            seqlen: self.mask.seqlen as usize,
-            head_dim: self.head_dim,
-        }
-    }
 }
 
 /// What one GPU rank reports: its device, per-repetition times, bytes sent, and where its
@@ -131,21 +114,16 @@ fn seconds_between(
 fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, String> {
     attnbench_sdk::libraries::require("libcuda", "NVIDIA driver")?;
     attnbench_sdk::libraries::require("libnccl", "NCCL")?;
-    let setup = job.setup;
+    let problem = &job.problem;
+    problem.check_world(info)?;
+    let setup = problem.setup;
     let layout = setup.layout;
-    let n = layout.world();
-    if info.world != n {
-        return Err(format!(
-            "{} ranks were started ({}), the job needs {n}",
-            info.world, info.source
-        ));
-    }
-    let (element, input) = match job.dtype.as_str() {
+    let (element, input) = match problem.dtype.as_str() {
         "bf16" => (Element::Bf16, DType::Bf16),
         "fp16" => (Element::F16, DType::F16),
         other => return Err(format!("dtype `{other}`: GPU ranks take bf16 or fp16")),
     };
-    let shape = job.shape();
+    let shape = problem.shape();
     crate::threads::check(&setup, &shape)?;
     let w = info.rank;
 
@@ -174,9 +152,9 @@ fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, String> {
 
     // The rank's own share of the inputs, drawn alone: the same values as the stage's whole
     // tensors, without every rank holding them.
-    let draws = RandomInputs::new(&shape, job.seed, element);
-    let head_masks = HeadMasks::new(&job.mask, &shape);
-    let rank = Rank::new(setup, w, &job.mask, &head_masks, &shape);
+    let draws = RandomInputs::new(&shape, problem.seed, element);
+    let head_masks = HeadMasks::new(&problem.mask, &shape);
+    let rank = Rank::new(setup, w, &problem.mask, &head_masks, &shape);
     let positions = layout.positions(w);
     let (q_heads, kv_heads): (Vec<usize>, Vec<usize>) =
         ((0..shape.heads_q).collect(), (0..shape.heads_kv).collect());
@@ -193,7 +171,7 @@ fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, String> {
         upload(Tensor::K, &kv_heads),
         upload(Tensor::V, &kv_heads),
     );
-    let d_out = job.backward.then(|| upload(Tensor::DOut, &q_heads));
+    let d_out = problem.backward.then(|| upload(Tensor::DOut, &q_heads));
 
     let sent = || ulysses.sent_bytes() + ring.sent_bytes();
     let event = || {

@@ -201,6 +201,25 @@ pub fn setup(
     })
 }
 
+/// What every rank of a `cp/threads` node computes.
+fn rank_problem(
+    p: &Params,
+    setup: Setup,
+    set: &attnbench_sdk::mask::MaskSet,
+    seed: u64,
+) -> processes::RankProblem {
+    processes::RankProblem {
+        setup,
+        heads_q: p.heads_q,
+        heads_kv: p.heads_kv,
+        head_dim: p.head_dim,
+        dtype: p.dtype.clone(),
+        seed,
+        backward: p.direction != "fwd",
+        mask: set.clone(),
+    }
+}
+
 /// The library and kernel an `attention` parameter names (`None`: builtin).
 fn attention_library(
     request: &StageRequest,
@@ -279,14 +298,7 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
         .map_err(PluginError::failed)?;
     let ranks_dir = request.output_dir.join("ranks");
     let job = processes::Job {
-        setup,
-        heads_q: p.heads_q,
-        heads_kv: p.heads_kv,
-        head_dim: p.head_dim,
-        dtype: p.dtype.clone(),
-        seed: request.seed,
-        backward,
-        mask: set.clone(),
+        problem: rank_problem(&p, setup, &set, request.seed),
         results: ranks_dir.clone(),
         attention,
     };
@@ -432,14 +444,7 @@ impl GpuRun<'_> {
         std::fs::create_dir_all(&ranks_dir)
             .map_err(|err| PluginError::failed(format!("{}: {err}", ranks_dir.display())))?;
         let job = gpu_rank::GpuJob {
-            setup,
-            heads_q: p.heads_q,
-            heads_kv: p.heads_kv,
-            head_dim: p.head_dim,
-            dtype: p.dtype.clone(),
-            seed: request.seed,
-            backward: p.direction != "fwd",
-            mask: self.set.clone(),
+            problem: rank_problem(p, setup, self.set, request.seed),
             attention,
             reps: harness.min_reps.max(10).min(harness.max_reps.max(1)) as usize,
             results: ranks_dir.clone(),
@@ -458,7 +463,7 @@ impl GpuRun<'_> {
         let (s, d) = (shape.seqlen, shape.head_dim);
         let mut out = vec![0f32; shape.q_len()];
         let mut lse = vec![f32::NEG_INFINITY; shape.heads_q * s];
-        let mut grads = job.backward.then(|| {
+        let mut grads = job.problem.backward.then(|| {
             [
                 vec![0f32; shape.q_len()],
                 vec![0f32; shape.kv_len()],

@@ -20,10 +20,10 @@ use crate::launch::RankInfo;
 use crate::methods::Setup;
 use crate::threads::{self, Outcome, RankResult};
 
-/// Everything a rank needs: the method, the problem (inputs are drawn from the seed, so every
-/// rank draws the same), and where to write its result.
+/// What every rank of a context-parallel job computes, on CPUs or GPUs: the method and the
+/// problem (inputs are drawn from the seed, so every rank draws the same).
 #[derive(Serialize, Deserialize)]
-pub struct Job {
+pub struct RankProblem {
     pub setup: Setup,
     pub heads_q: usize,
     pub heads_kv: usize,
@@ -32,6 +32,36 @@ pub struct Job {
     pub seed: u64,
     pub backward: bool,
     pub mask: MaskSet,
+}
+
+impl RankProblem {
+    pub fn shape(&self) -> Shape {
+        Shape {
+            heads_q: self.heads_q,
+            heads_kv: self.heads_kv,
+            seqlen: self.mask.seqlen as usize,
+            head_dim: self.head_dim,
+        }
+    }
+
+    /// The launcher started as many ranks as the method's groups need.
+    pub fn check_world(&self, info: &RankInfo) -> Result<(), String> {
+        let needed = self.setup.layout.world();
+        if info.world != needed {
+            return Err(format!(
+                "{} ranks were started ({}), the job needs {needed}",
+                info.world, info.source
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Everything a CPU rank needs: the problem, its local attention, and where to write its result.
+#[derive(Serialize, Deserialize)]
+pub struct Job {
+    #[serde(flatten)]
+    pub problem: RankProblem,
     /// Each rank writes `rank-<r>.json` here.
     pub results: PathBuf,
     /// The local attention: a plugin library and its in-process kernel (`None`: builtin).
@@ -77,16 +107,7 @@ pub fn open_attention(path: &Path, kernel: &str) -> Result<Backend, String> {
     Ok(backend)
 }
 
-impl Job {
-    fn shape(&self) -> Shape {
-        Shape {
-            heads_q: self.heads_q,
-            heads_kv: self.heads_kv,
-            seqlen: self.mask.seqlen as usize,
-            head_dim: self.head_dim,
-        }
-    }
-
+impl RankProblem {
     fn inputs(&self) -> Result<Inputs, String> {
         let element =
             Element::parse(&self.dtype).ok_or_else(|| format!("dtype `{}`", self.dtype))?;
@@ -108,17 +129,11 @@ pub fn rank_main(path: &Path) -> Result<(), String> {
     let job: Job = serde_json::from_slice(&text)
         .map_err(|err| format!("{}: not a job: {err}", path.display()))?;
     let info = RankInfo::from_env()?;
-    if info.world != job.setup.layout.world() {
-        return Err(format!(
-            "{} ranks were started ({}), the job needs {}",
-            info.world,
-            info.source,
-            job.setup.layout.world()
-        ));
-    }
-    let shape = job.shape();
-    threads::check(&job.setup, &shape)?;
-    let inputs = job.inputs()?;
+    let problem = &job.problem;
+    problem.check_world(&info)?;
+    let shape = problem.shape();
+    threads::check(&problem.setup, &shape)?;
+    let inputs = problem.inputs()?;
     let world = crate::tcp::join(&info)?;
     let attention = job
         .attention
@@ -128,11 +143,11 @@ pub fn rank_main(path: &Path) -> Result<(), String> {
     let result = threads::run_rank(
         world,
         info.rank,
-        job.setup,
+        problem.setup,
         &shape,
-        &job.mask,
+        &problem.mask,
         &inputs,
-        job.backward,
+        problem.backward,
         attention.as_ref(),
     )?;
     write_rank_result(&job.results, info.rank, &result)
@@ -205,12 +220,13 @@ fn free_port() -> Result<u16, String> {
 /// Starts every rank of `job` (written at `path`) as a process on this machine and gathers their
 /// results; their logs go into the job's results folder.
 pub fn run(job: &Job, path: &Path, timeout: Duration) -> Result<Outcome, String> {
-    let shape = job.shape();
-    threads::check(&job.setup, &shape)?;
-    let n = job.setup.layout.world();
+    let problem = &job.problem;
+    let shape = problem.shape();
+    threads::check(&problem.setup, &shape)?;
+    let n = problem.setup.layout.world();
     start_ranks(path, n, &job.results, timeout)?;
     let results: Vec<RankResult> = read_rank_results(&job.results, n)?;
-    Ok(threads::assemble(&shape, results, job.backward))
+    Ok(threads::assemble(&shape, results, problem.backward))
 }
 
 /// Runs `n` rank processes of the job at `path` on this machine (torchrun-style variables, GPU

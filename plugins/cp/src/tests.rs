@@ -336,6 +336,40 @@ fn the_model_sets_measured_gpu_cells_beside_its_predictions() {
     assert!((predicted.time_s.unwrap() - expected).abs() < 1e-12);
 }
 
+/// A GPU job file keeps its flat shape (the problem's fields beside `kind`, as `attnbench-cp-rank`
+/// and cluster launches read it) and reads back as written.
+#[test]
+fn a_gpu_job_file_is_flat_and_reads_back() {
+    use crate::gpu_rank::GpuJob;
+    use crate::processes::RankProblem;
+    let job = GpuJob {
+        problem: RankProblem {
+            setup: setup(Method::Usp, 4, 2, 0, Placement::RingInner, SEQLEN).unwrap(),
+            heads_q: 8,
+            heads_kv: 2,
+            head_dim: 128,
+            dtype: "bf16".into(),
+            seed: 5,
+            backward: true,
+            mask: mask("causal_document"),
+        },
+        attention: ("libattnbench_cuda.so".into(), "flash".into()),
+        reps: 10,
+        results: "ranks".into(),
+    };
+    let text = serde_json::to_value(&job).unwrap();
+    assert_eq!(text["kind"], "gpu");
+    for field in [
+        "setup", "heads_q", "heads_kv", "head_dim", "dtype", "seed", "backward", "mask",
+    ] {
+        assert!(text.get(field).is_some(), "{field} missing: {text}");
+    }
+    let back: GpuJob = serde_json::from_value(text).unwrap();
+    assert_eq!(back.problem.shape().seqlen, SEQLEN);
+    assert_eq!((back.problem.seed, back.reps), (5, 10));
+    assert_eq!(back.problem.setup.layout.ulysses, 2);
+}
+
 /// Values beside what a GPU store holds them in: inputs in 16 bits, results in f32.
 #[derive(Clone, Debug)]
 struct Typed {
