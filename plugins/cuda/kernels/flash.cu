@@ -304,6 +304,249 @@ FLASH_FORWARD(bf16_d128, 1, 128)
 FLASH_FORWARD(f16_d64, 2, 64)
 FLASH_FORWARD(f16_d128, 2, 128)
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Hopper forward (sm_90a): one CTA of two warpgroups per (128-row query tile, query head), each
+// warpgroup 64 rows. S = Q·Kᵀ and O += P·V run as warpgroup MMAs (wgmma) that read Q, K and V
+// straight from shared memory through descriptors — no ldmatrix, no per-fragment addresses — with
+// P handed over in registers. Tiles sit in shared memory as the 128-byte swizzle lays them out:
+// 64-column panels of 128-byte rows, 16-byte chunk c of row r at chunk c ^ (r mod 8), every panel
+// 1024-byte aligned. K(j+1) and V(j+1) arrive by cp.async into the other of two buffers while tile
+// j is computed. Same work lists, masking and softmax as flash_forward; head_dim 128.
+
+// A shared-memory matrix descriptor with the 128-byte swizzle: start address, leading and stride
+// byte offsets (PTX's wgmma matrix descriptor; addresses and offsets in 16-byte units).
+__device__ __forceinline__ unsigned long long swizzled_descriptor(const void* p, unsigned leading, unsigned stride) {
+    const unsigned long long address = shared_address(p);
+    return ((address & 0x3FFFF) >> 4) | ((unsigned long long)((leading >> 4) & 0x3FFF) << 16) |
+           ((unsigned long long)((stride >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// What cp.async wrote (the generic proxy) becomes visible to wgmma's reads (the async proxy).
+__device__ __forceinline__ void shared_writes_to_async_proxy() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// The registers of an asynchronous product are settled here: nothing that reads or writes them
+// moves across this point.
+template <int N> __device__ __forceinline__ void settle(float* r) {
+    #pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
+}
+
+// S (64 rows × 64 keys, f32) += A·Bᵀ over 16 columns: A = Q rows, B = K rows, both from swizzled
+// shared memory; `accumulate` 0 starts from zero.
+template <int E> __device__ __forceinline__ void wgmma_scores(float* d, unsigned long long a, unsigned long long b, int accumulate);
+template <> __device__ __forceinline__ void wgmma_scores<1>(float* d, unsigned long long a, unsigned long long b, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "l"(a), "l"(b), "r"(accumulate));
+}
+template <> __device__ __forceinline__ void wgmma_scores<2>(float* d, unsigned long long a, unsigned long long b, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// O (64 rows × 128 columns, f32) += P·V over 16 keys: P in registers (A fragments as mma.sync
+// lays them out), V rows in swizzled shared memory, read transposed (V is stored key-major).
+template <int E> __device__ __forceinline__ void wgmma_values(float* d, const u32* a, unsigned long long b);
+template <> __device__ __forceinline__ void wgmma_values<1>(float* d, const u32* a, unsigned long long b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+}
+template <> __device__ __forceinline__ void wgmma_values<2>(float* d, const u32* a, unsigned long long b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+}
+
+// ROWS × 128 16-bit elements (global rows of 128) into two 64-column swizzled panels; rows at or
+// past `valid` become zeros.
+template <int ROWS, int NT>
+__device__ __forceinline__ void load_panels_async(u16* dst, const u16* src, int valid) {
+    #pragma unroll
+    for (int i = threadIdx.x; i < ROWS * 16; i += NT) {
+        const int row = i >> 4, chunk = i & 15;
+        const bool in = row < valid;
+        copy_async(dst + (chunk >> 3) * ROWS * 64 + swizzled<64>(row, chunk & 7), src + (size_t)(in ? row : 0) * 128 + chunk * 8, in);
+    }
+}
+
+#define HOPPER_THREADS 256
+
+template <int E>
+__device__ void flash_forward_hopper(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                                     float* __restrict__ out, float* __restrict__ lse,
+                                     const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles,
+                                     const unsigned* __restrict__ order,
+                                     const unsigned* __restrict__ row_start, const unsigned* __restrict__ intervals,
+                                     const int* __restrict__ mask_of_head,
+                                     int seqlen, int group, float scale_log2) {
+    constexpr int D = 128, ROWS = 128, KEYS = BN;
+    extern __shared__ __align__(1024) u16 hopper_shared[];
+    // The swizzle's atoms are 1024 bytes: the first tile starts on such a boundary.
+    u16* sq = hopper_shared + ((1024 - (shared_address(hopper_shared) & 1023)) & 1023) / 2;
+    // K in buffers 0 and 1 after Q, V in buffers 2 and 3.
+    auto buffer = [&](int index) { return sq + ROWS * D + index * KEYS * D; };
+    const int head = blockIdx.x, kv_head = head / group, mask = mask_of_head[head];
+    const int q_tiles = (seqlen + ROWS - 1) / ROWS;
+    const int q_tile = order[mask * q_tiles + blockIdx.y];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int half = warp >> 2;  // this warpgroup's 64 rows of the tile
+    const int q0 = q_tile * ROWS;
+    const u16* kh = k + ((size_t)kv_head * seqlen) * D;
+    const u16* vh = v + ((size_t)kv_head * seqlen) * D;
+    const unsigned list = mask * q_tiles + q_tile;
+    const unsigned begin = tile_start[list], end = tile_start[list + 1];
+
+    load_panels_async<ROWS, HOPPER_THREADS>(sq, q + ((size_t)head * seqlen + q0) * D, min(ROWS, seqlen - q0));
+    if (begin < end) {
+        const int k0 = (int)(tiles[begin] & 0x7fffffffu) * KEYS;
+        load_panels_async<KEYS, HOPPER_THREADS>(buffer(0), kh + (size_t)k0 * D, min(KEYS, seqlen - k0));
+        load_panels_async<KEYS, HOPPER_THREADS>(buffer(2), vh + (size_t)k0 * D, min(KEYS, seqlen - k0));
+    }
+    commit_copies();
+
+    // This thread's two rows ("slots"), as wgmma's accumulators hold them.
+    const unsigned* table_rows = row_start + (size_t)mask * (seqlen + 1);
+    const int row0 = q0 + half * 64 + (warp & 3) * 16 + g;
+    unsigned iv_begin[2], iv_count[2];
+    #pragma unroll
+    for (int slot = 0; slot < 2; ++slot) {
+        const int r = row0 + slot * 8;
+        iv_begin[slot] = r < seqlen ? table_rows[r] : 0;
+        iv_count[slot] = r < seqlen ? table_rows[r + 1] - iv_begin[slot] : 0;
+    }
+    float o[D / 2];
+    #pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+    const float minus_inf = __int_as_float(0xff800000);
+    float m[2] = {minus_inf, minus_inf}, l[2] = {0.0f, 0.0f};
+    // Q's rows of this warpgroup, panel by panel (64 rows × 128 bytes each).
+    const u16* q_panels = sq + half * 64 * 64;
+
+    for (unsigned w = begin; w < end; ++w) {
+        const int buf = (w - begin) & 1;
+        const unsigned entry = tiles[w];
+        const bool partial = entry >> 31;
+        const int k0 = (int)(entry & 0x7fffffffu) * KEYS;
+        if (w + 1 < end) {
+            // The other buffers were last read by tile j−1, behind the barrier that ended it.
+            const int k1 = (int)(tiles[w + 1] & 0x7fffffffu) * KEYS;
+            load_panels_async<KEYS, HOPPER_THREADS>(buffer(buf ^ 1), kh + (size_t)k1 * D, min(KEYS, seqlen - k1));
+            load_panels_async<KEYS, HOPPER_THREADS>(buffer(2 + (buf ^ 1)), vh + (size_t)k1 * D, min(KEYS, seqlen - k1));
+        }
+        commit_copies();
+        wait_copies<1>();  // tile j's K and V (and Q)
+        shared_writes_to_async_proxy();
+        __syncthreads();
+
+        // S = Q·Kᵀ: two panels of four 16-column steps (32 bytes apart inside a swizzled row).
+        float s[KEYS / 2];
+        wgmma_fence();
+        #pragma unroll
+        for (int panel = 0; panel < 2; ++panel)
+            #pragma unroll
+            for (int step = 0; step < 4; ++step)
+                wgmma_scores<E>(s,
+                                swizzled_descriptor(q_panels + panel * ROWS * 64 + step * 16, 16, 1024),
+                                swizzled_descriptor(buffer(buf) + panel * KEYS * 64 + step * 16, 16, 1024),
+                                panel | step);
+        wgmma_commit();
+        wgmma_wait_all();
+        settle<KEYS / 2>(s);
+
+        // s[4j + i]: row slot i / 2, key k0 + 8j + 2t + i mod 2 (the layout of mma.sync's C).
+        if (partial || k0 + KEYS > seqlen) {
+            #pragma unroll
+            for (int j = 0; j < KEYS / 8; ++j)
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int slot = i >> 1, key = k0 + j * 8 + t * 2 + (i & 1);
+                    bool ok = key < seqlen;
+                    if (ok && partial) ok = allowed(key, intervals + 2 * iv_begin[slot], iv_count[slot]);
+                    if (!ok) s[4 * j + i] = minus_inf;
+                }
+        }
+        #pragma unroll
+        for (int slot = 0; slot < 2; ++slot) {
+            float mx = minus_inf;
+            #pragma unroll
+            for (int j = 0; j < KEYS / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * slot], s[4 * j + 2 * slot + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            mx = fmaxf(m[slot], mx * scale_log2);
+            const float base = (mx == minus_inf) ? 0.0f : mx;
+            const float shrink = fast_exp2(m[slot] - base);
+            const bool moved = __any_sync(0xffffffffu, mx != m[slot]);
+            m[slot] = mx;
+            float sum = 0.0f;
+            #pragma unroll
+            for (int j = 0; j < KEYS / 8; ++j) {
+                float* pair = s + 4 * j + 2 * slot;
+                pair[0] = fast_exp2(fmaf(pair[0], scale_log2, -base));
+                pair[1] = fast_exp2(fmaf(pair[1], scale_log2, -base));
+                sum += pair[0] + pair[1];
+            }
+            l[slot] = l[slot] * shrink + sum;
+            if (moved) {
+                #pragma unroll
+                for (int j = 0; j < D / 8; ++j) { o[4 * j + 2 * slot] *= shrink; o[4 * j + 2 * slot + 1] *= shrink; }
+            }
+        }
+
+        // O += P·V, 16 keys a step: V's rows 16 apart (2048 bytes), its two panels 64 keys
+        // (8192 bytes) apart along the columns.
+        u32 p[KEYS / 16][4];
+        #pragma unroll
+        for (int step = 0; step < KEYS / 16; ++step) {
+            p[step][0] = pack2<E>(s[8 * step + 0], s[8 * step + 1]);
+            p[step][1] = pack2<E>(s[8 * step + 2], s[8 * step + 3]);
+            p[step][2] = pack2<E>(s[8 * step + 4], s[8 * step + 5]);
+            p[step][3] = pack2<E>(s[8 * step + 6], s[8 * step + 7]);
+        }
+        settle<D / 2>(o);
+        wgmma_fence();
+        #pragma unroll
+        for (int step = 0; step < KEYS / 16; ++step)
+            wgmma_values<E>(o, p[step], swizzled_descriptor(buffer(2 + buf) + step * 16 * 64, KEYS * 64 * 2, 1024));
+        wgmma_commit();
+        wgmma_wait_all();
+        settle<D / 2>(o);
+        __syncthreads();  // both warpgroups are done with this tile's buffers
+    }
+    const float ln2 = 0.6931471805599453f;
+    #pragma unroll
+    for (int slot = 0; slot < 2; ++slot) {
+        float sum = l[slot];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float inv = (m[slot] == minus_inf || sum == 0.0f) ? 0.0f : 1.0f / sum;
+        const int r = row0 + slot * 8;
+        if (r >= seqlen) continue;
+        float* o_row = out + ((size_t)head * seqlen + r) * D;
+        #pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+            *reinterpret_cast<float2*>(o_row + j * 8 + t * 2) = make_float2(o[4 * j + 2 * slot] * inv, o[4 * j + 2 * slot + 1] * inv);
+        if (t == 0) lse[(size_t)head * seqlen + r] = (inv == 0.0f) ? minus_inf : (m[slot] * ln2 + logf(sum));
+    }
+}
+
+#define FLASH_FORWARD_HOPPER(SUFFIX, E) \
+extern "C" __global__ void __launch_bounds__(HOPPER_THREADS, 1) flash_forward_hopper_##SUFFIX( \
+    const u16* q, const u16* k, const u16* v, float* out, float* lse, const unsigned* tile_start, const unsigned* tiles, \
+    const unsigned* order, const unsigned* row_start, const unsigned* intervals, const int* mask_of_head, \
+    int seqlen, int group, float scale_log2) { \
+    flash_forward_hopper<E>(q, k, v, out, lse, tile_start, tiles, order, row_start, intervals, mask_of_head, seqlen, group, scale_log2); }
+FLASH_FORWARD_HOPPER(bf16_d128, 1)
+FLASH_FORWARD_HOPPER(f16_d128, 2)
+#endif
+
 template <int E> __device__ __forceinline__ float to_float(u16 x);
 template <> __device__ __forceinline__ float to_float<1>(u16 x) { return __uint_as_float((u32)x << 16); }
 template <> __device__ __forceinline__ float to_float<2>(u16 x) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x)); return f; }

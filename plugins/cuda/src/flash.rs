@@ -229,6 +229,8 @@ pub fn bytes_needed(shape: &Shape, element: Element, backward: bool) -> usize {
 struct Functions {
     forward: CudaFunction,
     forward_narrow: CudaFunction,
+    /// The wgmma forward (Hopper, head_dim 128), where the module has it.
+    forward_hopper: Option<CudaFunction>,
     delta: CudaFunction,
     dq: CudaFunction,
     dkdv: CudaFunction,
@@ -256,6 +258,10 @@ impl Kernels {
                 function("forward_narrow")?,
                 forward_shared_bytes(TILE, head_dim),
             )?,
+            forward_hopper: match function("forward_hopper") {
+                Ok(hopper) => Some(allow_shared(hopper, HOPPER_SHARED_BYTES)?),
+                Err(_) => None,
+            },
             delta: function("delta")?,
             dq: function("backward_dq")?,
             dkdv: allow_shared(
@@ -331,6 +337,19 @@ struct GradTensors {
     dv: u64,
 }
 
+/// Which forward kernel runs: mma.sync (any GPU from sm_80) or wgmma (Hopper, head_dim 128,
+/// 128-row tiles).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Forward {
+    Mma,
+    Wgmma,
+}
+
+/// The wgmma forward's dynamic shared memory: a 128-row Q tile and two buffers each of K and V
+/// (64 rows), 16-bit, head_dim 128, and room to align the first tile to 1024 bytes.
+const HOPPER_SHARED_BYTES: u32 =
+    ((FORWARD_TILE as usize + 4 * TILE as usize) * 128 * 2 + 1024) as u32;
+
 /// The forward kernel's dynamic shared memory: a Q tile and one K and one V tile, 16-bit.
 fn forward_shared_bytes(rows: u64, head_dim: usize) -> u32 {
     ((rows + 2 * TILE) as usize * head_dim * 2) as u32
@@ -375,6 +394,7 @@ unsafe fn launch_forward(
     dims: Dims,
     x: &Tensors,
     t: &DeviceTables,
+    forward: Forward,
 ) -> Result<(), PluginError> {
     let addresses = [
         x.q,
@@ -392,10 +412,19 @@ unsafe fn launch_forward(
     let (len, group) = (dims.len as i32, (dims.heads_q / dims.heads_kv) as i32);
     let scale_log2 = dims.scale * std::f32::consts::LOG2_E;
     let rows = t.forward_rows;
-    let function = if rows == FORWARD_TILE {
-        &f.forward
-    } else {
-        &f.forward_narrow
+    let hopper = match (forward, &f.forward_hopper) {
+        (Forward::Wgmma, Some(hopper)) if rows == FORWARD_TILE => Some(hopper),
+        (Forward::Wgmma, _) => {
+            return Err(PluginError::failed(
+                "the wgmma forward runs head_dim 128 on Hopper (sm_90), on masks with 128-row tiles; use `forward: mma`",
+            ))
+        }
+        (Forward::Mma, _) => None,
+    };
+    let function = match hopper {
+        Some(hopper) => hopper,
+        None if rows == FORWARD_TILE => &f.forward,
+        None => &f.forward_narrow,
     };
     let mut launch = stream.launch_builder(function);
     for address in &addresses {
@@ -410,8 +439,12 @@ unsafe fn launch_forward(
             dims.len.div_ceil(rows as usize) as u32,
             1,
         ),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: forward_shared_bytes(rows, dims.head_dim),
+        block_dim: (if hopper.is_some() { 256 } else { 128 }, 1, 1),
+        shared_mem_bytes: if hopper.is_some() {
+            HOPPER_SHARED_BYTES
+        } else {
+            forward_shared_bytes(rows, dims.head_dim)
+        },
     };
     // SAFETY: the caller vouches for the extents (above).
     unsafe { launch.launch(config) }
@@ -534,6 +567,7 @@ pub struct Problem {
     functions: Functions,
     grad: Option<Gradients>,
     pub backward: Backward,
+    pub forward: Forward,
 }
 
 impl Problem {
@@ -577,6 +611,7 @@ impl Problem {
             functions: kernels.functions(element, shape.head_dim)?,
             grad,
             backward: Backward::Split,
+            forward: Forward::Mma,
         })
     }
 
@@ -601,6 +636,7 @@ impl Problem {
                 self.dims,
                 &self.tensors(gpu),
                 &self.tables,
+                self.forward,
             )
         }
     }
@@ -763,7 +799,7 @@ pub fn attend(gpu: &Gpu, kernels: &Kernels, call: &AttentionCall<'_>) -> Result<
     // were built from its rows.
     let launched = unsafe {
         match &delta {
-            None => launch_forward(&gpu.stream, &functions, dims, &x, &tables),
+            None => launch_forward(&gpu.stream, &functions, dims, &x, &tables, Forward::Mma),
             Some(delta) => {
                 let g = GradTensors {
                     d_out: address(call.d_out),

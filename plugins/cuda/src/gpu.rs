@@ -162,7 +162,11 @@ impl Gpu {
         source: &str,
     ) -> Result<Arc<cudarc::driver::CudaModule>, PluginError> {
         let (major, minor) = self.ctx.compute_capability().map_err(failed(what))?;
-        let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
+        // Hopper's own instructions (wgmma) need the architecture-specific target.
+        let arch: &'static str = match (major, minor) {
+            (9, 0) => "sm_90a",
+            _ => Box::leak(format!("sm_{major}{minor}").into_boxed_str()),
+        };
         let key =
             blake3::hash(format!("{source}\n{arch}\n{}", nvrtc_version()).as_bytes()).to_hex();
         let root = std::env::var_os("ATTNBENCH_CACHE")

@@ -82,6 +82,7 @@ impl Plugin for Cuda {
                     StageSpec::new("benchmark")
                         .doc("Times one kernel on one mask (from a masks/generate node), checked against the reference first.")
                         .param(ParamSpec::new("kernel", ParamType::one_of(&["naive", "flash"])).default("naive").doc("`naive`: cuBLAS GEMMs around a masked softmax, S×S scores per head (the GPU reference). `flash`: tiled tensor-core kernel driven by the mask IR (forward and backward; bf16/fp16; head_dim 64 or 128)."))
+                        .param(ParamSpec::new("forward", ParamType::one_of(&["mma", "wgmma"])).default("mma").doc("`flash`'s forward: `mma` (mma.sync, any GPU from sm_80) or `wgmma` (Hopper's warpgroup MMA reading Q, K and V from shared memory; head_dim 128, masks with 128-row tiles). Recorded as kernel `cuda-flash-wgmma` when the forward is timed."))
                         .param(ParamSpec::new("backward", ParamType::one_of(&["split", "fused"])).default("split").doc("`flash`'s backward: `split` (deterministic) computes dK and dV per key tile and dQ per query tile in a second kernel, which recomputes S and dP; `fused` adds dQ from the key-tile kernel with atomics (two of seven products saved; the order of the sums, so the last bits, vary run to run). Recorded as kernel `cuda-flash-fused`."))
                         .param(ParamSpec::new("direction", ParamType::one_of(&["fwd", "bwd", "fwd_bwd"])).default("fwd").doc("`bwd` is timed alone: the forward runs once, outside the timed region."))
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
@@ -245,6 +246,7 @@ struct BenchParams {
     kernel: String,
     check_max_seqlen: usize,
     backward: String,
+    forward: String,
     #[serde(flatten)]
     common: attnbench_sdk::measure::KernelParams,
 }
@@ -281,9 +283,10 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
     })?;
     let harness = p.common.harness.apply(default_harness());
     let measured_shape = p.common.measured_shape();
-    let kernel = match (p.kernel.as_str(), p.backward.as_str()) {
-        ("flash", "fused") => "cuda-flash-fused".to_string(),
-        (name, _) => format!("cuda-{name}"),
+    let kernel = match (p.kernel.as_str(), p.backward.as_str(), p.forward.as_str()) {
+        ("flash", "fused", _) => "cuda-flash-fused".to_string(),
+        ("flash", _, "wgmma") if p.common.direction != "bwd" => "cuda-flash-wgmma".to_string(),
+        (name, _, _) => format!("cuda-{name}"),
     };
     let plugin = ("cuda", env!("CARGO_PKG_VERSION"));
     let mut measurement = Measurement::for_kernel(
@@ -358,6 +361,9 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
             .map(|mut problem| {
                 if p.backward == "fused" {
                     problem.backward = flash::Backward::Fused;
+                }
+                if p.forward == "wgmma" {
+                    problem.forward = flash::Forward::Wgmma;
                 }
                 Problem::Flash(Box::new(problem))
             }),
