@@ -596,7 +596,8 @@ __device__ __forceinline__ void paired_products(float (*x)[4], float (*y)[4], Fr
 
 // dQ of one (64-row query tile, query head): S and P recomputed per key tile as in the forward
 // pass, dP = dO·Vᵀ, dS = P∘(dP − D), dQ += dS·K; scaled at the end. Q and dO are staged through
-// the K and V buffers into registers; V(j+1) loads while dS and dQ of tile j are computed.
+// the K and V buffers into registers; K(j+1) (into the other of two K buffers) and V(j+1) load
+// while dS and dQ of tile j are computed.
 template <int E, int D>
 __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                                   const u16* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -604,7 +605,7 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
                                   const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles,
                                   const unsigned* __restrict__ row_start, const unsigned* __restrict__ intervals,
                                   const int* __restrict__ mask_of_head, int seqlen, int group, float scale, float scale_log2) {
-    __shared__ __align__(128) u16 sk[BN * D];
+    __shared__ __align__(128) u16 sk_buffers[2][BN * D];
     __shared__ __align__(128) u16 sv[BN * D];
     const int q_tile = blockIdx.x, head = blockIdx.y, kv_head = head / group;
     const int mask = mask_of_head[head];
@@ -622,14 +623,14 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
     const float d1 = r1 < seqlen ? delta[(size_t)head * seqlen + r1] : 0.0f;
 
     u32 qa[D / 16][4], da[D / 16][4];
-    load_tile_async<BM, D, THREADS>(sk, q + ((size_t)head * seqlen + q0) * D, min(BM, seqlen - q0));
+    load_tile_async<BM, D, THREADS>(sk_buffers[0], q + ((size_t)head * seqlen + q0) * D, min(BM, seqlen - q0));
     load_tile_async<BM, D, THREADS>(sv, d_out + ((size_t)head * seqlen + q0) * D, min(BM, seqlen - q0));
     commit_copies();
     wait_copies<0>();
     __syncthreads();
     #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-        a_fragment<D>(qa[kk], sk, warp * 16, kk);
+        a_fragment<D>(qa[kk], sk_buffers[0], warp * 16, kk);
         a_fragment<D>(da[kk], sv, warp * 16, kk);
     }
     __syncthreads();
@@ -643,6 +644,7 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
     const unsigned begin = tile_start[list], end = tile_start[list + 1];
     if (begin < end) {
         const int k0 = (int)(tiles[begin] & 0x7fffffffu) * BN;
+        load_tile_async<BN, D, THREADS>(sk_buffers[0], kh + (size_t)k0 * D, min(BN, seqlen - k0));
         load_tile_async<BN, D, THREADS>(sv, vh + (size_t)k0 * D, min(BN, seqlen - k0));
     }
     commit_copies();
@@ -650,11 +652,9 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
         const unsigned entry = tiles[w];
         const bool partial = entry >> 31;
         const int k0 = (int)(entry & 0x7fffffffu) * BN;
-        __syncthreads();  // every warp is done with K(j-1)
-        load_tile_async<BN, D, THREADS>(sk, kh + (size_t)k0 * D, min(BN, seqlen - k0));
-        commit_copies();
+        const u16* sk = sk_buffers[(w - begin) & 1];
         wait_copies<0>();  // K(j) and V(j)
-        __syncthreads();
+        __syncthreads();  // ... for every thread; and every warp is done with K(j-1)'s buffer
         float s[BN / 8][4], dp[BN / 8][4];
         paired_products<E, D, BN>(s, dp, [&](int kk, u32* xa, u32* ya) {
             #pragma unroll
@@ -663,6 +663,7 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
         __syncthreads();  // every warp is done with V(j)
         if (w + 1 < end) {
             const int k1 = (int)(tiles[w + 1] & 0x7fffffffu) * BN;
+            load_tile_async<BN, D, THREADS>(sk_buffers[(w + 1 - begin) & 1], kh + (size_t)k1 * D, min(BN, seqlen - k1));
             load_tile_async<BN, D, THREADS>(sv, vh + (size_t)k1 * D, min(BN, seqlen - k1));
         }
         commit_copies();
