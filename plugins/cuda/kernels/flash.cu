@@ -323,7 +323,8 @@ __device__ __forceinline__ unsigned long long swizzled_descriptor(const void* p,
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// Until at most N committed groups of this warpgroup's products are still in flight.
+template <int N> __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
 // What cp.async wrote (the generic proxy) becomes visible to wgmma's reads (the async proxy).
 __device__ __forceinline__ void shared_writes_to_async_proxy() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 // The registers of an asynchronous product are settled here: nothing that reads or writes them
@@ -391,8 +392,9 @@ __device__ void flash_forward_hopper(const u16* __restrict__ q, const u16* __res
     extern __shared__ __align__(1024) u16 hopper_shared[];
     // The swizzle's atoms are 1024 bytes: the first tile starts on such a boundary.
     u16* sq = hopper_shared + ((1024 - (shared_address(hopper_shared) & 1023)) & 1023) / 2;
-    // K in buffers 0 and 1 after Q, V in buffers 2 and 3.
-    auto buffer = [&](int index) { return sq + ROWS * D + index * KEYS * D; };
+    // After Q: two buffers of K, then three of V (tile j−1's V is read while tile j+1's arrives).
+    auto key_buffer = [&](int index) { return sq + ROWS * D + index * KEYS * D; };
+    auto value_buffer = [&](int index) { return sq + ROWS * D + (2 + index) * KEYS * D; };
     const int head = blockIdx.x, kv_head = head / group, mask = mask_of_head[head];
     const int q_tiles = (seqlen + ROWS - 1) / ROWS;
     const int q_tile = order[mask * q_tiles + blockIdx.y];
@@ -407,8 +409,8 @@ __device__ void flash_forward_hopper(const u16* __restrict__ q, const u16* __res
     load_panels_async<ROWS, HOPPER_THREADS>(sq, q + ((size_t)head * seqlen + q0) * D, min(ROWS, seqlen - q0));
     if (begin < end) {
         const int k0 = (int)(tiles[begin] & 0x7fffffffu) * KEYS;
-        load_panels_async<KEYS, HOPPER_THREADS>(buffer(0), kh + (size_t)k0 * D, min(KEYS, seqlen - k0));
-        load_panels_async<KEYS, HOPPER_THREADS>(buffer(2), vh + (size_t)k0 * D, min(KEYS, seqlen - k0));
+        load_panels_async<KEYS, HOPPER_THREADS>(key_buffer(0), kh + (size_t)k0 * D, min(KEYS, seqlen - k0));
+        load_panels_async<KEYS, HOPPER_THREADS>(value_buffer(0), vh + (size_t)k0 * D, min(KEYS, seqlen - k0));
     }
     commit_copies();
 
@@ -429,22 +431,28 @@ __device__ void flash_forward_hopper(const u16* __restrict__ q, const u16* __res
     float m[2] = {minus_inf, minus_inf}, l[2] = {0.0f, 0.0f};
     // Q's rows of this warpgroup, panel by panel (64 rows × 128 bytes each).
     const u16* q_panels = sq + half * 64 * 64;
+    // P of the previous tile, as O += P·V takes it (A fragments in registers).
+    u32 p[KEYS / 16][4];
 
+    // Tile j's scores are computed while tile j−1's P·V runs, so the softmax of j overlaps a
+    // product in flight (FlashAttention-3's intra-warpgroup pipelining); O is rescaled for j's
+    // maximum once j−1's product has landed.
     for (unsigned w = begin; w < end; ++w) {
-        const int buf = (w - begin) & 1;
+        const int j = w - begin;
         const unsigned entry = tiles[w];
         const bool partial = entry >> 31;
         const int k0 = (int)(entry & 0x7fffffffu) * KEYS;
+        wait_copies<0>();  // tile j's K and V (and Q)
+        shared_writes_to_async_proxy();
+        // Every thread is past tile j−1's scores and tile j−2's product: K's other buffer and
+        // V's third buffer are free.
+        __syncthreads();
         if (w + 1 < end) {
-            // The other buffers were last read by tile j−1, behind the barrier that ended it.
             const int k1 = (int)(tiles[w + 1] & 0x7fffffffu) * KEYS;
-            load_panels_async<KEYS, HOPPER_THREADS>(buffer(buf ^ 1), kh + (size_t)k1 * D, min(KEYS, seqlen - k1));
-            load_panels_async<KEYS, HOPPER_THREADS>(buffer(2 + (buf ^ 1)), vh + (size_t)k1 * D, min(KEYS, seqlen - k1));
+            load_panels_async<KEYS, HOPPER_THREADS>(key_buffer((j + 1) & 1), kh + (size_t)k1 * D, min(KEYS, seqlen - k1));
+            load_panels_async<KEYS, HOPPER_THREADS>(value_buffer((j + 1) % 3), vh + (size_t)k1 * D, min(KEYS, seqlen - k1));
         }
         commit_copies();
-        wait_copies<1>();  // tile j's K and V (and Q)
-        shared_writes_to_async_proxy();
-        __syncthreads();
 
         // S = Q·Kᵀ: two panels of four 16-column steps (32 bytes apart inside a swizzled row).
         float s[KEYS / 2];
@@ -455,54 +463,67 @@ __device__ void flash_forward_hopper(const u16* __restrict__ q, const u16* __res
             for (int step = 0; step < 4; ++step)
                 wgmma_scores<E>(s,
                                 swizzled_descriptor(q_panels + panel * ROWS * 64 + step * 16, 16, 1024),
-                                swizzled_descriptor(buffer(buf) + panel * KEYS * 64 + step * 16, 16, 1024),
+                                swizzled_descriptor(key_buffer(j & 1) + panel * KEYS * 64 + step * 16, 16, 1024),
                                 panel | step);
         wgmma_commit();
-        wgmma_wait_all();
+        // O += P·V of tile j−1, 16 keys a step: V's rows 16 apart (2048 bytes), its two panels
+        // 64 keys (8192 bytes) apart along the columns.
+        if (j > 0) {
+            #pragma unroll
+            for (int step = 0; step < KEYS / 16; ++step)
+                wgmma_values<E>(o, p[step], swizzled_descriptor(value_buffer((j + 2) % 3) + step * 16 * 64, KEYS * 64 * 2, 1024));
+            wgmma_commit();
+            wgmma_wait<1>();
+        } else {
+            wgmma_wait<0>();
+        }
         settle<KEYS / 2>(s);
 
         // s[4j + i]: row slot i / 2, key k0 + 8j + 2t + i mod 2 (the layout of mma.sync's C).
         if (partial || k0 + KEYS > seqlen) {
             #pragma unroll
-            for (int j = 0; j < KEYS / 8; ++j)
+            for (int c = 0; c < KEYS / 8; ++c)
                 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    const int slot = i >> 1, key = k0 + j * 8 + t * 2 + (i & 1);
+                    const int slot = i >> 1, key = k0 + c * 8 + t * 2 + (i & 1);
                     bool ok = key < seqlen;
                     if (ok && partial) ok = allowed(key, intervals + 2 * iv_begin[slot], iv_count[slot]);
-                    if (!ok) s[4 * j + i] = minus_inf;
+                    if (!ok) s[4 * c + i] = minus_inf;
                 }
         }
+        float shrink[2];
+        bool moved[2];
         #pragma unroll
         for (int slot = 0; slot < 2; ++slot) {
             float mx = minus_inf;
             #pragma unroll
-            for (int j = 0; j < KEYS / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * slot], s[4 * j + 2 * slot + 1]));
+            for (int c = 0; c < KEYS / 8; ++c) mx = fmaxf(mx, fmaxf(s[4 * c + 2 * slot], s[4 * c + 2 * slot + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             mx = fmaxf(m[slot], mx * scale_log2);
             const float base = (mx == minus_inf) ? 0.0f : mx;
-            const float shrink = fast_exp2(m[slot] - base);
-            const bool moved = __any_sync(0xffffffffu, mx != m[slot]);
+            shrink[slot] = fast_exp2(m[slot] - base);
+            moved[slot] = __any_sync(0xffffffffu, mx != m[slot]);
             m[slot] = mx;
             float sum = 0.0f;
             #pragma unroll
-            for (int j = 0; j < KEYS / 8; ++j) {
-                float* pair = s + 4 * j + 2 * slot;
+            for (int c = 0; c < KEYS / 8; ++c) {
+                float* pair = s + 4 * c + 2 * slot;
                 pair[0] = fast_exp2(fmaf(pair[0], scale_log2, -base));
                 pair[1] = fast_exp2(fmaf(pair[1], scale_log2, -base));
                 sum += pair[0] + pair[1];
             }
-            l[slot] = l[slot] * shrink + sum;
-            if (moved) {
-                #pragma unroll
-                for (int j = 0; j < D / 8; ++j) { o[4 * j + 2 * slot] *= shrink; o[4 * j + 2 * slot + 1] *= shrink; }
-            }
+            l[slot] = l[slot] * shrink[slot] + sum;
         }
-
-        // O += P·V, 16 keys a step: V's rows 16 apart (2048 bytes), its two panels 64 keys
-        // (8192 bytes) apart along the columns.
-        u32 p[KEYS / 16][4];
+        // Tile j−1's product has landed: O and P are free.
+        wgmma_wait<0>();
+        settle<D / 2>(o);
+        #pragma unroll
+        for (int slot = 0; slot < 2; ++slot)
+            if (moved[slot]) {
+                #pragma unroll
+                for (int c = 0; c < D / 8; ++c) { o[4 * c + 2 * slot] *= shrink[slot]; o[4 * c + 2 * slot + 1] *= shrink[slot]; }
+            }
         #pragma unroll
         for (int step = 0; step < KEYS / 16; ++step) {
             p[step][0] = pack2<E>(s[8 * step + 0], s[8 * step + 1]);
@@ -510,15 +531,17 @@ __device__ void flash_forward_hopper(const u16* __restrict__ q, const u16* __res
             p[step][2] = pack2<E>(s[8 * step + 4], s[8 * step + 5]);
             p[step][3] = pack2<E>(s[8 * step + 6], s[8 * step + 7]);
         }
-        settle<D / 2>(o);
+    }
+    if (begin < end) {
+        // The last tile's P·V.
+        const int j = end - begin;
         wgmma_fence();
         #pragma unroll
         for (int step = 0; step < KEYS / 16; ++step)
-            wgmma_values<E>(o, p[step], swizzled_descriptor(buffer(2 + buf) + step * 16 * 64, KEYS * 64 * 2, 1024));
+            wgmma_values<E>(o, p[step], swizzled_descriptor(value_buffer((j + 2) % 3) + step * 16 * 64, KEYS * 64 * 2, 1024));
         wgmma_commit();
-        wgmma_wait_all();
+        wgmma_wait<0>();
         settle<D / 2>(o);
-        __syncthreads();  // both warpgroups are done with this tile's buffers
     }
     const float ln2 = 0.6931471805599453f;
     #pragma unroll

@@ -345,10 +345,10 @@ pub enum Forward {
     Wgmma,
 }
 
-/// The wgmma forward's dynamic shared memory: a 128-row Q tile and two buffers each of K and V
+/// The wgmma forward's dynamic shared memory: a 128-row Q tile, two buffers of K and three of V
 /// (64 rows), 16-bit, head_dim 128, and room to align the first tile to 1024 bytes.
 const HOPPER_SHARED_BYTES: u32 =
-    ((FORWARD_TILE as usize + 4 * TILE as usize) * 128 * 2 + 1024) as u32;
+    ((FORWARD_TILE as usize + 5 * TILE as usize) * 128 * 2 + 1024) as u32;
 
 /// The forward kernel's dynamic shared memory: a Q tile and one K and one V tile, 16-bit.
 fn forward_shared_bytes(rows: u64, head_dim: usize) -> u32 {
