@@ -337,12 +337,27 @@ struct GradTensors {
     dv: u64,
 }
 
-/// Which forward kernel runs: mma.sync (any GPU from sm_80) or wgmma (Hopper, head_dim 128,
-/// 128-row tiles).
+/// Which forward kernel runs: mma.sync (any GPU from sm_80), wgmma (Hopper, head_dim 128,
+/// 128-row tiles), or the faster of the two that the GPU and the mask set allow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Forward {
+    Auto,
     Mma,
     Wgmma,
+}
+
+impl Forward {
+    /// The wgmma kernel where this choice takes it, `None` for an mma.sync one; an error where
+    /// wgmma was asked for and cannot run.
+    fn hopper(self, f: &Functions, rows: u64) -> Result<Option<&CudaFunction>, PluginError> {
+        match (self, &f.forward_hopper) {
+            (Forward::Wgmma | Forward::Auto, Some(hopper)) if rows == FORWARD_TILE => Ok(Some(hopper)),
+            (Forward::Wgmma, _) => Err(PluginError::failed(
+                "the wgmma forward runs head_dim 128 on Hopper (sm_90), on masks with 128-row tiles; use `forward: mma` or `auto`",
+            )),
+            _ => Ok(None),
+        }
+    }
 }
 
 /// The wgmma forward's dynamic shared memory: a 128-row Q tile, two buffers of K and three of V
@@ -412,15 +427,7 @@ unsafe fn launch_forward(
     let (len, group) = (dims.len as i32, (dims.heads_q / dims.heads_kv) as i32);
     let scale_log2 = dims.scale * std::f32::consts::LOG2_E;
     let rows = t.forward_rows;
-    let hopper = match (forward, &f.forward_hopper) {
-        (Forward::Wgmma, Some(hopper)) if rows == FORWARD_TILE => Some(hopper),
-        (Forward::Wgmma, _) => {
-            return Err(PluginError::failed(
-                "the wgmma forward runs head_dim 128 on Hopper (sm_90), on masks with 128-row tiles; use `forward: mma`",
-            ))
-        }
-        (Forward::Mma, _) => None,
-    };
+    let hopper = forward.hopper(f, rows)?;
     let function = match hopper {
         Some(hopper) => hopper,
         None if rows == FORWARD_TILE => &f.forward,
@@ -611,8 +618,16 @@ impl Problem {
             functions: kernels.functions(element, shape.head_dim)?,
             grad,
             backward: Backward::Split,
-            forward: Forward::Mma,
+            forward: Forward::Auto,
         })
+    }
+
+    /// The forward kernel that runs for this problem: `wgmma` or `mma`.
+    pub fn forward_kernel(&self) -> Result<&'static str, PluginError> {
+        let hopper = self
+            .forward
+            .hopper(&self.functions, self.tables.forward_rows)?;
+        Ok(if hopper.is_some() { "wgmma" } else { "mma" })
     }
 
     fn tensors(&self, gpu: &Gpu) -> Tensors {
@@ -799,7 +814,7 @@ pub fn attend(gpu: &Gpu, kernels: &Kernels, call: &AttentionCall<'_>) -> Result<
     // were built from its rows.
     let launched = unsafe {
         match &delta {
-            None => launch_forward(&gpu.stream, &functions, dims, &x, &tables, Forward::Mma),
+            None => launch_forward(&gpu.stream, &functions, dims, &x, &tables, Forward::Auto),
             Some(delta) => {
                 let g = GradTensors {
                     d_out: address(call.d_out),

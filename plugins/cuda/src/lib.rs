@@ -82,7 +82,7 @@ impl Plugin for Cuda {
                     StageSpec::new("benchmark")
                         .doc("Times one kernel on one mask (from a masks/generate node), checked against the reference first.")
                         .param(ParamSpec::new("kernel", ParamType::one_of(&["naive", "flash"])).default("naive").doc("`naive`: cuBLAS GEMMs around a masked softmax, S×S scores per head (the GPU reference). `flash`: tiled tensor-core kernel driven by the mask IR (forward and backward; bf16/fp16; head_dim 64 or 128)."))
-                        .param(ParamSpec::new("forward", ParamType::one_of(&["mma", "wgmma"])).default("mma").doc("`flash`'s forward: `mma` (mma.sync, any GPU from sm_80) or `wgmma` (Hopper's warpgroup MMA reading Q, K and V from shared memory; head_dim 128, masks with 128-row tiles). Recorded as kernel `cuda-flash-wgmma` when the forward is timed."))
+                        .param(ParamSpec::new("forward", ParamType::one_of(&["auto", "mma", "wgmma"])).default("auto").doc("`flash`'s forward: `mma` (mma.sync, any GPU from sm_80), `wgmma` (Hopper's warpgroup MMA reading Q, K and V from shared memory, pipelined so each tile's softmax overlaps the previous tile's P·V; head_dim 128, masks with 128-row tiles), or `auto`, the wgmma one where it runs. The one that ran is the record's `environment.flash_forward`; chosen by name, it is also in the kernel's name (`cuda-flash-mma`, `cuda-flash-wgmma`) when the forward is timed."))
                         .param(ParamSpec::new("backward", ParamType::one_of(&["split", "fused"])).default("split").doc("`flash`'s backward: `split` (deterministic) computes dK and dV per key tile and dQ per query tile in a second kernel, which recomputes S and dP; `fused` adds dQ from the key-tile kernel with atomics (two of seven products saved; the order of the sums, so the last bits, vary run to run). Recorded as kernel `cuda-flash-fused`."))
                         .param(ParamSpec::new("direction", ParamType::one_of(&["fwd", "bwd", "fwd_bwd"])).default("fwd").doc("`bwd` is timed alone: the forward runs once, outside the timed region."))
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
@@ -285,7 +285,9 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
     let measured_shape = p.common.measured_shape();
     let kernel = match (p.kernel.as_str(), p.backward.as_str(), p.forward.as_str()) {
         ("flash", "fused", _) => "cuda-flash-fused".to_string(),
-        ("flash", _, "wgmma") if p.common.direction != "bwd" => "cuda-flash-wgmma".to_string(),
+        ("flash", _, forward @ ("mma" | "wgmma")) if p.common.direction != "bwd" => {
+            format!("cuda-flash-{forward}")
+        }
         (name, _, _) => format!("cuda-{name}"),
     };
     let plugin = ("cuda", env!("CARGO_PKG_VERSION"));
@@ -362,9 +364,11 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
                 if p.backward == "fused" {
                     problem.backward = flash::Backward::Fused;
                 }
-                if p.forward == "wgmma" {
-                    problem.forward = flash::Forward::Wgmma;
-                }
+                problem.forward = match p.forward.as_str() {
+                    "mma" => flash::Forward::Mma,
+                    "wgmma" => flash::Forward::Wgmma,
+                    _ => flash::Forward::Auto,
+                };
                 Problem::Flash(Box::new(problem))
             }),
             (_, Some(kernels)) => {
@@ -379,6 +383,19 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
             }
             other => other?,
         };
+        if let Problem::Flash(flash) = &problem {
+            match flash.forward_kernel() {
+                Ok(kernel) => {
+                    measurement
+                        .environment
+                        .insert("flash_forward".into(), kernel.into());
+                }
+                Err(PluginError::Failed(reason)) => {
+                    return measurement.unsupported(reason).write(&request.output_dir)
+                }
+                Err(other) => return Err(other),
+            }
+        }
         lap(&mut phases, "upload_s");
         problem.forward(gpu)?;
         if backward {
