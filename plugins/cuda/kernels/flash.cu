@@ -380,6 +380,13 @@ __device__ __forceinline__ void load_panels_async(u16* dst, const u16* src, int 
 
 #define HOPPER_THREADS 256
 
+extern __shared__ __align__(1024) u16 hopper_shared[];
+// The Hopper kernels' dynamic shared memory from its first 1024-byte boundary (the swizzle's
+// atoms are 1024 bytes; the host asks for 1024 bytes more than the tiles need).
+__device__ __forceinline__ u16* hopper_tiles() {
+    return hopper_shared + ((1024 - (shared_address(hopper_shared) & 1023)) & 1023) / 2;
+}
+
 template <int E>
 __device__ void flash_forward_hopper(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                                      float* __restrict__ out, float* __restrict__ lse,
@@ -389,9 +396,7 @@ __device__ void flash_forward_hopper(const u16* __restrict__ q, const u16* __res
                                      const int* __restrict__ mask_of_head,
                                      int seqlen, int group, float scale_log2) {
     constexpr int D = 128, ROWS = 128, KEYS = BN;
-    extern __shared__ __align__(1024) u16 hopper_shared[];
-    // The swizzle's atoms are 1024 bytes: the first tile starts on such a boundary.
-    u16* sq = hopper_shared + ((1024 - (shared_address(hopper_shared) & 1023)) & 1023) / 2;
+    u16* sq = hopper_tiles();
     // After Q: two buffers of K, then three of V (tile j−1's V is read while tile j+1's arrives).
     auto key_buffer = [&](int index) { return sq + ROWS * D + index * KEYS * D; };
     auto value_buffer = [&](int index) { return sq + ROWS * D + (2 + index) * KEYS * D; };
@@ -758,6 +763,67 @@ template <int E> __device__ __forceinline__ u16 to_bits(float x);
 template <> __device__ __forceinline__ u16 to_bits<1>(float x) { u16 r; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x)); return r; }
 template <> __device__ __forceinline__ u16 to_bits<2>(float x) { u16 r; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x)); return r; }
 
+// LSE (times log2 e) and D of query rows q0.. of a head, ROWS of them, into shared memory; rows
+// past the sequence get −inf and 0.
+template <int ROWS, int NT>
+__device__ __forceinline__ void stage_row_statistics(float* s_lse, float* s_delta, const float* lse, const float* delta,
+                                                     size_t head_row0, int q0, int seqlen) {
+    const float log2e = 1.4426950408889634f;
+    for (int i = threadIdx.x; i < ROWS; i += NT) {
+        const bool in = q0 + i < seqlen;
+        s_lse[i] = in ? lse[head_row0 + q0 + i] * log2e : __int_as_float(0xff800000);
+        s_delta[i] = in ? delta[head_row0 + q0 + i] : 0.0f;
+    }
+}
+
+// A key tile's walk over the query rows that see it: each query head of the KV group in order,
+// each query tile of its list for this key tile, in ROWS-row parts (a part past the sequence's
+// end is skipped). `head == last_head`: done.
+template <int ROWS>
+struct KeyTileWalk {
+    const unsigned* tile_start;
+    const unsigned* tiles;
+    const int* mask_of_head;
+    int seqlen, k_tiles, k_tile, head, last_head, part;
+    unsigned w, end;
+
+    __device__ KeyTileWalk(const unsigned* tile_start_, const unsigned* tiles_, const int* mask_of_head_,
+                           int seqlen_, int k_tile_, int kv_head, int group)
+        : tile_start(tile_start_), tiles(tiles_), mask_of_head(mask_of_head_), seqlen(seqlen_),
+          k_tiles((seqlen_ + BN - 1) / BN), k_tile(k_tile_), head(kv_head * group), last_head((kv_head + 1) * group), part(0) {
+        open_list();
+        settle();
+    }
+    __device__ bool done() const { return head >= last_head; }
+    __device__ unsigned entry() const { return tiles[w]; }
+    // The first query row of the current step.
+    __device__ int row0() const { return (int)(tiles[w] & 0x7fffffffu) * BM + part * ROWS; }
+    __device__ void advance() {
+        if (++part == BM / ROWS) { part = 0; ++w; }
+        settle();
+    }
+
+  private:
+    __device__ void open_list() {
+        const unsigned list = mask_of_head[head] * k_tiles + k_tile;
+        w = tile_start[list];
+        end = tile_start[list + 1];
+        part = 0;
+    }
+    // Moves to the first step at or after the current one that exists.
+    __device__ void settle() {
+        while (head < last_head) {
+            if (w < end) {
+                if (row0() < seqlen) return;
+                part = 0;
+                ++w;
+            } else if (++head < last_head) {
+                open_list();
+            }
+        }
+    }
+};
+
 // dK and dV of one (64-key tile, KV head): for each step of the walk, Sᵀ = K·Qᵀ, Pᵀ,
 // dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − D), dK += dSᵀ·Q; dK scaled at the end. K and V stay
 // in shared memory; Q and dO of the next step load into the other of two buffers while this one
@@ -784,49 +850,21 @@ __device__ void flash_backward_dkdv(const u16* __restrict__ q, const u16* __rest
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int k0 = k_tile * BN;
     const int key0 = k0 + warp * 16 + g, key1 = key0 + 8;
-    const float minus_inf = __int_as_float(0xff800000), log2e = 1.4426950408889634f;
-    const int k_tiles = (seqlen + BN - 1) / BN;
+    const float minus_inf = __int_as_float(0xff800000);
 
     load_tile_async<BN, D, THREADS>(sk, k + ((size_t)kv_head * seqlen + k0) * D, min(BN, seqlen - k0));
     load_tile_async<BN, D, THREADS>(sv, v + ((size_t)kv_head * seqlen + k0) * D, min(BN, seqlen - k0));
     commit_copies();
 
-    // The walk's position: query head, entry of its list, half of the query tile.
-    int head = kv_head * group, half = 0;
-    unsigned w = 0, end = 0;
-    const int last_head = (kv_head + 1) * group;
-    // Moves to the first step at or after (head, w, half) that exists; head == last_head: done.
-    // Steps: each query head of the group in order, each query tile of its list for this key
-    // tile, in 32-row halves (a half past the sequence's end is skipped).
-    auto settle = [&]() {
-        while (head < last_head) {
-            if (w < end) {
-                if ((int)(tiles[w] & 0x7fffffffu) * BM + half * BQ < seqlen) return;
-                half = 0; ++w;
-            } else if (++head < last_head) {
-                const unsigned list = mask_of_head[head] * k_tiles + k_tile;
-                w = tile_start[list]; end = tile_start[list + 1]; half = 0;
-            }
-        }
-    };
-    auto advance = [&]() { if (++half == BM / BQ) { half = 0; ++w; } settle(); };
+    KeyTileWalk<BQ> walk(tile_start, tiles, mask_of_head, seqlen, k_tile, kv_head, group);
     auto issue = [&](int stage) {
-        if (head >= last_head) return;
-        const int q0 = (int)(tiles[w] & 0x7fffffffu) * BM + half * BQ;
+        if (walk.done()) return;
+        const int head = walk.head, q0 = walk.row0();
         u16* sq = buffers + stage * 2 * BQ * D;
         load_tile_async<BQ, D, THREADS>(sq, q + ((size_t)head * seqlen + q0) * D, min(BQ, seqlen - q0));
         load_tile_async<BQ, D, THREADS>(sq + BQ * D, d_out + ((size_t)head * seqlen + q0) * D, min(BQ, seqlen - q0));
-        for (int i = threadIdx.x; i < BQ; i += THREADS) {
-            const bool in = q0 + i < seqlen;
-            s_lse[stage][i] = in ? lse[(size_t)head * seqlen + q0 + i] * log2e : minus_inf;
-            s_delta[stage][i] = in ? delta[(size_t)head * seqlen + q0 + i] : 0.0f;
-        }
+        stage_row_statistics<BQ, THREADS>(s_lse[stage], s_delta[stage], lse, delta, (size_t)head * seqlen, q0, seqlen);
     };
-    {
-        const unsigned list = mask_of_head[head] * k_tiles + k_tile;
-        w = tile_start[list]; end = tile_start[list + 1];
-    }
-    settle();
     issue(0);
     commit_copies();
 
@@ -836,13 +874,12 @@ __device__ void flash_backward_dkdv(const u16* __restrict__ q, const u16* __rest
         dk_acc[n][0] = dk_acc[n][1] = dk_acc[n][2] = dk_acc[n][3] = 0.0f;
         dv_acc[n][0] = dv_acc[n][1] = dv_acc[n][2] = dv_acc[n][3] = 0.0f;
     }
-    for (int stage = 0; head < last_head; stage ^= 1) {
-        const int step_head = head;
-        const unsigned entry = tiles[w];
-        const bool partial = entry >> 31;
-        const int q0 = (int)(entry & 0x7fffffffu) * BM + half * BQ;
+    for (int stage = 0; !walk.done(); stage ^= 1) {
+        const int step_head = walk.head;
+        const bool partial = walk.entry() >> 31;
+        const int q0 = walk.row0();
         const unsigned* table_rows = row_start + (size_t)mask_of_head[step_head] * (seqlen + 1);
-        advance();
+        walk.advance();
         // The other buffer was last read two steps ago, behind the barrier that ended that step.
         issue(stage ^ 1);
         commit_copies();
@@ -995,3 +1032,284 @@ FLASH_BACKWARD(bf16_d64, 1, 64)
 FLASH_BACKWARD(bf16_d128, 1, 128)
 FLASH_BACKWARD(f16_d64, 2, 64)
 FLASH_BACKWARD(f16_d128, 2, 128)
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Hopper backward (sm_90a), head_dim 128: the split backward's two kernels on warpgroup MMAs, one
+// warpgroup per CTA (two CTAs fit an SM). Every product is one of the forward's two forms:
+// scores (A and B K-major from swizzled shared memory, 64 × 64) and values (A in registers, B read
+// transposed from swizzled shared memory, 64 × 128).
+
+// A 64-row tile's 16-column step `step` (0..7) of its two 64-column panels, as a scores operand.
+__device__ __forceinline__ unsigned long long panel_step(const u16* tile, int step) {
+    return swizzled_descriptor(tile + (step >> 2) * 64 * 64 + (step & 3) * 16, 16, 1024);
+}
+// Rows 16·step.. of a 64-row tile, read transposed, as a values operand.
+__device__ __forceinline__ unsigned long long transposed_rows(const u16* tile, int step) {
+    return swizzled_descriptor(tile + step * 16 * 64, 64 * 64 * 2, 1024);
+}
+// X = A·Bᵀ for 64-row tiles A and B in shared memory (both 128 columns).
+template <int E> __device__ __forceinline__ void scores_product(float* x, const u16* a, const u16* b) {
+    #pragma unroll
+    for (int step = 0; step < 8; ++step) wgmma_scores<E>(x, panel_step(a, step), panel_step(b, step), step);
+}
+// Y += A·B, A (64 × 64) as four 16-column fragments in registers, B a 64-row tile in shared memory.
+template <int E> __device__ __forceinline__ void values_product(float* y, const u32 (*a)[4], const u16* b) {
+    #pragma unroll
+    for (int step = 0; step < 4; ++step) wgmma_values<E>(y, a[step], transposed_rows(b, step));
+}
+// A 64 × 64 accumulator (mma.sync's C layout per warp) as A fragments for values_product.
+template <int E> __device__ __forceinline__ void as_fragments(u32 (*a)[4], const float* x) {
+    #pragma unroll
+    for (int step = 0; step < 4; ++step) {
+        a[step][0] = pack2<E>(x[8 * step + 0], x[8 * step + 1]);
+        a[step][1] = pack2<E>(x[8 * step + 2], x[8 * step + 3]);
+        a[step][2] = pack2<E>(x[8 * step + 4], x[8 * step + 5]);
+        a[step][3] = pack2<E>(x[8 * step + 6], x[8 * step + 7]);
+    }
+}
+// A 64 × 128 accumulator's rows r and r + 8 (this thread's, r = row0) into f32 global rows of 128,
+// times `factor`; rows at or past `seqlen` are skipped.
+__device__ __forceinline__ void store_rows(float* dst, const float* acc, int row0, int seqlen, float factor) {
+    const int t = threadIdx.x & 3;
+    #pragma unroll
+    for (int slot = 0; slot < 2; ++slot) {
+        const int r = row0 + slot * 8;
+        if (r >= seqlen) continue;
+        #pragma unroll
+        for (int c = 0; c < 16; ++c)
+            *reinterpret_cast<float2*>(dst + (size_t)r * 128 + c * 8 + t * 2) =
+                make_float2(acc[4 * c + 2 * slot] * factor, acc[4 * c + 2 * slot + 1] * factor);
+    }
+}
+
+#define HOPPER_BACKWARD_THREADS 128
+
+// dQ of one (64-row query tile, query head), as flash_backward_dq: per key tile S = Q·Kᵀ and
+// dP = dO·Vᵀ (both in flight together), P and dS = P∘(dP − D) while dP lands, dQ += dS·K, which
+// waits for before the next tile. Shared memory: Q, dO, two buffers each of K, V.
+template <int E>
+__device__ void flash_backward_dq_hopper(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                                         const u16* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
+                                         float* __restrict__ dq,
+                                         const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles,
+                                         const unsigned* __restrict__ row_start, const unsigned* __restrict__ intervals,
+                                         const int* __restrict__ mask_of_head, int seqlen, int group, float scale, float scale_log2) {
+    constexpr int D = 128, TILE_ELEMENTS = 64 * D;
+    u16* sq = hopper_tiles();
+    u16* sdo = sq + TILE_ELEMENTS;
+    auto key_buffer = [&](int i) { return sq + (2 + i) * TILE_ELEMENTS; };
+    auto value_buffer = [&](int i) { return sq + (4 + i) * TILE_ELEMENTS; };
+    const int q_tile = blockIdx.x, head = blockIdx.y, kv_head = head / group, mask = mask_of_head[head];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int q0 = q_tile * BM, row0 = q0 + warp * 16 + g;
+    const float minus_inf = __int_as_float(0xff800000), log2e = 1.4426950408889634f;
+    const unsigned* table_rows = row_start + (size_t)mask * (seqlen + 1);
+    unsigned iv_begin[2], iv_count[2];
+    float row_lse[2], row_delta[2];
+    #pragma unroll
+    for (int slot = 0; slot < 2; ++slot) {
+        const int r = row0 + slot * 8;
+        const bool in = r < seqlen;
+        iv_begin[slot] = in ? table_rows[r] : 0;
+        iv_count[slot] = in ? table_rows[r + 1] - iv_begin[slot] : 0;
+        row_lse[slot] = in ? lse[(size_t)head * seqlen + r] * log2e : minus_inf;
+        row_delta[slot] = in ? delta[(size_t)head * seqlen + r] : 0.0f;
+    }
+    const u16* kh = k + ((size_t)kv_head * seqlen) * D;
+    const u16* vh = v + ((size_t)kv_head * seqlen) * D;
+    const unsigned list = mask * ((seqlen + BM - 1) / BM) + q_tile;
+    const unsigned begin = tile_start[list], end = tile_start[list + 1];
+    load_panels_async<BM, HOPPER_BACKWARD_THREADS>(sq, q + ((size_t)head * seqlen + q0) * D, min(BM, seqlen - q0));
+    load_panels_async<BM, HOPPER_BACKWARD_THREADS>(sdo, d_out + ((size_t)head * seqlen + q0) * D, min(BM, seqlen - q0));
+    if (begin < end) {
+        const int k0 = (int)(tiles[begin] & 0x7fffffffu) * BN;
+        load_panels_async<BN, HOPPER_BACKWARD_THREADS>(key_buffer(0), kh + (size_t)k0 * D, min(BN, seqlen - k0));
+        load_panels_async<BN, HOPPER_BACKWARD_THREADS>(value_buffer(0), vh + (size_t)k0 * D, min(BN, seqlen - k0));
+    }
+    commit_copies();
+
+    float acc[D / 2];
+    #pragma unroll
+    for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f;
+    for (unsigned w = begin; w < end; ++w) {
+        const int j = w - begin;
+        const unsigned entry = tiles[w];
+        const bool partial = entry >> 31;
+        const int k0 = (int)(entry & 0x7fffffffu) * BN;
+        wait_copies<0>();  // tile j's K and V (and Q, dO)
+        shared_writes_to_async_proxy();
+        __syncthreads();
+        if (w + 1 < end) {
+            const int k1 = (int)(tiles[w + 1] & 0x7fffffffu) * BN;
+            load_panels_async<BN, HOPPER_BACKWARD_THREADS>(key_buffer((j + 1) & 1), kh + (size_t)k1 * D, min(BN, seqlen - k1));
+            load_panels_async<BN, HOPPER_BACKWARD_THREADS>(value_buffer((j + 1) & 1), vh + (size_t)k1 * D, min(BN, seqlen - k1));
+        }
+        commit_copies();
+        const u16* sk = key_buffer(j & 1);
+        float s[BN / 2], dp[BN / 2];
+        wgmma_fence();
+        scores_product<E>(s, sq, sk);
+        wgmma_commit();
+        scores_product<E>(dp, sdo, value_buffer(j & 1));
+        wgmma_commit();
+        wgmma_wait<1>();
+        settle<BN / 2>(s);
+        // s[4c + i]: row slot i / 2, key k0 + 8c + 2t + i mod 2. A full tile inside the sequence
+        // needs no test: every cell is allowed, so every row has a key and a finite LSE.
+        if (!partial && k0 + BN <= seqlen && q0 + BM <= seqlen) {
+            #pragma unroll
+            for (int i = 0; i < BN / 2; ++i) s[i] = fast_exp2(fmaf(s[i], scale_log2, -row_lse[(i >> 1) & 1]));
+        } else {
+            #pragma unroll
+            for (int i = 0; i < BN / 2; ++i) {
+                const int slot = (i >> 1) & 1, key = k0 + (i >> 2) * 8 + t * 2 + (i & 1);
+                bool ok = key < seqlen && row_lse[slot] != minus_inf;
+                if (ok && partial) ok = allowed(key, intervals + 2 * iv_begin[slot], iv_count[slot]);
+                s[i] = ok ? fast_exp2(s[i] * scale_log2 - row_lse[slot]) : 0.0f;
+            }
+        }
+        wgmma_wait<0>();
+        settle<BN / 2>(dp);
+        #pragma unroll
+        for (int i = 0; i < BN / 2; ++i) s[i] *= dp[i] - row_delta[(i >> 1) & 1];
+        u32 ds[BN / 16][4];
+        as_fragments<E>(ds, s);
+        settle<D / 2>(acc);
+        wgmma_fence();
+        values_product<E>(acc, ds, sk);
+        wgmma_commit();
+        wgmma_wait<0>();
+        settle<D / 2>(acc);
+    }
+    store_rows(dq + (size_t)head * seqlen * D, acc, row0, seqlen, scale);
+}
+
+// dK and dV of one (64-key tile, KV head), as flash_backward_dkdv with 64-row steps: Sᵀ = K·Qᵀ and
+// dPᵀ = V·dOᵀ in flight together, Pᵀ while dPᵀ lands, dV += Pᵀ·dO in flight while dSᵀ is formed,
+// dK += dSᵀ·Q. Q and dO of the next step load into the other of two buffers. Shared memory: K, V,
+// then [stage][Q | dO].
+template <int E>
+__device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                                           const u16* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
+                                           float* __restrict__ dk, float* __restrict__ dv,
+                                           const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles,
+                                           const unsigned* __restrict__ row_start, const unsigned* __restrict__ intervals,
+                                           const int* __restrict__ mask_of_head, int seqlen, int group, float scale, float scale_log2) {
+    constexpr int D = 128, ROWS = BM, TILE_ELEMENTS = 64 * D;
+    u16* sk = hopper_tiles();
+    u16* sv = sk + TILE_ELEMENTS;
+    auto stage_tiles = [&](int stage) { return sk + (2 + 2 * stage) * TILE_ELEMENTS; };  // Q, then dO
+    __shared__ __align__(16) float s_lse[2][ROWS];
+    __shared__ __align__(16) float s_delta[2][ROWS];
+    const int k_tile = blockIdx.x, kv_head = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int k0 = k_tile * BN, key0 = k0 + warp * 16 + g;
+    const float minus_inf = __int_as_float(0xff800000);
+    load_panels_async<BN, HOPPER_BACKWARD_THREADS>(sk, k + ((size_t)kv_head * seqlen + k0) * D, min(BN, seqlen - k0));
+    load_panels_async<BN, HOPPER_BACKWARD_THREADS>(sv, v + ((size_t)kv_head * seqlen + k0) * D, min(BN, seqlen - k0));
+
+    KeyTileWalk<ROWS> walk(tile_start, tiles, mask_of_head, seqlen, k_tile, kv_head, group);
+    auto issue = [&](int stage) {
+        if (walk.done()) return;
+        const int head = walk.head, q0 = walk.row0();
+        u16* sq = stage_tiles(stage);
+        load_panels_async<ROWS, HOPPER_BACKWARD_THREADS>(sq, q + ((size_t)head * seqlen + q0) * D, min(ROWS, seqlen - q0));
+        load_panels_async<ROWS, HOPPER_BACKWARD_THREADS>(sq + TILE_ELEMENTS, d_out + ((size_t)head * seqlen + q0) * D, min(ROWS, seqlen - q0));
+        stage_row_statistics<ROWS, HOPPER_BACKWARD_THREADS>(s_lse[stage], s_delta[stage], lse, delta, (size_t)head * seqlen, q0, seqlen);
+    };
+    issue(0);
+    commit_copies();
+
+    float dk_acc[D / 2], dv_acc[D / 2];
+    #pragma unroll
+    for (int i = 0; i < D / 2; ++i) dk_acc[i] = dv_acc[i] = 0.0f;
+    for (int stage = 0; !walk.done(); stage ^= 1) {
+        const bool partial = walk.entry() >> 31;
+        const int q0 = walk.row0();
+        const unsigned* table_rows = row_start + (size_t)mask_of_head[walk.head] * (seqlen + 1);
+        walk.advance();
+        wait_copies<0>();  // this step's Q, dO and row statistics (and, on the first step, K and V)
+        shared_writes_to_async_proxy();
+        // Every thread is past the previous step, whose products have landed: the other stage
+        // is free.
+        __syncthreads();
+        issue(stage ^ 1);
+        commit_copies();
+        const u16* sq = stage_tiles(stage);
+        const u16* sdo = sq + TILE_ELEMENTS;
+        // Sᵀ and dPᵀ for the warpgroup's 64 keys × 64 queries: st[4c + i] is key slot i / 2,
+        // query q0 + 8c + 2t + i mod 2.
+        float st[ROWS / 2], dpt[ROWS / 2];
+        wgmma_fence();
+        scores_product<E>(st, sk, sq);
+        wgmma_commit();
+        scores_product<E>(dpt, sv, sdo);
+        wgmma_commit();
+        wgmma_wait<1>();
+        settle<ROWS / 2>(st);
+        // A full step inside the sequence needs no test: every cell is allowed, so every row
+        // has a key and a finite LSE; a thread's columns come in pairs, read as one 8-byte word.
+        if (!partial && q0 + ROWS <= seqlen && k0 + BN <= seqlen) {
+            #pragma unroll
+            for (int c = 0; c < ROWS / 8; ++c) {
+                const float2 pair = *reinterpret_cast<const float2*>(&s_lse[stage][c * 8 + t * 2]);
+                #pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    st[4 * c + i] = fast_exp2(fmaf(st[4 * c + i], scale_log2, -((i & 1) ? pair.y : pair.x)));
+            }
+        } else {
+            #pragma unroll
+            for (int i = 0; i < ROWS / 2; ++i) {
+                const int column = (i >> 2) * 8 + t * 2 + (i & 1), row_q = q0 + column;
+                const int key = key0 + ((i >> 1) & 1) * 8;
+                const float row_lse = s_lse[stage][column];
+                bool ok = key < seqlen && row_q < seqlen && row_lse != minus_inf;
+                if (ok && partial) {
+                    const unsigned begin = table_rows[row_q];
+                    ok = allowed(key, intervals + 2 * begin, table_rows[row_q + 1] - begin);
+                }
+                st[i] = ok ? fast_exp2(st[i] * scale_log2 - row_lse) : 0.0f;
+            }
+        }
+        u32 pt[ROWS / 16][4];
+        as_fragments<E>(pt, st);
+        settle<D / 2>(dv_acc);
+        wgmma_fence();
+        values_product<E>(dv_acc, pt, sdo);
+        wgmma_commit();
+        wgmma_wait<1>();
+        settle<ROWS / 2>(dpt);
+        #pragma unroll
+        for (int c = 0; c < ROWS / 8; ++c) {
+            const float2 pair = *reinterpret_cast<const float2*>(&s_delta[stage][c * 8 + t * 2]);
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) dpt[4 * c + i] = st[4 * c + i] * (dpt[4 * c + i] - ((i & 1) ? pair.y : pair.x));
+        }
+        u32 dst[ROWS / 16][4];
+        as_fragments<E>(dst, dpt);
+        settle<D / 2>(dk_acc);
+        wgmma_fence();
+        values_product<E>(dk_acc, dst, sq);
+        wgmma_commit();
+        wgmma_wait<0>();
+        settle<D / 2>(dk_acc);
+        settle<D / 2>(dv_acc);
+    }
+    store_rows(dk + (size_t)kv_head * seqlen * D, dk_acc, key0, seqlen, scale);
+    store_rows(dv + (size_t)kv_head * seqlen * D, dv_acc, key0, seqlen, 1.0f);
+}
+
+#define FLASH_BACKWARD_HOPPER(SUFFIX, E) \
+extern "C" __global__ void __launch_bounds__(HOPPER_BACKWARD_THREADS, 2) flash_backward_dq_hopper_##SUFFIX( \
+    const u16* q, const u16* k, const u16* v, const u16* d_out, const float* lse, const float* delta, float* dq, \
+    const unsigned* tile_start, const unsigned* tiles, const unsigned* row_start, const unsigned* intervals, \
+    const int* mask_of_head, int seqlen, int group, float scale, float scale_log2) { \
+    flash_backward_dq_hopper<E>(q, k, v, d_out, lse, delta, dq, tile_start, tiles, row_start, intervals, mask_of_head, seqlen, group, scale, scale_log2); } \
+extern "C" __global__ void __launch_bounds__(HOPPER_BACKWARD_THREADS, 2) flash_backward_dkdv_hopper_##SUFFIX( \
+    const u16* q, const u16* k, const u16* v, const u16* d_out, const float* lse, const float* delta, float* dq, float* dk, float* dv, \
+    const unsigned* tile_start, const unsigned* tiles, const unsigned* row_start, const unsigned* intervals, \
+    const int* mask_of_head, int seqlen, int group, float scale, float scale_log2) { \
+    flash_backward_dkdv_hopper<E>(q, k, v, d_out, lse, delta, dk, dv, tile_start, tiles, row_start, intervals, mask_of_head, seqlen, group, scale, scale_log2); }
+FLASH_BACKWARD_HOPPER(bf16_d128, 1)
+FLASH_BACKWARD_HOPPER(f16_d128, 2)
+#endif

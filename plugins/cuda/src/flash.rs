@@ -7,7 +7,10 @@
 //! the transposed work list (the query tiles that touch it) for dK and dV, and per query tile
 //! the forward one for dQ, recomputing S and dP: seven products per tile pair. `Backward::Fused`
 //! adds each step's share of dQ from the key-tile walk with atomics instead (five products; the
-//! order of the sums varies run to run).
+//! order of the sums varies run to run). On Hopper (sm_90a, head_dim 128) the forward and the
+//! split backward also come as warpgroup-MMA (wgmma) kernels reading their operands from
+//! shared memory (see [`Instructions`]), the forward with each tile's softmax overlapping the
+//! previous tile's P·V.
 //! The CUDA C is `kernels/flash.cu`.
 
 use std::collections::HashMap;
@@ -229,8 +232,8 @@ pub fn bytes_needed(shape: &Shape, element: Element, backward: bool) -> usize {
 struct Functions {
     forward: CudaFunction,
     forward_narrow: CudaFunction,
-    /// The wgmma forward (Hopper, head_dim 128), where the module has it.
-    forward_hopper: Option<CudaFunction>,
+    /// The wgmma kernels (Hopper, head_dim 128), where the module has them.
+    hopper: Option<HopperFunctions>,
     delta: CudaFunction,
     dq: CudaFunction,
     dkdv: CudaFunction,
@@ -258,8 +261,12 @@ impl Kernels {
                 function("forward_narrow")?,
                 forward_shared_bytes(TILE, head_dim),
             )?,
-            forward_hopper: match function("forward_hopper") {
-                Ok(hopper) => Some(allow_shared(hopper, HOPPER_SHARED_BYTES)?),
+            hopper: match function("forward_hopper") {
+                Ok(forward) => Some(HopperFunctions {
+                    forward: allow_shared(forward, HOPPER_SHARED_BYTES)?,
+                    dq: allow_shared(function("backward_dq_hopper")?, HOPPER_SHARED_BYTES)?,
+                    dkdv: allow_shared(function("backward_dkdv_hopper")?, HOPPER_SHARED_BYTES)?,
+                }),
                 Err(_) => None,
             },
             delta: function("delta")?,
@@ -337,31 +344,58 @@ struct GradTensors {
     dv: u64,
 }
 
-/// Which forward kernel runs: mma.sync (any GPU from sm_80), wgmma (Hopper, head_dim 128,
-/// 128-row tiles), or the faster of the two that the GPU and the mask set allow.
+/// The wgmma kernels of a module compiled for sm_90a.
+struct HopperFunctions {
+    forward: CudaFunction,
+    dq: CudaFunction,
+    dkdv: CudaFunction,
+}
+
+/// Which tensor-core instructions the kernels use: mma.sync (any GPU from sm_80), wgmma (Hopper,
+/// head_dim 128; the forward on masks with 128-row tiles, the split backward), or wgmma where it
+/// runs and mma.sync elsewhere.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Forward {
+pub enum Instructions {
     Auto,
     Mma,
     Wgmma,
 }
 
-impl Forward {
-    /// The wgmma kernel where this choice takes it, `None` for an mma.sync one; an error where
-    /// wgmma was asked for and cannot run.
-    fn hopper(self, f: &Functions, rows: u64) -> Result<Option<&CudaFunction>, PluginError> {
-        match (self, &f.forward_hopper) {
-            (Forward::Wgmma | Forward::Auto, Some(hopper)) if rows == FORWARD_TILE => Ok(Some(hopper)),
-            (Forward::Wgmma, _) => Err(PluginError::failed(
-                "the wgmma forward runs head_dim 128 on Hopper (sm_90), on masks with 128-row tiles; use `forward: mma` or `auto`",
+impl Instructions {
+    /// The wgmma kernels where this choice takes them (`fits`: the pass can run on them), `None`
+    /// for the mma.sync ones; an error where wgmma was asked for and cannot run.
+    fn hopper(self, f: &Functions, fits: bool) -> Result<Option<&HopperFunctions>, PluginError> {
+        match (self, &f.hopper) {
+            (Instructions::Wgmma | Instructions::Auto, Some(hopper)) if fits => Ok(Some(hopper)),
+            (Instructions::Wgmma, _) => Err(PluginError::failed(
+                "the wgmma kernels run head_dim 128 on Hopper (sm_90): the forward on masks with 128-row tiles, the split backward; use `instructions: mma` or `auto`",
             )),
             _ => Ok(None),
         }
     }
+
+    /// The instructions the forward (`backward` false) or the backward takes here.
+    fn used(
+        self,
+        f: &Functions,
+        forward_rows: u64,
+        backward: Option<Backward>,
+    ) -> Result<&'static str, PluginError> {
+        let fits = match backward {
+            None => forward_rows == FORWARD_TILE,
+            Some(backward) => backward == Backward::Split,
+        };
+        Ok(match self.hopper(f, fits)? {
+            Some(_) => "wgmma",
+            None => "mma",
+        })
+    }
 }
 
-/// The wgmma forward's dynamic shared memory: a 128-row Q tile, two buffers of K and three of V
-/// (64 rows), 16-bit, head_dim 128, and room to align the first tile to 1024 bytes.
+/// The wgmma kernels' dynamic shared memory, room to align the first tile to 1024 bytes
+/// included: the forward's 128-row Q tile, two buffers of K and three of V; the dQ kernel's Q,
+/// dO and two buffers each of K and V; the dK/dV kernel's K, V and two buffers each of Q and dO
+/// (64-row tiles, 16-bit, head_dim 128; the most of the three).
 const HOPPER_SHARED_BYTES: u32 =
     ((FORWARD_TILE as usize + 5 * TILE as usize) * 128 * 2 + 1024) as u32;
 
@@ -409,7 +443,7 @@ unsafe fn launch_forward(
     dims: Dims,
     x: &Tensors,
     t: &DeviceTables,
-    forward: Forward,
+    instructions: Instructions,
 ) -> Result<(), PluginError> {
     let addresses = [
         x.q,
@@ -427,9 +461,9 @@ unsafe fn launch_forward(
     let (len, group) = (dims.len as i32, (dims.heads_q / dims.heads_kv) as i32);
     let scale_log2 = dims.scale * std::f32::consts::LOG2_E;
     let rows = t.forward_rows;
-    let hopper = forward.hopper(f, rows)?;
+    let hopper = instructions.hopper(f, rows == FORWARD_TILE)?;
     let function = match hopper {
-        Some(hopper) => hopper,
+        Some(hopper) => &hopper.forward,
         None if rows == FORWARD_TILE => &f.forward,
         None => &f.forward_narrow,
     };
@@ -464,6 +498,7 @@ unsafe fn launch_forward(
 /// # Safety
 /// As [`launch_forward`]; dO is heads_q × len × head_dim, D heads_q × len, dQ like Q, dK and dV
 /// like K.
+#[allow(clippy::too_many_arguments)]
 unsafe fn launch_backward(
     stream: &Arc<CudaStream>,
     f: &Functions,
@@ -472,6 +507,7 @@ unsafe fn launch_backward(
     g: &GradTensors,
     t: &DeviceTables,
     backward: Backward,
+    instructions: Instructions,
 ) -> Result<(), PluginError> {
     let rows = (dims.heads_q * dims.len) as i32;
     let mut launch = stream.launch_builder(&f.delta);
@@ -505,20 +541,32 @@ unsafe fn launch_backward(
             key_tile_shared_bytes(dims.head_dim, fused),
         )
     };
+    let hopper = instructions.hopper(f, backward == Backward::Split)?;
     let launches = if backward == Backward::Split {
         vec![
             (
-                &f.dq,
+                hopper.map_or(&f.dq, |h| &h.dq),
                 vec![g.dq],
                 lists(&t.tile_start, &t.tiles),
-                grid(tiles, dims.heads_q, 0),
+                grid(
+                    tiles,
+                    dims.heads_q,
+                    if hopper.is_some() {
+                        HOPPER_SHARED_BYTES
+                    } else {
+                        0
+                    },
+                ),
                 "flash backward (dQ)",
             ),
             (
-                &f.dkdv,
+                hopper.map_or(&f.dkdv, |h| &h.dkdv),
                 vec![g.dq, g.dk, g.dv],
                 lists(&t.key_tile_start, &t.key_tiles),
-                key_tiles(false),
+                match hopper {
+                    Some(_) => grid(tiles, dims.heads_kv, HOPPER_SHARED_BYTES),
+                    None => key_tiles(false),
+                },
                 "flash backward (dK, dV)",
             ),
         ]
@@ -574,7 +622,7 @@ pub struct Problem {
     functions: Functions,
     grad: Option<Gradients>,
     pub backward: Backward,
-    pub forward: Forward,
+    pub instructions: Instructions,
 }
 
 impl Problem {
@@ -618,16 +666,22 @@ impl Problem {
             functions: kernels.functions(element, shape.head_dim)?,
             grad,
             backward: Backward::Split,
-            forward: Forward::Auto,
+            instructions: Instructions::Auto,
         })
     }
 
-    /// The forward kernel that runs for this problem: `wgmma` or `mma`.
-    pub fn forward_kernel(&self) -> Result<&'static str, PluginError> {
-        let hopper = self
-            .forward
-            .hopper(&self.functions, self.tables.forward_rows)?;
-        Ok(if hopper.is_some() { "wgmma" } else { "mma" })
+    /// The instructions (`wgmma` or `mma`) the forward runs on here, and the backward's where
+    /// the problem has one; an error where the choice cannot run.
+    pub fn instructions_used(&self) -> Result<(&'static str, Option<&'static str>), PluginError> {
+        let used = |backward| {
+            self.instructions
+                .used(&self.functions, self.tables.forward_rows, backward)
+        };
+        let backward = match self.grad {
+            Some(_) => Some(used(Some(self.backward))?),
+            None => None,
+        };
+        Ok((used(None)?, backward))
     }
 
     fn tensors(&self, gpu: &Gpu) -> Tensors {
@@ -651,7 +705,7 @@ impl Problem {
                 self.dims,
                 &self.tensors(gpu),
                 &self.tables,
-                self.forward,
+                self.instructions,
             )
         }
     }
@@ -681,6 +735,7 @@ impl Problem {
                 &g,
                 &self.tables,
                 self.backward,
+                self.instructions,
             )
         }
     }
@@ -814,7 +869,14 @@ pub fn attend(gpu: &Gpu, kernels: &Kernels, call: &AttentionCall<'_>) -> Result<
     // were built from its rows.
     let launched = unsafe {
         match &delta {
-            None => launch_forward(&gpu.stream, &functions, dims, &x, &tables, Forward::Auto),
+            None => launch_forward(
+                &gpu.stream,
+                &functions,
+                dims,
+                &x,
+                &tables,
+                Instructions::Auto,
+            ),
             Some(delta) => {
                 let g = GradTensors {
                     d_out: address(call.d_out),
@@ -831,6 +893,7 @@ pub fn attend(gpu: &Gpu, kernels: &Kernels, call: &AttentionCall<'_>) -> Result<
                     &g,
                     &tables,
                     Backward::Split,
+                    Instructions::Auto,
                 )
             }
         }

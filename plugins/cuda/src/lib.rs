@@ -82,7 +82,7 @@ impl Plugin for Cuda {
                     StageSpec::new("benchmark")
                         .doc("Times one kernel on one mask (from a masks/generate node), checked against the reference first.")
                         .param(ParamSpec::new("kernel", ParamType::one_of(&["naive", "flash"])).default("naive").doc("`naive`: cuBLAS GEMMs around a masked softmax, S×S scores per head (the GPU reference). `flash`: tiled tensor-core kernel driven by the mask IR (forward and backward; bf16/fp16; head_dim 64 or 128)."))
-                        .param(ParamSpec::new("forward", ParamType::one_of(&["auto", "mma", "wgmma"])).default("auto").doc("`flash`'s forward: `mma` (mma.sync, any GPU from sm_80), `wgmma` (Hopper's warpgroup MMA reading Q, K and V from shared memory, pipelined so each tile's softmax overlaps the previous tile's P·V; head_dim 128, masks with 128-row tiles), or `auto`, the wgmma one where it runs. The one that ran is the record's `environment.flash_forward`; chosen by name, it is also in the kernel's name (`cuda-flash-mma`, `cuda-flash-wgmma`) when the forward is timed."))
+                        .param(ParamSpec::new("instructions", ParamType::one_of(&["auto", "mma", "wgmma"])).default("auto").doc("`flash`'s tensor-core instructions: `mma` (mma.sync, any GPU from sm_80), `wgmma` (Hopper's warpgroup MMA reading its operands from shared memory; head_dim 128; the forward on masks with 128-row tiles, pipelined so each tile's softmax overlaps the previous tile's P·V; the split backward), or `auto`, wgmma where it runs. What ran is the record's `environment.flash_forward` and `flash_backward`; chosen by name, it is also in the kernel's name (`cuda-flash-mma`, `cuda-flash-wgmma`)."))
                         .param(ParamSpec::new("backward", ParamType::one_of(&["split", "fused"])).default("split").doc("`flash`'s backward: `split` (deterministic) computes dK and dV per key tile and dQ per query tile in a second kernel, which recomputes S and dP; `fused` adds dQ from the key-tile kernel with atomics (two of seven products saved; the order of the sums, so the last bits, vary run to run). Recorded as kernel `cuda-flash-fused`."))
                         .param(ParamSpec::new("direction", ParamType::one_of(&["fwd", "bwd", "fwd_bwd"])).default("fwd").doc("`bwd` is timed alone: the forward runs once, outside the timed region."))
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
@@ -246,7 +246,7 @@ struct BenchParams {
     kernel: String,
     check_max_seqlen: usize,
     backward: String,
-    forward: String,
+    instructions: String,
     #[serde(flatten)]
     common: attnbench_sdk::measure::KernelParams,
 }
@@ -283,11 +283,13 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
     })?;
     let harness = p.common.harness.apply(default_harness());
     let measured_shape = p.common.measured_shape();
-    let kernel = match (p.kernel.as_str(), p.backward.as_str(), p.forward.as_str()) {
+    let kernel = match (
+        p.kernel.as_str(),
+        p.backward.as_str(),
+        p.instructions.as_str(),
+    ) {
         ("flash", "fused", _) => "cuda-flash-fused".to_string(),
-        ("flash", _, forward @ ("mma" | "wgmma")) if p.common.direction != "bwd" => {
-            format!("cuda-flash-{forward}")
-        }
+        ("flash", _, chosen @ ("mma" | "wgmma")) => format!("cuda-flash-{chosen}"),
         (name, _, _) => format!("cuda-{name}"),
     };
     let plugin = ("cuda", env!("CARGO_PKG_VERSION"));
@@ -364,10 +366,10 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
                 if p.backward == "fused" {
                     problem.backward = flash::Backward::Fused;
                 }
-                problem.forward = match p.forward.as_str() {
-                    "mma" => flash::Forward::Mma,
-                    "wgmma" => flash::Forward::Wgmma,
-                    _ => flash::Forward::Auto,
+                problem.instructions = match p.instructions.as_str() {
+                    "mma" => flash::Instructions::Mma,
+                    "wgmma" => flash::Instructions::Wgmma,
+                    _ => flash::Instructions::Auto,
                 };
                 Problem::Flash(Box::new(problem))
             }),
@@ -384,11 +386,13 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
             other => other?,
         };
         if let Problem::Flash(flash) = &problem {
-            match flash.forward_kernel() {
-                Ok(kernel) => {
-                    measurement
-                        .environment
-                        .insert("flash_forward".into(), kernel.into());
+            match flash.instructions_used() {
+                Ok((forward, backward)) => {
+                    let environment = &mut measurement.environment;
+                    environment.insert("flash_forward".into(), forward.into());
+                    if let Some(backward) = backward {
+                        environment.insert("flash_backward".into(), backward.into());
+                    }
                 }
                 Err(PluginError::Failed(reason)) => {
                     return measurement.unsupported(reason).write(&request.output_dir)
