@@ -776,10 +776,10 @@ __device__ __forceinline__ void stage_row_statistics(float* s_lse, float* s_delt
     }
 }
 
-// A key tile's walk over the query rows that see it: each query head of the KV group in order,
-// each query tile of its list for this key tile, in ROWS-row parts (a part past the sequence's
-// end is skipped). `head == last_head`: done.
-template <int ROWS>
+// A key tile's (KEYS keys) walk over the query rows that see it: each query head of the KV group
+// in order, each query tile of its list for this key tile, in ROWS-row parts (a part past the
+// sequence's end is skipped). `head == last_head`: done.
+template <int ROWS, int KEYS = BN>
 struct KeyTileWalk {
     const unsigned* tile_start;
     const unsigned* tiles;
@@ -790,7 +790,7 @@ struct KeyTileWalk {
     __device__ KeyTileWalk(const unsigned* tile_start_, const unsigned* tiles_, const int* mask_of_head_,
                            int seqlen_, int k_tile_, int kv_head, int group)
         : tile_start(tile_start_), tiles(tiles_), mask_of_head(mask_of_head_), seqlen(seqlen_),
-          k_tiles((seqlen_ + BN - 1) / BN), k_tile(k_tile_), head(kv_head * group), last_head((kv_head + 1) * group), part(0) {
+          k_tiles((seqlen_ + KEYS - 1) / KEYS), k_tile(k_tile_), head(kv_head * group), last_head((kv_head + 1) * group), part(0) {
         open_list();
         settle();
     }
@@ -1039,18 +1039,20 @@ FLASH_BACKWARD(f16_d128, 2, 128)
 // scores (A and B K-major from swizzled shared memory, 64 × 64) and values (A in registers, B read
 // transposed from swizzled shared memory, 64 × 128).
 
-// A 64-row tile's 16-column step `step` (0..7) of its two 64-column panels, as a scores operand.
-__device__ __forceinline__ unsigned long long panel_step(const u16* tile, int step) {
-    return swizzled_descriptor(tile + (step >> 2) * 64 * 64 + (step & 3) * 16, 16, 1024);
+// 64 rows (from `rows`) of a tile of TILE_ROWS rows: the 16-column step `step` (0..7) of its two
+// 64-column panels, as a scores operand.
+template <int TILE_ROWS> __device__ __forceinline__ unsigned long long panel_step(const u16* rows, int step) {
+    return swizzled_descriptor(rows + (step >> 2) * TILE_ROWS * 64 + (step & 3) * 16, 16, 1024);
 }
 // Rows 16·step.. of a 64-row tile, read transposed, as a values operand.
 __device__ __forceinline__ unsigned long long transposed_rows(const u16* tile, int step) {
     return swizzled_descriptor(tile + step * 16 * 64, 64 * 64 * 2, 1024);
 }
-// X = A·Bᵀ for 64-row tiles A and B in shared memory (both 128 columns).
-template <int E> __device__ __forceinline__ void scores_product(float* x, const u16* a, const u16* b) {
+// X = A·Bᵀ for 64 rows of A (from a tile of A_ROWS rows) and a 64-row tile B in shared memory
+// (both 128 columns).
+template <int E, int A_ROWS = 64> __device__ __forceinline__ void scores_product(float* x, const u16* a, const u16* b) {
     #pragma unroll
-    for (int step = 0; step < 8; ++step) wgmma_scores<E>(x, panel_step(a, step), panel_step(b, step), step);
+    for (int step = 0; step < 8; ++step) wgmma_scores<E>(x, panel_step<A_ROWS>(a, step), panel_step<64>(b, step), step);
 }
 // Y += A·B, A (64 × 64) as four 16-column fragments in registers, B a 64-row tile in shared memory.
 template <int E> __device__ __forceinline__ void values_product(float* y, const u32 (*a)[4], const u16* b) {
@@ -1084,24 +1086,31 @@ __device__ __forceinline__ void store_rows(float* dst, const float* acc, int row
 
 #define HOPPER_BACKWARD_THREADS 128
 
-// dQ of one (64-row query tile, query head), as flash_backward_dq: per key tile S = Q·Kᵀ and
-// dP = dO·Vᵀ (both in flight together), P and dS = P∘(dP − D) while dP lands, dQ += dS·K, which
-// waits for before the next tile. Shared memory: Q, dO, two buffers each of K, V.
-template <int E>
+// dQ of one (query tile, query head), as flash_backward_dq: per key tile S = Q·Kᵀ and dP = dO·Vᵀ
+// (both in flight together), P and dS = P∘(dP − D) while dP lands, dQ += dS·K. WGS warpgroups
+// of 64 rows each share the K and V tiles: with two, the tiles are the forward's (128 rows, its
+// work lists and order; the grid (heads, tiles) as the forward's); with one, the backward's
+// (64 rows, grid (tiles, heads)). Shared memory: Q, dO (64·WGS rows each), two buffers each of
+// K and V.
+template <int E, int WGS>
 __device__ void flash_backward_dq_hopper(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                                          const u16* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
                                          float* __restrict__ dq,
                                          const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles,
+                                         const unsigned* __restrict__ order,
                                          const unsigned* __restrict__ row_start, const unsigned* __restrict__ intervals,
                                          const int* __restrict__ mask_of_head, int seqlen, int group, float scale, float scale_log2) {
-    constexpr int D = 128, TILE_ELEMENTS = 64 * D;
+    constexpr int D = 128, TILE_ELEMENTS = 64 * D, ROWS = 64 * WGS, NT = HOPPER_BACKWARD_THREADS * WGS;
     u16* sq = hopper_tiles();
-    u16* sdo = sq + TILE_ELEMENTS;
-    auto key_buffer = [&](int i) { return sq + (2 + i) * TILE_ELEMENTS; };
-    auto value_buffer = [&](int i) { return sq + (4 + i) * TILE_ELEMENTS; };
-    const int q_tile = blockIdx.x, head = blockIdx.y, kv_head = head / group, mask = mask_of_head[head];
+    u16* sdo = sq + WGS * TILE_ELEMENTS;
+    auto key_buffer = [&](int i) { return sq + (2 * WGS + i) * TILE_ELEMENTS; };
+    auto value_buffer = [&](int i) { return sq + (2 * WGS + 2 + i) * TILE_ELEMENTS; };
+    const int head = WGS == 2 ? blockIdx.x : blockIdx.y, kv_head = head / group, mask = mask_of_head[head];
+    const int q_tiles = (seqlen + ROWS - 1) / ROWS;
+    const int q_tile = WGS == 2 ? (int)order[mask * q_tiles + blockIdx.y] : blockIdx.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int q0 = q_tile * BM, row0 = q0 + warp * 16 + g;
+    const int half = warp >> 2;  // this warpgroup's 64 rows of the tile
+    const int q0 = q_tile * ROWS, row0 = q0 + half * 64 + (warp & 3) * 16 + g;
     const float minus_inf = __int_as_float(0xff800000), log2e = 1.4426950408889634f;
     const unsigned* table_rows = row_start + (size_t)mask * (seqlen + 1);
     unsigned iv_begin[2], iv_count[2];
@@ -1117,14 +1126,14 @@ __device__ void flash_backward_dq_hopper(const u16* __restrict__ q, const u16* _
     }
     const u16* kh = k + ((size_t)kv_head * seqlen) * D;
     const u16* vh = v + ((size_t)kv_head * seqlen) * D;
-    const unsigned list = mask * ((seqlen + BM - 1) / BM) + q_tile;
+    const unsigned list = mask * q_tiles + q_tile;
     const unsigned begin = tile_start[list], end = tile_start[list + 1];
-    load_panels_async<BM, HOPPER_BACKWARD_THREADS>(sq, q + ((size_t)head * seqlen + q0) * D, min(BM, seqlen - q0));
-    load_panels_async<BM, HOPPER_BACKWARD_THREADS>(sdo, d_out + ((size_t)head * seqlen + q0) * D, min(BM, seqlen - q0));
+    load_panels_async<ROWS, NT>(sq, q + ((size_t)head * seqlen + q0) * D, min(ROWS, seqlen - q0));
+    load_panels_async<ROWS, NT>(sdo, d_out + ((size_t)head * seqlen + q0) * D, min(ROWS, seqlen - q0));
     if (begin < end) {
         const int k0 = (int)(tiles[begin] & 0x7fffffffu) * BN;
-        load_panels_async<BN, HOPPER_BACKWARD_THREADS>(key_buffer(0), kh + (size_t)k0 * D, min(BN, seqlen - k0));
-        load_panels_async<BN, HOPPER_BACKWARD_THREADS>(value_buffer(0), vh + (size_t)k0 * D, min(BN, seqlen - k0));
+        load_panels_async<BN, NT>(key_buffer(0), kh + (size_t)k0 * D, min(BN, seqlen - k0));
+        load_panels_async<BN, NT>(value_buffer(0), vh + (size_t)k0 * D, min(BN, seqlen - k0));
     }
     commit_copies();
 
@@ -1141,22 +1150,22 @@ __device__ void flash_backward_dq_hopper(const u16* __restrict__ q, const u16* _
         __syncthreads();
         if (w + 1 < end) {
             const int k1 = (int)(tiles[w + 1] & 0x7fffffffu) * BN;
-            load_panels_async<BN, HOPPER_BACKWARD_THREADS>(key_buffer((j + 1) & 1), kh + (size_t)k1 * D, min(BN, seqlen - k1));
-            load_panels_async<BN, HOPPER_BACKWARD_THREADS>(value_buffer((j + 1) & 1), vh + (size_t)k1 * D, min(BN, seqlen - k1));
+            load_panels_async<BN, NT>(key_buffer((j + 1) & 1), kh + (size_t)k1 * D, min(BN, seqlen - k1));
+            load_panels_async<BN, NT>(value_buffer((j + 1) & 1), vh + (size_t)k1 * D, min(BN, seqlen - k1));
         }
         commit_copies();
         const u16* sk = key_buffer(j & 1);
         float s[BN / 2], dp[BN / 2];
         wgmma_fence();
-        scores_product<E>(s, sq, sk);
+        scores_product<E, ROWS>(s, sq + half * TILE_ELEMENTS / 2, sk);
         wgmma_commit();
-        scores_product<E>(dp, sdo, value_buffer(j & 1));
+        scores_product<E, ROWS>(dp, sdo + half * TILE_ELEMENTS / 2, value_buffer(j & 1));
         wgmma_commit();
         wgmma_wait<1>();
         settle<BN / 2>(s);
         // s[4c + i]: row slot i / 2, key k0 + 8c + 2t + i mod 2. A full tile inside the sequence
         // needs no test: every cell is allowed, so every row has a key and a finite LSE.
-        if (!partial && k0 + BN <= seqlen && q0 + BM <= seqlen) {
+        if (!partial && k0 + BN <= seqlen && q0 + ROWS <= seqlen) {
             #pragma unroll
             for (int i = 0; i < BN / 2; ++i) s[i] = fast_exp2(fmaf(s[i], scale_log2, -row_lse[(i >> 1) & 1]));
         } else {
@@ -1184,38 +1193,43 @@ __device__ void flash_backward_dq_hopper(const u16* __restrict__ q, const u16* _
     store_rows(dq + (size_t)head * seqlen * D, acc, row0, seqlen, scale);
 }
 
-// dK and dV of one (64-key tile, KV head), as flash_backward_dkdv with 64-row steps: Sᵀ = K·Qᵀ and
+// dK and dV of one (key tile, KV head), as flash_backward_dkdv with 64-row steps: Sᵀ = K·Qᵀ and
 // dPᵀ = V·dOᵀ in flight together, Pᵀ while dPᵀ lands, dV += Pᵀ·dO in flight while dSᵀ is formed,
-// dK += dSᵀ·Q. Q and dO of the next step load into the other of two buffers. Shared memory: K, V,
-// then [stage][Q | dO].
-template <int E>
+// dK += dSᵀ·Q. WGS warpgroups of 64 keys each share every step's Q and dO (key tiles of 64·WGS
+// keys, with work lists of their own). Q and dO of the next step load into the other of two
+// buffers. Shared memory: K, V (64·WGS rows each), then [stage][Q | dO].
+template <int E, int WGS>
 __device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                                            const u16* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
                                            float* __restrict__ dk, float* __restrict__ dv,
                                            const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles,
                                            const unsigned* __restrict__ row_start, const unsigned* __restrict__ intervals,
                                            const int* __restrict__ mask_of_head, int seqlen, int group, float scale, float scale_log2) {
-    constexpr int D = 128, ROWS = BM, TILE_ELEMENTS = 64 * D;
+    constexpr int D = 128, ROWS = BM, KEYS = 64 * WGS, TILE_ELEMENTS = 64 * D, NT = HOPPER_BACKWARD_THREADS * WGS;
     u16* sk = hopper_tiles();
-    u16* sv = sk + TILE_ELEMENTS;
-    auto stage_tiles = [&](int stage) { return sk + (2 + 2 * stage) * TILE_ELEMENTS; };  // Q, then dO
+    u16* sv = sk + WGS * TILE_ELEMENTS;
+    auto stage_tiles = [&](int stage) { return sk + (2 * WGS + 2 * stage) * TILE_ELEMENTS; };  // Q, then dO
     __shared__ __align__(16) float s_lse[2][ROWS];
     __shared__ __align__(16) float s_delta[2][ROWS];
     const int k_tile = blockIdx.x, kv_head = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int k0 = k_tile * BN, key0 = k0 + warp * 16 + g;
+    const int half = warp >> 2;  // this warpgroup's 64 keys of the tile
+    const int k0 = k_tile * KEYS, key0 = k0 + half * 64 + (warp & 3) * 16 + g;
     const float minus_inf = __int_as_float(0xff800000);
-    load_panels_async<BN, HOPPER_BACKWARD_THREADS>(sk, k + ((size_t)kv_head * seqlen + k0) * D, min(BN, seqlen - k0));
-    load_panels_async<BN, HOPPER_BACKWARD_THREADS>(sv, v + ((size_t)kv_head * seqlen + k0) * D, min(BN, seqlen - k0));
+    load_panels_async<KEYS, NT>(sk, k + ((size_t)kv_head * seqlen + k0) * D, min(KEYS, seqlen - k0));
+    load_panels_async<KEYS, NT>(sv, v + ((size_t)kv_head * seqlen + k0) * D, min(KEYS, seqlen - k0));
+    // This warpgroup's rows of K and V.
+    const u16* k_rows = sk + half * TILE_ELEMENTS / 2;
+    const u16* v_rows = sv + half * TILE_ELEMENTS / 2;
 
-    KeyTileWalk<ROWS> walk(tile_start, tiles, mask_of_head, seqlen, k_tile, kv_head, group);
+    KeyTileWalk<ROWS, KEYS> walk(tile_start, tiles, mask_of_head, seqlen, k_tile, kv_head, group);
     auto issue = [&](int stage) {
         if (walk.done()) return;
         const int head = walk.head, q0 = walk.row0();
         u16* sq = stage_tiles(stage);
-        load_panels_async<ROWS, HOPPER_BACKWARD_THREADS>(sq, q + ((size_t)head * seqlen + q0) * D, min(ROWS, seqlen - q0));
-        load_panels_async<ROWS, HOPPER_BACKWARD_THREADS>(sq + TILE_ELEMENTS, d_out + ((size_t)head * seqlen + q0) * D, min(ROWS, seqlen - q0));
-        stage_row_statistics<ROWS, HOPPER_BACKWARD_THREADS>(s_lse[stage], s_delta[stage], lse, delta, (size_t)head * seqlen, q0, seqlen);
+        load_panels_async<ROWS, NT>(sq, q + ((size_t)head * seqlen + q0) * D, min(ROWS, seqlen - q0));
+        load_panels_async<ROWS, NT>(sq + TILE_ELEMENTS, d_out + ((size_t)head * seqlen + q0) * D, min(ROWS, seqlen - q0));
+        stage_row_statistics<ROWS, NT>(s_lse[stage], s_delta[stage], lse, delta, (size_t)head * seqlen, q0, seqlen);
     };
     issue(0);
     commit_copies();
@@ -1241,15 +1255,15 @@ __device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16*
         // query q0 + 8c + 2t + i mod 2.
         float st[ROWS / 2], dpt[ROWS / 2];
         wgmma_fence();
-        scores_product<E>(st, sk, sq);
+        scores_product<E, KEYS>(st, k_rows, sq);
         wgmma_commit();
-        scores_product<E>(dpt, sv, sdo);
+        scores_product<E, KEYS>(dpt, v_rows, sdo);
         wgmma_commit();
         wgmma_wait<1>();
         settle<ROWS / 2>(st);
         // A full step inside the sequence needs no test: every cell is allowed, so every row
         // has a key and a finite LSE; a thread's columns come in pairs, read as one 8-byte word.
-        if (!partial && q0 + ROWS <= seqlen && k0 + BN <= seqlen) {
+        if (!partial && q0 + ROWS <= seqlen && k0 + KEYS <= seqlen) {
             #pragma unroll
             for (int c = 0; c < ROWS / 8; ++c) {
                 const float2 pair = *reinterpret_cast<const float2*>(&s_lse[stage][c * 8 + t * 2]);
@@ -1299,17 +1313,23 @@ __device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16*
     store_rows(dv + (size_t)kv_head * seqlen * D, dv_acc, key0, seqlen, 1.0f);
 }
 
-#define FLASH_BACKWARD_HOPPER(SUFFIX, E) \
-extern "C" __global__ void __launch_bounds__(HOPPER_BACKWARD_THREADS, 2) flash_backward_dq_hopper_##SUFFIX( \
+#define FLASH_BACKWARD_DQ_HOPPER(NAME, SUFFIX, E, WGS) \
+extern "C" __global__ void __launch_bounds__(HOPPER_BACKWARD_THREADS * WGS, 2 / WGS) NAME##_##SUFFIX( \
     const u16* q, const u16* k, const u16* v, const u16* d_out, const float* lse, const float* delta, float* dq, \
-    const unsigned* tile_start, const unsigned* tiles, const unsigned* row_start, const unsigned* intervals, \
+    const unsigned* tile_start, const unsigned* tiles, const unsigned* order, const unsigned* row_start, const unsigned* intervals, \
     const int* mask_of_head, int seqlen, int group, float scale, float scale_log2) { \
-    flash_backward_dq_hopper<E>(q, k, v, d_out, lse, delta, dq, tile_start, tiles, row_start, intervals, mask_of_head, seqlen, group, scale, scale_log2); } \
-extern "C" __global__ void __launch_bounds__(HOPPER_BACKWARD_THREADS, 2) flash_backward_dkdv_hopper_##SUFFIX( \
+    flash_backward_dq_hopper<E, WGS>(q, k, v, d_out, lse, delta, dq, tile_start, tiles, order, row_start, intervals, mask_of_head, seqlen, group, scale, scale_log2); }
+#define FLASH_BACKWARD_DKDV_HOPPER(NAME, SUFFIX, E, WGS) \
+extern "C" __global__ void __launch_bounds__(HOPPER_BACKWARD_THREADS * WGS, 2 / WGS) NAME##_##SUFFIX( \
     const u16* q, const u16* k, const u16* v, const u16* d_out, const float* lse, const float* delta, float* dq, float* dk, float* dv, \
     const unsigned* tile_start, const unsigned* tiles, const unsigned* row_start, const unsigned* intervals, \
     const int* mask_of_head, int seqlen, int group, float scale, float scale_log2) { \
-    flash_backward_dkdv_hopper<E>(q, k, v, d_out, lse, delta, dk, dv, tile_start, tiles, row_start, intervals, mask_of_head, seqlen, group, scale, scale_log2); }
+    flash_backward_dkdv_hopper<E, WGS>(q, k, v, d_out, lse, delta, dk, dv, tile_start, tiles, row_start, intervals, mask_of_head, seqlen, group, scale, scale_log2); }
+#define FLASH_BACKWARD_HOPPER(SUFFIX, E) \
+FLASH_BACKWARD_DQ_HOPPER(flash_backward_dq_hopper, SUFFIX, E, 1) \
+FLASH_BACKWARD_DQ_HOPPER(flash_backward_dq_wide_hopper, SUFFIX, E, 2) \
+FLASH_BACKWARD_DKDV_HOPPER(flash_backward_dkdv_hopper, SUFFIX, E, 1) \
+FLASH_BACKWARD_DKDV_HOPPER(flash_backward_dkdv_wide_hopper, SUFFIX, E, 2)
 FLASH_BACKWARD_HOPPER(bf16_d128, 1)
 FLASH_BACKWARD_HOPPER(f16_d128, 2)
 #endif

@@ -33,6 +33,8 @@ const TILE: u64 = 64;
 /// Query rows per tile of the forward pass (`BM_FWD`; its key tiles are `TILE` long), unless
 /// the mask set's blocks split such tiles (then `TILE`, see [`Tables::forward_rows`]).
 const FORWARD_TILE: u64 = 128;
+/// Keys per tile of the wgmma dK/dV kernel with two warpgroups.
+const WIDE_TILE: u64 = 128;
 
 pub struct Kernels {
     module: Arc<CudaModule>,
@@ -82,9 +84,9 @@ pub fn unsupported(shape: &Shape, element: Element) -> Option<String> {
 
 /// The work lists: per mask and query tile, the key tiles to visit (bit 31: partial) — for the
 /// forward's and the backward's 64-row query tiles — with the forward's query tiles of each mask
-/// ordered longest list first; per mask and key tile, the query tiles that visit it (the
-/// backward's dK/dV); and per mask, every row's key intervals (CSR over one shared interval
-/// array).
+/// ordered longest list first; per mask and key tile, the 64-row query tiles that visit it (the
+/// backward's dK/dV), for 64-key tiles and for the wgmma kernel's 128-key ones; and per mask,
+/// every row's key intervals (CSR over one shared interval array).
 #[derive(Debug, PartialEq)]
 struct Tables {
     /// The forward's query rows per tile: 128, or 64 when the masks' blocks split 128-row tiles
@@ -98,6 +100,8 @@ struct Tables {
     tiles: Vec<u32>,
     key_tile_start: Vec<u32>,
     key_tiles: Vec<u32>,
+    wide_key_tile_start: Vec<u32>,
+    wide_key_tiles: Vec<u32>,
     row_start: Vec<u32>,
     intervals: Vec<u32>,
 }
@@ -108,6 +112,8 @@ struct MaskTiles {
     /// At the forward's wide tiles (128 rows × 64 keys).
     forward: BlockMask,
     backward: BlockMask,
+    /// At 64 rows × 128 keys.
+    wide_keys: BlockMask,
     rows: RowIntervals,
 }
 
@@ -117,6 +123,7 @@ impl MaskTiles {
         MaskTiles {
             forward: rows.block_mask(k_len, FORWARD_TILE, TILE),
             backward: rows.block_mask(k_len, TILE, TILE),
+            wide_keys: rows.block_mask(k_len, TILE, WIDE_TILE),
             rows,
         }
     }
@@ -129,6 +136,7 @@ impl MaskTiles {
                 MaskTiles {
                     forward: mask.block_mask(FORWARD_TILE, TILE),
                     backward: mask.block_mask(TILE, TILE),
+                    wide_keys: mask.block_mask(TILE, WIDE_TILE),
                     rows: masks.row_intervals(index),
                 }
             })
@@ -165,6 +173,8 @@ fn tables(masks: &[MaskTiles]) -> Tables {
         tiles: Vec::new(),
         key_tile_start: vec![0],
         key_tiles: Vec::new(),
+        wide_key_tile_start: vec![0],
+        wide_key_tiles: Vec::new(),
         row_start: Vec::new(),
         intervals: Vec::new(),
     };
@@ -191,19 +201,18 @@ fn tables(masks: &[MaskTiles]) -> Tables {
             .extend(lengths.iter().map(|&(_, q_tile)| q_tile));
 
         let blocks = &mask.backward;
-        let mut by_key: Vec<Vec<u32>> = vec![Vec::new(); blocks.k_tiles() as usize];
         for q_tile in 0..blocks.q_tiles() as usize {
             for (k_tile, full) in blocks.row(q_tile) {
-                let partial = if full { 0 } else { 1 << 31 };
-                t.tiles.push(k_tile | partial);
-                by_key[k_tile as usize].push(q_tile as u32 | partial);
+                t.tiles.push(k_tile | if full { 0 } else { 1 << 31 });
             }
             t.tile_start.push(t.tiles.len() as u32);
         }
-        for list in by_key {
-            t.key_tiles.extend(list);
-            t.key_tile_start.push(t.key_tiles.len() as u32);
-        }
+        push_key_lists(blocks, &mut t.key_tile_start, &mut t.key_tiles);
+        push_key_lists(
+            &mask.wide_keys,
+            &mut t.wide_key_tile_start,
+            &mut t.wide_key_tiles,
+        );
         let base = (t.intervals.len() / 2) as u32;
         t.row_start
             .extend(mask.rows.row_start.iter().map(|&start| base + start));
@@ -214,7 +223,23 @@ fn tables(masks: &[MaskTiles]) -> Tables {
     t.forward_tiles.push(0);
     t.tiles.push(0);
     t.key_tiles.push(0);
+    t.wide_key_tiles.push(0);
     t
+}
+
+/// Per key tile of `blocks`, the query tiles that visit it (bit 31: partial), appended to a CSR
+/// list.
+fn push_key_lists(blocks: &BlockMask, start: &mut Vec<u32>, lists: &mut Vec<u32>) {
+    let mut by_key: Vec<Vec<u32>> = vec![Vec::new(); blocks.k_tiles() as usize];
+    for q_tile in 0..blocks.q_tiles() as usize {
+        for (k_tile, full) in blocks.row(q_tile) {
+            by_key[k_tile as usize].push(q_tile as u32 | if full { 0 } else { 1 << 31 });
+        }
+    }
+    for list in by_key {
+        lists.extend(list);
+        start.push(lists.len() as u32);
+    }
 }
 
 /// Bytes the flash kernel needs on the device, besides the work lists.
@@ -263,9 +288,23 @@ impl Kernels {
             )?,
             hopper: match function("forward_hopper") {
                 Ok(forward) => Some(HopperFunctions {
-                    forward: allow_shared(forward, HOPPER_SHARED_BYTES)?,
-                    dq: allow_shared(function("backward_dq_hopper")?, HOPPER_SHARED_BYTES)?,
-                    dkdv: allow_shared(function("backward_dkdv_hopper")?, HOPPER_SHARED_BYTES)?,
+                    forward: allow_shared(forward, hopper_shared_bytes(HOPPER_FORWARD_ROWS))?,
+                    dq: allow_shared(
+                        function("backward_dq_hopper")?,
+                        hopper_shared_bytes(HOPPER_BACKWARD_ROWS),
+                    )?,
+                    dq_wide: allow_shared(
+                        function("backward_dq_wide_hopper")?,
+                        hopper_shared_bytes(HOPPER_WIDE_ROWS),
+                    )?,
+                    dkdv: allow_shared(
+                        function("backward_dkdv_hopper")?,
+                        hopper_shared_bytes(HOPPER_BACKWARD_ROWS),
+                    )?,
+                    dkdv_wide: allow_shared(
+                        function("backward_dkdv_wide_hopper")?,
+                        hopper_shared_bytes(HOPPER_WIDE_ROWS),
+                    )?,
                 }),
                 Err(_) => None,
             },
@@ -293,6 +332,8 @@ struct DeviceTables {
     tiles: Buffer<u32>,
     key_tile_start: Buffer<u32>,
     key_tiles: Buffer<u32>,
+    wide_key_tile_start: Buffer<u32>,
+    wide_key_tiles: Buffer<u32>,
     row_start: Buffer<u32>,
     intervals: Buffer<u32>,
     mask_of_head: Buffer<i32>,
@@ -309,6 +350,8 @@ impl DeviceTables {
             tiles: gpu.upload("tiles", &t.tiles)?,
             key_tile_start: gpu.upload("key tile lists", &t.key_tile_start)?,
             key_tiles: gpu.upload("key tiles", &t.key_tiles)?,
+            wide_key_tile_start: gpu.upload("wide key tile lists", &t.wide_key_tile_start)?,
+            wide_key_tiles: gpu.upload("wide key tiles", &t.wide_key_tiles)?,
             row_start: gpu.upload("mask rows", &t.row_start)?,
             intervals: gpu.upload("mask intervals", &t.intervals)?,
             mask_of_head: gpu.upload("masks of heads", mask_of_head)?,
@@ -348,7 +391,11 @@ struct GradTensors {
 struct HopperFunctions {
     forward: CudaFunction,
     dq: CudaFunction,
+    /// dQ on the forward's 128-row tiles.
+    dq_wide: CudaFunction,
     dkdv: CudaFunction,
+    /// dK and dV on 128-key tiles.
+    dkdv_wide: CudaFunction,
 }
 
 /// Which tensor-core instructions the kernels use: mma.sync (any GPU from sm_80), wgmma (Hopper,
@@ -392,12 +439,20 @@ impl Instructions {
     }
 }
 
-/// The wgmma kernels' dynamic shared memory, room to align the first tile to 1024 bytes
-/// included: the forward's 128-row Q tile, two buffers of K and three of V; the dQ kernel's Q,
-/// dO and two buffers each of K and V; the dK/dV kernel's K, V and two buffers each of Q and dO
-/// (64-row tiles, 16-bit, head_dim 128; the most of the three).
-const HOPPER_SHARED_BYTES: u32 =
-    ((FORWARD_TILE as usize + 5 * TILE as usize) * 128 * 2 + 1024) as u32;
+/// The wgmma kernels' dynamic shared memory for `rows` rows of tiles (16-bit, head_dim 128),
+/// with room to align the first tile to 1024 bytes.
+fn hopper_shared_bytes(rows: u64) -> u32 {
+    (rows as usize * 128 * 2 + 1024) as u32
+}
+/// The wgmma forward's rows: a 128-row Q tile, two 64-row buffers of K and three of V.
+const HOPPER_FORWARD_ROWS: u64 = FORWARD_TILE + 5 * TILE;
+/// The wgmma backward kernels' with two warpgroups: dQ's Q and dO tiles of 128 rows and two
+/// 64-row buffers each of K and V; dK/dV's K and V tiles of 128 rows and two 64-row buffers each
+/// of Q and dO.
+const HOPPER_WIDE_ROWS: u64 = 2 * WIDE_TILE + 4 * TILE;
+/// The other wgmma backward kernels' (one warpgroup): dQ's Q, dO and two buffers each of K and
+/// V; dK/dV's K, V and two buffers each of Q and dO (64-row tiles).
+const HOPPER_BACKWARD_ROWS: u64 = 6 * TILE;
 
 /// The forward kernel's dynamic shared memory: a Q tile and one K and one V tile, 16-bit.
 fn forward_shared_bytes(rows: u64, head_dim: usize) -> u32 {
@@ -482,7 +537,7 @@ unsafe fn launch_forward(
         ),
         block_dim: (if hopper.is_some() { 256 } else { 128 }, 1, 1),
         shared_mem_bytes: if hopper.is_some() {
-            HOPPER_SHARED_BYTES
+            hopper_shared_bytes(HOPPER_FORWARD_ROWS)
         } else {
             forward_shared_bytes(rows, dims.head_dim)
         },
@@ -524,14 +579,15 @@ unsafe fn launch_backward(
     let (len, group) = (dims.len as i32, (dims.heads_q / dims.heads_kv) as i32);
     let scale_log2 = dims.scale * std::f32::consts::LOG2_E;
     let inputs = [x.q, x.k, x.v, g.d_out, x.lse, g.delta];
-    let lists = |start: &Buffer<u32>, tiles: &Buffer<u32>| {
-        [
-            start.address(stream),
-            tiles.address(stream),
+    let lists = |start: &Buffer<u32>, tiles: &Buffer<u32>, order: Option<&Buffer<u32>>| {
+        let mut lists = vec![start.address(stream), tiles.address(stream)];
+        lists.extend(order.map(|order| order.address(stream)));
+        lists.extend([
             t.row_start.address(stream),
             t.intervals.address(stream),
             t.mask_of_head.address(stream),
-        ]
+        ]);
+        lists
     };
     let tiles = dims.len.div_ceil(TILE as usize);
     let key_tiles = |fused| {
@@ -542,31 +598,81 @@ unsafe fn launch_backward(
         )
     };
     let hopper = instructions.hopper(f, backward == Backward::Split)?;
+    let (dq, dq_lists, dq_config) = match hopper {
+        // The forward's 128-row tiles (its lists and order, its grid): two warpgroups share
+        // each K and V tile.
+        Some(h) if t.forward_rows == FORWARD_TILE => (
+            &h.dq_wide,
+            lists(
+                &t.forward_tile_start,
+                &t.forward_tiles,
+                Some(&t.forward_order),
+            ),
+            LaunchConfig {
+                grid_dim: (
+                    dims.heads_q as u32,
+                    dims.len.div_ceil(FORWARD_TILE as usize) as u32,
+                    1,
+                ),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: hopper_shared_bytes(HOPPER_WIDE_ROWS),
+            },
+        ),
+        // The order is not read with one warpgroup.
+        Some(h) => (
+            &h.dq,
+            lists(&t.tile_start, &t.tiles, Some(&t.forward_order)),
+            grid(
+                tiles,
+                dims.heads_q,
+                hopper_shared_bytes(HOPPER_BACKWARD_ROWS),
+            ),
+        ),
+        None => (
+            &f.dq,
+            lists(&t.tile_start, &t.tiles, None),
+            grid(tiles, dims.heads_q, 0),
+        ),
+    };
+    let (dkdv, dkdv_lists, dkdv_config) = match hopper {
+        // 128-key tiles, two warpgroups sharing each step's Q and dO, where the forward's tiles
+        // are wide too (the masks' blocks do not split them).
+        Some(h) if t.forward_rows == FORWARD_TILE => (
+            &h.dkdv_wide,
+            lists(&t.wide_key_tile_start, &t.wide_key_tiles, None),
+            LaunchConfig {
+                grid_dim: (
+                    dims.len.div_ceil(WIDE_TILE as usize) as u32,
+                    dims.heads_kv as u32,
+                    1,
+                ),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: hopper_shared_bytes(HOPPER_WIDE_ROWS),
+            },
+        ),
+        Some(h) => (
+            &h.dkdv,
+            lists(&t.key_tile_start, &t.key_tiles, None),
+            grid(
+                tiles,
+                dims.heads_kv,
+                hopper_shared_bytes(HOPPER_BACKWARD_ROWS),
+            ),
+        ),
+        None => (
+            &f.dkdv,
+            lists(&t.key_tile_start, &t.key_tiles, None),
+            key_tiles(false),
+        ),
+    };
     let launches = if backward == Backward::Split {
         vec![
+            (dq, vec![g.dq], dq_lists, dq_config, "flash backward (dQ)"),
             (
-                hopper.map_or(&f.dq, |h| &h.dq),
-                vec![g.dq],
-                lists(&t.tile_start, &t.tiles),
-                grid(
-                    tiles,
-                    dims.heads_q,
-                    if hopper.is_some() {
-                        HOPPER_SHARED_BYTES
-                    } else {
-                        0
-                    },
-                ),
-                "flash backward (dQ)",
-            ),
-            (
-                hopper.map_or(&f.dkdv, |h| &h.dkdv),
+                dkdv,
                 vec![g.dq, g.dk, g.dv],
-                lists(&t.key_tile_start, &t.key_tiles),
-                match hopper {
-                    Some(_) => grid(tiles, dims.heads_kv, HOPPER_SHARED_BYTES),
-                    None => key_tiles(false),
-                },
+                dkdv_lists,
+                dkdv_config,
                 "flash backward (dK, dV)",
             ),
         ]
@@ -574,7 +680,7 @@ unsafe fn launch_backward(
         vec![(
             &f.fused,
             vec![g.dq, g.dk, g.dv],
-            lists(&t.key_tile_start, &t.key_tiles),
+            lists(&t.key_tile_start, &t.key_tiles, None),
             key_tiles(true),
             "flash backward",
         )]
