@@ -54,9 +54,26 @@ stages:
     needs: [masks]
     matrix: {dtype: [bf16, fp16]}
     with: {kernel: flash, backward: fused, direction: bwd, check_max_seqlen: 1k, warmup_reps: 1, min_reps: 3, max_time_s: 0.2}
+  # On Hopper the flash kernel runs wgmma by default; its mma.sync kernels are checked here too.
+  mma:
+    uses: cuda/benchmark
+    needs: [masks]
+    matrix: {dtype: [bf16, fp16]}
+    with: {kernel: flash, instructions: mma, direction: bwd, check_max_seqlen: 1k, warmup_reps: 1, min_reps: 3, max_time_s: 0.2}
+  # Blocks of 64 tokens split the 128-row tiles (the flash kernel's narrow-tile paths), blocks
+  # of 128 do not.
+  sparse_masks:
+    uses: masks/generate
+    matrix: {seqlen: [${CHECK_SEQLENS:-512, 1k}], sparse_block: [64, 128]}
+    with: {mask: block_sparse_uniform, density: 0.5}
+  sparse:
+    uses: cuda/benchmark
+    needs: [sparse_masks]
+    matrix: {instructions: [auto, mma], dtype: [bf16, fp16]}
+    with: {kernel: flash, direction: bwd, check_max_seqlen: 1k, warmup_reps: 1, min_reps: 3, max_time_s: 0.2}
   report:
     uses: report/table
-    needs: {bench: all, fused: all}
+    needs: {bench: all, fused: all, mma: all, sparse: all}
 YAML
   $attnbench run "$out/check.yaml" -q 2>&1 | tail -4
 fi

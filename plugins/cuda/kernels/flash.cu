@@ -366,6 +366,22 @@ template <> __device__ __forceinline__ void wgmma_values<2>(float* d, const u32*
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
 }
 
+// S (64 rows × 64 keys, f32) += A·Bᵀ over 16 columns: A in registers (mma.sync's A layout), B = K
+// rows from swizzled shared memory; `accumulate` 0 starts from zero.
+template <int E> __device__ __forceinline__ void wgmma_scores_registers(float* d, const u32* a, unsigned long long b, int accumulate);
+template <> __device__ __forceinline__ void wgmma_scores_registers<1>(float* d, const u32* a, unsigned long long b, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}
+template <> __device__ __forceinline__ void wgmma_scores_registers<2>(float* d, const u32* a, unsigned long long b, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}
+
 // ROWS × 128 16-bit elements (global rows of 128) into two 64-column swizzled panels; rows at or
 // past `valid` become zeros.
 template <int ROWS, int NT>
@@ -375,6 +391,74 @@ __device__ __forceinline__ void load_panels_async(u16* dst, const u16* src, int 
         const int row = i >> 4, chunk = i & 15;
         const bool in = row < valid;
         copy_async(dst + (chunk >> 3) * ROWS * 64 + swizzled<64>(row, chunk & 7), src + (size_t)(in ? row : 0) * 128 + chunk * 8, in);
+    }
+}
+
+// 64 rows (from `rows`) of a tile of TILE_ROWS rows: the 16-column step `step` (0..7) of its two
+// 64-column panels, as a scores operand.
+template <int TILE_ROWS> __device__ __forceinline__ unsigned long long panel_step(const u16* rows, int step) {
+    return swizzled_descriptor(rows + (step >> 2) * TILE_ROWS * 64 + (step & 3) * 16, 16, 1024);
+}
+// Rows 16·step.. of a 64-row tile, read transposed, as a values operand.
+__device__ __forceinline__ unsigned long long transposed_rows(const u16* tile, int step) {
+    return swizzled_descriptor(tile + step * 16 * 64, 64 * 64 * 2, 1024);
+}
+// X = A·Bᵀ for 64 rows of A (from a tile of A_ROWS rows) and a 64-row tile B in shared memory
+// (both 128 columns).
+template <int E, int A_ROWS> __device__ __forceinline__ void scores_from_shared(float* x, const u16* a, const u16* b) {
+    #pragma unroll
+    for (int step = 0; step < 8; ++step) wgmma_scores<E>(x, panel_step<A_ROWS>(a, step), panel_step<64>(b, step), step);
+}
+// X = A·Bᵀ, A (64 × 128) as eight 16-column fragments in registers, B a 64-row tile in shared
+// memory: only B crosses the shared-memory port, half the bytes of scores_from_shared.
+template <int E> __device__ __forceinline__ void scores_from_registers(float* x, const u32 (*a)[4], const u16* b) {
+    #pragma unroll
+    for (int step = 0; step < 8; ++step) wgmma_scores_registers<E>(x, a[step], panel_step<64>(b, step), step);
+}
+// Y += A·B, A (64 × 64) as four 16-column fragments in registers, B a 64-row tile in shared memory.
+template <int E> __device__ __forceinline__ void values_product(float* y, const u32 (*a)[4], const u16* b) {
+    #pragma unroll
+    for (int step = 0; step < 4; ++step) wgmma_values<E>(y, a[step], transposed_rows(b, step));
+}
+// A 64 × 64 accumulator (mma.sync's C layout per warp) as A fragments for values_product.
+template <int E> __device__ __forceinline__ void as_fragments(u32 (*a)[4], const float* x) {
+    #pragma unroll
+    for (int step = 0; step < 4; ++step) {
+        a[step][0] = pack2<E>(x[8 * step + 0], x[8 * step + 1]);
+        a[step][1] = pack2<E>(x[8 * step + 2], x[8 * step + 3]);
+        a[step][2] = pack2<E>(x[8 * step + 4], x[8 * step + 5]);
+        a[step][3] = pack2<E>(x[8 * step + 6], x[8 * step + 7]);
+    }
+}
+// A 64 × 128 accumulator's rows r and r + 8 (this thread's, r = row0) into f32 global rows of 128,
+// times `factor`; rows at or past `seqlen` are skipped.
+__device__ __forceinline__ void store_rows(float* dst, const float* acc, int row0, int seqlen, float factor) {
+    const int t = threadIdx.x & 3;
+    #pragma unroll
+    for (int slot = 0; slot < 2; ++slot) {
+        const int r = row0 + slot * 8;
+        if (r >= seqlen) continue;
+        #pragma unroll
+        for (int c = 0; c < 16; ++c)
+            *reinterpret_cast<float2*>(dst + (size_t)r * 128 + c * 8 + t * 2) =
+                make_float2(acc[4 * c + 2 * slot] * factor, acc[4 * c + 2 * slot + 1] * factor);
+    }
+}
+
+// This thread's A fragments (eight 16-column steps) of rows row0 and row0 + 8 of a matrix of
+// 128-column 16-bit rows in global memory, as register-A wgmma takes them (mma.sync's A layout);
+// rows at or past `seqlen` are zeros.
+__device__ __forceinline__ void load_row_fragments(u32 (*a)[4], const u16* rows, int row0, int seqlen) {
+    const int t = threadIdx.x & 3;
+    const bool in0 = row0 < seqlen, in1 = row0 + 8 < seqlen;
+    const u32* r0 = reinterpret_cast<const u32*>(rows + (size_t)(in0 ? row0 : 0) * 128);
+    const u32* r1 = reinterpret_cast<const u32*>(rows + (size_t)(in1 ? row0 + 8 : 0) * 128);
+    #pragma unroll
+    for (int step = 0; step < 8; ++step) {
+        a[step][0] = in0 ? r0[step * 8 + t] : 0u;
+        a[step][1] = in1 ? r1[step * 8 + t] : 0u;
+        a[step][2] = in0 ? r0[step * 8 + 4 + t] : 0u;
+        a[step][3] = in1 ? r1[step * 8 + 4 + t] : 0u;
     }
 }
 
@@ -396,10 +480,10 @@ __device__ void flash_forward_hopper(const u16* __restrict__ q, const u16* __res
                                      const int* __restrict__ mask_of_head,
                                      int seqlen, int group, float scale_log2) {
     constexpr int D = 128, ROWS = 128, KEYS = BN;
-    u16* sq = hopper_tiles();
-    // After Q: two buffers of K, then three of V (tile j−1's V is read while tile j+1's arrives).
-    auto key_buffer = [&](int index) { return sq + ROWS * D + index * KEYS * D; };
-    auto value_buffer = [&](int index) { return sq + ROWS * D + (2 + index) * KEYS * D; };
+    u16* tiles_base = hopper_tiles();
+    // Two buffers of K, then three of V (tile j−1's V is read while tile j+1's arrives).
+    auto key_buffer = [&](int index) { return tiles_base + index * KEYS * D; };
+    auto value_buffer = [&](int index) { return tiles_base + (2 + index) * KEYS * D; };
     const int head = blockIdx.x, kv_head = head / group, mask = mask_of_head[head];
     const int q_tiles = (seqlen + ROWS - 1) / ROWS;
     const int q_tile = order[mask * q_tiles + blockIdx.y];
@@ -411,7 +495,6 @@ __device__ void flash_forward_hopper(const u16* __restrict__ q, const u16* __res
     const unsigned list = mask * q_tiles + q_tile;
     const unsigned begin = tile_start[list], end = tile_start[list + 1];
 
-    load_panels_async<ROWS, HOPPER_THREADS>(sq, q + ((size_t)head * seqlen + q0) * D, min(ROWS, seqlen - q0));
     if (begin < end) {
         const int k0 = (int)(tiles[begin] & 0x7fffffffu) * KEYS;
         load_panels_async<KEYS, HOPPER_THREADS>(key_buffer(0), kh + (size_t)k0 * D, min(KEYS, seqlen - k0));
@@ -434,8 +517,9 @@ __device__ void flash_forward_hopper(const u16* __restrict__ q, const u16* __res
     for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
     const float minus_inf = __int_as_float(0xff800000);
     float m[2] = {minus_inf, minus_inf}, l[2] = {0.0f, 0.0f};
-    // Q's rows of this warpgroup, panel by panel (64 rows × 128 bytes each).
-    const u16* q_panels = sq + half * 64 * 64;
+    // This thread's Q fragments stay in registers for every tile.
+    u32 q_fragments[8][4];
+    load_row_fragments(q_fragments, q + (size_t)head * seqlen * D, row0, seqlen);
     // P of the previous tile, as O += P·V takes it (A fragments in registers).
     u32 p[KEYS / 16][4];
 
@@ -447,7 +531,7 @@ __device__ void flash_forward_hopper(const u16* __restrict__ q, const u16* __res
         const unsigned entry = tiles[w];
         const bool partial = entry >> 31;
         const int k0 = (int)(entry & 0x7fffffffu) * KEYS;
-        wait_copies<0>();  // tile j's K and V (and Q)
+        wait_copies<0>();  // tile j's K and V
         shared_writes_to_async_proxy();
         // Every thread is past tile j−1's scores and tile j−2's product: K's other buffer and
         // V's third buffer are free.
@@ -459,24 +543,14 @@ __device__ void flash_forward_hopper(const u16* __restrict__ q, const u16* __res
         }
         commit_copies();
 
-        // S = Q·Kᵀ: two panels of four 16-column steps (32 bytes apart inside a swizzled row).
+        // S = Q·Kᵀ.
         float s[KEYS / 2];
         wgmma_fence();
-        #pragma unroll
-        for (int panel = 0; panel < 2; ++panel)
-            #pragma unroll
-            for (int step = 0; step < 4; ++step)
-                wgmma_scores<E>(s,
-                                swizzled_descriptor(q_panels + panel * ROWS * 64 + step * 16, 16, 1024),
-                                swizzled_descriptor(key_buffer(j & 1) + panel * KEYS * 64 + step * 16, 16, 1024),
-                                panel | step);
+        scores_from_registers<E>(s, q_fragments, key_buffer(j & 1));
         wgmma_commit();
-        // O += P·V of tile j−1, 16 keys a step: V's rows 16 apart (2048 bytes), its two panels
-        // 64 keys (8192 bytes) apart along the columns.
+        // O += P·V of tile j−1.
         if (j > 0) {
-            #pragma unroll
-            for (int step = 0; step < KEYS / 16; ++step)
-                wgmma_values<E>(o, p[step], swizzled_descriptor(value_buffer((j + 2) % 3) + step * 16 * 64, KEYS * 64 * 2, 1024));
+            values_product<E>(o, p, value_buffer((j + 2) % 3));
             wgmma_commit();
             wgmma_wait<1>();
         } else {
@@ -529,21 +603,13 @@ __device__ void flash_forward_hopper(const u16* __restrict__ q, const u16* __res
                 #pragma unroll
                 for (int c = 0; c < D / 8; ++c) { o[4 * c + 2 * slot] *= shrink[slot]; o[4 * c + 2 * slot + 1] *= shrink[slot]; }
             }
-        #pragma unroll
-        for (int step = 0; step < KEYS / 16; ++step) {
-            p[step][0] = pack2<E>(s[8 * step + 0], s[8 * step + 1]);
-            p[step][1] = pack2<E>(s[8 * step + 2], s[8 * step + 3]);
-            p[step][2] = pack2<E>(s[8 * step + 4], s[8 * step + 5]);
-            p[step][3] = pack2<E>(s[8 * step + 6], s[8 * step + 7]);
-        }
+        as_fragments<E>(p, s);
     }
     if (begin < end) {
         // The last tile's P·V.
         const int j = end - begin;
         wgmma_fence();
-        #pragma unroll
-        for (int step = 0; step < KEYS / 16; ++step)
-            wgmma_values<E>(o, p[step], swizzled_descriptor(value_buffer((j + 2) % 3) + step * 16 * 64, KEYS * 64 * 2, 1024));
+        values_product<E>(o, p, value_buffer((j + 2) % 3));
         wgmma_commit();
         wgmma_wait<0>();
         settle<D / 2>(o);
@@ -1034,55 +1100,8 @@ FLASH_BACKWARD(f16_d64, 2, 64)
 FLASH_BACKWARD(f16_d128, 2, 128)
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Hopper backward (sm_90a), head_dim 128: the split backward's two kernels on warpgroup MMAs, one
-// warpgroup per CTA (two CTAs fit an SM). Every product is one of the forward's two forms:
-// scores (A and B K-major from swizzled shared memory, 64 × 64) and values (A in registers, B read
-// transposed from swizzled shared memory, 64 × 128).
-
-// 64 rows (from `rows`) of a tile of TILE_ROWS rows: the 16-column step `step` (0..7) of its two
-// 64-column panels, as a scores operand.
-template <int TILE_ROWS> __device__ __forceinline__ unsigned long long panel_step(const u16* rows, int step) {
-    return swizzled_descriptor(rows + (step >> 2) * TILE_ROWS * 64 + (step & 3) * 16, 16, 1024);
-}
-// Rows 16·step.. of a 64-row tile, read transposed, as a values operand.
-__device__ __forceinline__ unsigned long long transposed_rows(const u16* tile, int step) {
-    return swizzled_descriptor(tile + step * 16 * 64, 64 * 64 * 2, 1024);
-}
-// X = A·Bᵀ for 64 rows of A (from a tile of A_ROWS rows) and a 64-row tile B in shared memory
-// (both 128 columns).
-template <int E, int A_ROWS = 64> __device__ __forceinline__ void scores_product(float* x, const u16* a, const u16* b) {
-    #pragma unroll
-    for (int step = 0; step < 8; ++step) wgmma_scores<E>(x, panel_step<A_ROWS>(a, step), panel_step<64>(b, step), step);
-}
-// Y += A·B, A (64 × 64) as four 16-column fragments in registers, B a 64-row tile in shared memory.
-template <int E> __device__ __forceinline__ void values_product(float* y, const u32 (*a)[4], const u16* b) {
-    #pragma unroll
-    for (int step = 0; step < 4; ++step) wgmma_values<E>(y, a[step], transposed_rows(b, step));
-}
-// A 64 × 64 accumulator (mma.sync's C layout per warp) as A fragments for values_product.
-template <int E> __device__ __forceinline__ void as_fragments(u32 (*a)[4], const float* x) {
-    #pragma unroll
-    for (int step = 0; step < 4; ++step) {
-        a[step][0] = pack2<E>(x[8 * step + 0], x[8 * step + 1]);
-        a[step][1] = pack2<E>(x[8 * step + 2], x[8 * step + 3]);
-        a[step][2] = pack2<E>(x[8 * step + 4], x[8 * step + 5]);
-        a[step][3] = pack2<E>(x[8 * step + 6], x[8 * step + 7]);
-    }
-}
-// A 64 × 128 accumulator's rows r and r + 8 (this thread's, r = row0) into f32 global rows of 128,
-// times `factor`; rows at or past `seqlen` are skipped.
-__device__ __forceinline__ void store_rows(float* dst, const float* acc, int row0, int seqlen, float factor) {
-    const int t = threadIdx.x & 3;
-    #pragma unroll
-    for (int slot = 0; slot < 2; ++slot) {
-        const int r = row0 + slot * 8;
-        if (r >= seqlen) continue;
-        #pragma unroll
-        for (int c = 0; c < 16; ++c)
-            *reinterpret_cast<float2*>(dst + (size_t)r * 128 + c * 8 + t * 2) =
-                make_float2(acc[4 * c + 2 * slot] * factor, acc[4 * c + 2 * slot + 1] * factor);
-    }
-}
+// Hopper backward (sm_90a), head_dim 128: the split backward's two kernels on warpgroup MMAs, a
+// warpgroup per 64 rows; every product is a scores or a values one (above).
 
 #define HOPPER_BACKWARD_THREADS 128
 
@@ -1090,8 +1109,8 @@ __device__ __forceinline__ void store_rows(float* dst, const float* acc, int row
 // (both in flight together), P and dS = P∘(dP − D) while dP lands, dQ += dS·K. WGS warpgroups
 // of 64 rows each share the K and V tiles: with two, the tiles are the forward's (128 rows, its
 // work lists and order; the grid (heads, tiles) as the forward's); with one, the backward's
-// (64 rows, grid (tiles, heads)). Shared memory: Q, dO (64·WGS rows each), two buffers each of
-// K and V.
+// (64 rows, grid (tiles, heads)). Q and dO stay in registers; shared memory: two buffers each
+// of K and V.
 template <int E, int WGS>
 __device__ void flash_backward_dq_hopper(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                                          const u16* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -1101,10 +1120,9 @@ __device__ void flash_backward_dq_hopper(const u16* __restrict__ q, const u16* _
                                          const unsigned* __restrict__ row_start, const unsigned* __restrict__ intervals,
                                          const int* __restrict__ mask_of_head, int seqlen, int group, float scale, float scale_log2) {
     constexpr int D = 128, TILE_ELEMENTS = 64 * D, ROWS = 64 * WGS, NT = HOPPER_BACKWARD_THREADS * WGS;
-    u16* sq = hopper_tiles();
-    u16* sdo = sq + WGS * TILE_ELEMENTS;
-    auto key_buffer = [&](int i) { return sq + (2 * WGS + i) * TILE_ELEMENTS; };
-    auto value_buffer = [&](int i) { return sq + (2 * WGS + 2 + i) * TILE_ELEMENTS; };
+    u16* tiles_base = hopper_tiles();
+    auto key_buffer = [&](int i) { return tiles_base + i * TILE_ELEMENTS; };
+    auto value_buffer = [&](int i) { return tiles_base + (2 + i) * TILE_ELEMENTS; };
     const int head = WGS == 2 ? blockIdx.x : blockIdx.y, kv_head = head / group, mask = mask_of_head[head];
     const int q_tiles = (seqlen + ROWS - 1) / ROWS;
     const int q_tile = WGS == 2 ? (int)order[mask * q_tiles + blockIdx.y] : blockIdx.x;
@@ -1128,8 +1146,10 @@ __device__ void flash_backward_dq_hopper(const u16* __restrict__ q, const u16* _
     const u16* vh = v + ((size_t)kv_head * seqlen) * D;
     const unsigned list = mask * q_tiles + q_tile;
     const unsigned begin = tile_start[list], end = tile_start[list + 1];
-    load_panels_async<ROWS, NT>(sq, q + ((size_t)head * seqlen + q0) * D, min(ROWS, seqlen - q0));
-    load_panels_async<ROWS, NT>(sdo, d_out + ((size_t)head * seqlen + q0) * D, min(ROWS, seqlen - q0));
+    // This thread's Q and dO fragments stay in registers for every tile.
+    u32 q_fragments[8][4], do_fragments[8][4];
+    load_row_fragments(q_fragments, q + (size_t)head * seqlen * D, row0, seqlen);
+    load_row_fragments(do_fragments, d_out + (size_t)head * seqlen * D, row0, seqlen);
     if (begin < end) {
         const int k0 = (int)(tiles[begin] & 0x7fffffffu) * BN;
         load_panels_async<BN, NT>(key_buffer(0), kh + (size_t)k0 * D, min(BN, seqlen - k0));
@@ -1145,7 +1165,7 @@ __device__ void flash_backward_dq_hopper(const u16* __restrict__ q, const u16* _
         const unsigned entry = tiles[w];
         const bool partial = entry >> 31;
         const int k0 = (int)(entry & 0x7fffffffu) * BN;
-        wait_copies<0>();  // tile j's K and V (and Q, dO)
+        wait_copies<0>();  // tile j's K and V
         shared_writes_to_async_proxy();
         __syncthreads();
         if (w + 1 < end) {
@@ -1157,9 +1177,9 @@ __device__ void flash_backward_dq_hopper(const u16* __restrict__ q, const u16* _
         const u16* sk = key_buffer(j & 1);
         float s[BN / 2], dp[BN / 2];
         wgmma_fence();
-        scores_product<E, ROWS>(s, sq + half * TILE_ELEMENTS / 2, sk);
+        scores_from_registers<E>(s, q_fragments, sk);
         wgmma_commit();
-        scores_product<E, ROWS>(dp, sdo + half * TILE_ELEMENTS / 2, value_buffer(j & 1));
+        scores_from_registers<E>(dp, do_fragments, value_buffer(j & 1));
         wgmma_commit();
         wgmma_wait<1>();
         settle<BN / 2>(s);
@@ -1255,9 +1275,9 @@ __device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16*
         // query q0 + 8c + 2t + i mod 2.
         float st[ROWS / 2], dpt[ROWS / 2];
         wgmma_fence();
-        scores_product<E, KEYS>(st, k_rows, sq);
+        scores_from_shared<E, KEYS>(st, k_rows, sq);
         wgmma_commit();
-        scores_product<E, KEYS>(dpt, v_rows, sdo);
+        scores_from_shared<E, KEYS>(dpt, v_rows, sdo);
         wgmma_commit();
         wgmma_wait<1>();
         settle<ROWS / 2>(st);

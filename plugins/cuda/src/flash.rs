@@ -291,19 +291,19 @@ impl Kernels {
                     forward: allow_shared(forward, hopper_shared_bytes(HOPPER_FORWARD_ROWS))?,
                     dq: allow_shared(
                         function("backward_dq_hopper")?,
-                        hopper_shared_bytes(HOPPER_BACKWARD_ROWS),
+                        hopper_shared_bytes(HOPPER_DQ_ROWS),
                     )?,
                     dq_wide: allow_shared(
                         function("backward_dq_wide_hopper")?,
-                        hopper_shared_bytes(HOPPER_WIDE_ROWS),
+                        hopper_shared_bytes(HOPPER_DQ_ROWS),
                     )?,
                     dkdv: allow_shared(
                         function("backward_dkdv_hopper")?,
-                        hopper_shared_bytes(HOPPER_BACKWARD_ROWS),
+                        hopper_shared_bytes(HOPPER_DKDV_ROWS),
                     )?,
                     dkdv_wide: allow_shared(
                         function("backward_dkdv_wide_hopper")?,
-                        hopper_shared_bytes(HOPPER_WIDE_ROWS),
+                        hopper_shared_bytes(HOPPER_DKDV_WIDE_ROWS),
                     )?,
                 }),
                 Err(_) => None,
@@ -444,15 +444,15 @@ impl Instructions {
 fn hopper_shared_bytes(rows: u64) -> u32 {
     (rows as usize * 128 * 2 + 1024) as u32
 }
-/// The wgmma forward's rows: a 128-row Q tile, two 64-row buffers of K and three of V.
-const HOPPER_FORWARD_ROWS: u64 = FORWARD_TILE + 5 * TILE;
-/// The wgmma backward kernels' with two warpgroups: dQ's Q and dO tiles of 128 rows and two
-/// 64-row buffers each of K and V; dK/dV's K and V tiles of 128 rows and two 64-row buffers each
-/// of Q and dO.
-const HOPPER_WIDE_ROWS: u64 = 2 * WIDE_TILE + 4 * TILE;
-/// The other wgmma backward kernels' (one warpgroup): dQ's Q, dO and two buffers each of K and
-/// V; dK/dV's K, V and two buffers each of Q and dO (64-row tiles).
-const HOPPER_BACKWARD_ROWS: u64 = 6 * TILE;
+/// The wgmma forward's rows: two 64-row buffers of K and three of V (Q stays in registers).
+const HOPPER_FORWARD_ROWS: u64 = 5 * TILE;
+/// The wgmma dQ kernels' (Q and dO stay in registers): two 64-row buffers each of K and V.
+const HOPPER_DQ_ROWS: u64 = 4 * TILE;
+/// The wgmma dK/dV kernel's: K and V (64 keys each), two 64-row buffers each of Q and dO.
+const HOPPER_DKDV_ROWS: u64 = 6 * TILE;
+/// The wgmma dK/dV kernel's with two warpgroups: K and V tiles of 128 keys, two 64-row buffers
+/// each of Q and dO.
+const HOPPER_DKDV_WIDE_ROWS: u64 = 2 * WIDE_TILE + 4 * TILE;
 
 /// The forward kernel's dynamic shared memory: a Q tile and one K and one V tile, 16-bit.
 fn forward_shared_bytes(rows: u64, head_dim: usize) -> u32 {
@@ -615,18 +615,14 @@ unsafe fn launch_backward(
                     1,
                 ),
                 block_dim: (256, 1, 1),
-                shared_mem_bytes: hopper_shared_bytes(HOPPER_WIDE_ROWS),
+                shared_mem_bytes: hopper_shared_bytes(HOPPER_DQ_ROWS),
             },
         ),
         // The order is not read with one warpgroup.
         Some(h) => (
             &h.dq,
             lists(&t.tile_start, &t.tiles, Some(&t.forward_order)),
-            grid(
-                tiles,
-                dims.heads_q,
-                hopper_shared_bytes(HOPPER_BACKWARD_ROWS),
-            ),
+            grid(tiles, dims.heads_q, hopper_shared_bytes(HOPPER_DQ_ROWS)),
         ),
         None => (
             &f.dq,
@@ -647,17 +643,13 @@ unsafe fn launch_backward(
                     1,
                 ),
                 block_dim: (256, 1, 1),
-                shared_mem_bytes: hopper_shared_bytes(HOPPER_WIDE_ROWS),
+                shared_mem_bytes: hopper_shared_bytes(HOPPER_DKDV_WIDE_ROWS),
             },
         ),
         Some(h) => (
             &h.dkdv,
             lists(&t.key_tile_start, &t.key_tiles, None),
-            grid(
-                tiles,
-                dims.heads_kv,
-                hopper_shared_bytes(HOPPER_BACKWARD_ROWS),
-            ),
+            grid(tiles, dims.heads_kv, hopper_shared_bytes(HOPPER_DKDV_ROWS)),
         ),
         None => (
             &f.dkdv,
