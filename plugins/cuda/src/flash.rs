@@ -1066,6 +1066,53 @@ mod tests {
         assert_eq!(tables(&from_rows), from_slices);
     }
 
+    /// The wgmma dK/dV kernel's lists for 128-key tiles hold, per pair of 64-key tiles, the query
+    /// tiles that visit either, full where every half inside the sequence holds them full.
+    #[test]
+    fn wide_key_lists_join_pairs_of_key_tiles() {
+        let s = 1000u64;
+        let all: Vec<u32> = (0..s as u32).collect();
+        let mut slices = window_slices([0, s], [0, s], 130, 70);
+        slices.push(Slice::new([0, s], [0, 24], SliceKind::Full));
+        let mask = Mask::square(s, slices).expect("a valid mask");
+        let t = tables(&[MaskTiles::of_rows(
+            RowIntervals::restrict(&mask, &all, &all),
+            s,
+        )]);
+        let list = |start: &[u32], tiles: &[u32], i: usize| -> Vec<(u32, bool)> {
+            tiles[start[i] as usize..start[i + 1] as usize]
+                .iter()
+                .map(|entry| (entry & 0x7fff_ffff, entry >> 31 == 0))
+                .collect()
+        };
+        let key_tiles = s.div_ceil(TILE) as usize;
+        assert_eq!(
+            t.wide_key_tile_start.len(),
+            s.div_ceil(WIDE_TILE) as usize + 1
+        );
+        for wide in 0..s.div_ceil(WIDE_TILE) as usize {
+            let halves: Vec<Vec<(u32, bool)>> = [2 * wide, 2 * wide + 1]
+                .into_iter()
+                .filter(|&k| k < key_tiles)
+                .map(|k| list(&t.key_tile_start, &t.key_tiles, k))
+                .collect();
+            let mut expected: Vec<(u32, bool)> = halves
+                .iter()
+                .flatten()
+                .map(|&(q, _)| q)
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .map(|q| (q, halves.iter().all(|half| half.contains(&(q, true)))))
+                .collect();
+            expected.sort();
+            assert_eq!(
+                list(&t.wide_key_tile_start, &t.wide_key_tiles, wide),
+                expected,
+                "wide key tile {wide}"
+            );
+        }
+    }
+
     /// Every static mask of the catalogue keeps 128-row forward tiles (the 64-row ones are
     /// slower on them); block-sparse masks take 64-row tiles on 64-token blocks only.
     #[test]
