@@ -434,6 +434,16 @@ template <int E> __device__ __forceinline__ void as_fragments(u32 (*a)[4], const
         a[step][3] = pack2<E>(x[8 * step + 6], x[8 * step + 7]);
     }
 }
+// Y += A·B as one committed group of this warpgroup's products, A the 64 × 64 accumulator `x`
+// rounded to 16 bits.
+template <int E> __device__ __forceinline__ void issue_values_product(float* y, const float* x, const u16* b) {
+    u32 a[4][4];
+    as_fragments<E>(a, x);
+    settle<64>(y);
+    wgmma_fence();
+    values_product<E>(y, a, b);
+    wgmma_commit();
+}
 // A 64 × 128 accumulator's rows r and r + 8 (this thread's, r = row0) into f32 global rows of 128,
 // times `factor`; rows at or past `seqlen` are skipped.
 __device__ __forceinline__ void store_rows(float* dst, const float* acc, int row0, int seqlen, float factor) {
@@ -464,6 +474,26 @@ __device__ __forceinline__ void load_row_fragments(u32 (*a)[4], const u16* rows,
         a[step][2] = in0 ? r0[step * 8 + 4 + t] : 0u;
         a[step][3] = in1 ? r1[step * 8 + 4 + t] : 0u;
     }
+}
+
+// The K and V tiles of work-list entry `entry` (64 keys) into swizzled panels, by cp.async.
+template <int NT>
+__device__ __forceinline__ void load_key_tile(u16* k_dst, u16* v_dst, const u16* kh, const u16* vh, unsigned entry, int seqlen) {
+    const int k0 = (int)(entry & 0x7fffffffu) * BN;
+    load_panels_async<BN, NT>(k_dst, kh + (size_t)k0 * 128, min(BN, seqlen - k0));
+    load_panels_async<BN, NT>(v_dst, vh + (size_t)k0 * 128, min(BN, seqlen - k0));
+}
+// A walk over key tiles, between two tiles: waits for this tile's K and V (every thread's
+// copies), shows them to wgmma, and — once every thread is past the previous tile, whose buffers
+// the next copies may overwrite — starts copying the next entry's (`next`, if any) into `k_next`
+// and `v_next`.
+template <int NT>
+__device__ __forceinline__ void next_key_tile(u16* k_next, u16* v_next, const u16* kh, const u16* vh, const unsigned* next, int seqlen) {
+    wait_copies<0>();
+    shared_writes_to_async_proxy();
+    __syncthreads();
+    if (next) load_key_tile<NT>(k_next, v_next, kh, vh, *next, seqlen);
+    commit_copies();
 }
 
 #define HOPPER_THREADS 256
@@ -499,11 +529,7 @@ __device__ void flash_forward_hopper(const u16* __restrict__ q, const u16* __res
     const unsigned list = mask * q_tiles + q_tile;
     const unsigned begin = tile_start[list], end = tile_start[list + 1];
 
-    if (begin < end) {
-        const int k0 = (int)(tiles[begin] & 0x7fffffffu) * KEYS;
-        load_panels_async<KEYS, HOPPER_THREADS>(key_buffer(0), kh + (size_t)k0 * D, min(KEYS, seqlen - k0));
-        load_panels_async<KEYS, HOPPER_THREADS>(value_buffer(0), vh + (size_t)k0 * D, min(KEYS, seqlen - k0));
-    }
+    if (begin < end) load_key_tile<HOPPER_THREADS>(key_buffer(0), value_buffer(0), kh, vh, tiles[begin], seqlen);
     commit_copies();
 
     // This thread's two rows ("slots"), as wgmma's accumulators hold them.
@@ -535,17 +561,9 @@ __device__ void flash_forward_hopper(const u16* __restrict__ q, const u16* __res
         const unsigned entry = tiles[w];
         const bool partial = entry >> 31;
         const int k0 = (int)(entry & 0x7fffffffu) * KEYS;
-        wait_copies<0>();  // tile j's K and V
-        shared_writes_to_async_proxy();
-        // Every thread is past tile j−1's scores and tile j−2's product: K's other buffer and
-        // V's third buffer are free.
-        __syncthreads();
-        if (w + 1 < end) {
-            const int k1 = (int)(tiles[w + 1] & 0x7fffffffu) * KEYS;
-            load_panels_async<KEYS, HOPPER_THREADS>(key_buffer((j + 1) & 1), kh + (size_t)k1 * D, min(KEYS, seqlen - k1));
-            load_panels_async<KEYS, HOPPER_THREADS>(value_buffer((j + 1) % 3), vh + (size_t)k1 * D, min(KEYS, seqlen - k1));
-        }
-        commit_copies();
+        // Past tile j−1's scores and tile j−2's product, K's other buffer and V's third are free.
+        next_key_tile<HOPPER_THREADS>(key_buffer((j + 1) & 1), value_buffer((j + 1) % 3), kh, vh,
+                                      w + 1 < end ? tiles + w + 1 : nullptr, seqlen);
 
         // S = Q·Kᵀ.
         float s[KEYS / 2];
@@ -1154,11 +1172,7 @@ __device__ void flash_backward_dq_hopper(const u16* __restrict__ q, const u16* _
     u32 q_fragments[8][4], do_fragments[8][4];
     load_row_fragments(q_fragments, q + (size_t)head * seqlen * D, row0, seqlen);
     load_row_fragments(do_fragments, d_out + (size_t)head * seqlen * D, row0, seqlen);
-    if (begin < end) {
-        const int k0 = (int)(tiles[begin] & 0x7fffffffu) * BN;
-        load_panels_async<BN, NT>(key_buffer(0), kh + (size_t)k0 * D, min(BN, seqlen - k0));
-        load_panels_async<BN, NT>(value_buffer(0), vh + (size_t)k0 * D, min(BN, seqlen - k0));
-    }
+    if (begin < end) load_key_tile<NT>(key_buffer(0), value_buffer(0), kh, vh, tiles[begin], seqlen);
     commit_copies();
 
     float acc[D / 2];
@@ -1169,15 +1183,8 @@ __device__ void flash_backward_dq_hopper(const u16* __restrict__ q, const u16* _
         const unsigned entry = tiles[w];
         const bool partial = entry >> 31;
         const int k0 = (int)(entry & 0x7fffffffu) * BN;
-        wait_copies<0>();  // tile j's K and V
-        shared_writes_to_async_proxy();
-        __syncthreads();
-        if (w + 1 < end) {
-            const int k1 = (int)(tiles[w + 1] & 0x7fffffffu) * BN;
-            load_panels_async<BN, NT>(key_buffer((j + 1) & 1), kh + (size_t)k1 * D, min(BN, seqlen - k1));
-            load_panels_async<BN, NT>(value_buffer((j + 1) & 1), vh + (size_t)k1 * D, min(BN, seqlen - k1));
-        }
-        commit_copies();
+        // Past tile j−1's products, its buffers are free.
+        next_key_tile<NT>(key_buffer((j + 1) & 1), value_buffer((j + 1) & 1), kh, vh, w + 1 < end ? tiles + w + 1 : nullptr, seqlen);
         const u16* sk = key_buffer(j & 1);
         float s[BN / 2], dp[BN / 2];
         wgmma_fence();
@@ -1205,12 +1212,7 @@ __device__ void flash_backward_dq_hopper(const u16* __restrict__ q, const u16* _
         settle<BN / 2>(dp);
         #pragma unroll
         for (int i = 0; i < BN / 2; ++i) s[i] *= dp[i] - row_delta[(i >> 1) & 1];
-        u32 ds[BN / 16][4];
-        as_fragments<E>(ds, s);
-        settle<D / 2>(acc);
-        wgmma_fence();
-        values_product<E>(acc, ds, sk);
-        wgmma_commit();
+        issue_values_product<E>(acc, s, sk);  // dQ += dS·K
         wgmma_wait<0>();
         settle<D / 2>(acc);
     }
@@ -1309,12 +1311,7 @@ __device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16*
                 st[i] = ok ? fast_exp2(st[i] * scale_log2 - row_lse) : 0.0f;
             }
         }
-        u32 pt[ROWS / 16][4];
-        as_fragments<E>(pt, st);
-        settle<D / 2>(dv_acc);
-        wgmma_fence();
-        values_product<E>(dv_acc, pt, sdo);
-        wgmma_commit();
+        issue_values_product<E>(dv_acc, st, sdo);  // dV += Pᵀ·dO
         wgmma_wait<1>();
         settle<ROWS / 2>(dpt);
         #pragma unroll
@@ -1323,12 +1320,7 @@ __device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16*
             #pragma unroll
             for (int i = 0; i < 4; ++i) dpt[4 * c + i] = st[4 * c + i] * (dpt[4 * c + i] - ((i & 1) ? pair.y : pair.x));
         }
-        u32 dst[ROWS / 16][4];
-        as_fragments<E>(dst, dpt);
-        settle<D / 2>(dk_acc);
-        wgmma_fence();
-        values_product<E>(dk_acc, dst, sq);
-        wgmma_commit();
+        issue_values_product<E>(dk_acc, dpt, sq);  // dK += dSᵀ·Q
         wgmma_wait<0>();
         settle<D / 2>(dk_acc);
         settle<D / 2>(dv_acc);
