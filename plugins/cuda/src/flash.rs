@@ -421,21 +421,22 @@ impl Instructions {
         }
     }
 
-    /// The instructions the forward (`backward` false) or the backward takes here.
-    fn used(
+    /// The wgmma kernels the forward takes on query tiles of `forward_rows` rows.
+    fn forward(
         self,
         f: &Functions,
         forward_rows: u64,
-        backward: Option<Backward>,
-    ) -> Result<&'static str, PluginError> {
-        let fits = match backward {
-            None => forward_rows == FORWARD_TILE,
-            Some(backward) => backward == Backward::Split,
-        };
-        Ok(match self.hopper(f, fits)? {
-            Some(_) => "wgmma",
-            None => "mma",
-        })
+    ) -> Result<Option<&HopperFunctions>, PluginError> {
+        self.hopper(f, forward_rows == FORWARD_TILE)
+    }
+
+    /// The wgmma kernels a backward of kind `backward` takes.
+    fn backward(
+        self,
+        f: &Functions,
+        backward: Backward,
+    ) -> Result<Option<&HopperFunctions>, PluginError> {
+        self.hopper(f, backward == Backward::Split)
     }
 }
 
@@ -516,7 +517,7 @@ unsafe fn launch_forward(
     let (len, group) = (dims.len as i32, (dims.heads_q / dims.heads_kv) as i32);
     let scale_log2 = dims.scale * std::f32::consts::LOG2_E;
     let rows = t.forward_rows;
-    let hopper = instructions.hopper(f, rows == FORWARD_TILE)?;
+    let hopper = instructions.forward(f, rows)?;
     let function = match hopper {
         Some(hopper) => &hopper.forward,
         None if rows == FORWARD_TILE => &f.forward,
@@ -597,7 +598,7 @@ unsafe fn launch_backward(
             key_tile_shared_bytes(dims.head_dim, fused),
         )
     };
-    let hopper = instructions.hopper(f, backward == Backward::Split)?;
+    let hopper = instructions.backward(f, backward)?;
     let (dq, dq_lists, dq_config) = match hopper {
         // The forward's 128-row tiles (its lists and order, its grid): two warpgroups share
         // each K and V tile.
@@ -771,15 +772,17 @@ impl Problem {
     /// The instructions (`wgmma` or `mma`) the forward runs on here, and the backward's where
     /// the problem has one; an error where the choice cannot run.
     pub fn instructions_used(&self) -> Result<(&'static str, Option<&'static str>), PluginError> {
-        let used = |backward| {
-            self.instructions
-                .used(&self.functions, self.tables.forward_rows, backward)
-        };
+        let name =
+            |hopper: Option<&HopperFunctions>| if hopper.is_some() { "wgmma" } else { "mma" };
+        let (instructions, f) = (self.instructions, &self.functions);
         let backward = match self.grad {
-            Some(_) => Some(used(Some(self.backward))?),
+            Some(_) => Some(name(instructions.backward(f, self.backward)?)),
             None => None,
         };
-        Ok((used(None)?, backward))
+        Ok((
+            name(instructions.forward(f, self.tables.forward_rows)?),
+            backward,
+        ))
     }
 
     fn tensors(&self, gpu: &Gpu) -> Tensors {
