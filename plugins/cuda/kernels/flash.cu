@@ -103,19 +103,22 @@ template <int D> __device__ __forceinline__ void b_fragments(u32* b, const u16* 
 // 2^x on the special-function unit; 2^−∞ = 0, which masked scores rely on.
 __device__ __forceinline__ float fast_exp2(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
 
+// Every forward kernel's parameters: Q, K, V, O, LSE, the work lists (per query tile its key
+// tiles, and the order to start the query tiles), the rows' key intervals, each head's mask;
+// and the same names as arguments.
+#define FORWARD_PARAMS const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, \
+    float* __restrict__ out, float* __restrict__ lse, const unsigned* __restrict__ tile_start, \
+    const unsigned* __restrict__ tiles, const unsigned* __restrict__ order, const unsigned* __restrict__ row_start, \
+    const unsigned* __restrict__ intervals, const int* __restrict__ mask_of_head, int seqlen, int group, float scale_log2
+#define FORWARD_ARGS q, k, v, out, lse, tile_start, tiles, order, row_start, intervals, mask_of_head, seqlen, group, scale_log2
+
 // Forward: one CTA of 4 warps per (64·M-row query tile, query head), each warp 16·M rows (M
 // 16-row blocks sharing every K and V fragment it loads: at M = 2, half the shared-memory traffic
 // per product of 16-row warps; M = 1 for masks whose blocks split 128-row tiles, see flash.rs). Q stays in shared memory; K and V tiles arrive by cp.async into one
 // buffer each, overlapped with compute: V(j) loads during S = Q·K(j)ᵀ, K(j+1) during the
 // softmax and O += P·V(j). Dynamic shared memory: (64·M + 2·64)·D 16-bit elements.
 template <int E, int D, int M>
-__device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                              float* __restrict__ out, float* __restrict__ lse,
-                              const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles,
-                              const unsigned* __restrict__ order,
-                              const unsigned* __restrict__ row_start, const unsigned* __restrict__ intervals,
-                              const int* __restrict__ mask_of_head,
-                              int seqlen, int group, float scale_log2) {
+__device__ void flash_forward(FORWARD_PARAMS) {
     constexpr int BM_FWD = 64 * M, FWD_M = M;
     extern __shared__ __align__(128) u16 dynamic_shared[];
     u16* sq = dynamic_shared;
@@ -291,11 +294,8 @@ __device__ void flash_forward(const u16* __restrict__ q, const u16* __restrict__
 }
 
 #define FLASH_FORWARD_TILE(NAME, SUFFIX, E, D, M) \
-extern "C" __global__ void __launch_bounds__(FWD_THREADS, 2) NAME##_##SUFFIX( \
-    const u16* q, const u16* k, const u16* v, float* out, float* lse, const unsigned* tile_start, const unsigned* tiles, \
-    const unsigned* order, const unsigned* row_start, const unsigned* intervals, const int* mask_of_head, \
-    int seqlen, int group, float scale_log2) { \
-    flash_forward<E, D, M>(q, k, v, out, lse, tile_start, tiles, order, row_start, intervals, mask_of_head, seqlen, group, scale_log2); }
+extern "C" __global__ void __launch_bounds__(FWD_THREADS, 2) NAME##_##SUFFIX(FORWARD_PARAMS) { \
+    flash_forward<E, D, M>(FORWARD_ARGS); }
 #define FLASH_FORWARD(SUFFIX, E, D) \
     FLASH_FORWARD_TILE(flash_forward, SUFFIX, E, D, 2) \
     FLASH_FORWARD_TILE(flash_forward_narrow, SUFFIX, E, D, 1)
@@ -506,13 +506,7 @@ __device__ __forceinline__ u16* hopper_tiles() {
 }
 
 template <int E>
-__device__ void flash_forward_hopper(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                                     float* __restrict__ out, float* __restrict__ lse,
-                                     const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles,
-                                     const unsigned* __restrict__ order,
-                                     const unsigned* __restrict__ row_start, const unsigned* __restrict__ intervals,
-                                     const int* __restrict__ mask_of_head,
-                                     int seqlen, int group, float scale_log2) {
+__device__ void flash_forward_hopper(FORWARD_PARAMS) {
     constexpr int D = 128, ROWS = 128, KEYS = BN;
     u16* tiles_base = hopper_tiles();
     // Two buffers of K, then three of V (tile j−1's V is read while tile j+1's arrives).
@@ -654,11 +648,8 @@ __device__ void flash_forward_hopper(const u16* __restrict__ q, const u16* __res
 }
 
 #define FLASH_FORWARD_HOPPER(SUFFIX, E) \
-extern "C" __global__ void __launch_bounds__(HOPPER_THREADS, 1) flash_forward_hopper_##SUFFIX( \
-    const u16* q, const u16* k, const u16* v, float* out, float* lse, const unsigned* tile_start, const unsigned* tiles, \
-    const unsigned* order, const unsigned* row_start, const unsigned* intervals, const int* mask_of_head, \
-    int seqlen, int group, float scale_log2) { \
-    flash_forward_hopper<E>(q, k, v, out, lse, tile_start, tiles, order, row_start, intervals, mask_of_head, seqlen, group, scale_log2); }
+extern "C" __global__ void __launch_bounds__(HOPPER_THREADS, 1) flash_forward_hopper_##SUFFIX(FORWARD_PARAMS) { \
+    flash_forward_hopper<E>(FORWARD_ARGS); }
 FLASH_FORWARD_HOPPER(bf16_d128, 1)
 FLASH_FORWARD_HOPPER(f16_d128, 2)
 #endif
