@@ -338,8 +338,8 @@ template <int N> __device__ __forceinline__ void settle(float* r) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
 }
 
-// S (64 rows × 64 keys, f32) += A·Bᵀ over 16 columns: A = Q rows, B = K rows, both from swizzled
-// shared memory; `accumulate` 0 starts from zero.
+// X (64 × 64, f32) += A·Bᵀ over 16 columns, the rows of A and of B from swizzled shared memory
+// (K·Qᵀ and V·dOᵀ in the dK/dV kernel); `accumulate` 0 starts from zero.
 template <int E> __device__ __forceinline__ void wgmma_scores(float* d, unsigned long long a, unsigned long long b, int accumulate);
 template <> __device__ __forceinline__ void wgmma_scores<1>(float* d, unsigned long long a, unsigned long long b, int accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
@@ -354,8 +354,9 @@ template <> __device__ __forceinline__ void wgmma_scores<2>(float* d, unsigned l
                  : "l"(a), "l"(b), "r"(accumulate));
 }
 
-// O (64 rows × 128 columns, f32) += P·V over 16 keys: P in registers (A fragments as mma.sync
-// lays them out), V rows in swizzled shared memory, read transposed (V is stored key-major).
+// Y (64 × 128, f32) += A·B over 16 rows of B: A in registers (fragments as mma.sync lays them
+// out: P, or dS in the backward), B's rows in swizzled shared memory, read transposed (V for P·V
+// is stored key-major; so are K, Q and dO for the backward's products).
 template <int E> __device__ __forceinline__ void wgmma_values(float* d, const u32* a, unsigned long long b);
 template <> __device__ __forceinline__ void wgmma_values<1>(float* d, const u32* a, unsigned long long b) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
@@ -370,8 +371,8 @@ template <> __device__ __forceinline__ void wgmma_values<2>(float* d, const u32*
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
 }
 
-// S (64 rows × 64 keys, f32) += A·Bᵀ over 16 columns: A in registers (mma.sync's A layout), B = K
-// rows from swizzled shared memory; `accumulate` 0 starts from zero.
+// X (64 × 64, f32) += A·Bᵀ over 16 columns: A in registers (mma.sync's A layout: Q or dO), B's
+// rows (K or V) from swizzled shared memory; `accumulate` 0 starts from zero.
 template <int E> __device__ __forceinline__ void wgmma_scores_registers(float* d, const u32* a, unsigned long long b, int accumulate);
 template <> __device__ __forceinline__ void wgmma_scores_registers<1>(float* d, const u32* a, unsigned long long b, int accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
