@@ -599,10 +599,13 @@ unsafe fn launch_backward(
         )
     };
     let hopper = instructions.backward(f, backward)?;
+    // Where the masks' blocks do not split the forward's 128-row tiles, two warpgroups share
+    // each tile of the wgmma kernels.
+    let wide = t.forward_rows == FORWARD_TILE;
     let (dq, dq_lists, dq_config) = match hopper {
         // The forward's 128-row tiles (its lists and order, its grid): two warpgroups share
         // each K and V tile.
-        Some(h) if t.forward_rows == FORWARD_TILE => (
+        Some(h) if wide => (
             &h.dq_wide,
             lists(
                 &t.forward_tile_start,
@@ -632,9 +635,8 @@ unsafe fn launch_backward(
         ),
     };
     let (dkdv, dkdv_lists, dkdv_config) = match hopper {
-        // 128-key tiles, two warpgroups sharing each step's Q and dO, where the forward's tiles
-        // are wide too (the masks' blocks do not split them).
-        Some(h) if t.forward_rows == FORWARD_TILE => (
+        // 128-key tiles, two warpgroups sharing each step's Q and dO.
+        Some(h) if wide => (
             &h.dkdv_wide,
             lists(&t.wide_key_tile_start, &t.wide_key_tiles, None),
             LaunchConfig {
