@@ -399,14 +399,31 @@ __device__ __forceinline__ void load_panels_async(u16* dst, const u16* src, int 
     }
 }
 
+// S (64 rows × 128 keys, f32) += A·Bᵀ over 16 columns, A and B (K-major) from swizzled shared
+// memory; `accumulate` 0 starts from zero.
+template <int E>
+__device__ __forceinline__ void wgmma_scores_n128(float* d, unsigned long long a, unsigned long long b, int accumulate) {
+    if constexpr (E == 1) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                     : "l"(a), "l"(b), "r"(accumulate));
+    } else {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                     : "l"(a), "l"(b), "r"(accumulate));
+    }
+}
+
 // 64 rows (from `rows`) of a tile of TILE_ROWS rows: the 16-column step `step` (0..7) of its two
 // 64-column panels, as a scores operand.
 template <int TILE_ROWS> __device__ __forceinline__ unsigned long long panel_step(const u16* rows, int step) {
     return swizzled_descriptor(rows + (step >> 2) * TILE_ROWS * 64 + (step & 3) * 16, 16, 1024);
 }
-// Rows 16·step.. of a 64-row tile, read transposed, as a values operand.
-__device__ __forceinline__ unsigned long long transposed_rows(const u16* tile, int step) {
-    return swizzled_descriptor(tile + step * 16 * 64, 64 * 64 * 2, 1024);
+// Rows 16·step.. of a tile of TILE_ROWS rows, read transposed, as a values operand.
+template <int TILE_ROWS = 64> __device__ __forceinline__ unsigned long long transposed_rows(const u16* tile, int step) {
+    return swizzled_descriptor(tile + step * 16 * 64, TILE_ROWS * 64 * 2, 1024);
 }
 // X = A·Bᵀ for 64 rows of A (from a tile of A_ROWS rows) and a 64-row tile B in shared memory
 // (both 128 columns).
@@ -420,15 +437,23 @@ template <int E> __device__ __forceinline__ void scores_from_registers(float* x,
     #pragma unroll
     for (int step = 0; step < 8; ++step) wgmma_scores_registers<E>(x, a[step], panel_step<64>(b, step), step);
 }
-// Y += A·B, A (64 × 64) as four 16-column fragments in registers, B a 64-row tile in shared memory.
-template <int E> __device__ __forceinline__ void values_product(float* y, const u32 (*a)[4], const u16* b) {
+// X (64 × 128) = A·Bᵀ for 64 rows of A (from a tile of A_ROWS rows) and a 128-row tile B, both in
+// shared memory.
+template <int E, int A_ROWS> __device__ __forceinline__ void scores_from_shared_n128(float* x, const u16* a, const u16* b) {
     #pragma unroll
-    for (int step = 0; step < 4; ++step) wgmma_values<E>(y, a[step], transposed_rows(b, step));
+    for (int step = 0; step < 8; ++step) wgmma_scores_n128<E>(x, panel_step<A_ROWS>(a, step), panel_step<128>(b, step), step);
 }
-// A 64 × 64 accumulator (mma.sync's C layout per warp) as A fragments for values_product.
-template <int E> __device__ __forceinline__ void as_fragments(u32 (*a)[4], const float* x) {
+// Y += A·B, A (64 × KEYS) as KEYS / 16 fragments in registers, B a tile of KEYS rows in shared
+// memory.
+template <int E, int KEYS = 64> __device__ __forceinline__ void values_product(float* y, const u32 (*a)[4], const u16* b) {
     #pragma unroll
-    for (int step = 0; step < 4; ++step) {
+    for (int step = 0; step < KEYS / 16; ++step) wgmma_values<E>(y, a[step], transposed_rows<KEYS>(b, step));
+}
+// A 64 × (16·STEPS) accumulator (mma.sync's C layout per warp) as A fragments for
+// values_product.
+template <int E, int STEPS = 4> __device__ __forceinline__ void as_fragments(u32 (*a)[4], const float* x) {
+    #pragma unroll
+    for (int step = 0; step < STEPS; ++step) {
         a[step][0] = pack2<E>(x[8 * step + 0], x[8 * step + 1]);
         a[step][1] = pack2<E>(x[8 * step + 2], x[8 * step + 3]);
         a[step][2] = pack2<E>(x[8 * step + 4], x[8 * step + 5]);
@@ -477,23 +502,23 @@ __device__ __forceinline__ void load_row_fragments(u32 (*a)[4], const u16* rows,
     }
 }
 
-// The K and V tiles of work-list entry `entry` (64 keys) into swizzled panels, by cp.async.
-template <int NT>
+// The K and V tiles of work-list entry `entry` (KEYS keys) into swizzled panels, by cp.async.
+template <int NT, int KEYS = BN>
 __device__ __forceinline__ void load_key_tile(u16* k_dst, u16* v_dst, const u16* kh, const u16* vh, unsigned entry, int seqlen) {
-    const int k0 = (int)(entry & 0x7fffffffu) * BN;
-    load_panels_async<BN, NT>(k_dst, kh + (size_t)k0 * 128, min(BN, seqlen - k0));
-    load_panels_async<BN, NT>(v_dst, vh + (size_t)k0 * 128, min(BN, seqlen - k0));
+    const int k0 = (int)(entry & 0x7fffffffu) * KEYS;
+    load_panels_async<KEYS, NT>(k_dst, kh + (size_t)k0 * 128, min(KEYS, seqlen - k0));
+    load_panels_async<KEYS, NT>(v_dst, vh + (size_t)k0 * 128, min(KEYS, seqlen - k0));
 }
 // A walk over key tiles, between two tiles: waits for this tile's K and V (every thread's
 // copies), shows them to wgmma, and — once every thread is past the previous tile, whose buffers
 // the next copies may overwrite — starts copying the next entry's (`next`, if any) into `k_next`
 // and `v_next`.
-template <int NT>
+template <int NT, int KEYS = BN>
 __device__ __forceinline__ void next_key_tile(u16* k_next, u16* v_next, const u16* kh, const u16* vh, const unsigned* next, int seqlen) {
     wait_copies<0>();
     shared_writes_to_async_proxy();
     __syncthreads();
-    if (next) load_key_tile<NT>(k_next, v_next, kh, vh, *next, seqlen);
+    if (next) load_key_tile<NT, KEYS>(k_next, v_next, kh, vh, *next, seqlen);
     commit_copies();
 }
 
@@ -508,11 +533,14 @@ __device__ __forceinline__ u16* hopper_tiles() {
 
 template <int E>
 __device__ void flash_forward_hopper(FORWARD_PARAMS) {
-    constexpr int D = 128, ROWS = 128, KEYS = BN;
-    u16* tiles_base = hopper_tiles();
-    // Two buffers of K, then three of V (tile j−1's V is read while tile j+1's arrives).
-    auto key_buffer = [&](int index) { return tiles_base + index * KEYS * D; };
-    auto value_buffer = [&](int index) { return tiles_base + (2 + index) * KEYS * D; };
+    // Key tiles of 128 (lists of their own): half the per-tile barriers, reductions and rescales
+    // of 64-key tiles per product.
+    constexpr int D = 128, ROWS = 128, KEYS = 128;
+    u16* sq = hopper_tiles();
+    // After Q: two buffers of K, then three of V (tile j−1's V is read while tile j+1's arrives).
+    // Q stays in shared memory: with 128-key tiles its fragments would not fit in registers.
+    auto key_buffer = [&](int index) { return sq + ROWS * D + index * KEYS * D; };
+    auto value_buffer = [&](int index) { return sq + ROWS * D + (2 + index) * KEYS * D; };
     const int head = blockIdx.x, kv_head = head / group, mask = mask_of_head[head];
     const int q_tiles = (seqlen + ROWS - 1) / ROWS;
     const int q_tile = order[mask * q_tiles + blockIdx.y];
@@ -524,7 +552,8 @@ __device__ void flash_forward_hopper(FORWARD_PARAMS) {
     const unsigned list = mask * q_tiles + q_tile;
     const unsigned begin = tile_start[list], end = tile_start[list + 1];
 
-    if (begin < end) load_key_tile<HOPPER_THREADS>(key_buffer(0), value_buffer(0), kh, vh, tiles[begin], seqlen);
+    load_panels_async<ROWS, HOPPER_THREADS>(sq, q + ((size_t)head * seqlen + q0) * D, min(ROWS, seqlen - q0));
+    if (begin < end) load_key_tile<HOPPER_THREADS, KEYS>(key_buffer(0), value_buffer(0), kh, vh, tiles[begin], seqlen);
     commit_copies();
 
     // This thread's two rows ("slots"), as wgmma's accumulators hold them.
@@ -542,9 +571,8 @@ __device__ void flash_forward_hopper(FORWARD_PARAMS) {
     for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
     const float minus_inf = __int_as_float(0xff800000);
     float m[2] = {minus_inf, minus_inf}, l[2] = {0.0f, 0.0f};
-    // This thread's Q fragments stay in registers for every tile.
-    u32 q_fragments[8][4];
-    load_row_fragments(q_fragments, q + (size_t)head * seqlen * D, row0, seqlen);
+    // This warpgroup's rows of Q.
+    const u16* q_rows = sq + half * 64 * 64;
     // P of the previous tile, as O += P·V takes it (A fragments in registers).
     u32 p[KEYS / 16][4];
 
@@ -557,17 +585,17 @@ __device__ void flash_forward_hopper(FORWARD_PARAMS) {
         const bool partial = entry >> 31;
         const int k0 = (int)(entry & 0x7fffffffu) * KEYS;
         // Past tile j−1's scores and tile j−2's product, K's other buffer and V's third are free.
-        next_key_tile<HOPPER_THREADS>(key_buffer((j + 1) & 1), value_buffer((j + 1) % 3), kh, vh,
+        next_key_tile<HOPPER_THREADS, KEYS>(key_buffer((j + 1) & 1), value_buffer((j + 1) % 3), kh, vh,
                                       w + 1 < end ? tiles + w + 1 : nullptr, seqlen);
 
         // S = Q·Kᵀ.
         float s[KEYS / 2];
         wgmma_fence();
-        scores_from_registers<E>(s, q_fragments, key_buffer(j & 1));
+        scores_from_shared_n128<E, ROWS>(s, q_rows, key_buffer(j & 1));
         wgmma_commit();
         // O += P·V of tile j−1.
         if (j > 0) {
-            values_product<E>(o, p, value_buffer((j + 2) % 3));
+            values_product<E, KEYS>(o, p, value_buffer((j + 2) % 3));
             wgmma_commit();
             wgmma_wait<1>();
         } else {
@@ -620,13 +648,13 @@ __device__ void flash_forward_hopper(FORWARD_PARAMS) {
                 #pragma unroll
                 for (int c = 0; c < D / 8; ++c) { o[4 * c + 2 * slot] *= shrink[slot]; o[4 * c + 2 * slot + 1] *= shrink[slot]; }
             }
-        as_fragments<E>(p, s);
+        as_fragments<E, KEYS / 16>(p, s);
     }
     if (begin < end) {
         // The last tile's P·V.
         const int j = end - begin;
         wgmma_fence();
-        values_product<E>(o, p, value_buffer((j + 2) % 3));
+        values_product<E, KEYS>(o, p, value_buffer((j + 2) % 3));
         wgmma_commit();
         wgmma_wait<0>();
         settle<D / 2>(o);

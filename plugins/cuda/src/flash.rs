@@ -33,7 +33,7 @@ const TILE: u64 = 64;
 /// Query rows per tile of the forward pass (`BM_FWD`; its key tiles are `TILE` long), unless
 /// the mask set's blocks split such tiles (then `TILE`, see [`Tables::forward_rows`]).
 const FORWARD_TILE: u64 = 128;
-/// Keys per tile of the wgmma dK/dV kernel with two warpgroups.
+/// Keys per tile of the wgmma forward and of the wgmma dK/dV kernel with two warpgroups.
 const WIDE_TILE: u64 = 128;
 
 pub struct Kernels {
@@ -96,6 +96,10 @@ struct Tables {
     forward_tile_start: Vec<u32>,
     forward_tiles: Vec<u32>,
     forward_order: Vec<u32>,
+    /// The wgmma forward's, at 128 rows × 128 keys.
+    wide_forward_tile_start: Vec<u32>,
+    wide_forward_tiles: Vec<u32>,
+    wide_forward_order: Vec<u32>,
     tile_start: Vec<u32>,
     tiles: Vec<u32>,
     key_tile_start: Vec<u32>,
@@ -111,6 +115,8 @@ struct Tables {
 struct MaskTiles {
     /// At the forward's wide tiles (128 rows × 64 keys).
     forward: BlockMask,
+    /// At the wgmma forward's (128 rows × 128 keys).
+    forward_wide: BlockMask,
     backward: BlockMask,
     /// At 64 rows × 128 keys.
     wide_keys: BlockMask,
@@ -122,6 +128,7 @@ impl MaskTiles {
     fn of_rows(rows: RowIntervals, k_len: u64) -> MaskTiles {
         MaskTiles {
             forward: rows.block_mask(k_len, FORWARD_TILE, TILE),
+            forward_wide: rows.block_mask(k_len, FORWARD_TILE, WIDE_TILE),
             backward: rows.block_mask(k_len, TILE, TILE),
             wide_keys: rows.block_mask(k_len, TILE, WIDE_TILE),
             rows,
@@ -135,6 +142,7 @@ impl MaskTiles {
                 let mask = &masks.set.masks[index];
                 MaskTiles {
                     forward: mask.block_mask(FORWARD_TILE, TILE),
+                    forward_wide: mask.block_mask(FORWARD_TILE, WIDE_TILE),
                     backward: mask.block_mask(TILE, TILE),
                     wide_keys: mask.block_mask(TILE, WIDE_TILE),
                     rows: masks.row_intervals(index),
@@ -169,6 +177,9 @@ fn tables(masks: &[MaskTiles]) -> Tables {
         forward_tile_start: vec![0],
         forward_tiles: Vec::new(),
         forward_order: Vec::new(),
+        wide_forward_tile_start: vec![0],
+        wide_forward_tiles: Vec::new(),
+        wide_forward_order: Vec::new(),
         tile_start: vec![0],
         tiles: Vec::new(),
         key_tile_start: vec![0],
@@ -186,19 +197,18 @@ fn tables(masks: &[MaskTiles]) -> Tables {
         } else {
             &mask.backward
         };
-        let mut lengths = Vec::new();
-        for q_tile in 0..blocks.q_tiles() as usize {
-            let before = t.forward_tiles.len();
-            for (k_tile, full) in blocks.row(q_tile) {
-                t.forward_tiles
-                    .push(k_tile | if full { 0 } else { 1 << 31 });
-            }
-            t.forward_tile_start.push(t.forward_tiles.len() as u32);
-            lengths.push((t.forward_tiles.len() - before, q_tile as u32));
-        }
-        lengths.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
-        t.forward_order
-            .extend(lengths.iter().map(|&(_, q_tile)| q_tile));
+        push_query_lists(
+            blocks,
+            &mut t.forward_tile_start,
+            &mut t.forward_tiles,
+            &mut t.forward_order,
+        );
+        push_query_lists(
+            &mask.forward_wide,
+            &mut t.wide_forward_tile_start,
+            &mut t.wide_forward_tiles,
+            &mut t.wide_forward_order,
+        );
 
         let blocks = &mask.backward;
         for q_tile in 0..blocks.q_tiles() as usize {
@@ -221,10 +231,32 @@ fn tables(masks: &[MaskTiles]) -> Tables {
     // No buffer is empty.
     t.intervals.extend([0, 0]);
     t.forward_tiles.push(0);
+    t.wide_forward_tiles.push(0);
     t.tiles.push(0);
     t.key_tiles.push(0);
     t.wide_key_tiles.push(0);
     t
+}
+
+/// Per query tile of `blocks`, the key tiles it visits (bit 31: partial), appended to a CSR list,
+/// and the query tiles in the order to start them: longest list first.
+fn push_query_lists(
+    blocks: &BlockMask,
+    start: &mut Vec<u32>,
+    lists: &mut Vec<u32>,
+    order: &mut Vec<u32>,
+) {
+    let mut lengths = Vec::new();
+    for q_tile in 0..blocks.q_tiles() as usize {
+        let before = lists.len();
+        for (k_tile, full) in blocks.row(q_tile) {
+            lists.push(k_tile | if full { 0 } else { 1 << 31 });
+        }
+        start.push(lists.len() as u32);
+        lengths.push((lists.len() - before, q_tile as u32));
+    }
+    lengths.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+    order.extend(lengths.iter().map(|&(_, q_tile)| q_tile));
 }
 
 /// Per key tile of `blocks`, the query tiles that visit it (bit 31: partial), appended to a CSR
@@ -328,6 +360,9 @@ struct DeviceTables {
     forward_tile_start: Buffer<u32>,
     forward_tiles: Buffer<u32>,
     forward_order: Buffer<u32>,
+    wide_forward_tile_start: Buffer<u32>,
+    wide_forward_tiles: Buffer<u32>,
+    wide_forward_order: Buffer<u32>,
     tile_start: Buffer<u32>,
     tiles: Buffer<u32>,
     key_tile_start: Buffer<u32>,
@@ -346,6 +381,10 @@ impl DeviceTables {
             forward_tile_start: gpu.upload("forward tile lists", &t.forward_tile_start)?,
             forward_tiles: gpu.upload("forward tiles", &t.forward_tiles)?,
             forward_order: gpu.upload("forward tile order", &t.forward_order)?,
+            wide_forward_tile_start: gpu
+                .upload("wide forward tile lists", &t.wide_forward_tile_start)?,
+            wide_forward_tiles: gpu.upload("wide forward tiles", &t.wide_forward_tiles)?,
+            wide_forward_order: gpu.upload("wide forward tile order", &t.wide_forward_order)?,
             tile_start: gpu.upload("tile lists", &t.tile_start)?,
             tiles: gpu.upload("tiles", &t.tiles)?,
             key_tile_start: gpu.upload("key tile lists", &t.key_tile_start)?,
@@ -445,8 +484,8 @@ impl Instructions {
 fn hopper_shared_bytes(rows: u64) -> u32 {
     (rows as usize * 128 * 2 + 1024) as u32
 }
-/// The wgmma forward's rows: two 64-row buffers of K and three of V (Q stays in registers).
-const HOPPER_FORWARD_ROWS: u64 = 5 * TILE;
+/// The wgmma forward's rows: a 128-row Q tile, two 128-key buffers of K and three of V.
+const HOPPER_FORWARD_ROWS: u64 = FORWARD_TILE + 5 * WIDE_TILE;
 /// The wgmma dQ kernels' (Q and dO stay in registers): two 64-row buffers each of K and V.
 const HOPPER_DQ_ROWS: u64 = 4 * TILE;
 /// The wgmma dK/dV kernel's: K and V (64 keys each), two 64-row buffers each of Q and dO.
@@ -501,23 +540,32 @@ unsafe fn launch_forward(
     t: &DeviceTables,
     instructions: Instructions,
 ) -> Result<(), PluginError> {
+    let (len, group) = (dims.len as i32, (dims.heads_q / dims.heads_kv) as i32);
+    let scale_log2 = dims.scale * std::f32::consts::LOG2_E;
+    let rows = t.forward_rows;
+    let hopper = instructions.forward(f, rows)?;
+    // The wgmma forward walks 128-key tiles.
+    let (start, tiles, order) = match hopper {
+        Some(_) => (
+            &t.wide_forward_tile_start,
+            &t.wide_forward_tiles,
+            &t.wide_forward_order,
+        ),
+        None => (&t.forward_tile_start, &t.forward_tiles, &t.forward_order),
+    };
     let addresses = [
         x.q,
         x.k,
         x.v,
         x.out,
         x.lse,
-        t.forward_tile_start.address(stream),
-        t.forward_tiles.address(stream),
-        t.forward_order.address(stream),
+        start.address(stream),
+        tiles.address(stream),
+        order.address(stream),
         t.row_start.address(stream),
         t.intervals.address(stream),
         t.mask_of_head.address(stream),
     ];
-    let (len, group) = (dims.len as i32, (dims.heads_q / dims.heads_kv) as i32);
-    let scale_log2 = dims.scale * std::f32::consts::LOG2_E;
-    let rows = t.forward_rows;
-    let hopper = instructions.forward(f, rows)?;
     let function = match hopper {
         Some(hopper) => &hopper.forward,
         None if rows == FORWARD_TILE => &f.forward,
@@ -1116,6 +1164,51 @@ mod tests {
                 "wide key tile {wide}"
             );
         }
+    }
+
+    /// The wgmma forward's lists for 128-key tiles hold, per 128-row query tile, the pairs of
+    /// 64-key tiles its 64-key list visits, full where every half inside the sequence is full.
+    #[test]
+    fn wide_forward_lists_join_pairs_of_key_tiles() {
+        let s = 1000u64;
+        let all: Vec<u32> = (0..s as u32).collect();
+        let mut slices = window_slices([0, s], [0, s], 130, 70);
+        slices.push(Slice::new([0, s], [0, 24], SliceKind::Full));
+        let mask = Mask::square(s, slices).expect("a valid mask");
+        let t = tables(&[MaskTiles::of_rows(
+            RowIntervals::restrict(&mask, &all, &all),
+            s,
+        )]);
+        let list = |start: &[u32], tiles: &[u32], i: usize| -> Vec<(u32, bool)> {
+            tiles[start[i] as usize..start[i + 1] as usize]
+                .iter()
+                .map(|entry| (entry & 0x7fff_ffff, entry >> 31 == 0))
+                .collect()
+        };
+        let key_tiles = s.div_ceil(TILE) as u32;
+        for q_tile in 0..s.div_ceil(FORWARD_TILE) as usize {
+            let narrow = list(&t.forward_tile_start, &t.forward_tiles, q_tile);
+            let mut expected: Vec<(u32, bool)> = narrow
+                .iter()
+                .map(|&(k, _)| k / 2)
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .map(|wide| {
+                    let full = [2 * wide, 2 * wide + 1]
+                        .into_iter()
+                        .filter(|&k| k < key_tiles)
+                        .all(|k| narrow.contains(&(k, true)));
+                    (wide, full)
+                })
+                .collect();
+            expected.sort();
+            assert_eq!(
+                list(&t.wide_forward_tile_start, &t.wide_forward_tiles, q_tile),
+                expected,
+                "query tile {q_tile}"
+            );
+        }
+        assert_eq!(t.wide_forward_order.len(), t.forward_order.len());
     }
 
     /// Every static mask of the catalogue keeps 128-row forward tiles (the 64-row ones are
