@@ -522,7 +522,7 @@ __device__ __forceinline__ void next_key_tile(u16* k_next, u16* v_next, const u1
     commit_copies();
 }
 
-#define HOPPER_THREADS 256
+#define HOPPER_WARPGROUP 128
 
 extern __shared__ __align__(1024) u16 hopper_shared[];
 // The Hopper kernels' dynamic shared memory from its first 1024-byte boundary (the swizzle's
@@ -531,16 +531,20 @@ __device__ __forceinline__ u16* hopper_tiles() {
     return hopper_shared + ((1024 - (shared_address(hopper_shared) & 1023)) & 1023) / 2;
 }
 
-template <int E>
+// WGS warpgroups of 64 query rows each per tile. Two: 128 × 128 tiles (work lists of their own),
+// half the per-tile barriers, reductions and rescales of 64-key tiles per product; Q stays in
+// shared memory, as its fragments would not fit in registers beside 128-key scores. One: 64 × 64
+// tiles, for masks whose blocks split 128-row ones (two blocks share an SM); Q in registers.
+template <int E, int WGS>
 __device__ void flash_forward_hopper(FORWARD_PARAMS) {
-    // Key tiles of 128 (lists of their own): half the per-tile barriers, reductions and rescales
-    // of 64-key tiles per product.
-    constexpr int D = 128, ROWS = 128, KEYS = 128;
+    constexpr int D = 128, ROWS = 64 * WGS, KEYS = 64 * WGS, NT = HOPPER_WARPGROUP * WGS;
+    constexpr bool SHARED_Q = WGS == 2;
     u16* sq = hopper_tiles();
-    // After Q: two buffers of K, then three of V (tile j−1's V is read while tile j+1's arrives).
-    // Q stays in shared memory: with 128-key tiles its fragments would not fit in registers.
-    auto key_buffer = [&](int index) { return sq + ROWS * D + index * KEYS * D; };
-    auto value_buffer = [&](int index) { return sq + ROWS * D + (2 + index) * KEYS * D; };
+    // After Q (if it is staged): two buffers of K, then three of V (tile j−1's V is read while
+    // tile j+1's arrives).
+    u16* kv_base = sq + (SHARED_Q ? ROWS * D : 0);
+    auto key_buffer = [&](int index) { return kv_base + index * KEYS * D; };
+    auto value_buffer = [&](int index) { return kv_base + (2 + index) * KEYS * D; };
     const int head = blockIdx.x, kv_head = head / group, mask = mask_of_head[head];
     const int q_tiles = (seqlen + ROWS - 1) / ROWS;
     const int q_tile = order[mask * q_tiles + blockIdx.y];
@@ -552,8 +556,8 @@ __device__ void flash_forward_hopper(FORWARD_PARAMS) {
     const unsigned list = mask * q_tiles + q_tile;
     const unsigned begin = tile_start[list], end = tile_start[list + 1];
 
-    load_panels_async<ROWS, HOPPER_THREADS>(sq, q + ((size_t)head * seqlen + q0) * D, min(ROWS, seqlen - q0));
-    if (begin < end) load_key_tile<HOPPER_THREADS, KEYS>(key_buffer(0), value_buffer(0), kh, vh, tiles[begin], seqlen);
+    if constexpr (SHARED_Q) load_panels_async<ROWS, NT>(sq, q + ((size_t)head * seqlen + q0) * D, min(ROWS, seqlen - q0));
+    if (begin < end) load_key_tile<NT, KEYS>(key_buffer(0), value_buffer(0), kh, vh, tiles[begin], seqlen);
     commit_copies();
 
     // This thread's two rows ("slots"), as wgmma's accumulators hold them.
@@ -571,8 +575,10 @@ __device__ void flash_forward_hopper(FORWARD_PARAMS) {
     for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
     const float minus_inf = __int_as_float(0xff800000);
     float m[2] = {minus_inf, minus_inf}, l[2] = {0.0f, 0.0f};
-    // This warpgroup's rows of Q.
+    // This warpgroup's rows of Q, in shared memory or as fragments in registers.
     const u16* q_rows = sq + half * 64 * 64;
+    u32 q_fragments[SHARED_Q ? 1 : 8][4];
+    if constexpr (!SHARED_Q) load_row_fragments(q_fragments, q + (size_t)head * seqlen * D, row0, seqlen);
     // P of the previous tile, as O += P·V takes it (A fragments in registers).
     u32 p[KEYS / 16][4];
 
@@ -585,13 +591,14 @@ __device__ void flash_forward_hopper(FORWARD_PARAMS) {
         const bool partial = entry >> 31;
         const int k0 = (int)(entry & 0x7fffffffu) * KEYS;
         // Past tile j−1's scores and tile j−2's product, K's other buffer and V's third are free.
-        next_key_tile<HOPPER_THREADS, KEYS>(key_buffer((j + 1) & 1), value_buffer((j + 1) % 3), kh, vh,
-                                      w + 1 < end ? tiles + w + 1 : nullptr, seqlen);
+        next_key_tile<NT, KEYS>(key_buffer((j + 1) & 1), value_buffer((j + 1) % 3), kh, vh,
+                                w + 1 < end ? tiles + w + 1 : nullptr, seqlen);
 
         // S = Q·Kᵀ.
         float s[KEYS / 2];
         wgmma_fence();
-        scores_from_shared_n128<E, ROWS>(s, q_rows, key_buffer(j & 1));
+        if constexpr (SHARED_Q) scores_from_shared_n128<E, ROWS>(s, q_rows, key_buffer(j & 1));
+        else scores_from_registers<E>(s, q_fragments, key_buffer(j & 1));
         wgmma_commit();
         // O += P·V of tile j−1.
         if (j > 0) {
@@ -676,9 +683,12 @@ __device__ void flash_forward_hopper(FORWARD_PARAMS) {
     }
 }
 
+#define FLASH_FORWARD_HOPPER_TILE(NAME, SUFFIX, E, WGS) \
+extern "C" __global__ void __launch_bounds__(HOPPER_WARPGROUP * WGS, 2 / WGS) NAME##_##SUFFIX(FORWARD_PARAMS) { \
+    flash_forward_hopper<E, WGS>(FORWARD_ARGS); }
 #define FLASH_FORWARD_HOPPER(SUFFIX, E) \
-extern "C" __global__ void __launch_bounds__(HOPPER_THREADS, 1) flash_forward_hopper_##SUFFIX(FORWARD_PARAMS) { \
-    flash_forward_hopper<E>(FORWARD_ARGS); }
+    FLASH_FORWARD_HOPPER_TILE(flash_forward_hopper, SUFFIX, E, 2) \
+    FLASH_FORWARD_HOPPER_TILE(flash_forward_narrow_hopper, SUFFIX, E, 1)
 FLASH_FORWARD_HOPPER(bf16_d128, 1)
 FLASH_FORWARD_HOPPER(f16_d128, 2)
 #endif
@@ -1145,7 +1155,7 @@ FLASH_BACKWARD(f16_d128, 2, 128)
 // Hopper backward (sm_90a), head_dim 128: the split backward's two kernels on warpgroup MMAs, a
 // warpgroup per 64 rows; every product is a scores or a values one (above).
 
-#define HOPPER_BACKWARD_THREADS 128
+#define HOPPER_BACKWARD_THREADS HOPPER_WARPGROUP
 
 // dQ of one (query tile, query head), as flash_backward_dq: per key tile S = Q·Kᵀ and dP = dO·Vᵀ
 // (both in flight together), P and dS = P∘(dP − D) while dP lands, dQ += dS·K. WGS warpgroups

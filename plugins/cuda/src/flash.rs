@@ -321,6 +321,10 @@ impl Kernels {
             hopper: match function("forward_hopper") {
                 Ok(forward) => Some(HopperFunctions {
                     forward: allow_shared(forward, hopper_shared_bytes(HOPPER_FORWARD_ROWS))?,
+                    forward_narrow: allow_shared(
+                        function("forward_narrow_hopper")?,
+                        hopper_shared_bytes(HOPPER_NARROW_FORWARD_ROWS),
+                    )?,
                     dq: allow_shared(
                         function("backward_dq_hopper")?,
                         hopper_shared_bytes(HOPPER_DQ_ROWS),
@@ -428,7 +432,10 @@ struct GradTensors {
 
 /// The wgmma kernels of a module compiled for sm_90a.
 struct HopperFunctions {
+    /// The forward on 128 × 128 tiles, two warpgroups per block.
     forward: CudaFunction,
+    /// The forward on 64 × 64 tiles, one warpgroup per block.
+    forward_narrow: CudaFunction,
     dq: CudaFunction,
     /// dQ on the forward's 128-row tiles.
     dq_wide: CudaFunction,
@@ -438,8 +445,8 @@ struct HopperFunctions {
 }
 
 /// Which tensor-core instructions the kernels use: mma.sync (any GPU from sm_80), wgmma (Hopper,
-/// head_dim 128; the forward on masks with 128-row tiles, the split backward), or wgmma where it
-/// runs and mma.sync elsewhere.
+/// head_dim 128; the forward and the split backward), or wgmma where it runs and mma.sync
+/// elsewhere.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Instructions {
     Auto,
@@ -454,19 +461,15 @@ impl Instructions {
         match (self, &f.hopper) {
             (Instructions::Wgmma | Instructions::Auto, Some(hopper)) if fits => Ok(Some(hopper)),
             (Instructions::Wgmma, _) => Err(PluginError::failed(
-                "the wgmma kernels run head_dim 128 on Hopper (sm_90): the forward on masks with 128-row tiles, the split backward; use `instructions: mma` or `auto`",
+                "the wgmma kernels run head_dim 128 on Hopper (sm_90): the forward and the split backward; use `instructions: mma` or `auto`",
             )),
             _ => Ok(None),
         }
     }
 
-    /// The wgmma kernels the forward takes on query tiles of `forward_rows` rows.
-    fn forward(
-        self,
-        f: &Functions,
-        forward_rows: u64,
-    ) -> Result<Option<&HopperFunctions>, PluginError> {
-        self.hopper(f, forward_rows == FORWARD_TILE)
+    /// The wgmma kernels the forward takes (on 128- and 64-row tiles alike).
+    fn forward(self, f: &Functions) -> Result<Option<&HopperFunctions>, PluginError> {
+        self.hopper(f, true)
     }
 
     /// The wgmma kernels a backward of kind `backward` takes.
@@ -486,6 +489,9 @@ fn hopper_shared_bytes(rows: u64) -> u32 {
 }
 /// The wgmma forward's rows: a 128-row Q tile, two 128-key buffers of K and three of V.
 const HOPPER_FORWARD_ROWS: u64 = FORWARD_TILE + 5 * WIDE_TILE;
+/// The wgmma forward's on 64-row tiles (Q stays in registers): two 64-key buffers of K and
+/// three of V.
+const HOPPER_NARROW_FORWARD_ROWS: u64 = 5 * TILE;
 /// The wgmma dQ kernels' (Q and dO stay in registers): two 64-row buffers each of K and V.
 const HOPPER_DQ_ROWS: u64 = 4 * TILE;
 /// The wgmma dK/dV kernel's: K and V (64 keys each), two 64-row buffers each of Q and dO.
@@ -543,15 +549,16 @@ unsafe fn launch_forward(
     let (len, group) = (dims.len as i32, (dims.heads_q / dims.heads_kv) as i32);
     let scale_log2 = dims.scale * std::f32::consts::LOG2_E;
     let rows = t.forward_rows;
-    let hopper = instructions.forward(f, rows)?;
-    // The wgmma forward walks 128-key tiles.
+    let hopper = instructions.forward(f)?;
+    let wide = rows == FORWARD_TILE;
+    // The wgmma forward on 128-row tiles walks 128-key tiles; the others 64-key ones.
     let (start, tiles, order) = match hopper {
-        Some(_) => (
+        Some(_) if wide => (
             &t.wide_forward_tile_start,
             &t.wide_forward_tiles,
             &t.wide_forward_order,
         ),
-        None => (&t.forward_tile_start, &t.forward_tiles, &t.forward_order),
+        _ => (&t.forward_tile_start, &t.forward_tiles, &t.forward_order),
     };
     let addresses = [
         x.q,
@@ -566,30 +573,39 @@ unsafe fn launch_forward(
         t.intervals.address(stream),
         t.mask_of_head.address(stream),
     ];
-    let function = match hopper {
-        Some(hopper) => &hopper.forward,
-        None if rows == FORWARD_TILE => &f.forward,
-        None => &f.forward_narrow,
+    let (function, shared_mem_bytes) = match (hopper, wide) {
+        (Some(hopper), true) => (&hopper.forward, hopper_shared_bytes(HOPPER_FORWARD_ROWS)),
+        (Some(hopper), false) => (
+            &hopper.forward_narrow,
+            hopper_shared_bytes(HOPPER_NARROW_FORWARD_ROWS),
+        ),
+        (None, true) => (&f.forward, forward_shared_bytes(rows, dims.head_dim)),
+        (None, false) => (&f.forward_narrow, forward_shared_bytes(rows, dims.head_dim)),
     };
     let mut launch = stream.launch_builder(function);
     for address in &addresses {
         launch.arg(address);
     }
     launch.arg(&len).arg(&group).arg(&scale_log2);
-    // One 128-thread CTA per (query head, query tile): the heads of a KV group sit side by side
-    // in the grid and read the same K and V tiles while they are in L2.
+    // One CTA per (query head, query tile) — 128 threads, or with wgmma a warpgroup per 64 rows:
+    // the heads of a KV group sit side by side in the grid and read the same K and V tiles while
+    // they are in L2.
     let config = LaunchConfig {
         grid_dim: (
             dims.heads_q as u32,
             dims.len.div_ceil(rows as usize) as u32,
             1,
         ),
-        block_dim: (if hopper.is_some() { 256 } else { 128 }, 1, 1),
-        shared_mem_bytes: if hopper.is_some() {
-            hopper_shared_bytes(HOPPER_FORWARD_ROWS)
-        } else {
-            forward_shared_bytes(rows, dims.head_dim)
-        },
+        block_dim: (
+            if hopper.is_some() {
+                2 * rows as u32
+            } else {
+                128
+            },
+            1,
+            1,
+        ),
+        shared_mem_bytes,
     };
     // SAFETY: the caller vouches for the extents (above).
     unsafe { launch.launch(config) }
@@ -829,10 +845,7 @@ impl Problem {
             Some(_) => Some(name(instructions.backward(f, self.backward)?)),
             None => None,
         };
-        Ok((
-            name(instructions.forward(f, self.tables.forward_rows)?),
-            backward,
-        ))
+        Ok((name(instructions.forward(f)?), backward))
     }
 
     fn tensors(&self, gpu: &Gpu) -> Tensors {
