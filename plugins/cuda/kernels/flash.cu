@@ -339,19 +339,20 @@ template <int N> __device__ __forceinline__ void settle(float* r) {
 }
 
 // X (64 × 64, f32) += A·Bᵀ over 16 columns, the rows of A and of B from swizzled shared memory
-// (K·Qᵀ and V·dOᵀ in the dK/dV kernel); `accumulate` 0 starts from zero.
-template <int E> __device__ __forceinline__ void wgmma_scores(float* d, unsigned long long a, unsigned long long b, int accumulate);
-template <> __device__ __forceinline__ void wgmma_scores<1>(float* d, unsigned long long a, unsigned long long b, int accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "l"(a), "l"(b), "r"(accumulate));
-}
-template <> __device__ __forceinline__ void wgmma_scores<2>(float* d, unsigned long long a, unsigned long long b, int accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "l"(a), "l"(b), "r"(accumulate));
+// (K·Qᵀ and V·dOᵀ in the dK/dV kernel); `accumulate` 0 starts from zero. With TRANSPOSED_B,
+// X += A·B over 16 rows of B, B's rows read transposed (dQ = dS·K in the fused dK/dV kernel).
+template <int E, int TRANSPOSED_B = 0> __device__ __forceinline__ void wgmma_scores(float* d, unsigned long long a, unsigned long long b, int accumulate) {
+    if constexpr (E == 1) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %35;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                     : "l"(a), "l"(b), "r"(accumulate), "n"(TRANSPOSED_B));
+    } else {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %35;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                     : "l"(a), "l"(b), "r"(accumulate), "n"(TRANSPOSED_B));
+    }
 }
 
 // Y (64 × 128, f32) += A·B over 16 rows of B: A in registers (fragments as mma.sync lays them
@@ -484,6 +485,22 @@ __device__ __forceinline__ void store_rows(float* dst, const float* acc, int row
                 make_float2(acc[4 * c + 2 * slot] * factor, acc[4 * c + 2 * slot + 1] * factor);
     }
 }
+
+// The transpose of a warpgroup's 64 × 64 accumulator, from its A fragments (as as_fragments gives
+// them), into a swizzled 64-column panel: this warp's 16 rows become 16 columns of every row.
+__device__ __forceinline__ void store_transposed_fragments(u16* panel, const u32 (*a)[4]) {
+    const int lane = threadIdx.x & 31, matrix = lane >> 3, column_chunk = ((threadIdx.x >> 5) & 3) * 2 + (matrix & 1);
+    #pragma unroll
+    for (int step = 0; step < 4; ++step) {
+        const int row = step * 16 + (matrix >> 1) * 8 + (lane & 7);
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+                     :: "r"(shared_address(panel + swizzled<64>(row, column_chunk))),
+                        "r"(a[step][0]), "r"(a[step][1]), "r"(a[step][2]), "r"(a[step][3]) : "memory");
+    }
+}
+// Until all NT threads of the block have arrived at named barrier `id` (barrier 0 is
+// __syncthreads').
+template <int NT> __device__ __forceinline__ void barrier_sync(int id) { asm volatile("bar.sync %0, %1;" :: "r"(id), "n"(NT) : "memory"); }
 
 // This thread's A fragments (eight 16-column steps) of rows row0 and row0 + 8 of a matrix of
 // 128-column 16-bit rows in global memory, as register-A wgmma takes them (mma.sync's A layout);
@@ -1253,11 +1270,14 @@ __device__ void flash_backward_dq_hopper(const u16* __restrict__ q, const u16* _
 // dPᵀ = V·dOᵀ in flight together, Pᵀ while dPᵀ lands, dV += Pᵀ·dO in flight while dSᵀ is formed,
 // dK += dSᵀ·Q. WGS warpgroups of 64 keys each share every step's Q and dO (key tiles of 64·WGS
 // keys, with work lists of their own). Q and dO of the next step load into the other of two
-// buffers. Shared memory: K, V (64·WGS rows each), then [stage][Q | dO].
-template <int E, int WGS>
+// buffers. With DQ (two warpgroups), each step also adds dQ = dS·K of its rows into the f32 dQ
+// with vector atomics, as the mma.sync fused kernel: both warpgroups' dSᵀ go to shared memory as
+// dS (64 rows × 128 keys), and each warpgroup takes 64 of dQ's columns; dQ must be zero
+// beforehand. Shared memory: K, V (64·WGS rows each), then [stage][Q | dO], then dS.
+template <int E, int WGS, bool DQ>
 __device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                                            const u16* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
-                                           float* __restrict__ dk, float* __restrict__ dv,
+                                           float* __restrict__ dq, float* __restrict__ dk, float* __restrict__ dv,
                                            const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles,
                                            const unsigned* __restrict__ row_start, const unsigned* __restrict__ intervals,
                                            const int* __restrict__ mask_of_head, int seqlen, int group, float scale, float scale_log2) {
@@ -1265,6 +1285,8 @@ __device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16*
     u16* sk = hopper_tiles();
     u16* sv = sk + WGS * TILE_ELEMENTS;
     auto stage_tiles = [&](int stage) { return sk + (2 * WGS + 2 * stage) * TILE_ELEMENTS; };  // Q, then dO
+    static_assert(!DQ || WGS == 2, "dQ = dS·K splits dQ's columns between two warpgroups");
+    u16* sds = stage_tiles(2);
     __shared__ __align__(16) float s_lse[2][ROWS];
     __shared__ __align__(16) float s_delta[2][ROWS];
     const int k_tile = blockIdx.x, kv_head = blockIdx.y;
@@ -1295,8 +1317,8 @@ __device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16*
     for (int i = 0; i < D / 2; ++i) dk_acc[i] = dv_acc[i] = 0.0f;
     for (int stage = 0; !walk.done(); stage ^= 1) {
         const bool partial = walk.entry() >> 31;
-        const int q0 = walk.row0();
-        const unsigned* table_rows = row_start + (size_t)mask_of_head[walk.head] * (seqlen + 1);
+        const int head = walk.head, q0 = walk.row0();
+        const unsigned* table_rows = row_start + (size_t)mask_of_head[head] * (seqlen + 1);
         walk.advance();
         wait_copies<0>();  // this step's Q, dO and row statistics (and, on the first step, K and V)
         shared_writes_to_async_proxy();
@@ -1350,8 +1372,40 @@ __device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16*
             #pragma unroll
             for (int i = 0; i < 4; ++i) dpt[4 * c + i] = st[4 * c + i] * (dpt[4 * c + i] - ((i & 1) ? pair.y : pair.x));
         }
-        issue_values_product<E>(dk_acc, dpt, sq);  // dK += dSᵀ·Q
-        wgmma_wait<0>();
+        u32 ds[4][4];
+        as_fragments<E>(ds, dpt);
+        settle<D / 2>(dk_acc);
+        wgmma_fence();
+        values_product<E>(dk_acc, ds, sq);  // dK += dSᵀ·Q
+        wgmma_commit();
+        if constexpr (DQ) {
+            // Every thread is past the previous step's dQ product (the barrier above): dS's
+            // buffer is free.
+            store_transposed_fragments(sds + half * 64 * 64, ds);
+            shared_writes_to_async_proxy();
+            barrier_sync<NT>(1);
+            float dq_part[ROWS / 2];
+            wgmma_fence();
+            #pragma unroll
+            for (int step = 0; step < 8; ++step)
+                wgmma_scores<E, 1>(dq_part, panel_step<64>(sds, step), transposed_rows<KEYS>(sk + half * KEYS * 64, step), step);
+            wgmma_commit();
+            wgmma_wait<0>();
+            settle<ROWS / 2>(dq_part);
+            // dq_part[4c + i]: row q0 + 16·(warp mod 4) + g + 8·(i / 2 mod 2), column
+            // 64·half + 8c + 2t + i mod 2.
+            float* dq_rows = dq + ((size_t)head * seqlen + q0) * D + half * 64 + t * 2;
+            #pragma unroll
+            for (int slot = 0; slot < 2; ++slot) {
+                const int row = (warp & 3) * 16 + g + slot * 8;
+                if (q0 + row >= seqlen) continue;
+                #pragma unroll
+                for (int c = 0; c < 8; ++c)
+                    add_pair(dq_rows + (size_t)row * D + c * 8, dq_part[4 * c + 2 * slot] * scale, dq_part[4 * c + 2 * slot + 1] * scale);
+            }
+        } else {
+            wgmma_wait<0>();
+        }
         settle<D / 2>(dk_acc);
         settle<D / 2>(dv_acc);
     }
@@ -1365,17 +1419,18 @@ extern "C" __global__ void __launch_bounds__(HOPPER_BACKWARD_THREADS * WGS, 2 / 
     const unsigned* tile_start, const unsigned* tiles, const unsigned* order, const unsigned* row_start, const unsigned* intervals, \
     const int* mask_of_head, int seqlen, int group, float scale, float scale_log2) { \
     flash_backward_dq_hopper<E, WGS>(q, k, v, d_out, lse, delta, dq, tile_start, tiles, order, row_start, intervals, mask_of_head, seqlen, group, scale, scale_log2); }
-#define FLASH_BACKWARD_DKDV_HOPPER(NAME, SUFFIX, E, WGS) \
+#define FLASH_BACKWARD_DKDV_HOPPER(NAME, SUFFIX, E, WGS, DQ) \
 extern "C" __global__ void __launch_bounds__(HOPPER_BACKWARD_THREADS * WGS, 2 / WGS) NAME##_##SUFFIX( \
     const u16* q, const u16* k, const u16* v, const u16* d_out, const float* lse, const float* delta, float* dq, float* dk, float* dv, \
     const unsigned* tile_start, const unsigned* tiles, const unsigned* row_start, const unsigned* intervals, \
     const int* mask_of_head, int seqlen, int group, float scale, float scale_log2) { \
-    flash_backward_dkdv_hopper<E, WGS>(q, k, v, d_out, lse, delta, dk, dv, tile_start, tiles, row_start, intervals, mask_of_head, seqlen, group, scale, scale_log2); }
+    flash_backward_dkdv_hopper<E, WGS, DQ>(q, k, v, d_out, lse, delta, dq, dk, dv, tile_start, tiles, row_start, intervals, mask_of_head, seqlen, group, scale, scale_log2); }
 #define FLASH_BACKWARD_HOPPER(SUFFIX, E) \
 FLASH_BACKWARD_DQ_HOPPER(flash_backward_dq_hopper, SUFFIX, E, 1) \
 FLASH_BACKWARD_DQ_HOPPER(flash_backward_dq_wide_hopper, SUFFIX, E, 2) \
-FLASH_BACKWARD_DKDV_HOPPER(flash_backward_dkdv_hopper, SUFFIX, E, 1) \
-FLASH_BACKWARD_DKDV_HOPPER(flash_backward_dkdv_wide_hopper, SUFFIX, E, 2)
+FLASH_BACKWARD_DKDV_HOPPER(flash_backward_dkdv_hopper, SUFFIX, E, 1, false) \
+FLASH_BACKWARD_DKDV_HOPPER(flash_backward_dkdv_wide_hopper, SUFFIX, E, 2, false) \
+FLASH_BACKWARD_DKDV_HOPPER(flash_backward_fused_hopper, SUFFIX, E, 2, true)
 FLASH_BACKWARD_HOPPER(bf16_d128, 1)
 FLASH_BACKWARD_HOPPER(f16_d128, 2)
 #endif

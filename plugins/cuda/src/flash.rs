@@ -341,6 +341,10 @@ impl Kernels {
                         function("backward_dkdv_wide_hopper")?,
                         hopper_shared_bytes(HOPPER_DKDV_WIDE_ROWS),
                     )?,
+                    fused: allow_shared(
+                        function("backward_fused_hopper")?,
+                        hopper_shared_bytes(HOPPER_FUSED_ROWS),
+                    )?,
                 }),
                 Err(_) => None,
             },
@@ -442,11 +446,13 @@ struct HopperFunctions {
     dkdv: CudaFunction,
     /// dK and dV on 128-key tiles.
     dkdv_wide: CudaFunction,
+    /// dK and dV on 128-key tiles, dQ added with atomics.
+    fused: CudaFunction,
 }
 
 /// Which tensor-core instructions the kernels use: mma.sync (any GPU from sm_80), wgmma (Hopper,
-/// head_dim 128; the forward and the split backward), or wgmma where it runs and mma.sync
-/// elsewhere.
+/// head_dim 128; the forward, the split backward, the fused one where the masks keep 128-row
+/// tiles), or wgmma where it runs and mma.sync elsewhere.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Instructions {
     Auto,
@@ -461,7 +467,7 @@ impl Instructions {
         match (self, &f.hopper) {
             (Instructions::Wgmma | Instructions::Auto, Some(hopper)) if fits => Ok(Some(hopper)),
             (Instructions::Wgmma, _) => Err(PluginError::failed(
-                "the wgmma kernels run head_dim 128 on Hopper (sm_90): the forward and the split backward; use `instructions: mma` or `auto`",
+                "the wgmma kernels run head_dim 128 on Hopper (sm_90): the forward, the split backward, and the fused backward where the masks' blocks keep 128-row tiles; use `instructions: mma` or `auto`",
             )),
             _ => Ok(None),
         }
@@ -472,13 +478,19 @@ impl Instructions {
         self.hopper(f, true)
     }
 
-    /// The wgmma kernels a backward of kind `backward` takes.
+    /// The wgmma kernels a backward of kind `backward` takes where the forward's tiles have
+    /// `forward_rows` rows (the fused one shares the key tiles of two warpgroups' dQ columns, so
+    /// it needs the 128-row ones).
     fn backward(
         self,
         f: &Functions,
         backward: Backward,
+        forward_rows: u64,
     ) -> Result<Option<&HopperFunctions>, PluginError> {
-        self.hopper(f, backward == Backward::Split)
+        self.hopper(
+            f,
+            backward == Backward::Split || forward_rows == FORWARD_TILE,
+        )
     }
 }
 
@@ -499,6 +511,8 @@ const HOPPER_DKDV_ROWS: u64 = 6 * TILE;
 /// The wgmma dK/dV kernel's with two warpgroups: K and V tiles of 128 keys, two 64-row buffers
 /// each of Q and dO.
 const HOPPER_DKDV_WIDE_ROWS: u64 = 2 * WIDE_TILE + 4 * TILE;
+/// The fused wgmma kernel's: the wide dK/dV kernel's, then dS (64 queries × 128 keys).
+const HOPPER_FUSED_ROWS: u64 = HOPPER_DKDV_WIDE_ROWS + TILE;
 
 /// The forward kernel's dynamic shared memory: a Q tile and one K and one V tile, 16-bit.
 fn forward_shared_bytes(rows: u64, head_dim: usize) -> u32 {
@@ -662,10 +676,20 @@ unsafe fn launch_backward(
             key_tile_shared_bytes(dims.head_dim, fused),
         )
     };
-    let hopper = instructions.backward(f, backward)?;
+    let hopper = instructions.backward(f, backward, t.forward_rows)?;
     // Where the masks' blocks do not split the forward's 128-row tiles, two warpgroups share
     // each tile of the wgmma kernels.
     let wide = t.forward_rows == FORWARD_TILE;
+    // 128-key tiles, two warpgroups sharing each step's Q and dO.
+    let wide_key_tiles = |rows| LaunchConfig {
+        grid_dim: (
+            dims.len.div_ceil(WIDE_TILE as usize) as u32,
+            dims.heads_kv as u32,
+            1,
+        ),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: hopper_shared_bytes(rows),
+    };
     let (dq, dq_lists, dq_config) = match hopper {
         // The forward's 128-row tiles (its lists and order, its grid): two warpgroups share
         // each K and V tile.
@@ -699,19 +723,10 @@ unsafe fn launch_backward(
         ),
     };
     let (dkdv, dkdv_lists, dkdv_config) = match hopper {
-        // 128-key tiles, two warpgroups sharing each step's Q and dO.
         Some(h) if wide => (
             &h.dkdv_wide,
             lists(&t.wide_key_tile_start, &t.wide_key_tiles, None),
-            LaunchConfig {
-                grid_dim: (
-                    dims.len.div_ceil(WIDE_TILE as usize) as u32,
-                    dims.heads_kv as u32,
-                    1,
-                ),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: hopper_shared_bytes(HOPPER_DKDV_WIDE_ROWS),
-            },
+            wide_key_tiles(HOPPER_DKDV_WIDE_ROWS),
         ),
         Some(h) => (
             &h.dkdv,
@@ -736,11 +751,23 @@ unsafe fn launch_backward(
             ),
         ]
     } else {
+        let (fused, fused_lists, fused_config) = match hopper {
+            Some(h) => (
+                &h.fused,
+                lists(&t.wide_key_tile_start, &t.wide_key_tiles, None),
+                wide_key_tiles(HOPPER_FUSED_ROWS),
+            ),
+            None => (
+                &f.fused,
+                lists(&t.key_tile_start, &t.key_tiles, None),
+                key_tiles(true),
+            ),
+        };
         vec![(
-            &f.fused,
+            fused,
             vec![g.dq, g.dk, g.dv],
-            lists(&t.key_tile_start, &t.key_tiles, None),
-            key_tiles(true),
+            fused_lists,
+            fused_config,
             "flash backward",
         )]
     };
@@ -842,7 +869,11 @@ impl Problem {
             |hopper: Option<&HopperFunctions>| if hopper.is_some() { "wgmma" } else { "mma" };
         let (instructions, f) = (self.instructions, &self.functions);
         let backward = match self.grad {
-            Some(_) => Some(name(instructions.backward(f, self.backward)?)),
+            Some(_) => Some(name(instructions.backward(
+                f,
+                self.backward,
+                self.tables.forward_rows,
+            )?)),
             None => None,
         };
         Ok((name(instructions.forward(f)?), backward))
