@@ -498,15 +498,6 @@ __device__ __forceinline__ void store_transposed_fragments(u16* panel, const u32
                         "r"(a[step][0]), "r"(a[step][1]), "r"(a[step][2]), "r"(a[step][3]) : "memory");
     }
 }
-// Adds `bytes` (a multiple of 16) of f32 values from shared memory into global memory as one
-// bulk reduction in L2, asynchronously; its group is this thread's next bulk_group_commit.
-__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, int bytes) {
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
-                 :: "l"(dst), "r"(shared_address(src)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bulk_group_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-// Until this thread's bulk operations have read their shared-memory sources.
-__device__ __forceinline__ void bulk_group_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 // Until all NT threads of the block have arrived at named barrier `id` (barrier 0 is
 // __syncthreads').
 template <int NT> __device__ __forceinline__ void barrier_sync(int id) { asm volatile("bar.sync %0, %1;" :: "r"(id), "n"(NT) : "memory"); }
@@ -1279,12 +1270,10 @@ __device__ void flash_backward_dq_hopper(const u16* __restrict__ q, const u16* _
 // dPᵀ = V·dOᵀ in flight together, Pᵀ while dPᵀ lands, dV += Pᵀ·dO in flight while dSᵀ is formed,
 // dK += dSᵀ·Q. WGS warpgroups of 64 keys each share every step's Q and dO (key tiles of 64·WGS
 // keys, with work lists of their own). Q and dO of the next step load into the other of two
-// buffers. With DQ (two warpgroups), each step also adds dQ = dS·K of its rows into the f32 dQ,
-// as the mma.sync fused kernel: both warpgroups' dSᵀ go to shared memory as dS (64 rows × 128
-// keys), each warpgroup takes 64 of dQ's columns, and each warp adds its 16 rows × 64 columns
-// from shared memory as one bulk reduction per row (L2 sums whole rows: far fewer operations
-// than per-thread atomics); dQ must be zero beforehand. Shared memory: K, V (64·WGS rows each),
-// then [stage][Q | dO], then dS, then dQ's staging rows.
+// buffers. With DQ (two warpgroups), each step also adds dQ = dS·K of its rows into the f32 dQ
+// with vector atomics, as the mma.sync fused kernel: both warpgroups' dSᵀ go to shared memory as
+// dS (64 rows × 128 keys), and each warpgroup takes 64 of dQ's columns; dQ must be zero
+// beforehand. Shared memory: K, V (64·WGS rows each), then [stage][Q | dO], then dS.
 template <int E, int WGS, bool DQ>
 __device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                                            const u16* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -1303,10 +1292,6 @@ __device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16*
     const int k_tile = blockIdx.x, kv_head = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int half = warp >> 2;  // this warpgroup's 64 keys of the tile
-    // This warp's 16 rows of dQ's staging rows, of DQ_STRIDE floats: 64 columns and 16 bytes
-    // that put a thread's rows g and g + 1 on different banks.
-    constexpr int DQ_STRIDE = 68;
-    float* staged_dq = reinterpret_cast<float*>(sds + ROWS * D) + (half * 64 + (warp & 3) * 16) * DQ_STRIDE;
     const int k0 = k_tile * KEYS, key0 = k0 + half * 64 + (warp & 3) * 16 + g;
     const float minus_inf = __int_as_float(0xff800000);
     load_panels_async<KEYS, NT>(sk, k + ((size_t)kv_head * seqlen + k0) * D, min(KEYS, seqlen - k0));
@@ -1407,22 +1392,16 @@ __device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16*
             wgmma_commit();
             wgmma_wait<0>();
             settle<ROWS / 2>(dq_part);
-            // dq_part[4c + i]: the warp's row g + 8·(i / 2 mod 2), column 64·half + 8c + 2t +
-            // i mod 2. The previous step's reductions have read the staging rows by now.
-            if (lane < 16) bulk_group_wait_read();
-            __syncwarp();
+            // dq_part[4c + i]: row q0 + 16·(warp mod 4) + g + 8·(i / 2 mod 2), column
+            // 64·half + 8c + 2t + i mod 2.
+            float* dq_rows = dq + ((size_t)head * seqlen + q0) * D + half * 64 + t * 2;
             #pragma unroll
-            for (int slot = 0; slot < 2; ++slot)
+            for (int slot = 0; slot < 2; ++slot) {
+                const int row = (warp & 3) * 16 + g + slot * 8;
+                if (q0 + row >= seqlen) continue;
                 #pragma unroll
                 for (int c = 0; c < 8; ++c)
-                    *reinterpret_cast<float2*>(staged_dq + (g + slot * 8) * DQ_STRIDE + c * 8 + t * 2) =
-                        make_float2(dq_part[4 * c + 2 * slot] * scale, dq_part[4 * c + 2 * slot + 1] * scale);
-            shared_writes_to_async_proxy();
-            __syncwarp();
-            const int row = q0 + (warp & 3) * 16 + lane;
-            if (lane < 16) {
-                if (row < seqlen) bulk_reduce_add(dq + ((size_t)head * seqlen + row) * D + half * 64, staged_dq + lane * DQ_STRIDE, 64 * 4);
-                bulk_group_commit();
+                    add_pair(dq_rows + (size_t)row * D + c * 8, dq_part[4 * c + 2 * slot] * scale, dq_part[4 * c + 2 * slot + 1] * scale);
             }
         } else {
             wgmma_wait<0>();
@@ -1430,8 +1409,6 @@ __device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16*
         settle<D / 2>(dk_acc);
         settle<D / 2>(dv_acc);
     }
-    // The shared memory the last reductions read stays the block's until they have read it.
-    if (DQ && lane < 16) bulk_group_wait_read();
     store_rows(dk + (size_t)kv_head * seqlen * D, dk_acc, key0, seqlen, scale);
     store_rows(dv + (size_t)kv_head * seqlen * D, dv_acc, key0, seqlen, 1.0f);
 }

@@ -511,9 +511,8 @@ const HOPPER_DKDV_ROWS: u64 = 6 * TILE;
 /// The wgmma dK/dV kernel's with two warpgroups: K and V tiles of 128 keys, two 64-row buffers
 /// each of Q and dO.
 const HOPPER_DKDV_WIDE_ROWS: u64 = 2 * WIDE_TILE + 4 * TILE;
-/// The fused wgmma kernel's: the wide dK/dV kernel's, dS (64 queries × 128 keys), then dQ's
-/// staging rows (64 queries × 128 f32 columns, each 64-column half in rows of 68 floats).
-const HOPPER_FUSED_ROWS: u64 = HOPPER_DKDV_WIDE_ROWS + TILE + (2 * TILE * 68 * 4).div_ceil(256);
+/// The fused wgmma kernel's: the wide dK/dV kernel's, then dS (64 queries × 128 keys).
+const HOPPER_FUSED_ROWS: u64 = HOPPER_DKDV_WIDE_ROWS + TILE;
 
 /// The forward kernel's dynamic shared memory: a Q tile and one K and one V tile, 16-bit.
 fn forward_shared_bytes(rows: u64, head_dim: usize) -> u32 {
