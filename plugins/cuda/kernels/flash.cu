@@ -1315,22 +1315,6 @@ __device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16*
     float dk_acc[D / 2], dv_acc[D / 2];
     #pragma unroll
     for (int i = 0; i < D / 2; ++i) dk_acc[i] = dv_acc[i] = 0.0f;
-    // With DQ: a step's share of dQ (dq_part[4c + i]: row dq_q0 + 16·(warp mod 4) + g +
-    // 8·(i / 2 mod 2), column 64·half + 8c + 2t + i mod 2 of head dq_head), added into global
-    // memory while the next step's first products run.
-    float dq_part[ROWS / 2];
-    int dq_head = -1, dq_q0 = 0;
-    auto add_dq = [&]() {
-        float* dq_rows = dq + ((size_t)dq_head * seqlen + dq_q0) * D + half * 64 + t * 2;
-        #pragma unroll
-        for (int slot = 0; slot < 2; ++slot) {
-            const int row = (warp & 3) * 16 + g + slot * 8;
-            if (dq_q0 + row >= seqlen) continue;
-            #pragma unroll
-            for (int c = 0; c < 8; ++c)
-                add_pair(dq_rows + (size_t)row * D + c * 8, dq_part[4 * c + 2 * slot] * scale, dq_part[4 * c + 2 * slot + 1] * scale);
-        }
-    };
     for (int stage = 0; !walk.done(); stage ^= 1) {
         const bool partial = walk.entry() >> 31;
         const int head = walk.head, q0 = walk.row0();
@@ -1353,8 +1337,6 @@ __device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16*
         wgmma_commit();
         scores_from_shared<E, KEYS>(dpt, v_rows, sdo);
         wgmma_commit();
-        if constexpr (DQ)
-            if (dq_head >= 0) add_dq();
         wgmma_wait<1>();
         settle<ROWS / 2>(st);
         // A full step inside the sequence needs no test: every cell is allowed, so every row
@@ -1402,6 +1384,7 @@ __device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16*
             store_transposed_fragments(sds + half * 64 * 64, ds);
             shared_writes_to_async_proxy();
             barrier_sync<NT>(1);
+            float dq_part[ROWS / 2];
             wgmma_fence();
             #pragma unroll
             for (int step = 0; step < 8; ++step)
@@ -1409,16 +1392,23 @@ __device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16*
             wgmma_commit();
             wgmma_wait<0>();
             settle<ROWS / 2>(dq_part);
-            dq_head = head;
-            dq_q0 = q0;
+            // dq_part[4c + i]: row q0 + 16·(warp mod 4) + g + 8·(i / 2 mod 2), column
+            // 64·half + 8c + 2t + i mod 2.
+            float* dq_rows = dq + ((size_t)head * seqlen + q0) * D + half * 64 + t * 2;
+            #pragma unroll
+            for (int slot = 0; slot < 2; ++slot) {
+                const int row = (warp & 3) * 16 + g + slot * 8;
+                if (q0 + row >= seqlen) continue;
+                #pragma unroll
+                for (int c = 0; c < 8; ++c)
+                    add_pair(dq_rows + (size_t)row * D + c * 8, dq_part[4 * c + 2 * slot] * scale, dq_part[4 * c + 2 * slot + 1] * scale);
+            }
         } else {
             wgmma_wait<0>();
         }
         settle<D / 2>(dk_acc);
         settle<D / 2>(dv_acc);
     }
-    if constexpr (DQ)
-        if (dq_head >= 0) add_dq();
     store_rows(dk + (size_t)kv_head * seqlen * D, dk_acc, key0, seqlen, scale);
     store_rows(dv + (size_t)kv_head * seqlen * D, dv_acc, key0, seqlen, 1.0f);
 }
