@@ -306,16 +306,17 @@ FLASH_FORWARD(f16_d128, 2, 128)
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // Hopper kernels (sm_90a), head_dim 128. Products run as warpgroup MMAs (wgmma) in two forms:
-// scores, X = A·Bᵀ over the 128 columns (64 × 64 per warpgroup), and values, Y += A·B over 64
-// keys or queries (64 × 128). B always comes straight from shared memory through a descriptor —
+// scores, X = A·Bᵀ over the 128 columns (64 × 64 or 64 × 128 per warpgroup), and values,
+// Y += A·B over 64 or 128 keys or queries (64 × 128). B always comes straight from shared memory
+// through a descriptor —
 // no ldmatrix, no per-fragment addresses; A comes from registers (Q, dO, P, dS: loaded once or
 // computed in place) or, where a kernel has no registers to spare, from shared memory. Tiles sit
 // in shared memory as the 128-byte swizzle lays them out: 64-column panels of 128-byte rows,
 // 16-byte chunk c of row r at chunk c ^ (r mod 8), every panel 1024-byte aligned; they arrive by
 // cp.async into one buffer while another is computed on.
 //
-// The forward: one CTA of two warpgroups per (128-row query tile, query head), each warpgroup 64
-// rows; same work lists, masking and softmax as flash_forward.
+// The forward: one CTA per (query tile, query head), a warpgroup per 64 rows — two on 128 × 128
+// tiles, one on 64 × 64 — with the masking and softmax of flash_forward.
 
 // A shared-memory matrix descriptor with the 128-byte swizzle: start address, leading and stride
 // byte offsets (PTX's wgmma matrix descriptor; addresses and offsets in 16-byte units).

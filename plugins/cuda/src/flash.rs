@@ -7,10 +7,11 @@
 //! the transposed work list (the query tiles that touch it) for dK and dV, and per query tile
 //! the forward one for dQ, recomputing S and dP: seven products per tile pair. `Backward::Fused`
 //! adds each step's share of dQ from the key-tile walk with atomics instead (five products; the
-//! order of the sums varies run to run). On Hopper (sm_90a, head_dim 128) the forward and the
-//! split backward also come as warpgroup-MMA (wgmma) kernels reading their operands from
-//! shared memory (see [`Instructions`]), the forward with each tile's softmax overlapping the
-//! previous tile's P·V.
+//! order of the sums varies run to run). On Hopper (sm_90a, head_dim 128) the forward and both
+//! backwards also come as warpgroup-MMA (wgmma) kernels reading their operands from shared
+//! memory (see [`Instructions`]): the forward on 128 × 128 tiles (64 × 64 where the masks' blocks
+//! split those) with each tile's softmax overlapping the previous tile's P·V, the fused backward
+//! where the masks keep 128-row tiles.
 //! The CUDA C is `kernels/flash.cu`.
 
 use std::collections::HashMap;
@@ -1253,6 +1254,26 @@ mod tests {
             );
         }
         assert_eq!(t.wide_forward_order.len(), t.forward_order.len());
+    }
+
+    /// Each wgmma kernel's shared memory, with the static arrays of the dK/dV kernels (LSE and D
+    /// of three 64-row stages at most), fits what one block of sm_90 may opt into (227 KiB): a
+    /// kernel past it would fail at launch, on the GPU only.
+    #[test]
+    fn hopper_kernels_fit_shared_memory() {
+        const SM90_BLOCK_SHARED: u32 = 227 * 1024;
+        const STATIC_BYTES: u32 = 2 * 3 * 64 * 4;
+        for (kernel, rows) in [
+            ("forward", HOPPER_FORWARD_ROWS),
+            ("narrow forward", HOPPER_NARROW_FORWARD_ROWS),
+            ("dQ", HOPPER_DQ_ROWS),
+            ("dK/dV", HOPPER_DKDV_ROWS),
+            ("wide dK/dV", HOPPER_DKDV_WIDE_ROWS),
+            ("fused", HOPPER_FUSED_ROWS),
+        ] {
+            let bytes = hopper_shared_bytes(rows) + STATIC_BYTES;
+            assert!(bytes <= SM90_BLOCK_SHARED, "{kernel}: {bytes} bytes");
+        }
     }
 
     /// Every static mask of the catalogue keeps 128-row forward tiles (the 64-row ones are
