@@ -1164,25 +1164,34 @@ mod tests {
         assert_eq!(tables(&from_rows), from_slices);
     }
 
-    /// The wgmma dK/dV kernel's lists for 128-key tiles hold, per pair of 64-key tiles, the query
-    /// tiles that visit either, full where every half inside the sequence holds them full.
-    #[test]
-    fn wide_key_lists_join_pairs_of_key_tiles() {
-        let s = 1000u64;
+    /// The length and tables of a mask whose windows and first columns cut tiles of both sizes
+    /// at many places, for the tests that compare 128-key lists with pairs of 64-key ones.
+    const PAIRED_TILES_LEN: u64 = 1000;
+    fn paired_tiles_tables() -> Tables {
+        let s = PAIRED_TILES_LEN;
         let all: Vec<u32> = (0..s as u32).collect();
         let mut slices = window_slices([0, s], [0, s], 130, 70);
         slices.push(Slice::new([0, s], [0, 24], SliceKind::Full));
         let mask = Mask::square(s, slices).expect("a valid mask");
-        let t = tables(&[MaskTiles::of_rows(
+        tables(&[MaskTiles::of_rows(
             RowIntervals::restrict(&mask, &all, &all),
             s,
-        )]);
-        let list = |start: &[u32], tiles: &[u32], i: usize| -> Vec<(u32, bool)> {
-            tiles[start[i] as usize..start[i + 1] as usize]
-                .iter()
-                .map(|entry| (entry & 0x7fff_ffff, entry >> 31 == 0))
-                .collect()
-        };
+        )])
+    }
+
+    /// Entry `i` of a CSR work list: (tile, full).
+    fn list(start: &[u32], tiles: &[u32], i: usize) -> Vec<(u32, bool)> {
+        tiles[start[i] as usize..start[i + 1] as usize]
+            .iter()
+            .map(|entry| (entry & 0x7fff_ffff, entry >> 31 == 0))
+            .collect()
+    }
+
+    /// The wgmma dK/dV kernel's lists for 128-key tiles hold, per pair of 64-key tiles, the query
+    /// tiles that visit either, full where every half inside the sequence holds them full.
+    #[test]
+    fn wide_key_lists_join_pairs_of_key_tiles() {
+        let (s, t) = (PAIRED_TILES_LEN, paired_tiles_tables());
         let key_tiles = s.div_ceil(TILE) as usize;
         assert_eq!(
             t.wide_key_tile_start.len(),
@@ -1215,21 +1224,7 @@ mod tests {
     /// 64-key tiles its 64-key list visits, full where every half inside the sequence is full.
     #[test]
     fn wide_forward_lists_join_pairs_of_key_tiles() {
-        let s = 1000u64;
-        let all: Vec<u32> = (0..s as u32).collect();
-        let mut slices = window_slices([0, s], [0, s], 130, 70);
-        slices.push(Slice::new([0, s], [0, 24], SliceKind::Full));
-        let mask = Mask::square(s, slices).expect("a valid mask");
-        let t = tables(&[MaskTiles::of_rows(
-            RowIntervals::restrict(&mask, &all, &all),
-            s,
-        )]);
-        let list = |start: &[u32], tiles: &[u32], i: usize| -> Vec<(u32, bool)> {
-            tiles[start[i] as usize..start[i + 1] as usize]
-                .iter()
-                .map(|entry| (entry & 0x7fff_ffff, entry >> 31 == 0))
-                .collect()
-        };
+        let (s, t) = (PAIRED_TILES_LEN, paired_tiles_tables());
         let key_tiles = s.div_ceil(TILE) as u32;
         for q_tile in 0..s.div_ceil(FORWARD_TILE) as usize {
             let narrow = list(&t.forward_tile_start, &t.forward_tiles, q_tile);
