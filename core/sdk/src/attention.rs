@@ -97,6 +97,55 @@ impl RowIntervals {
         result
     }
 
+    /// The same mask seen by columns: for each of the `k_len` keys, the rows that may see it, as
+    /// intervals (the row intervals of the transposed mask). A kernel that walks a key tile's
+    /// queries tests its fixed keys against these, where the rows' own intervals would cost a
+    /// lookup per query.
+    pub fn transpose(&self, k_len: usize) -> RowIntervals {
+        let rows = self.row_start.len() - 1;
+        // Per key, the row where its current run of allowed rows began.
+        let mut open = vec![u32::MAX; k_len];
+        let mut columns: Vec<Vec<u32>> = vec![Vec::new(); k_len];
+        let mut previous: Vec<(usize, usize)> = Vec::new();
+        let raw = |r: usize| {
+            &self.intervals[2 * self.row_start[r] as usize..2 * self.row_start[r + 1] as usize]
+        };
+        // Between one row and the next only the keys where they differ open or close a run, so
+        // the sweep costs the changes, not rows × keys (and a row like the one before, as in
+        // the bands of a block mask, costs one comparison).
+        for r in 0..=rows {
+            if r > 0 && r < rows && raw(r) == raw(r - 1) {
+                continue;
+            }
+            let current: Vec<(usize, usize)> = if r < rows {
+                merged(self.row(r))
+            } else {
+                Vec::new()
+            };
+            for (a, b) in differing(&previous, &current) {
+                for key in a..b.min(k_len) {
+                    if open[key] == u32::MAX {
+                        open[key] = r as u32;
+                    } else {
+                        columns[key].extend([open[key], r as u32]);
+                        open[key] = u32::MAX;
+                    }
+                }
+            }
+            previous = current;
+        }
+        let mut result = RowIntervals {
+            row_start: Vec::with_capacity(k_len + 1),
+            intervals: Vec::with_capacity(columns.iter().map(Vec::len).sum()),
+        };
+        result.row_start.push(0);
+        for intervals in columns {
+            result.intervals.extend(intervals);
+            result.row_start.push((result.intervals.len() / 2) as u32);
+        }
+        result
+    }
+
     /// The allowed local keys of row `r`, as `[start, end)` pairs.
     pub fn row(&self, r: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
         let (first, last) = (self.row_start[r] as usize, self.row_start[r + 1] as usize);
@@ -186,6 +235,34 @@ impl RowIntervals {
         result.row_start.push(result.key_tiles.len());
         result
     }
+}
+
+/// The ranges where exactly one of two sorted, disjoint interval lists holds, in one merge pass.
+fn differing(x: &[(usize, usize)], y: &[(usize, usize)]) -> Vec<(usize, usize)> {
+    let mut points: Vec<usize> = x.iter().chain(y).flat_map(|&(a, b)| [a, b]).collect();
+    points.sort_unstable();
+    points.dedup();
+    // The first interval of each list that ends after the current point.
+    let (mut ix, mut iy) = (0, 0);
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    for pair in points.windows(2) {
+        let p = pair[0];
+        while ix < x.len() && x[ix].1 <= p {
+            ix += 1;
+        }
+        while iy < y.len() && y[iy].1 <= p {
+            iy += 1;
+        }
+        let in_x = ix < x.len() && x[ix].0 <= p;
+        let in_y = iy < y.len() && y[iy].0 <= p;
+        if in_x != in_y {
+            match out.last_mut() {
+                Some(last) if last.1 == p => last.1 = pair[1],
+                _ => out.push((p, pair[1])),
+            }
+        }
+    }
+    out
 }
 
 /// Intervals with the touching ones joined: [0, 5) and [5, 9) cover a tile as [0, 9) does.
@@ -569,6 +646,44 @@ mod tests {
             for (j, &k) in [4u32, 5, 6, 0, 1].iter().enumerate() {
                 let local = rows.row(r).any(|(a, b)| a <= j && j < b);
                 assert_eq!(local, mask.allows(q as u64, k as u64), "row {q}, key {k}");
+            }
+        }
+    }
+
+    proptest::proptest! {
+        /// A key's column intervals hold exactly the rows whose intervals hold the key, and each
+        /// column's intervals are sorted, disjoint and not touching (one interval per run).
+        #[test]
+        fn transpose_holds_the_rows_that_see_each_key(
+            rows in proptest::collection::vec(
+                proptest::collection::vec((0usize..40, 1usize..12), 0..4), 1..40),
+        ) {
+            let k_len = 48;
+            let mut mask = RowIntervals { row_start: vec![0], intervals: Vec::new() };
+            for row in &rows {
+                let mut spans: Vec<(usize, usize)> =
+                    row.iter().map(|&(a, n)| (a, (a + n).min(k_len))).collect();
+                spans.sort_unstable();
+                let mut end = 0;
+                for (a, b) in spans {
+                    let a = a.max(end);
+                    if a < b {
+                        mask.intervals.extend([a as u32, b as u32]);
+                        end = b;
+                    }
+                }
+                mask.row_start.push((mask.intervals.len() / 2) as u32);
+            }
+            let columns = mask.transpose(k_len);
+            proptest::prop_assert_eq!(columns.row_start.len(), k_len + 1);
+            for key in 0..k_len {
+                let runs: Vec<(usize, usize)> = columns.row(key).collect();
+                proptest::prop_assert!(runs.windows(2).all(|w| w[0].1 < w[1].0), "key {}: {:?}", key, runs);
+                for r in 0..rows.len() {
+                    let by_row = mask.row(r).any(|(a, b)| a <= key && key < b);
+                    let by_column = runs.iter().any(|&(a, b)| a <= r && r < b);
+                    proptest::prop_assert_eq!(by_row, by_column, "row {}, key {}", r, key);
+                }
             }
         }
     }

@@ -973,7 +973,7 @@ __device__ void flash_backward_dkdv(const u16* __restrict__ q, const u16* __rest
                                     const u16* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
                                     float* __restrict__ dq, float* __restrict__ dk, float* __restrict__ dv,
                                     const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles,
-                                    const unsigned* __restrict__ row_start, const unsigned* __restrict__ intervals,
+                                    const unsigned* __restrict__ column_start, const unsigned* __restrict__ column_intervals,
                                     const int* __restrict__ mask_of_head, int seqlen, int group, float scale, float scale_log2) {
     extern __shared__ __align__(128) u16 dynamic_shared[];
     u16* buffers = dynamic_shared;
@@ -1014,7 +1014,7 @@ __device__ void flash_backward_dkdv(const u16* __restrict__ q, const u16* __rest
         const int step_head = walk.head;
         const bool partial = walk.entry() >> 31;
         const int q0 = walk.row0();
-        const unsigned* table_rows = row_start + (size_t)mask_of_head[step_head] * (seqlen + 1);
+        const unsigned* table_columns = column_start + (size_t)mask_of_head[step_head] * (seqlen + 1);
         walk.advance();
         // The other buffer was last read two steps ago, behind the barrier that ended that step.
         issue(stage ^ 1);
@@ -1045,19 +1045,27 @@ __device__ void flash_backward_dkdv(const u16* __restrict__ q, const u16* __rest
                 }
             }
         } else {
+            // This thread's two keys' row intervals: a partial step's query is allowed where they
+            // hold it.
+            unsigned iv_begin[2] = {0, 0}, iv_count[2] = {0, 0};
+            #pragma unroll
+            for (int slot = 0; slot < 2; ++slot) {
+                const int key = slot ? key1 : key0;
+                if (partial && key < seqlen) {
+                    iv_begin[slot] = table_columns[key];
+                    iv_count[slot] = table_columns[key + 1] - iv_begin[slot];
+                }
+            }
             #pragma unroll
             for (int n = 0; n < BQ / 8; ++n) {
                 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const int column = n * 8 + t * 2 + (i & 1);
                     const int row_q = q0 + column;
-                    const int key = i < 2 ? key0 : key1;
+                    const int slot = i >> 1, key = slot ? key1 : key0;
                     const float row_lse = s_lse[stage][column];
                     bool ok = key < seqlen && row_q < seqlen && row_lse != minus_inf;
-                    if (ok && partial) {
-                        const unsigned begin = table_rows[row_q];
-                        ok = allowed(key, intervals + 2 * begin, table_rows[row_q + 1] - begin);
-                    }
+                    if (ok && partial) ok = allowed(row_q, column_intervals + 2 * iv_begin[slot], iv_count[slot]);
                     const float p = ok ? fast_exp2(st[n][i] * scale_log2 - row_lse) : 0.0f;
                     st[n][i] = p;
                     dpt[n][i] = p * (dpt[n][i] - s_delta[stage][column]);
@@ -1156,14 +1164,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_dq_##SUFFIX
     flash_backward_dq<E, D>(q, k, v, d_out, lse, delta, dq, tile_start, tiles, row_start, intervals, mask_of_head, seqlen, group, scale, scale_log2); } \
 extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_dkdv_##SUFFIX( \
     const u16* q, const u16* k, const u16* v, const u16* d_out, const float* lse, const float* delta, float* dq, float* dk, float* dv, \
-    const unsigned* tile_start, const unsigned* tiles, const unsigned* row_start, const unsigned* intervals, \
+    const unsigned* tile_start, const unsigned* tiles, const unsigned* column_start, const unsigned* column_intervals, \
     const int* mask_of_head, int seqlen, int group, float scale, float scale_log2) { \
-    flash_backward_dkdv<E, D, false>(q, k, v, d_out, lse, delta, dq, dk, dv, tile_start, tiles, row_start, intervals, mask_of_head, seqlen, group, scale, scale_log2); } \
+    flash_backward_dkdv<E, D, false>(q, k, v, d_out, lse, delta, dq, dk, dv, tile_start, tiles, column_start, column_intervals, mask_of_head, seqlen, group, scale, scale_log2); } \
 extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_fused_##SUFFIX( \
     const u16* q, const u16* k, const u16* v, const u16* d_out, const float* lse, const float* delta, float* dq, float* dk, float* dv, \
-    const unsigned* tile_start, const unsigned* tiles, const unsigned* row_start, const unsigned* intervals, \
+    const unsigned* tile_start, const unsigned* tiles, const unsigned* column_start, const unsigned* column_intervals, \
     const int* mask_of_head, int seqlen, int group, float scale, float scale_log2) { \
-    flash_backward_dkdv<E, D, true>(q, k, v, d_out, lse, delta, dq, dk, dv, tile_start, tiles, row_start, intervals, mask_of_head, seqlen, group, scale, scale_log2); }
+    flash_backward_dkdv<E, D, true>(q, k, v, d_out, lse, delta, dq, dk, dv, tile_start, tiles, column_start, column_intervals, mask_of_head, seqlen, group, scale, scale_log2); }
 FLASH_BACKWARD(bf16_d64, 1, 64)
 FLASH_BACKWARD(bf16_d128, 1, 128)
 FLASH_BACKWARD(f16_d64, 2, 64)
@@ -1280,7 +1288,7 @@ __device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16*
                                            const u16* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
                                            float* __restrict__ dq, float* __restrict__ dk, float* __restrict__ dv,
                                            const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles,
-                                           const unsigned* __restrict__ row_start, const unsigned* __restrict__ intervals,
+                                           const unsigned* __restrict__ column_start, const unsigned* __restrict__ column_intervals,
                                            const int* __restrict__ mask_of_head, int seqlen, int group, float scale, float scale_log2) {
     constexpr int D = 128, ROWS = BM, KEYS = 64 * WGS, TILE_ELEMENTS = 64 * D, NT = HOPPER_BACKWARD_THREADS * WGS;
     u16* sk = hopper_tiles();
@@ -1319,7 +1327,7 @@ __device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16*
     for (int stage = 0; !walk.done(); stage ^= 1) {
         const bool partial = walk.entry() >> 31;
         const int head = walk.head, q0 = walk.row0();
-        const unsigned* table_rows = row_start + (size_t)mask_of_head[head] * (seqlen + 1);
+        const unsigned* table_columns = column_start + (size_t)mask_of_head[head] * (seqlen + 1);
         walk.advance();
         wait_copies<0>();  // this step's Q, dO and row statistics (and, on the first step, K and V)
         shared_writes_to_async_proxy();
@@ -1351,16 +1359,24 @@ __device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16*
                     st[4 * c + i] = fast_exp2(fmaf(st[4 * c + i], scale_log2, -((i & 1) ? pair.y : pair.x)));
             }
         } else {
+            // This thread's two keys' row intervals: a partial step's query is allowed where they
+            // hold it.
+            unsigned iv_begin[2] = {0, 0}, iv_count[2] = {0, 0};
+            #pragma unroll
+            for (int slot = 0; slot < 2; ++slot) {
+                const int key = key0 + slot * 8;
+                if (partial && key < seqlen) {
+                    iv_begin[slot] = table_columns[key];
+                    iv_count[slot] = table_columns[key + 1] - iv_begin[slot];
+                }
+            }
             #pragma unroll
             for (int i = 0; i < ROWS / 2; ++i) {
                 const int column = (i >> 2) * 8 + t * 2 + (i & 1), row_q = q0 + column;
-                const int key = key0 + ((i >> 1) & 1) * 8;
+                const int slot = (i >> 1) & 1, key = key0 + slot * 8;
                 const float row_lse = s_lse[stage][column];
                 bool ok = key < seqlen && row_q < seqlen && row_lse != minus_inf;
-                if (ok && partial) {
-                    const unsigned begin = table_rows[row_q];
-                    ok = allowed(key, intervals + 2 * begin, table_rows[row_q + 1] - begin);
-                }
+                if (ok && partial) ok = allowed(row_q, column_intervals + 2 * iv_begin[slot], iv_count[slot]);
                 st[i] = ok ? fast_exp2(st[i] * scale_log2 - row_lse) : 0.0f;
             }
         }
@@ -1423,9 +1439,9 @@ extern "C" __global__ void __launch_bounds__(HOPPER_BACKWARD_THREADS * WGS, 2 / 
 #define FLASH_BACKWARD_DKDV_HOPPER(NAME, SUFFIX, E, WGS, DQ) \
 extern "C" __global__ void __launch_bounds__(HOPPER_BACKWARD_THREADS * WGS, 2 / WGS) NAME##_##SUFFIX( \
     const u16* q, const u16* k, const u16* v, const u16* d_out, const float* lse, const float* delta, float* dq, float* dk, float* dv, \
-    const unsigned* tile_start, const unsigned* tiles, const unsigned* row_start, const unsigned* intervals, \
+    const unsigned* tile_start, const unsigned* tiles, const unsigned* column_start, const unsigned* column_intervals, \
     const int* mask_of_head, int seqlen, int group, float scale, float scale_log2) { \
-    flash_backward_dkdv_hopper<E, WGS, DQ>(q, k, v, d_out, lse, delta, dq, dk, dv, tile_start, tiles, row_start, intervals, mask_of_head, seqlen, group, scale, scale_log2); }
+    flash_backward_dkdv_hopper<E, WGS, DQ>(q, k, v, d_out, lse, delta, dq, dk, dv, tile_start, tiles, column_start, column_intervals, mask_of_head, seqlen, group, scale, scale_log2); }
 #define FLASH_BACKWARD_HOPPER(SUFFIX, E) \
 FLASH_BACKWARD_DQ_HOPPER(flash_backward_dq_hopper, SUFFIX, E, 1) \
 FLASH_BACKWARD_DQ_HOPPER(flash_backward_dq_wide_hopper, SUFFIX, E, 2) \

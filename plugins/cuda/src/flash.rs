@@ -109,6 +109,10 @@ struct Tables {
     wide_key_tiles: Vec<u32>,
     row_start: Vec<u32>,
     intervals: Vec<u32>,
+    /// Per key, the rows that see it (CSR like the rows'): the key-tile kernels' threads hold
+    /// fixed keys and test a partial tile's queries against these.
+    column_start: Vec<u32>,
+    column_intervals: Vec<u32>,
 }
 
 /// One mask as the tables need it: its tiles at the forward's and the backward's sizes, and its
@@ -189,6 +193,8 @@ fn tables(masks: &[MaskTiles]) -> Tables {
         wide_key_tiles: Vec::new(),
         row_start: Vec::new(),
         intervals: Vec::new(),
+        column_start: Vec::new(),
+        column_intervals: Vec::new(),
     };
     let forward_rows = forward_rows(masks);
     t.forward_rows = forward_rows;
@@ -224,19 +230,41 @@ fn tables(masks: &[MaskTiles]) -> Tables {
             &mut t.wide_key_tile_start,
             &mut t.wide_key_tiles,
         );
-        let base = (t.intervals.len() / 2) as u32;
-        t.row_start
-            .extend(mask.rows.row_start.iter().map(|&start| base + start));
-        t.intervals.extend_from_slice(&mask.rows.intervals);
+        push_intervals(&mask.rows, &mut t.row_start, &mut t.intervals);
+        // The key-tile kernels read a mask's columns on its partial tiles only — the wide ones
+        // where the forward keeps 128-row tiles (so the wgmma kernels take them) — and a
+        // block-sparse mask on its own block size has none: its columns would cost as many
+        // intervals as its rows, hundreds per key at long lengths.
+        let partial = |blocks: &BlockMask| blocks.full.iter().any(|full| !full);
+        let k_len = mask.rows.row_start.len() - 1;
+        let columns = if partial(&mask.backward)
+            || (forward_rows == FORWARD_TILE && partial(&mask.wide_keys))
+        {
+            mask.rows.transpose(k_len)
+        } else {
+            RowIntervals {
+                row_start: vec![0; k_len + 1],
+                intervals: Vec::new(),
+            }
+        };
+        push_intervals(&columns, &mut t.column_start, &mut t.column_intervals);
     }
     // No buffer is empty.
     t.intervals.extend([0, 0]);
+    t.column_intervals.extend([0, 0]);
     t.forward_tiles.push(0);
     t.wide_forward_tiles.push(0);
     t.tiles.push(0);
     t.key_tiles.push(0);
     t.wide_key_tiles.push(0);
     t
+}
+
+/// One mask's intervals appended to a set's: its starts offset past the intervals before it.
+fn push_intervals(of: &RowIntervals, start: &mut Vec<u32>, intervals: &mut Vec<u32>) {
+    let base = (intervals.len() / 2) as u32;
+    start.extend(of.row_start.iter().map(|&first| base + first));
+    intervals.extend_from_slice(&of.intervals);
 }
 
 /// Per query tile of `blocks`, the key tiles it visits (bit 31: partial), appended to a CSR list,
@@ -380,6 +408,8 @@ struct DeviceTables {
     wide_key_tiles: Buffer<u32>,
     row_start: Buffer<u32>,
     intervals: Buffer<u32>,
+    column_start: Buffer<u32>,
+    column_intervals: Buffer<u32>,
     mask_of_head: Buffer<i32>,
 }
 
@@ -402,6 +432,8 @@ impl DeviceTables {
             wide_key_tiles: gpu.upload("wide key tiles", &t.wide_key_tiles)?,
             row_start: gpu.upload("mask rows", &t.row_start)?,
             intervals: gpu.upload("mask intervals", &t.intervals)?,
+            column_start: gpu.upload("mask columns", &t.column_start)?,
+            column_intervals: gpu.upload("mask column intervals", &t.column_intervals)?,
             mask_of_head: gpu.upload("masks of heads", mask_of_head)?,
         })
     }
@@ -659,12 +691,21 @@ unsafe fn launch_backward(
     let (len, group) = (dims.len as i32, (dims.heads_q / dims.heads_kv) as i32);
     let scale_log2 = dims.scale * std::f32::consts::LOG2_E;
     let inputs = [x.q, x.k, x.v, g.d_out, x.lse, g.delta];
-    let lists = |start: &Buffer<u32>, tiles: &Buffer<u32>, order: Option<&Buffer<u32>>| {
+    // The dQ kernels test a partial tile's keys against their rows' intervals, the key-tile
+    // kernels its queries against their keys' (columns').
+    let (rows, columns) = (
+        (&t.row_start, &t.intervals),
+        (&t.column_start, &t.column_intervals),
+    );
+    let lists = |start: &Buffer<u32>,
+                 tiles: &Buffer<u32>,
+                 order: Option<&Buffer<u32>>,
+                 (interval_start, intervals): (&Buffer<u32>, &Buffer<u32>)| {
         let mut lists = vec![start.address(stream), tiles.address(stream)];
         lists.extend(order.map(|order| order.address(stream)));
         lists.extend([
-            t.row_start.address(stream),
-            t.intervals.address(stream),
+            interval_start.address(stream),
+            intervals.address(stream),
             t.mask_of_head.address(stream),
         ]);
         lists
@@ -700,6 +741,7 @@ unsafe fn launch_backward(
                 &t.forward_tile_start,
                 &t.forward_tiles,
                 Some(&t.forward_order),
+                rows,
             ),
             LaunchConfig {
                 grid_dim: (
@@ -714,29 +756,29 @@ unsafe fn launch_backward(
         // The order is not read with one warpgroup.
         Some(h) => (
             &h.dq,
-            lists(&t.tile_start, &t.tiles, Some(&t.forward_order)),
+            lists(&t.tile_start, &t.tiles, Some(&t.forward_order), rows),
             grid(tiles, dims.heads_q, hopper_shared_bytes(HOPPER_DQ_ROWS)),
         ),
         None => (
             &f.dq,
-            lists(&t.tile_start, &t.tiles, None),
+            lists(&t.tile_start, &t.tiles, None, rows),
             grid(tiles, dims.heads_q, 0),
         ),
     };
     let (dkdv, dkdv_lists, dkdv_config) = match hopper {
         Some(h) if wide => (
             &h.dkdv_wide,
-            lists(&t.wide_key_tile_start, &t.wide_key_tiles, None),
+            lists(&t.wide_key_tile_start, &t.wide_key_tiles, None, columns),
             wide_key_tiles(HOPPER_DKDV_WIDE_ROWS),
         ),
         Some(h) => (
             &h.dkdv,
-            lists(&t.key_tile_start, &t.key_tiles, None),
+            lists(&t.key_tile_start, &t.key_tiles, None, columns),
             grid(tiles, dims.heads_kv, hopper_shared_bytes(HOPPER_DKDV_ROWS)),
         ),
         None => (
             &f.dkdv,
-            lists(&t.key_tile_start, &t.key_tiles, None),
+            lists(&t.key_tile_start, &t.key_tiles, None, columns),
             key_tiles(false),
         ),
     };
@@ -755,12 +797,12 @@ unsafe fn launch_backward(
         let (fused, fused_lists, fused_config) = match hopper {
             Some(h) => (
                 &h.fused,
-                lists(&t.wide_key_tile_start, &t.wide_key_tiles, None),
+                lists(&t.wide_key_tile_start, &t.wide_key_tiles, None, columns),
                 wide_key_tiles(HOPPER_FUSED_ROWS),
             ),
             None => (
                 &f.fused,
-                lists(&t.key_tile_start, &t.key_tiles, None),
+                lists(&t.key_tile_start, &t.key_tiles, None, columns),
                 key_tiles(true),
             ),
         };
@@ -1249,6 +1291,44 @@ mod tests {
             );
         }
         assert_eq!(t.wide_forward_order.len(), t.forward_order.len());
+    }
+
+    /// For every mask of a set, the column tables (what the key-tile kernels test a partial
+    /// step's queries against) allow exactly what the row tables do, read as the kernels read
+    /// them: `start[mask · (len + 1) + position]`, offsets into the set's interval array.
+    #[test]
+    fn column_tables_allow_what_row_tables_allow() {
+        let s = 300u64;
+        let all: Vec<u32> = (0..s as u32).collect();
+        let window = Mask::square(s, window_slices([0, s], [0, s], 40, 25)).expect("a valid mask");
+        let mut slices = vec![Slice::new([0, 120], [0, 120], SliceKind::Causal)];
+        slices.push(Slice::new([120, s], [120, s], SliceKind::Full));
+        slices.push(Slice::new([200, s], [0, 16], SliceKind::Full));
+        let documents = Mask::square(s, slices).expect("a valid mask");
+        let t = tables(
+            &[window, documents]
+                .iter()
+                .map(|mask| MaskTiles::of_rows(RowIntervals::restrict(mask, &all, &all), s))
+                .collect::<Vec<_>>(),
+        );
+        let holds = |start: &[u32], intervals: &[u32], mask: usize, at: usize, x: usize| {
+            let base = mask * (s as usize + 1) + at;
+            (start[base]..start[base + 1]).any(|i| {
+                intervals[2 * i as usize] as usize <= x
+                    && x < intervals[2 * i as usize + 1] as usize
+            })
+        };
+        for mask in 0..2 {
+            for r in 0..s as usize {
+                for k in 0..s as usize {
+                    assert_eq!(
+                        holds(&t.row_start, &t.intervals, mask, r, k),
+                        holds(&t.column_start, &t.column_intervals, mask, k, r),
+                        "mask {mask}, row {r}, key {k}"
+                    );
+                }
+            }
+        }
     }
 
     /// Each wgmma kernel's shared memory, with the static arrays of the dK/dV kernels (LSE and D
