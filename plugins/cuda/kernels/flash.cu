@@ -973,6 +973,7 @@ __device__ void flash_backward_dkdv(const u16* __restrict__ q, const u16* __rest
                                     const u16* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
                                     float* __restrict__ dq, float* __restrict__ dk, float* __restrict__ dv,
                                     const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles,
+                                    const unsigned* __restrict__ order,
                                     const unsigned* __restrict__ column_start, const unsigned* __restrict__ column_intervals,
                                     const int* __restrict__ mask_of_head, int seqlen, int group, float scale, float scale_log2) {
     extern __shared__ __align__(128) u16 dynamic_shared[];
@@ -982,7 +983,9 @@ __device__ void flash_backward_dkdv(const u16* __restrict__ q, const u16* __rest
     u16* sds = sv + BN * D;
     __shared__ __align__(16) float s_lse[2][BQ];
     __shared__ __align__(16) float s_delta[2][BQ];
-    const int k_tile = blockIdx.x, kv_head = blockIdx.y;
+    // The key tiles start longest list first (by the group's first head's mask).
+    const int kv_head = blockIdx.y, k_tiles = (seqlen + BN - 1) / BN;
+    const int k_tile = order[mask_of_head[kv_head * group] * k_tiles + blockIdx.x];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int k0 = k_tile * BN;
     const int key0 = k0 + warp * 16 + g, key1 = key0 + 8;
@@ -1164,14 +1167,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_dq_##SUFFIX
     flash_backward_dq<E, D>(q, k, v, d_out, lse, delta, dq, tile_start, tiles, row_start, intervals, mask_of_head, seqlen, group, scale, scale_log2); } \
 extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_dkdv_##SUFFIX( \
     const u16* q, const u16* k, const u16* v, const u16* d_out, const float* lse, const float* delta, float* dq, float* dk, float* dv, \
-    const unsigned* tile_start, const unsigned* tiles, const unsigned* column_start, const unsigned* column_intervals, \
+    const unsigned* tile_start, const unsigned* tiles, const unsigned* order, const unsigned* column_start, const unsigned* column_intervals, \
     const int* mask_of_head, int seqlen, int group, float scale, float scale_log2) { \
-    flash_backward_dkdv<E, D, false>(q, k, v, d_out, lse, delta, dq, dk, dv, tile_start, tiles, column_start, column_intervals, mask_of_head, seqlen, group, scale, scale_log2); } \
+    flash_backward_dkdv<E, D, false>(q, k, v, d_out, lse, delta, dq, dk, dv, tile_start, tiles, order, column_start, column_intervals, mask_of_head, seqlen, group, scale, scale_log2); } \
 extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_fused_##SUFFIX( \
     const u16* q, const u16* k, const u16* v, const u16* d_out, const float* lse, const float* delta, float* dq, float* dk, float* dv, \
-    const unsigned* tile_start, const unsigned* tiles, const unsigned* column_start, const unsigned* column_intervals, \
+    const unsigned* tile_start, const unsigned* tiles, const unsigned* order, const unsigned* column_start, const unsigned* column_intervals, \
     const int* mask_of_head, int seqlen, int group, float scale, float scale_log2) { \
-    flash_backward_dkdv<E, D, true>(q, k, v, d_out, lse, delta, dq, dk, dv, tile_start, tiles, column_start, column_intervals, mask_of_head, seqlen, group, scale, scale_log2); }
+    flash_backward_dkdv<E, D, true>(q, k, v, d_out, lse, delta, dq, dk, dv, tile_start, tiles, order, column_start, column_intervals, mask_of_head, seqlen, group, scale, scale_log2); }
 FLASH_BACKWARD(bf16_d64, 1, 64)
 FLASH_BACKWARD(bf16_d128, 1, 128)
 FLASH_BACKWARD(f16_d64, 2, 64)
@@ -1288,6 +1291,7 @@ __device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16*
                                            const u16* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
                                            float* __restrict__ dq, float* __restrict__ dk, float* __restrict__ dv,
                                            const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles,
+                                           const unsigned* __restrict__ order,
                                            const unsigned* __restrict__ column_start, const unsigned* __restrict__ column_intervals,
                                            const int* __restrict__ mask_of_head, int seqlen, int group, float scale, float scale_log2) {
     constexpr int D = 128, ROWS = BM, KEYS = 64 * WGS, TILE_ELEMENTS = 64 * D, NT = HOPPER_BACKWARD_THREADS * WGS;
@@ -1298,7 +1302,9 @@ __device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16*
     u16* sds = stage_tiles(2);
     __shared__ __align__(16) float s_lse[2][ROWS];
     __shared__ __align__(16) float s_delta[2][ROWS];
-    const int k_tile = blockIdx.x, kv_head = blockIdx.y;
+    // The key tiles start longest list first (by the group's first head's mask).
+    const int kv_head = blockIdx.y, k_tiles = (seqlen + KEYS - 1) / KEYS;
+    const int k_tile = order[mask_of_head[kv_head * group] * k_tiles + blockIdx.x];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int half = warp >> 2;  // this warpgroup's 64 keys of the tile
     const int k0 = k_tile * KEYS, key0 = k0 + half * 64 + (warp & 3) * 16 + g;
@@ -1439,9 +1445,9 @@ extern "C" __global__ void __launch_bounds__(HOPPER_BACKWARD_THREADS * WGS, 2 / 
 #define FLASH_BACKWARD_DKDV_HOPPER(NAME, SUFFIX, E, WGS, DQ) \
 extern "C" __global__ void __launch_bounds__(HOPPER_BACKWARD_THREADS * WGS, 2 / WGS) NAME##_##SUFFIX( \
     const u16* q, const u16* k, const u16* v, const u16* d_out, const float* lse, const float* delta, float* dq, float* dk, float* dv, \
-    const unsigned* tile_start, const unsigned* tiles, const unsigned* column_start, const unsigned* column_intervals, \
+    const unsigned* tile_start, const unsigned* tiles, const unsigned* order, const unsigned* column_start, const unsigned* column_intervals, \
     const int* mask_of_head, int seqlen, int group, float scale, float scale_log2) { \
-    flash_backward_dkdv_hopper<E, WGS, DQ>(q, k, v, d_out, lse, delta, dq, dk, dv, tile_start, tiles, column_start, column_intervals, mask_of_head, seqlen, group, scale, scale_log2); }
+    flash_backward_dkdv_hopper<E, WGS, DQ>(q, k, v, d_out, lse, delta, dq, dk, dv, tile_start, tiles, order, column_start, column_intervals, mask_of_head, seqlen, group, scale, scale_log2); }
 #define FLASH_BACKWARD_HOPPER(SUFFIX, E) \
 FLASH_BACKWARD_DQ_HOPPER(flash_backward_dq_hopper, SUFFIX, E, 1) \
 FLASH_BACKWARD_DQ_HOPPER(flash_backward_dq_wide_hopper, SUFFIX, E, 2) \

@@ -105,8 +105,11 @@ struct Tables {
     tiles: Vec<u32>,
     key_tile_start: Vec<u32>,
     key_tiles: Vec<u32>,
+    /// Per mask, its key tiles longest list first (the key-tile kernels' start order).
+    key_order: Vec<u32>,
     wide_key_tile_start: Vec<u32>,
     wide_key_tiles: Vec<u32>,
+    wide_key_order: Vec<u32>,
     row_start: Vec<u32>,
     intervals: Vec<u32>,
     /// Per key, the rows that see it (CSR like the rows'): the key-tile kernels' threads hold
@@ -189,8 +192,10 @@ fn tables(masks: &[MaskTiles]) -> Tables {
         tiles: Vec::new(),
         key_tile_start: vec![0],
         key_tiles: Vec::new(),
+        key_order: Vec::new(),
         wide_key_tile_start: vec![0],
         wide_key_tiles: Vec::new(),
+        wide_key_order: Vec::new(),
         row_start: Vec::new(),
         intervals: Vec::new(),
         column_start: Vec::new(),
@@ -224,11 +229,17 @@ fn tables(masks: &[MaskTiles]) -> Tables {
             }
             t.tile_start.push(t.tiles.len() as u32);
         }
-        push_key_lists(blocks, &mut t.key_tile_start, &mut t.key_tiles);
+        push_key_lists(
+            blocks,
+            &mut t.key_tile_start,
+            &mut t.key_tiles,
+            &mut t.key_order,
+        );
         push_key_lists(
             &mask.wide_keys,
             &mut t.wide_key_tile_start,
             &mut t.wide_key_tiles,
+            &mut t.wide_key_order,
         );
         push_intervals(&mask.rows, &mut t.row_start, &mut t.intervals);
         // The key-tile kernels read a mask's columns on its partial tiles only — the wide ones
@@ -282,25 +293,38 @@ fn push_query_lists(
             lists.push(k_tile | if full { 0 } else { 1 << 31 });
         }
         start.push(lists.len() as u32);
-        lengths.push((lists.len() - before, q_tile as u32));
+        lengths.push(lists.len() - before);
     }
-    lengths.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
-    order.extend(lengths.iter().map(|&(_, q_tile)| q_tile));
+    push_longest_first(lengths.into_iter(), order);
 }
 
 /// Per key tile of `blocks`, the query tiles that visit it (bit 31: partial), appended to a CSR
 /// list.
-fn push_key_lists(blocks: &BlockMask, start: &mut Vec<u32>, lists: &mut Vec<u32>) {
+fn push_key_lists(
+    blocks: &BlockMask,
+    start: &mut Vec<u32>,
+    lists: &mut Vec<u32>,
+    order: &mut Vec<u32>,
+) {
     let mut by_key: Vec<Vec<u32>> = vec![Vec::new(); blocks.k_tiles() as usize];
     for q_tile in 0..blocks.q_tiles() as usize {
         for (k_tile, full) in blocks.row(q_tile) {
             by_key[k_tile as usize].push(q_tile as u32 | if full { 0 } else { 1 << 31 });
         }
     }
+    push_longest_first(by_key.iter().map(Vec::len), order);
     for list in by_key {
         lists.extend(list);
         start.push(lists.len() as u32);
     }
+}
+
+/// The tiles in the order to start their blocks, longest list first (ties by index): the
+/// blocks that take longest do not start last and keep SMs busy while the rest end.
+fn push_longest_first(lengths: impl Iterator<Item = usize>, order: &mut Vec<u32>) {
+    let mut lengths: Vec<(usize, u32)> = lengths.zip(0..).collect();
+    lengths.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+    order.extend(lengths.iter().map(|&(_, tile)| tile));
 }
 
 /// Bytes the flash kernel needs on the device, besides the work lists.
@@ -404,8 +428,10 @@ struct DeviceTables {
     tiles: Buffer<u32>,
     key_tile_start: Buffer<u32>,
     key_tiles: Buffer<u32>,
+    key_order: Buffer<u32>,
     wide_key_tile_start: Buffer<u32>,
     wide_key_tiles: Buffer<u32>,
+    wide_key_order: Buffer<u32>,
     row_start: Buffer<u32>,
     intervals: Buffer<u32>,
     column_start: Buffer<u32>,
@@ -428,8 +454,10 @@ impl DeviceTables {
             tiles: gpu.upload("tiles", &t.tiles)?,
             key_tile_start: gpu.upload("key tile lists", &t.key_tile_start)?,
             key_tiles: gpu.upload("key tiles", &t.key_tiles)?,
+            key_order: gpu.upload("key tile order", &t.key_order)?,
             wide_key_tile_start: gpu.upload("wide key tile lists", &t.wide_key_tile_start)?,
             wide_key_tiles: gpu.upload("wide key tiles", &t.wide_key_tiles)?,
+            wide_key_order: gpu.upload("wide key tile order", &t.wide_key_order)?,
             row_start: gpu.upload("mask rows", &t.row_start)?,
             intervals: gpu.upload("mask intervals", &t.intervals)?,
             column_start: gpu.upload("mask columns", &t.column_start)?,
@@ -768,17 +796,22 @@ unsafe fn launch_backward(
     let (dkdv, dkdv_lists, dkdv_config) = match hopper {
         Some(h) if wide => (
             &h.dkdv_wide,
-            lists(&t.wide_key_tile_start, &t.wide_key_tiles, None, columns),
+            lists(
+                &t.wide_key_tile_start,
+                &t.wide_key_tiles,
+                Some(&t.wide_key_order),
+                columns,
+            ),
             wide_key_tiles(HOPPER_DKDV_WIDE_ROWS),
         ),
         Some(h) => (
             &h.dkdv,
-            lists(&t.key_tile_start, &t.key_tiles, None, columns),
+            lists(&t.key_tile_start, &t.key_tiles, Some(&t.key_order), columns),
             grid(tiles, dims.heads_kv, hopper_shared_bytes(HOPPER_DKDV_ROWS)),
         ),
         None => (
             &f.dkdv,
-            lists(&t.key_tile_start, &t.key_tiles, None, columns),
+            lists(&t.key_tile_start, &t.key_tiles, Some(&t.key_order), columns),
             key_tiles(false),
         ),
     };
@@ -797,12 +830,17 @@ unsafe fn launch_backward(
         let (fused, fused_lists, fused_config) = match hopper {
             Some(h) => (
                 &h.fused,
-                lists(&t.wide_key_tile_start, &t.wide_key_tiles, None, columns),
+                lists(
+                    &t.wide_key_tile_start,
+                    &t.wide_key_tiles,
+                    Some(&t.wide_key_order),
+                    columns,
+                ),
                 wide_key_tiles(HOPPER_FUSED_ROWS),
             ),
             None => (
                 &f.fused,
-                lists(&t.key_tile_start, &t.key_tiles, None, columns),
+                lists(&t.key_tile_start, &t.key_tiles, Some(&t.key_order), columns),
                 key_tiles(true),
             ),
         };
@@ -1328,6 +1366,25 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// Every order list holds each tile of its mask once, longest work list first.
+    #[test]
+    fn orders_start_the_longest_lists_first() {
+        let t = paired_tiles_tables();
+        for (start, order) in [
+            (&t.forward_tile_start, &t.forward_order),
+            (&t.wide_forward_tile_start, &t.wide_forward_order),
+            (&t.key_tile_start, &t.key_order),
+            (&t.wide_key_tile_start, &t.wide_key_order),
+        ] {
+            let length = |tile: u32| start[tile as usize + 1] - start[tile as usize];
+            let mut sorted = order.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, (0..order.len() as u32).collect::<Vec<_>>());
+            assert_eq!(start.len(), order.len() + 1);
+            assert!(order.windows(2).all(|w| length(w[0]) >= length(w[1])));
         }
     }
 
