@@ -1279,7 +1279,7 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
     block = next((b for b in FLEX_BLOCKS if grid is not None and all(
         (edges % b == 0).all() for edges in grid[:2])), None)
     mode = {"full": "none", "causal": "causal"}.get(
-        form, "blocks" if block else "row intervals" if single else "dense")
+        form, "blocks" if block else "block table" if grid is not None else "row intervals" if single else "dense")
     s, count = p.seqlen, len(masks)
     if mode == "dense" and count * s * -(-s // 8) >= 1 << 31:
         raise Unsupported(f"flex would read a {count}×{s}×{s} bit table in mask_mod, past the 2³¹ elements its "
@@ -1292,10 +1292,14 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
     kernel.phases["mask_mode"] = {"none": "no block mask (full)", "causal": "mask_mod q >= kv",
                                   "row intervals": "mask_mod reads per-row key intervals",
                                   "blocks": f"full {block}-token blocks from the masks' block grid (no mask_mod)",
+                                  "block table": f"{FLEX_TILE}-token tiles from the masks' block grid: full inside kept "
+                                                 "blocks, mask_mod reading a per-block table where tiles cut blocks",
                                   "dense": "mask_mod reads a bit-packed dense mask"}[mode]
-    table_bytes = {"row intervals": count * s * 16, "dense": count * s * -(-s // 8)}.get(mode, 0)
+    cells = grid[2].size if grid is not None else 0
+    table_bytes = {"row intervals": count * s * 16, "dense": count * s * -(-s // 8),
+                   "block table": 2 * 4 * -(-s // FLEX_TILE) * FLEX_TILE + cells}.get(mode, 0)
     # create_block_mask evaluates the mask over S × S; a block grid needs none of that.
-    kernel.extra_bytes = table_bytes + (2 * count * s * s if mode not in ("none", "blocks") else 0)
+    kernel.extra_bytes = table_bytes + (2 * count * s * s if mode not in ("none", "blocks", "block table") else 0)
 
     def head_of(h: Any) -> Any:
         return h // p.group if per_group else h
@@ -1307,6 +1311,8 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
         tables: List[Any] = []
         if mode == "blocks":
             block_mask = flex_block_mask(p, torch, device, flex, grid, block)
+        elif mode == "block table":
+            block_mask, tables = flex_block_table(p, torch, device, flex, grid, head_of)
         elif mode == "causal":
             mask_mod = lambda b, h, q, kv: q >= kv  # noqa: E731
         elif mode == "row intervals":
@@ -1327,7 +1333,7 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
                 mask_mod = lambda b, h, q, kv: ((bits0[q, kv // 8].int() >> (kv % 8)) & 1) == 1  # noqa: E731
             else:
                 mask_mod = lambda b, h, q, kv: ((bits[head_of(h), q, kv // 8].int() >> (kv % 8)) & 1) == 1  # noqa: E731
-        if mode != "blocks":
+        if mode not in ("blocks", "block table"):
             block_mask = flex.create_block_mask(mask_mod, None, None if count == 1 else p.heads_q, s, s, device=device)
         synchronize(torch, device, kernel)
         parts = [getattr(block_mask, n, None) for n in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks",
@@ -1350,6 +1356,55 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
 # Block sizes of a BlockMask built from a block grid. 128 is flex's own: its kernels' tiles divide
 # it under their default settings (smaller sparse blocks need tuned tile sizes).
 FLEX_BLOCKS = (128,)
+# The tile of a BlockMask over a grid whose blocks do not fall on FLEX_BLOCKS.
+FLEX_TILE = 128
+
+
+def flex_block_table(p: Problem, torch: Any, device: Any, flex: Any, grid: Tuple[Any, Any, Any],
+                     head_of: Callable[[Any], Any]) -> Tuple[Any, List[Any]]:
+    """A BlockMask over flex's own tiles for a block grid whose edges do not fall on them (blocks
+    of 64 tokens, variable blocks), and the tables its mask_mod reads: a tile inside kept blocks
+    whole is full (no mask_mod), a tile that cuts blocks is partial and looks each position's
+    block up in a per-block table — bytes per block and per position, where a bit table costs
+    S²/8 and create_block_mask evaluates S × S."""
+    np = _np()
+    rows, cols, kept = grid
+    s, tile = p.seqlen, FLEX_TILE
+    n = -(-s // tile)
+    edges = np.minimum(np.arange(n + 1) * tile, s)
+    # Each tile's range of grid cells: [first, end) by rows and by columns.
+    r0, r1 = np.searchsorted(rows, edges[:-1], side="right") - 1, np.searchsorted(rows, edges[1:], side="left")
+    c0, c1 = np.searchsorted(cols, edges[:-1], side="right") - 1, np.searchsorted(cols, edges[1:], side="left")
+    # Kept cells per tile from 2-D prefix sums, against the cells it touches.
+    prefix = np.zeros((kept.shape[0], kept.shape[1] + 1, kept.shape[2] + 1), np.int64)
+    prefix[:, 1:, 1:] = kept.cumsum(1).cumsum(2)
+    i0, i1, j0, j1 = r0[:, None], r1[:, None], c0[None, :], c1[None, :]
+    count = prefix[:, i1, j1] - prefix[:, i0, j1] - prefix[:, i1, j0] + prefix[:, i0, j0]
+    full = count == (i1 - i0) * (j1 - j0)
+    partial = (count > 0) & ~full
+    heads = [p.mask_index(h) for h in range(p.heads_q)] if len(kept) > 1 else [0]
+
+    def as_lists(chosen: Any) -> Tuple[Any, Any]:
+        order = np.argsort(~chosen[heads], axis=-1, kind="stable")  # chosen kv tiles first, in order
+        return (torch.from_numpy(chosen[heads].sum(-1)[None].astype(np.int32)).to(device),
+                torch.from_numpy(order[None].astype(np.int32)).to(device))
+
+    (counts, indices), (full_counts, full_indices) = as_lists(partial), as_lists(full)
+    # Positions past the sequence (the last tile's padding) map to the last cell: flex masks them.
+    positions = np.arange(n * tile)
+    row_cell = torch.from_numpy((np.searchsorted(rows, positions, side="right") - 1).clip(0, len(rows) - 2)
+                                .astype(np.int32)).to(device)
+    col_cell = torch.from_numpy((np.searchsorted(cols, positions, side="right") - 1).clip(0, len(cols) - 2)
+                                .astype(np.int32)).to(device)
+    table = torch.from_numpy(kept).to(device)
+    if len(kept) == 1:
+        table0 = table[0]
+        mask_mod = lambda b, h, q, kv: table0[row_cell[q], col_cell[kv]]  # noqa: E731
+    else:
+        mask_mod = lambda b, h, q, kv: table[head_of(h), row_cell[q], col_cell[kv]]  # noqa: E731
+    block_mask = flex.BlockMask.from_kv_blocks(counts, indices, full_counts, full_indices, BLOCK_SIZE=tile,
+                                               mask_mod=mask_mod, seq_lengths=(s, s))
+    return block_mask, [row_cell, col_cell, table]
 
 
 def pack_bits(torch: Any, dense: Any) -> Any:

@@ -585,7 +585,8 @@ def test_torch(bridge, report, quick):
             check(f"flex {name}: compile and mask phases recorded", "compile_s" in result["phases"]
                   and "mask_build_s" in result["phases"], json.dumps(result["phases"]))
     expect_unsupported(bridge, "flex backward on cpu", case.params("flex", sets["causal"], "fwd_bwd"), "forward only")
-    # Block-sparse masks become a BlockMask of full blocks (no mask_mod); others a bit table.
+    # Block-sparse masks become a BlockMask of full blocks (no mask_mod), or, on blocks that do not
+    # fall on flex's tiles, of tiles reading a per-block table; others a bit table.
     big, rng = Case(s=256), np.random.default_rng(3)
 
     def blocks(size):  # the diagonal block and about half of the others
@@ -596,7 +597,9 @@ def test_torch(bridge, report, quick):
     for name, mset, mode in (("block_sparse_128", mask_set("block_sparse_128", 256, [lower]), "128-token blocks"),
                              ("block_sparse_128_per_group", mask_set("block_sparse_128", 256, [blocks(128), lower],
                                                                      scope="per_kv_group"), "128-token blocks"),
-                             ("block_sparse_64", mask_set("block_sparse_64", 256, [blocks(64)]), "bit-packed"),
+                             ("block_sparse_64", mask_set("block_sparse_64", 256, [blocks(64)]), "per-block table"),
+                             ("block_sparse_64_per_group", mask_set("block_sparse_64", 256, [blocks(64), blocks(64)],
+                                                                    scope="per_kv_group"), "per-block table"),
                              ("global_window", mask_set("global_window", 256, [window(256, 8) + [sl(0, 256, 0, 4, "full")]]),
                               "bit-packed")):
         params = big.params("flex", mset, "fwd")
@@ -604,6 +607,17 @@ def test_torch(bridge, report, quick):
         if result:
             big.compare(f"flex {name}", name, mset, params, result, 1e-5, expect_lse=False)
             check(f"flex {name}: {mode}", mode in result["phases"].get("mask_mode", ""), json.dumps(result["phases"]))
+    # Blocks of 40 over 200 tokens: tiles cut blocks, and the last tile runs past the sequence.
+    odd = Case(s=200)
+    mset = mask_set("block_sparse_40", 200, [[sl(a, min(a + 40, 200), c, min(c + 40, 200), "full")
+                                              for a in range(0, 200, 40) for c in range(0, 200, 40)
+                                              if a == c or rng.random() < 0.5]])
+    params = odd.params("flex", mset, "fwd")
+    result = run_ok(bridge, "flex block_sparse_40 fwd on cpu", params)
+    if result:
+        odd.compare("flex block_sparse_40", "block_sparse_40", mset, params, result, 1e-5, expect_lse=False)
+        check("flex block_sparse_40: per-block table", "per-block table" in result["phases"].get("mask_mode", ""),
+              json.dumps(result["phases"]))
 
 
 def test_gpu(bridge, report):
