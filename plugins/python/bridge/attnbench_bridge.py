@@ -1353,11 +1353,12 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
     return kernel
 
 
-# Block sizes of a BlockMask built from a block grid. 128 is flex's own: its kernels' tiles divide
-# it under their default settings (smaller sparse blocks need tuned tile sizes).
-FLEX_BLOCKS = (128,)
-# The tile of a BlockMask over a grid whose blocks do not fall on FLEX_BLOCKS.
+# flex's own block size: its kernels' tiles divide it under their default settings (smaller sparse
+# blocks need tuned tile sizes).
 FLEX_TILE = 128
+# Block sizes of a BlockMask of full blocks built from a block grid; a grid whose blocks do not
+# fall on them gets FLEX_TILE tiles with a per-block table (flex_block_table).
+FLEX_BLOCKS = (FLEX_TILE,)
 
 
 def flex_block_table(p: Problem, torch: Any, device: Any, flex: Any, grid: Tuple[Any, Any, Any],
