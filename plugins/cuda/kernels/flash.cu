@@ -502,6 +502,12 @@ __device__ __forceinline__ void store_transposed_fragments(u16* panel, const u32
 // Until all NT threads of the block have arrived at named barrier `id` (barrier 0 is
 // __syncthreads').
 template <int NT> __device__ __forceinline__ void barrier_sync(int id) { asm volatile("bar.sync %0, %1;" :: "r"(id), "n"(NT) : "memory"); }
+// This thread's arrival at named barrier `id` of NT threads, without waiting for the others;
+// none where `when` is 0 (a predicated instruction, not a branch: wgmma's pipelines around it
+// stay whole).
+template <int NT> __device__ __forceinline__ void barrier_signal(int id, int when = 1) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\n@p bar.arrive %0, %1;\n}\n" :: "r"(id), "n"(NT), "r"(when) : "memory");
+}
 
 // This thread's A fragments (eight 16-column steps) of rows row0 and row0 + 8 of a matrix of
 // 128-column 16-bit rows in global memory, as register-A wgmma takes them (mma.sync's A layout);
@@ -549,6 +555,80 @@ __device__ __forceinline__ u16* hopper_tiles() {
     return hopper_shared + ((1024 - (shared_address(hopper_shared) & 1023)) & 1023) / 2;
 }
 
+// The online softmax of one key tile for a warpgroup's 64 rows, in place of its scores s
+// (s[4c + i]: this thread's row slot i / 2 — rows row0 and row0 + 8 — key k0 + 8c + 2t + i mod 2,
+// the layout of mma.sync's C): cells the mask (`partial`, from the slots' key intervals) or the
+// sequence exclude become −inf, m and l move to the tile's maximum and sum, `shrink` is what O's
+// rows must be scaled by and `moved` whether any row of the warp needs it.
+template <int KEYS>
+__device__ __forceinline__ void online_softmax(float* s, float* m, float* l, float* shrink, bool* moved, bool partial, int k0, int seqlen,
+                                               const unsigned* iv_begin, const unsigned* iv_count, const unsigned* intervals, float scale_log2) {
+    const int t = threadIdx.x & 3;
+    const float minus_inf = __int_as_float(0xff800000);
+    if (partial || k0 + KEYS > seqlen) {
+        #pragma unroll
+        for (int c = 0; c < KEYS / 8; ++c)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int slot = i >> 1, key = k0 + c * 8 + t * 2 + (i & 1);
+                bool ok = key < seqlen;
+                if (ok && partial) ok = allowed(key, intervals + 2 * iv_begin[slot], iv_count[slot]);
+                if (!ok) s[4 * c + i] = minus_inf;
+            }
+    }
+    #pragma unroll
+    for (int slot = 0; slot < 2; ++slot) {
+        float mx = minus_inf;
+        #pragma unroll
+        for (int c = 0; c < KEYS / 8; ++c) mx = fmaxf(mx, fmaxf(s[4 * c + 2 * slot], s[4 * c + 2 * slot + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        mx = fmaxf(m[slot], mx * scale_log2);
+        const float base = (mx == minus_inf) ? 0.0f : mx;
+        shrink[slot] = fast_exp2(m[slot] - base);
+        moved[slot] = __any_sync(0xffffffffu, mx != m[slot]);
+        m[slot] = mx;
+        float sum = 0.0f;
+        #pragma unroll
+        for (int c = 0; c < KEYS / 8; ++c) {
+            float* pair = s + 4 * c + 2 * slot;
+            pair[0] = fast_exp2(fmaf(pair[0], scale_log2, -base));
+            pair[1] = fast_exp2(fmaf(pair[1], scale_log2, -base));
+            sum += pair[0] + pair[1];
+        }
+        l[slot] = l[slot] * shrink[slot] + sum;
+    }
+}
+// O's rows (a 64 × 128 accumulator, slots as online_softmax's) times `shrink` where they moved.
+__device__ __forceinline__ void rescale_rows(float* o, const float* shrink, const bool* moved) {
+    #pragma unroll
+    for (int slot = 0; slot < 2; ++slot)
+        if (moved[slot]) {
+            #pragma unroll
+            for (int c = 0; c < 16; ++c) { o[4 * c + 2 * slot] *= shrink[slot]; o[4 * c + 2 * slot + 1] *= shrink[slot]; }
+        }
+}
+// The forward's end for this thread's rows row0 and row0 + 8 of `head`: O / l into `out` (f32) and
+// the LSE (natural log) into `lse`; a row without any allowed key gets O = 0 and LSE = −inf.
+__device__ __forceinline__ void store_forward_rows(float* out, float* lse, const float* o, const float* m, const float* l, int head, int row0, int seqlen) {
+    const int t = threadIdx.x & 3;
+    const float minus_inf = __int_as_float(0xff800000), ln2 = 0.6931471805599453f;
+    #pragma unroll
+    for (int slot = 0; slot < 2; ++slot) {
+        float sum = l[slot];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float inv = (m[slot] == minus_inf || sum == 0.0f) ? 0.0f : 1.0f / sum;
+        const int r = row0 + slot * 8;
+        if (r >= seqlen) continue;
+        float* o_row = out + ((size_t)head * seqlen + r) * 128;
+        #pragma unroll
+        for (int j = 0; j < 16; ++j)
+            *reinterpret_cast<float2*>(o_row + j * 8 + t * 2) = make_float2(o[4 * j + 2 * slot] * inv, o[4 * j + 2 * slot + 1] * inv);
+        if (t == 0) lse[(size_t)head * seqlen + r] = (inv == 0.0f) ? minus_inf : (m[slot] * ln2 + logf(sum));
+    }
+}
+
 // WGS warpgroups of 64 query rows each per tile. Two: 128 × 128 tiles (work lists of their own),
 // half the per-tile barriers, reductions and rescales of 64-key tiles per product; Q stays in
 // shared memory, as its fragments would not fit in registers beside 128-key scores. One: 64 × 64
@@ -566,7 +646,7 @@ __device__ void flash_forward_hopper(FORWARD_PARAMS) {
     const int head = blockIdx.x, kv_head = head / group, mask = mask_of_head[head];
     const int q_tiles = (seqlen + ROWS - 1) / ROWS;
     const int q_tile = order[mask * q_tiles + blockIdx.y];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
     const int half = warp >> 2;  // this warpgroup's 64 rows of the tile
     const int q0 = q_tile * ROWS;
     const u16* kh = k + ((size_t)kv_head * seqlen) * D;
@@ -628,51 +708,13 @@ __device__ void flash_forward_hopper(FORWARD_PARAMS) {
         }
         settle<KEYS / 2>(s);
 
-        // s[4j + i]: row slot i / 2, key k0 + 8j + 2t + i mod 2 (the layout of mma.sync's C).
-        if (partial || k0 + KEYS > seqlen) {
-            #pragma unroll
-            for (int c = 0; c < KEYS / 8; ++c)
-                #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int slot = i >> 1, key = k0 + c * 8 + t * 2 + (i & 1);
-                    bool ok = key < seqlen;
-                    if (ok && partial) ok = allowed(key, intervals + 2 * iv_begin[slot], iv_count[slot]);
-                    if (!ok) s[4 * c + i] = minus_inf;
-                }
-        }
         float shrink[2];
         bool moved[2];
-        #pragma unroll
-        for (int slot = 0; slot < 2; ++slot) {
-            float mx = minus_inf;
-            #pragma unroll
-            for (int c = 0; c < KEYS / 8; ++c) mx = fmaxf(mx, fmaxf(s[4 * c + 2 * slot], s[4 * c + 2 * slot + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            mx = fmaxf(m[slot], mx * scale_log2);
-            const float base = (mx == minus_inf) ? 0.0f : mx;
-            shrink[slot] = fast_exp2(m[slot] - base);
-            moved[slot] = __any_sync(0xffffffffu, mx != m[slot]);
-            m[slot] = mx;
-            float sum = 0.0f;
-            #pragma unroll
-            for (int c = 0; c < KEYS / 8; ++c) {
-                float* pair = s + 4 * c + 2 * slot;
-                pair[0] = fast_exp2(fmaf(pair[0], scale_log2, -base));
-                pair[1] = fast_exp2(fmaf(pair[1], scale_log2, -base));
-                sum += pair[0] + pair[1];
-            }
-            l[slot] = l[slot] * shrink[slot] + sum;
-        }
+        online_softmax<KEYS>(s, m, l, shrink, moved, partial, k0, seqlen, iv_begin, iv_count, intervals, scale_log2);
         // Tile j−1's product has landed: O and P are free.
         wgmma_wait<0>();
         settle<D / 2>(o);
-        #pragma unroll
-        for (int slot = 0; slot < 2; ++slot)
-            if (moved[slot]) {
-                #pragma unroll
-                for (int c = 0; c < D / 8; ++c) { o[4 * c + 2 * slot] *= shrink[slot]; o[4 * c + 2 * slot + 1] *= shrink[slot]; }
-            }
+        rescale_rows(o, shrink, moved);
         as_fragments<E, KEYS / 16>(p, s);
     }
     if (begin < end) {
@@ -684,21 +726,7 @@ __device__ void flash_forward_hopper(FORWARD_PARAMS) {
         wgmma_wait<0>();
         settle<D / 2>(o);
     }
-    const float ln2 = 0.6931471805599453f;
-    #pragma unroll
-    for (int slot = 0; slot < 2; ++slot) {
-        float sum = l[slot];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const float inv = (m[slot] == minus_inf || sum == 0.0f) ? 0.0f : 1.0f / sum;
-        const int r = row0 + slot * 8;
-        if (r >= seqlen) continue;
-        float* o_row = out + ((size_t)head * seqlen + r) * D;
-        #pragma unroll
-        for (int j = 0; j < D / 8; ++j)
-            *reinterpret_cast<float2*>(o_row + j * 8 + t * 2) = make_float2(o[4 * j + 2 * slot] * inv, o[4 * j + 2 * slot + 1] * inv);
-        if (t == 0) lse[(size_t)head * seqlen + r] = (inv == 0.0f) ? minus_inf : (m[slot] * ln2 + logf(sum));
-    }
+    store_forward_rows(out, lse, o, m, l, head, row0, seqlen);
 }
 
 #define FLASH_FORWARD_HOPPER_TILE(NAME, SUFFIX, E, WGS) \
@@ -709,6 +737,177 @@ extern "C" __global__ void __launch_bounds__(HOPPER_WARPGROUP * WGS, 2 / WGS) NA
     FLASH_FORWARD_HOPPER_TILE(flash_forward_narrow_hopper, SUFFIX, E, 1)
 FLASH_FORWARD_HOPPER(bf16_d128, 1)
 FLASH_FORWARD_HOPPER(f16_d128, 2)
+
+// The forward with a producer warp (FlashAttention-3's warp specialisation): one CTA of three
+// warpgroups per (128-row query tile, query head) on 128 × 128 tiles. The first warpgroup gives
+// its registers back and one of its threads issues every load — Q once, then each K and V tile
+// of the work list — as TMA copies that swizzle the tiles as wgmma reads them and signal an
+// mbarrier when their bytes have landed; the other two (64 rows each) only compute: no cp.async
+// address arithmetic and no CTA barrier per tile. K and V have two buffers each, each with a
+// "full" barrier (the producer's copies landed) and an "empty" one (both consumer warpgroups
+// are done with it). The two consumers take turns to issue their products (FlashAttention-3's
+// ping-pong, through named barriers 1 and 2), so that one's softmax runs under the other's
+// products. Masking and softmax as flash_forward_hopper's.
+struct __align__(64) TensorMap { unsigned long long opaque[16]; };
+
+__device__ __forceinline__ void barrier_init(unsigned long long* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(shared_address(bar)), "r"(count) : "memory");
+}
+// This thread's arrival, announcing `bytes` more to come by TMA before the phase completes.
+__device__ __forceinline__ void barrier_expect_bytes(unsigned long long* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(shared_address(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void barrier_arrive(unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(shared_address(bar)) : "memory");
+}
+// Until the barrier's phase of parity `parity` has completed (a fresh barrier counts the phase
+// before its first, parity 1, as completed).
+__device__ __forceinline__ void barrier_wait(unsigned long long* bar, unsigned parity) {
+    asm volatile("{\n.reg .pred done;\nwait:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra wait;\n}\n" :: "r"(shared_address(bar)), "r"(parity) : "memory");
+}
+// Rows row.. of one 64-column panel (columns column..column + 63) of head `head` of a
+// [heads][seqlen][128] 16-bit tensor, as the map's box (64 columns × its rows) lays them out with
+// the 128-byte swizzle; rows past the sequence arrive as zeros. Completes on `bar`.
+__device__ __forceinline__ void load_box(u16* dst, const TensorMap* map, int column, int row, int head, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+                 :: "r"(shared_address(dst)), "l"(reinterpret_cast<unsigned long long>(map)), "r"(column), "r"(row), "r"(head),
+                    "r"(shared_address(bar)) : "memory");
+}
+
+// The maps are the kernel's __grid_constant__ parameters: TMA reads them where they are.
+#define TMA_FORWARD_PARAMS const TensorMap* q_map, const TensorMap* k_map, const TensorMap* v_map, float* __restrict__ out, float* __restrict__ lse, const unsigned* __restrict__ tile_start, \
+    const unsigned* __restrict__ tiles, const unsigned* __restrict__ order, const unsigned* __restrict__ row_start, \
+    const unsigned* __restrict__ intervals, const int* __restrict__ mask_of_head, int seqlen, int group, float scale_log2
+
+template <int E>
+__device__ void flash_forward_tma(TMA_FORWARD_PARAMS) {
+    constexpr int D = 128, ROWS = 128, KEYS = 128, TILE_BYTES = KEYS * D * 2, STAGES = 2;
+    u16* sq = hopper_tiles();
+    auto key_buffer = [&](int index) { return sq + ROWS * D + index * KEYS * D; };
+    auto value_buffer = [&](int index) { return sq + ROWS * D + (STAGES + index) * KEYS * D; };
+    __shared__ unsigned long long q_full, k_full[STAGES], k_empty[STAGES], v_full[STAGES], v_empty[STAGES];
+    const int head = blockIdx.x, kv_head = head / group, mask = mask_of_head[head];
+    const int q_tiles = (seqlen + ROWS - 1) / ROWS;
+    const int q_tile = order[mask * q_tiles + blockIdx.y];
+    const int q0 = q_tile * ROWS;
+    const unsigned list = mask * q_tiles + q_tile;
+    const unsigned begin = tile_start[list], end = tile_start[list + 1];
+    const int warpgroup = threadIdx.x >> 7;
+    if (threadIdx.x == 0) {
+        barrier_init(&q_full, 1);
+        for (int i = 0; i < STAGES; ++i) {
+            barrier_init(&k_full[i], 1);
+            barrier_init(&v_full[i], 1);
+            barrier_init(&k_empty[i], 2 * HOPPER_WARPGROUP);
+            barrier_init(&v_empty[i], 2 * HOPPER_WARPGROUP);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (threadIdx.x != 0) return;
+        barrier_expect_bytes(&q_full, ROWS * D * 2);
+        for (int panel = 0; panel < 2; ++panel) load_box(sq + panel * ROWS * 64, q_map, panel * 64, q0, head, &q_full);
+        for (unsigned w = begin; w < end; ++w) {
+            const int j = w - begin, stage = j % STAGES;
+            const unsigned parity = ((j / STAGES) & 1) ^ 1;
+            const int k0 = (int)(tiles[w] & 0x7fffffffu) * KEYS;
+            barrier_wait(&k_empty[stage], parity);
+            barrier_expect_bytes(&k_full[stage], TILE_BYTES);
+            for (int panel = 0; panel < 2; ++panel) load_box(key_buffer(stage) + panel * KEYS * 64, k_map, panel * 64, k0, kv_head, &k_full[stage]);
+            barrier_wait(&v_empty[stage], parity);
+            barrier_expect_bytes(&v_full[stage], TILE_BYTES);
+            for (int panel = 0; panel < 2; ++panel) load_box(value_buffer(stage) + panel * KEYS * 64, v_map, panel * 64, k0, kv_head, &v_full[stage]);
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+
+    const int warp = (threadIdx.x >> 5) - 4, lane = threadIdx.x & 31, g = lane >> 2;
+    const int half = warp >> 2;  // this warpgroup's 64 rows of the tile
+    const unsigned* table_rows = row_start + (size_t)mask * (seqlen + 1);
+    const int row0 = q0 + half * 64 + (warp & 3) * 16 + g;
+    unsigned iv_begin[2], iv_count[2];
+    #pragma unroll
+    for (int slot = 0; slot < 2; ++slot) {
+        const int r = row0 + slot * 8;
+        iv_begin[slot] = r < seqlen ? table_rows[r] : 0;
+        iv_count[slot] = r < seqlen ? table_rows[r + 1] - iv_begin[slot] : 0;
+    }
+    float o[D / 2];
+    #pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+    const float minus_inf = __int_as_float(0xff800000);
+    float m[2] = {minus_inf, minus_inf}, l[2] = {0.0f, 0.0f};
+    const u16* q_rows = sq + half * 64 * 64;
+    u32 p[KEYS / 16][4];
+    barrier_wait(&q_full, 0);
+    // The first warpgroup issues first.
+    if (half == 1 && begin < end) barrier_signal<2 * HOPPER_WARPGROUP>(1);
+
+    // As flash_forward_hopper: tile j's scores run while tile j−1's P·V is in flight.
+    for (unsigned w = begin; w < end; ++w) {
+        const int j = w - begin, stage = j % STAGES;
+        const unsigned entry = tiles[w];
+        const bool partial = entry >> 31;
+        const int k0 = (int)(entry & 0x7fffffffu) * KEYS;
+        barrier_wait(&k_full[stage], (j / STAGES) & 1);
+        float s[KEYS / 2];
+        // This warpgroup's turn to issue (the other's products of this tile are queued); then
+        // the other's, but for the second's last tile (the first is done by then).
+        barrier_sync<2 * HOPPER_WARPGROUP>(1 + half);
+        const int other_turn = half == 0 || w + 1 < end;
+        wgmma_fence();
+        scores_from_shared_n128<E, ROWS>(s, q_rows, key_buffer(stage));
+        wgmma_commit();
+        if (j > 0) {
+            const int previous = (j - 1) % STAGES;
+            barrier_wait(&v_full[previous], ((j - 1) / STAGES) & 1);
+            values_product<E, KEYS>(o, p, value_buffer(previous));
+            wgmma_commit();
+            barrier_signal<2 * HOPPER_WARPGROUP>(2 - half, other_turn);
+            wgmma_wait<1>();
+        } else {
+            barrier_signal<2 * HOPPER_WARPGROUP>(2 - half, other_turn);
+            wgmma_wait<0>();
+        }
+        settle<KEYS / 2>(s);
+        barrier_arrive(&k_empty[stage]);  // this thread's scores are read: K's buffer may refill
+        float shrink[2];
+        bool moved[2];
+        online_softmax<KEYS>(s, m, l, shrink, moved, partial, k0, seqlen, iv_begin, iv_count, intervals, scale_log2);
+        // Tile j−1's product has landed: O, P and its V buffer are free.
+        wgmma_wait<0>();
+        settle<D / 2>(o);
+        if (j > 0) barrier_arrive(&v_empty[(j - 1) % STAGES]);
+        rescale_rows(o, shrink, moved);
+        as_fragments<E, KEYS / 16>(p, s);
+    }
+    if (begin < end) {
+        const int j = end - begin, previous = (j - 1) % STAGES;
+        barrier_wait(&v_full[previous], ((j - 1) / STAGES) & 1);
+        wgmma_fence();
+        values_product<E, KEYS>(o, p, value_buffer(previous));
+        wgmma_commit();
+        wgmma_wait<0>();
+        settle<D / 2>(o);
+    }
+    store_forward_rows(out, lse, o, m, l, head, row0, seqlen);
+}
+
+#define FLASH_FORWARD_TMA(SUFFIX, E) \
+extern "C" __global__ void __launch_bounds__(3 * HOPPER_WARPGROUP, 1) flash_forward_tma_##SUFFIX( \
+    const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map, \
+    float* __restrict__ out, float* __restrict__ lse, const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles, \
+    const unsigned* __restrict__ order, const unsigned* __restrict__ row_start, const unsigned* __restrict__ intervals, \
+    const int* __restrict__ mask_of_head, int seqlen, int group, float scale_log2) { \
+    flash_forward_tma<E>(&q_map, &k_map, &v_map, out, lse, tile_start, tiles, order, row_start, intervals, mask_of_head, seqlen, group, scale_log2); }
+FLASH_FORWARD_TMA(bf16_d128, 1)
+FLASH_FORWARD_TMA(f16_d128, 2)
 #endif
 
 template <int E> __device__ __forceinline__ float to_float(u16 x);

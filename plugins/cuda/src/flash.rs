@@ -22,7 +22,13 @@ use attnbench_sdk::attention::{require_tensors, AttentionCall, DType, Memory, Ro
 use attnbench_sdk::mask::BlockMask;
 use attnbench_sdk::reference::{Element, HeadMasks, Inputs, Shape};
 use attnbench_sdk::PluginError;
-use cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::sys::{
+    CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave, CUtensorMapL2promotion,
+    CUtensorMapSwizzle,
+};
+use cudarc::driver::{
+    CudaFunction, CudaModule, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 
 use crate::gpu::{failed, Buffer, Gpu};
 use crate::naive::Grads;
@@ -372,8 +378,15 @@ impl Kernels {
                 forward_shared_bytes(TILE, head_dim),
             )?,
             hopper: match function("forward_hopper") {
-                Ok(forward) => Some(HopperFunctions {
-                    forward: allow_shared(forward, hopper_shared_bytes(HOPPER_FORWARD_ROWS))?,
+                Ok(_) => Some(HopperFunctions {
+                    forward_tma: allow_shared(
+                        function("forward_tma")?,
+                        hopper_shared_bytes(HOPPER_FORWARD_ROWS),
+                    )?,
+                    tensor_type: match element {
+                        Element::F16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                        _ => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                    },
                     forward_narrow: allow_shared(
                         function("forward_narrow_hopper")?,
                         hopper_shared_bytes(HOPPER_NARROW_FORWARD_ROWS),
@@ -497,8 +510,10 @@ struct GradTensors {
 
 /// The wgmma kernels of a module compiled for sm_90a.
 struct HopperFunctions {
-    /// The forward on 128 × 128 tiles, two warpgroups per block.
-    forward: CudaFunction,
+    /// The forward on 128 × 128 tiles: two warpgroups compute, a third loads every tile by TMA.
+    forward_tma: CudaFunction,
+    /// The 16-bit element type, for the TMA maps.
+    tensor_type: CUtensorMapDataType,
     /// The forward on 64 × 64 tiles, one warpgroup per block.
     forward_narrow: CudaFunction,
     dq: CudaFunction,
@@ -555,13 +570,56 @@ impl Instructions {
     }
 }
 
+/// A TMA descriptor (`CUtensorMap`) as a kernel parameter: 128 opaque bytes, 64-byte aligned.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct TensorMap([u64; 16]);
+// SAFETY: plain bytes, passed by value as the kernel's `__grid_constant__ TensorMap`.
+unsafe impl DeviceRepr for TensorMap {}
+
+/// The TMA map of a `[heads][len][128]` 16-bit tensor at `address`, read in boxes of 64 columns
+/// × 128 rows with the 128-byte swizzle (the wgmma kernels' panels); rows past `len` read as
+/// zeros.
+fn tensor_map(
+    address: u64,
+    heads: usize,
+    len: usize,
+    data_type: CUtensorMapDataType,
+) -> Result<TensorMap, PluginError> {
+    let mut map = TensorMap([0; 16]);
+    let dims = [128, len as u64, heads as u64];
+    let strides = [128 * 2, len as u64 * 128 * 2];
+    let boxes = [64u32, FORWARD_TILE as u32, 1];
+    let element_strides = [1u32; 3];
+    // SAFETY: `map` is 128 writable bytes; the arrays hold `rank` (3) entries, strides one fewer.
+    unsafe {
+        cudarc::driver::sys::cuTensorMapEncodeTiled(
+            (&mut map as *mut TensorMap).cast(),
+            data_type,
+            3,
+            address as *mut c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            element_strides.as_ptr(),
+            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    }
+    .result()
+    .map_err(failed("TMA map"))?;
+    Ok(map)
+}
+
 /// The wgmma kernels' dynamic shared memory for `rows` rows of tiles (16-bit, head_dim 128),
 /// with room to align the first tile to 1024 bytes.
 fn hopper_shared_bytes(rows: u64) -> u32 {
     (rows as usize * 128 * 2 + 1024) as u32
 }
-/// The wgmma forward's rows: a 128-row Q tile, two 128-key buffers of K and three of V.
-const HOPPER_FORWARD_ROWS: u64 = FORWARD_TILE + 5 * WIDE_TILE;
+/// The TMA forward's rows: a 128-row Q tile, two 128-key buffers each of K and V.
+const HOPPER_FORWARD_ROWS: u64 = FORWARD_TILE + 4 * WIDE_TILE;
 /// The wgmma forward's on 64-row tiles (Q stays in registers): two 64-key buffers of K and
 /// three of V.
 const HOPPER_NARROW_FORWARD_ROWS: u64 = 5 * TILE;
@@ -636,9 +694,6 @@ unsafe fn launch_forward(
         _ => (&t.forward_tile_start, &t.forward_tiles, &t.forward_order),
     };
     let addresses = [
-        x.q,
-        x.k,
-        x.v,
         x.out,
         x.lse,
         start.address(stream),
@@ -649,7 +704,10 @@ unsafe fn launch_forward(
         t.mask_of_head.address(stream),
     ];
     let (function, shared_mem_bytes) = match (hopper, wide) {
-        (Some(hopper), true) => (&hopper.forward, hopper_shared_bytes(HOPPER_FORWARD_ROWS)),
+        (Some(hopper), true) => (
+            &hopper.forward_tma,
+            hopper_shared_bytes(HOPPER_FORWARD_ROWS),
+        ),
         (Some(hopper), false) => (
             &hopper.forward_narrow,
             hopper_shared_bytes(HOPPER_NARROW_FORWARD_ROWS),
@@ -657,14 +715,31 @@ unsafe fn launch_forward(
         (None, true) => (&f.forward, forward_shared_bytes(rows, dims.head_dim)),
         (None, false) => (&f.forward_narrow, forward_shared_bytes(rows, dims.head_dim)),
     };
+    // The TMA forward reads Q, K and V through maps, the others through their addresses.
+    let maps = match hopper {
+        Some(hopper) if wide => Some([
+            tensor_map(x.q, dims.heads_q, dims.len, hopper.tensor_type)?,
+            tensor_map(x.k, dims.heads_kv, dims.len, hopper.tensor_type)?,
+            tensor_map(x.v, dims.heads_kv, dims.len, hopper.tensor_type)?,
+        ]),
+        _ => None,
+    };
     let mut launch = stream.launch_builder(function);
+    match &maps {
+        Some(maps) => maps.iter().for_each(|map| {
+            launch.arg(map);
+        }),
+        None => [&x.q, &x.k, &x.v].into_iter().for_each(|address| {
+            launch.arg(address);
+        }),
+    }
     for address in &addresses {
         launch.arg(address);
     }
     launch.arg(&len).arg(&group).arg(&scale_log2);
-    // One CTA per (query head, query tile) — 128 threads, or with wgmma a warpgroup per 64 rows:
-    // the heads of a KV group sit side by side in the grid and read the same K and V tiles while
-    // they are in L2.
+    // One CTA per (query head, query tile) — 128 threads, or with wgmma a warpgroup per 64 rows
+    // (and on 128-row tiles a producer warpgroup): the heads of a KV group sit side by side in
+    // the grid and read the same K and V tiles while they are in L2.
     let config = LaunchConfig {
         grid_dim: (
             dims.heads_q as u32,
@@ -672,10 +747,10 @@ unsafe fn launch_forward(
             1,
         ),
         block_dim: (
-            if hopper.is_some() {
-                2 * rows as u32
-            } else {
-                128
+            match (hopper, wide) {
+                (Some(_), true) => 3 * 128,
+                (Some(_), false) => 128,
+                (None, _) => 128,
             },
             1,
             1,
