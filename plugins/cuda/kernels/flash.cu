@@ -502,12 +502,6 @@ __device__ __forceinline__ void store_transposed_fragments(u16* panel, const u32
 // Until all NT threads of the block have arrived at named barrier `id` (barrier 0 is
 // __syncthreads').
 template <int NT> __device__ __forceinline__ void barrier_sync(int id) { asm volatile("bar.sync %0, %1;" :: "r"(id), "n"(NT) : "memory"); }
-// This thread's arrival at named barrier `id` of NT threads, without waiting for the others;
-// none where `when` is 0 (a predicated instruction, not a branch: wgmma's pipelines around it
-// stay whole).
-template <int NT> __device__ __forceinline__ void barrier_signal(int id, int when = 1) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\n@p bar.arrive %0, %1;\n}\n" :: "r"(id), "n"(NT), "r"(when) : "memory");
-}
 
 // This thread's A fragments (eight 16-column steps) of rows row0 and row0 + 8 of a matrix of
 // 128-column 16-bit rows in global memory, as register-A wgmma takes them (mma.sync's A layout);
@@ -745,9 +739,7 @@ FLASH_FORWARD_HOPPER(f16_d128, 2)
 // mbarrier when their bytes have landed; the other two (64 rows each) only compute: no cp.async
 // address arithmetic and no CTA barrier per tile. K and V have two buffers each, each with a
 // "full" barrier (the producer's copies landed) and an "empty" one (both consumer warpgroups
-// are done with it). The two consumers take turns to issue their products (FlashAttention-3's
-// ping-pong, through named barriers 1 and 2), so that one's softmax runs under the other's
-// products. Masking and softmax as flash_forward_hopper's.
+// are done with it). Masking and softmax as flash_forward_hopper's.
 struct __align__(64) TensorMap { unsigned long long opaque[16]; };
 
 __device__ __forceinline__ void barrier_init(unsigned long long* bar, unsigned count) {
@@ -846,8 +838,6 @@ __device__ void flash_forward_tma(TMA_FORWARD_PARAMS) {
     const u16* q_rows = sq + half * 64 * 64;
     u32 p[KEYS / 16][4];
     barrier_wait(&q_full, 0);
-    // The first warpgroup issues first.
-    if (half == 1 && begin < end) barrier_signal<2 * HOPPER_WARPGROUP>(1);
 
     // As flash_forward_hopper: tile j's scores run while tile j−1's P·V is in flight.
     for (unsigned w = begin; w < end; ++w) {
@@ -857,10 +847,6 @@ __device__ void flash_forward_tma(TMA_FORWARD_PARAMS) {
         const int k0 = (int)(entry & 0x7fffffffu) * KEYS;
         barrier_wait(&k_full[stage], (j / STAGES) & 1);
         float s[KEYS / 2];
-        // This warpgroup's turn to issue (the other's products of this tile are queued); then
-        // the other's, but for the second's last tile (the first is done by then).
-        barrier_sync<2 * HOPPER_WARPGROUP>(1 + half);
-        const int other_turn = half == 0 || w + 1 < end;
         wgmma_fence();
         scores_from_shared_n128<E, ROWS>(s, q_rows, key_buffer(stage));
         wgmma_commit();
@@ -869,10 +855,8 @@ __device__ void flash_forward_tma(TMA_FORWARD_PARAMS) {
             barrier_wait(&v_full[previous], ((j - 1) / STAGES) & 1);
             values_product<E, KEYS>(o, p, value_buffer(previous));
             wgmma_commit();
-            barrier_signal<2 * HOPPER_WARPGROUP>(2 - half, other_turn);
             wgmma_wait<1>();
         } else {
-            barrier_signal<2 * HOPPER_WARPGROUP>(2 - half, other_turn);
             wgmma_wait<0>();
         }
         settle<KEYS / 2>(s);
