@@ -723,14 +723,14 @@ __device__ void flash_forward_hopper(FORWARD_PARAMS) {
     store_forward_rows(out, lse, o, m, l, head, row0, seqlen);
 }
 
-#define FLASH_FORWARD_HOPPER_TILE(NAME, SUFFIX, E, WGS) \
+#define FLASH_FORWARHOPPER_HEAD_DIM_TILE(NAME, SUFFIX, E, WGS) \
 extern "C" __global__ void __launch_bounds__(HOPPER_WARPGROUP * WGS, 2 / WGS) NAME##_##SUFFIX(FORWARD_PARAMS) { \
     flash_forward_hopper<E, WGS>(FORWARD_ARGS); }
-#define FLASH_FORWARD_HOPPER(SUFFIX, E) \
-    FLASH_FORWARD_HOPPER_TILE(flash_forward_hopper, SUFFIX, E, 2) \
-    FLASH_FORWARD_HOPPER_TILE(flash_forward_narrow_hopper, SUFFIX, E, 1)
-FLASH_FORWARD_HOPPER(bf16_d128, 1)
-FLASH_FORWARD_HOPPER(f16_d128, 2)
+#define FLASH_FORWARHOPPER_HEAD_DIM(SUFFIX, E) \
+    FLASH_FORWARHOPPER_HEAD_DIM_TILE(flash_forward_hopper, SUFFIX, E, 2) \
+    FLASH_FORWARHOPPER_HEAD_DIM_TILE(flash_forward_narrow_hopper, SUFFIX, E, 1)
+FLASH_FORWARHOPPER_HEAD_DIM(bf16_d128, 1)
+FLASH_FORWARHOPPER_HEAD_DIM(f16_d128, 2)
 
 // The forward with a producer warp (FlashAttention-3's warp specialisation): one CTA of three
 // warpgroups per (128-row query tile, query head) on 128 × 128 tiles. The first warpgroup gives
@@ -1143,6 +1143,18 @@ struct KeyTileWalk {
     }
 };
 
+// The key-tile kernels' parameters after their four 16-bit inputs (Q, K, V and dO, by address
+// or by TMA map): LSE, D, the f32 gradients, the key tiles' work lists and order, the mask's
+// columns.
+#define KEY_TILE_TAIL const float* __restrict__ lse, const float* __restrict__ delta, \
+    float* __restrict__ dq, float* __restrict__ dk, float* __restrict__ dv, \
+    const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles, const unsigned* __restrict__ order, \
+    const unsigned* __restrict__ column_start, const unsigned* __restrict__ column_intervals, \
+    const int* __restrict__ mask_of_head, int seqlen, int group, float scale, float scale_log2
+#define KEY_TILE_TAIL_ARGS lse, delta, dq, dk, dv, tile_start, tiles, order, column_start, column_intervals, mask_of_head, seqlen, group, scale, scale_log2
+#define KEY_TILE_PARAMS const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ d_out, KEY_TILE_TAIL
+#define KEY_TILE_ARGS q, k, v, d_out, KEY_TILE_TAIL_ARGS
+
 // dK and dV of one (64-key tile, KV head): for each step of the walk, Sᵀ = K·Qᵀ, Pᵀ,
 // dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − D), dK += dSᵀ·Q; dK scaled at the end. K and V stay
 // in shared memory; Q and dO of the next step load into the other of two buffers while this one
@@ -1152,13 +1164,7 @@ struct KeyTileWalk {
 // which recomputes S and dP). dQ must be zero beforehand (the D kernel clears it).
 // Dynamic shared memory: [stage][Q | dO] (2·2·BQ rows), K and V (BN rows each), dS (BQ × BN).
 template <int E, int D, bool DQ>
-__device__ void flash_backward_dkdv(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                                    const u16* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
-                                    float* __restrict__ dq, float* __restrict__ dk, float* __restrict__ dv,
-                                    const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles,
-                                    const unsigned* __restrict__ order,
-                                    const unsigned* __restrict__ column_start, const unsigned* __restrict__ column_intervals,
-                                    const int* __restrict__ mask_of_head, int seqlen, int group, float scale, float scale_log2) {
+__device__ void flash_backward_dkdv(KEY_TILE_PARAMS) {
     extern __shared__ __align__(128) u16 dynamic_shared[];
     u16* buffers = dynamic_shared;
     u16* sk = buffers + 2 * 2 * BQ * D;
@@ -1348,16 +1354,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_dq_##SUFFIX
     const unsigned* tile_start, const unsigned* tiles, const unsigned* row_start, const unsigned* intervals, \
     const int* mask_of_head, int seqlen, int group, float scale, float scale_log2) { \
     flash_backward_dq<E, D>(q, k, v, d_out, lse, delta, dq, tile_start, tiles, row_start, intervals, mask_of_head, seqlen, group, scale, scale_log2); } \
-extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_dkdv_##SUFFIX( \
-    const u16* q, const u16* k, const u16* v, const u16* d_out, const float* lse, const float* delta, float* dq, float* dk, float* dv, \
-    const unsigned* tile_start, const unsigned* tiles, const unsigned* order, const unsigned* column_start, const unsigned* column_intervals, \
-    const int* mask_of_head, int seqlen, int group, float scale, float scale_log2) { \
-    flash_backward_dkdv<E, D, false>(q, k, v, d_out, lse, delta, dq, dk, dv, tile_start, tiles, order, column_start, column_intervals, mask_of_head, seqlen, group, scale, scale_log2); } \
-extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_fused_##SUFFIX( \
-    const u16* q, const u16* k, const u16* v, const u16* d_out, const float* lse, const float* delta, float* dq, float* dk, float* dv, \
-    const unsigned* tile_start, const unsigned* tiles, const unsigned* order, const unsigned* column_start, const unsigned* column_intervals, \
-    const int* mask_of_head, int seqlen, int group, float scale, float scale_log2) { \
-    flash_backward_dkdv<E, D, true>(q, k, v, d_out, lse, delta, dq, dk, dv, tile_start, tiles, order, column_start, column_intervals, mask_of_head, seqlen, group, scale, scale_log2); }
+extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_dkdv_##SUFFIX(KEY_TILE_PARAMS) { \
+    flash_backward_dkdv<E, D, false>(KEY_TILE_ARGS); } \
+extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_fused_##SUFFIX(KEY_TILE_PARAMS) { \
+    flash_backward_dkdv<E, D, true>(KEY_TILE_ARGS); }
 FLASH_BACKWARD(bf16_d64, 1, 64)
 FLASH_BACKWARD(bf16_d128, 1, 128)
 FLASH_BACKWARD(f16_d64, 2, 64)
@@ -1368,6 +1368,10 @@ FLASH_BACKWARD(f16_d128, 2, 128)
 // warpgroup per 64 rows; every product is a scores or a values one (above).
 
 #define HOPPER_BACKWARD_THREADS HOPPER_WARPGROUP
+#define HOPPER_HEAD_DIM 128
+// The TMA key-tile kernel's parameters: maps of Q, K, V and dO (boxes of 64 rows for Q and dO,
+// 128 for K and V), then as the others'.
+#define KEY_TMA_PARAMS const TensorMap* q_map, const TensorMap* k_map, const TensorMap* v_map, const TensorMap* do_map, KEY_TILE_TAIL
 
 // dQ of one (query tile, query head), as flash_backward_dq: per key tile S = Q·Kᵀ and dP = dO·Vᵀ
 // (both in flight together), P and dS = P∘(dP − D) while dP lands, dQ += dS·K. WGS warpgroups
@@ -1461,42 +1465,95 @@ __device__ void flash_backward_dq_hopper(const u16* __restrict__ q, const u16* _
     store_rows(dq + (size_t)head * seqlen * D, acc, row0, seqlen, scale);
 }
 
-// dK and dV of one (key tile, KV head), as flash_backward_dkdv with 64-row steps: Sᵀ = K·Qᵀ and
+// One 64-query step of a wgmma key-tile kernel for a warpgroup's 64 keys (key0: this thread's
+// first; k_rows and v_rows: the warpgroup's rows of K and V, panels of KEYS rows; sq and sdo: the
+// step's Q and dO, 64-row panels; s_lse and s_delta: its LSE·log2 e and D): Sᵀ = K·Qᵀ and
 // dPᵀ = V·dOᵀ in flight together, Pᵀ while dPᵀ lands, dV += Pᵀ·dO in flight while dSᵀ is formed,
-// dK += dSᵀ·Q. WGS warpgroups of 64 keys each share every step's Q and dO (key tiles of 64·WGS
-// keys, with work lists of their own). Q and dO of the next step load into the other of two
-// buffers. With DQ (two warpgroups), each step also adds dQ = dS·K of its rows into the f32 dQ
-// with vector atomics, as the mma.sync fused kernel: both warpgroups' dSᵀ go to shared memory as
-// dS (64 rows × 128 keys), and each warpgroup takes 64 of dQ's columns; dQ must be zero
-// beforehand. Shared memory: K, V (64·WGS rows each), then [stage][Q | dO], then dS.
-template <int E, int WGS, bool DQ>
-__device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                                           const u16* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
-                                           float* __restrict__ dq, float* __restrict__ dk, float* __restrict__ dv,
-                                           const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles,
-                                           const unsigned* __restrict__ order,
-                                           const unsigned* __restrict__ column_start, const unsigned* __restrict__ column_intervals,
-                                           const int* __restrict__ mask_of_head, int seqlen, int group, float scale, float scale_log2) {
-    constexpr int D = 128, ROWS = BM, KEYS = 64 * WGS, TILE_ELEMENTS = 64 * D, NT = HOPPER_BACKWARD_THREADS * WGS;
+// then dK += dSᵀ·Q issued and committed, not waited for. dSᵀ is left in `ds` as A fragments.
+// A partial step tests each query against this thread's two keys' row intervals (the mask's
+// columns).
+template <int E, int KEYS>
+__device__ __forceinline__ void key_tile_step(float* dk_acc, float* dv_acc, u32 (*ds)[4], const u16* k_rows, const u16* v_rows,
+                                              const u16* sq, const u16* sdo, const float* s_lse, const float* s_delta,
+                                              bool partial, int q0, int k0, int key0, int seqlen,
+                                              const unsigned* table_columns, const unsigned* column_intervals, float scale_log2) {
+    constexpr int ROWS = BM;
+    const int t = threadIdx.x & 3;
+    const float minus_inf = __int_as_float(0xff800000);
+    // st[4c + i] is key slot i / 2, query q0 + 8c + 2t + i mod 2.
+    float st[ROWS / 2], dpt[ROWS / 2];
+    wgmma_fence();
+    scores_from_shared<E, KEYS>(st, k_rows, sq);
+    wgmma_commit();
+    scores_from_shared<E, KEYS>(dpt, v_rows, sdo);
+    wgmma_commit();
+    wgmma_wait<1>();
+    settle<ROWS / 2>(st);
+    // A full step inside the sequence needs no test: every cell is allowed, so every row has a
+    // key and a finite LSE; a thread's columns come in pairs, read as one 8-byte word.
+    if (!partial && q0 + ROWS <= seqlen && k0 + KEYS <= seqlen) {
+        #pragma unroll
+        for (int c = 0; c < ROWS / 8; ++c) {
+            const float2 pair = *reinterpret_cast<const float2*>(&s_lse[c * 8 + t * 2]);
+            #pragma unroll
+            for (int i = 0; i < 4; ++i)
+                st[4 * c + i] = fast_exp2(fmaf(st[4 * c + i], scale_log2, -((i & 1) ? pair.y : pair.x)));
+        }
+    } else {
+        unsigned iv_begin[2] = {0, 0}, iv_count[2] = {0, 0};
+        #pragma unroll
+        for (int slot = 0; slot < 2; ++slot) {
+            const int key = key0 + slot * 8;
+            if (partial && key < seqlen) {
+                iv_begin[slot] = table_columns[key];
+                iv_count[slot] = table_columns[key + 1] - iv_begin[slot];
+            }
+        }
+        #pragma unroll
+        for (int i = 0; i < ROWS / 2; ++i) {
+            const int column = (i >> 2) * 8 + t * 2 + (i & 1), row_q = q0 + column;
+            const int slot = (i >> 1) & 1, key = key0 + slot * 8;
+            const float row_lse = s_lse[column];
+            bool ok = key < seqlen && row_q < seqlen && row_lse != minus_inf;
+            if (ok && partial) ok = allowed(row_q, column_intervals + 2 * iv_begin[slot], iv_count[slot]);
+            st[i] = ok ? fast_exp2(st[i] * scale_log2 - row_lse) : 0.0f;
+        }
+    }
+    issue_values_product<E>(dv_acc, st, sdo);  // dV += Pᵀ·dO
+    wgmma_wait<1>();
+    settle<ROWS / 2>(dpt);
+    #pragma unroll
+    for (int c = 0; c < ROWS / 8; ++c) {
+        const float2 pair = *reinterpret_cast<const float2*>(&s_delta[c * 8 + t * 2]);
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) dpt[4 * c + i] = st[4 * c + i] * (dpt[4 * c + i] - ((i & 1) ? pair.y : pair.x));
+    }
+    as_fragments<E>(ds, dpt);
+    settle<HOPPER_HEAD_DIM / 2>(dk_acc);
+    wgmma_fence();
+    values_product<E>(dk_acc, ds, sq);  // dK += dSᵀ·Q
+    wgmma_commit();
+}
+
+// dK and dV of one (64-key tile, KV head), as flash_backward_dkdv with 64-row steps, one
+// warpgroup: key_tile_step over the walk; Q and dO of the next step load into the other of two
+// buffers by cp.async. For masks whose blocks split the 128-key tiles of flash_backward_key_tma.
+// Shared memory: K, V (64 rows each), then [stage][Q | dO].
+template <int E>
+__device__ void flash_backward_dkdv_hopper(KEY_TILE_PARAMS) {
+    constexpr int D = HOPPER_HEAD_DIM, ROWS = BM, KEYS = 64, TILE_ELEMENTS = 64 * D, NT = HOPPER_WARPGROUP;
     u16* sk = hopper_tiles();
-    u16* sv = sk + WGS * TILE_ELEMENTS;
-    auto stage_tiles = [&](int stage) { return sk + (2 * WGS + 2 * stage) * TILE_ELEMENTS; };  // Q, then dO
-    static_assert(!DQ || WGS == 2, "dQ = dS·K splits dQ's columns between two warpgroups");
-    u16* sds = stage_tiles(2);
+    u16* sv = sk + TILE_ELEMENTS;
+    auto stage_tiles = [&](int stage) { return sk + (2 + 2 * stage) * TILE_ELEMENTS; };  // Q, then dO
     __shared__ __align__(16) float s_lse[2][ROWS];
     __shared__ __align__(16) float s_delta[2][ROWS];
     // The key tiles start longest list first (by the group's first head's mask).
     const int kv_head = blockIdx.y, k_tiles = (seqlen + KEYS - 1) / KEYS;
     const int k_tile = order[mask_of_head[kv_head * group] * k_tiles + blockIdx.x];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int half = warp >> 2;  // this warpgroup's 64 keys of the tile
-    const int k0 = k_tile * KEYS, key0 = k0 + half * 64 + (warp & 3) * 16 + g;
-    const float minus_inf = __int_as_float(0xff800000);
+    const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
+    const int k0 = k_tile * KEYS, key0 = k0 + warp * 16 + g;
     load_panels_async<KEYS, NT>(sk, k + ((size_t)kv_head * seqlen + k0) * D, min(KEYS, seqlen - k0));
     load_panels_async<KEYS, NT>(sv, v + ((size_t)kv_head * seqlen + k0) * D, min(KEYS, seqlen - k0));
-    // This warpgroup's rows of K and V.
-    const u16* k_rows = sk + half * TILE_ELEMENTS / 2;
-    const u16* v_rows = sv + half * TILE_ELEMENTS / 2;
 
     KeyTileWalk<ROWS, KEYS> walk(tile_start, tiles, mask_of_head, seqlen, k_tile, kv_head, group);
     auto issue = [&](int stage) {
@@ -1515,8 +1572,8 @@ __device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16*
     for (int i = 0; i < D / 2; ++i) dk_acc[i] = dv_acc[i] = 0.0f;
     for (int stage = 0; !walk.done(); stage ^= 1) {
         const bool partial = walk.entry() >> 31;
-        const int head = walk.head, q0 = walk.row0();
-        const unsigned* table_columns = column_start + (size_t)mask_of_head[head] * (seqlen + 1);
+        const int q0 = walk.row0();
+        const unsigned* table_columns = column_start + (size_t)mask_of_head[walk.head] * (seqlen + 1);
         walk.advance();
         wait_copies<0>();  // this step's Q, dO and row statistics (and, on the first step, K and V)
         shared_writes_to_async_proxy();
@@ -1526,70 +1583,115 @@ __device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16*
         issue(stage ^ 1);
         commit_copies();
         const u16* sq = stage_tiles(stage);
-        const u16* sdo = sq + TILE_ELEMENTS;
-        // Sᵀ and dPᵀ for the warpgroup's 64 keys × 64 queries: st[4c + i] is key slot i / 2,
-        // query q0 + 8c + 2t + i mod 2.
-        float st[ROWS / 2], dpt[ROWS / 2];
-        wgmma_fence();
-        scores_from_shared<E, KEYS>(st, k_rows, sq);
-        wgmma_commit();
-        scores_from_shared<E, KEYS>(dpt, v_rows, sdo);
-        wgmma_commit();
-        wgmma_wait<1>();
-        settle<ROWS / 2>(st);
-        // A full step inside the sequence needs no test: every cell is allowed, so every row
-        // has a key and a finite LSE; a thread's columns come in pairs, read as one 8-byte word.
-        if (!partial && q0 + ROWS <= seqlen && k0 + KEYS <= seqlen) {
-            #pragma unroll
-            for (int c = 0; c < ROWS / 8; ++c) {
-                const float2 pair = *reinterpret_cast<const float2*>(&s_lse[stage][c * 8 + t * 2]);
-                #pragma unroll
-                for (int i = 0; i < 4; ++i)
-                    st[4 * c + i] = fast_exp2(fmaf(st[4 * c + i], scale_log2, -((i & 1) ? pair.y : pair.x)));
-            }
-        } else {
-            // This thread's two keys' row intervals: a partial step's query is allowed where they
-            // hold it.
-            unsigned iv_begin[2] = {0, 0}, iv_count[2] = {0, 0};
-            #pragma unroll
-            for (int slot = 0; slot < 2; ++slot) {
-                const int key = key0 + slot * 8;
-                if (partial && key < seqlen) {
-                    iv_begin[slot] = table_columns[key];
-                    iv_count[slot] = table_columns[key + 1] - iv_begin[slot];
-                }
-            }
-            #pragma unroll
-            for (int i = 0; i < ROWS / 2; ++i) {
-                const int column = (i >> 2) * 8 + t * 2 + (i & 1), row_q = q0 + column;
-                const int slot = (i >> 1) & 1, key = key0 + slot * 8;
-                const float row_lse = s_lse[stage][column];
-                bool ok = key < seqlen && row_q < seqlen && row_lse != minus_inf;
-                if (ok && partial) ok = allowed(row_q, column_intervals + 2 * iv_begin[slot], iv_count[slot]);
-                st[i] = ok ? fast_exp2(st[i] * scale_log2 - row_lse) : 0.0f;
-            }
-        }
-        issue_values_product<E>(dv_acc, st, sdo);  // dV += Pᵀ·dO
-        wgmma_wait<1>();
-        settle<ROWS / 2>(dpt);
-        #pragma unroll
-        for (int c = 0; c < ROWS / 8; ++c) {
-            const float2 pair = *reinterpret_cast<const float2*>(&s_delta[stage][c * 8 + t * 2]);
-            #pragma unroll
-            for (int i = 0; i < 4; ++i) dpt[4 * c + i] = st[4 * c + i] * (dpt[4 * c + i] - ((i & 1) ? pair.y : pair.x));
-        }
         u32 ds[4][4];
-        as_fragments<E>(ds, dpt);
+        key_tile_step<E, KEYS>(dk_acc, dv_acc, ds, sk, sv, sq, sq + TILE_ELEMENTS, s_lse[stage], s_delta[stage], partial, q0, k0, key0,
+                               seqlen, table_columns, column_intervals, scale_log2);
+        wgmma_wait<0>();
         settle<D / 2>(dk_acc);
-        wgmma_fence();
-        values_product<E>(dk_acc, ds, sq);  // dK += dSᵀ·Q
-        wgmma_commit();
+        settle<D / 2>(dv_acc);
+    }
+    store_rows(dk + (size_t)kv_head * seqlen * D, dk_acc, key0, seqlen, scale);
+    store_rows(dv + (size_t)kv_head * seqlen * D, dv_acc, key0, seqlen, 1.0f);
+}
+
+// dK and dV of one (128-key tile, KV head), warp-specialised as flash_forward_tma: the first
+// warpgroup gives its registers back; one of its threads loads K and V once and every step's Q
+// and dO by TMA, its first warp stages the step's LSE and D rows, into STAGES buffers guarded
+// by "full" and "empty" mbarriers; two consumer warpgroups of 64 keys each run key_tile_step
+// on every step with no CTA barrier between steps. With DQ, each step also adds dQ = dS·K of its
+// rows into the f32 dQ with vector atomics: both warpgroups' dSᵀ go to shared memory as dS
+// (64 rows × 128 keys) — one of two buffers by step parity, so one warpgroup may write the next
+// step's while the other still reads this one's — and each warpgroup takes 64 of dQ's columns;
+// dQ must be zero beforehand. Shared memory: K, V (128 rows each), [stage][Q | dO], [2] dS.
+template <int E, bool DQ>
+__device__ void flash_backward_key_tma(KEY_TMA_PARAMS) {
+    constexpr int D = HOPPER_HEAD_DIM, ROWS = BM, KEYS = 128, TILE_ELEMENTS = 64 * D, STAGES = 2, CONSUMERS = 2 * HOPPER_WARPGROUP;
+    u16* sk = hopper_tiles();
+    u16* sv = sk + 2 * TILE_ELEMENTS;
+    auto stage_tiles = [&](int stage) { return sk + (4 + 2 * stage) * TILE_ELEMENTS; };  // Q, then dO
+    auto ds_buffer = [&](int parity) { return stage_tiles(STAGES) + parity * TILE_ELEMENTS; };
+    __shared__ __align__(16) float s_lse[STAGES][ROWS];
+    __shared__ __align__(16) float s_delta[STAGES][ROWS];
+    __shared__ unsigned long long kv_full, full[STAGES], empty[STAGES];
+    // The key tiles start longest list first (by the group's first head's mask).
+    const int kv_head = blockIdx.y, k_tiles = (seqlen + KEYS - 1) / KEYS;
+    const int k_tile = order[mask_of_head[kv_head * group] * k_tiles + blockIdx.x];
+    const int k0 = k_tile * KEYS;
+    if (threadIdx.x == 0) {
+        barrier_init(&kv_full, 1);
+        for (int i = 0; i < STAGES; ++i) {
+            barrier_init(&full[i], 32);
+            barrier_init(&empty[i], CONSUMERS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    KeyTileWalk<ROWS, KEYS> walk(tile_start, tiles, mask_of_head, seqlen, k_tile, kv_head, group);
+
+    if (threadIdx.x < HOPPER_WARPGROUP) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (threadIdx.x >= 32) return;
+        const int lane = threadIdx.x;
+        const float log2e = 1.4426950408889634f;
+        if (lane == 0) {
+            barrier_expect_bytes(&kv_full, 2 * KEYS * D * 2);
+            for (int panel = 0; panel < 2; ++panel) {
+                load_box(sk + panel * KEYS * 64, k_map, panel * 64, k0, kv_head, &kv_full);
+                load_box(sv + panel * KEYS * 64, v_map, panel * 64, k0, kv_head, &kv_full);
+            }
+        }
+        for (int j = 0; !walk.done(); ++j, walk.advance()) {
+            const int stage = j % STAGES, head = walk.head, q0 = walk.row0();
+            barrier_wait(&empty[stage], ((j / STAGES) & 1) ^ 1);
+            // The warp's stores of the row statistics are released by its arrivals.
+            for (int i = lane; i < ROWS; i += 32) {
+                const bool in = q0 + i < seqlen;
+                s_lse[stage][i] = in ? lse[(size_t)head * seqlen + q0 + i] * log2e : __int_as_float(0xff800000);
+                s_delta[stage][i] = in ? delta[(size_t)head * seqlen + q0 + i] : 0.0f;
+            }
+            if (lane == 0) {
+                barrier_expect_bytes(&full[stage], 2 * ROWS * D * 2);
+                u16* sq = stage_tiles(stage);
+                for (int panel = 0; panel < 2; ++panel) {
+                    load_box(sq + panel * ROWS * 64, q_map, panel * 64, q0, head, &full[stage]);
+                    load_box(sq + TILE_ELEMENTS + panel * ROWS * 64, do_map, panel * 64, q0, head, &full[stage]);
+                }
+            } else {
+                barrier_arrive(&full[stage]);
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+
+    const int warp = (threadIdx.x >> 5) - 4, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int half = warp >> 2;  // this warpgroup's 64 keys of the tile
+    const int key0 = k0 + half * 64 + (warp & 3) * 16 + g;
+    // This warpgroup's rows of K and V.
+    const u16* k_rows = sk + half * 64 * 64;
+    const u16* v_rows = sv + half * 64 * 64;
+    float dk_acc[D / 2], dv_acc[D / 2];
+    #pragma unroll
+    for (int i = 0; i < D / 2; ++i) dk_acc[i] = dv_acc[i] = 0.0f;
+    barrier_wait(&kv_full, 0);
+    for (int j = 0; !walk.done(); ++j) {
+        const int stage = j % STAGES;
+        const bool partial = walk.entry() >> 31;
+        const int head = walk.head, q0 = walk.row0();
+        const unsigned* table_columns = column_start + (size_t)mask_of_head[head] * (seqlen + 1);
+        walk.advance();
+        barrier_wait(&full[stage], (j / STAGES) & 1);
+        const u16* sq = stage_tiles(stage);
+        u32 ds[4][4];
+        key_tile_step<E, KEYS>(dk_acc, dv_acc, ds, k_rows, v_rows, sq, sq + TILE_ELEMENTS, s_lse[stage], s_delta[stage], partial, q0, k0,
+                               key0, seqlen, table_columns, column_intervals, scale_log2);
         if constexpr (DQ) {
-            // Every thread is past the previous step's dQ product (the barrier above): dS's
-            // buffer is free.
+            u16* sds = ds_buffer(j & 1);
             store_transposed_fragments(sds + half * 64 * 64, ds);
             shared_writes_to_async_proxy();
-            barrier_sync<NT>(1);
+            // Both halves of dS are written; the other warpgroup is past its product of two
+            // steps ago, which read this buffer.
+            barrier_sync<CONSUMERS>(1);
             float dq_part[ROWS / 2];
             wgmma_fence();
             #pragma unroll
@@ -1612,6 +1714,8 @@ __device__ void flash_backward_dkdv_hopper(const u16* __restrict__ q, const u16*
         } else {
             wgmma_wait<0>();
         }
+        // Every product reading this stage has landed, and its statistics are read.
+        barrier_arrive(&empty[stage]);
         settle<D / 2>(dk_acc);
         settle<D / 2>(dv_acc);
     }
@@ -1625,18 +1729,20 @@ extern "C" __global__ void __launch_bounds__(HOPPER_BACKWARD_THREADS * WGS, 2 / 
     const unsigned* tile_start, const unsigned* tiles, const unsigned* order, const unsigned* row_start, const unsigned* intervals, \
     const int* mask_of_head, int seqlen, int group, float scale, float scale_log2) { \
     flash_backward_dq_hopper<E, WGS>(q, k, v, d_out, lse, delta, dq, tile_start, tiles, order, row_start, intervals, mask_of_head, seqlen, group, scale, scale_log2); }
-#define FLASH_BACKWARD_DKDV_HOPPER(NAME, SUFFIX, E, WGS, DQ) \
-extern "C" __global__ void __launch_bounds__(HOPPER_BACKWARD_THREADS * WGS, 2 / WGS) NAME##_##SUFFIX( \
-    const u16* q, const u16* k, const u16* v, const u16* d_out, const float* lse, const float* delta, float* dq, float* dk, float* dv, \
-    const unsigned* tile_start, const unsigned* tiles, const unsigned* order, const unsigned* column_start, const unsigned* column_intervals, \
-    const int* mask_of_head, int seqlen, int group, float scale, float scale_log2) { \
-    flash_backward_dkdv_hopper<E, WGS, DQ>(q, k, v, d_out, lse, delta, dq, dk, dv, tile_start, tiles, order, column_start, column_intervals, mask_of_head, seqlen, group, scale, scale_log2); }
-#define FLASH_BACKWARD_HOPPER(SUFFIX, E) \
+#define FLASH_BACKWARD_DKDV_HOPPER(SUFFIX, E) \
+extern "C" __global__ void __launch_bounds__(HOPPER_WARPGROUP, 2) flash_backward_dkdv_hopper_##SUFFIX(KEY_TILE_PARAMS) { \
+    flash_backward_dkdv_hopper<E>(KEY_TILE_ARGS); }
+#define FLASH_BACKWARD_KEY_TMA(NAME, SUFFIX, E, DQ) \
+extern "C" __global__ void __launch_bounds__(3 * HOPPER_WARPGROUP, 1) NAME##_##SUFFIX( \
+    const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map, \
+    const __grid_constant__ TensorMap do_map, KEY_TILE_TAIL) { \
+    flash_backward_key_tma<E, DQ>(&q_map, &k_map, &v_map, &do_map, KEY_TILE_TAIL_ARGS); }
+#define FLASH_BACKWARHOPPER_HEAD_DIM(SUFFIX, E) \
 FLASH_BACKWARD_DQ_HOPPER(flash_backward_dq_hopper, SUFFIX, E, 1) \
 FLASH_BACKWARD_DQ_HOPPER(flash_backward_dq_wide_hopper, SUFFIX, E, 2) \
-FLASH_BACKWARD_DKDV_HOPPER(flash_backward_dkdv_hopper, SUFFIX, E, 1, false) \
-FLASH_BACKWARD_DKDV_HOPPER(flash_backward_dkdv_wide_hopper, SUFFIX, E, 2, false) \
-FLASH_BACKWARD_DKDV_HOPPER(flash_backward_fused_hopper, SUFFIX, E, 2, true)
-FLASH_BACKWARD_HOPPER(bf16_d128, 1)
-FLASH_BACKWARD_HOPPER(f16_d128, 2)
+FLASH_BACKWARD_DKDV_HOPPER(SUFFIX, E) \
+FLASH_BACKWARD_KEY_TMA(flash_backward_dkdv_tma, SUFFIX, E, false) \
+FLASH_BACKWARD_KEY_TMA(flash_backward_fused_tma, SUFFIX, E, true)
+FLASH_BACKWARHOPPER_HEAD_DIM(bf16_d128, 1)
+FLASH_BACKWARHOPPER_HEAD_DIM(f16_d128, 2)
 #endif

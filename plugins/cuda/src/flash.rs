@@ -403,13 +403,13 @@ impl Kernels {
                         function("backward_dkdv_hopper")?,
                         hopper_shared_bytes(HOPPER_DKDV_ROWS),
                     )?,
-                    dkdv_wide: allow_shared(
-                        function("backward_dkdv_wide_hopper")?,
-                        hopper_shared_bytes(HOPPER_DKDV_WIDE_ROWS),
+                    dkdv_tma: allow_shared(
+                        function("backward_dkdv_tma")?,
+                        hopper_shared_bytes(HOPPER_KEY_TMA_ROWS),
                     )?,
-                    fused: allow_shared(
-                        function("backward_fused_hopper")?,
-                        hopper_shared_bytes(HOPPER_FUSED_ROWS),
+                    fused_tma: allow_shared(
+                        function("backward_fused_tma")?,
+                        hopper_shared_bytes(HOPPER_FUSED_TMA_ROWS),
                     )?,
                 }),
                 Err(_) => None,
@@ -520,10 +520,10 @@ struct HopperFunctions {
     /// dQ on the forward's 128-row tiles.
     dq_wide: CudaFunction,
     dkdv: CudaFunction,
-    /// dK and dV on 128-key tiles.
-    dkdv_wide: CudaFunction,
-    /// dK and dV on 128-key tiles, dQ added with atomics.
-    fused: CudaFunction,
+    /// dK and dV on 128-key tiles: two warpgroups compute, a third loads every tile by TMA.
+    dkdv_tma: CudaFunction,
+    /// As `dkdv_tma`, dQ added with atomics.
+    fused_tma: CudaFunction,
 }
 
 /// Which tensor-core instructions the kernels use: mma.sync (any GPU from sm_80), wgmma (Hopper,
@@ -578,18 +578,19 @@ struct TensorMap([u64; 16]);
 unsafe impl DeviceRepr for TensorMap {}
 
 /// The TMA map of a `[heads][len][128]` 16-bit tensor at `address`, read in boxes of 64 columns
-/// × 128 rows with the 128-byte swizzle (the wgmma kernels' panels); rows past `len` read as
+/// × `rows` rows with the 128-byte swizzle (the wgmma kernels' panels); rows past `len` read as
 /// zeros.
 fn tensor_map(
     address: u64,
     heads: usize,
     len: usize,
+    rows: u64,
     data_type: CUtensorMapDataType,
 ) -> Result<TensorMap, PluginError> {
     let mut map = TensorMap([0; 16]);
     let dims = [128, len as u64, heads as u64];
     let strides = [128 * 2, len as u64 * 128 * 2];
-    let boxes = [64u32, FORWARD_TILE as u32, 1];
+    let boxes = [64u32, rows as u32, 1];
     let element_strides = [1u32; 3];
     // SAFETY: `map` is 128 writable bytes; the arrays hold `rank` (3) entries, strides one fewer.
     unsafe {
@@ -627,11 +628,10 @@ const HOPPER_NARROW_FORWARD_ROWS: u64 = 5 * TILE;
 const HOPPER_DQ_ROWS: u64 = 4 * TILE;
 /// The wgmma dK/dV kernel's: K and V (64 keys each), two 64-row buffers each of Q and dO.
 const HOPPER_DKDV_ROWS: u64 = 6 * TILE;
-/// The wgmma dK/dV kernel's with two warpgroups: K and V tiles of 128 keys, two 64-row buffers
-/// each of Q and dO.
-const HOPPER_DKDV_WIDE_ROWS: u64 = 2 * WIDE_TILE + 4 * TILE;
-/// The fused wgmma kernel's: the wide dK/dV kernel's, then dS (64 queries × 128 keys).
-const HOPPER_FUSED_ROWS: u64 = HOPPER_DKDV_WIDE_ROWS + TILE;
+/// The TMA dK/dV kernel's: K and V tiles of 128 keys, two 64-row buffers each of Q and dO.
+const HOPPER_KEY_TMA_ROWS: u64 = 2 * WIDE_TILE + 4 * TILE;
+/// The fused TMA kernel's: the dK/dV kernel's, then two buffers of dS (64 queries × 128 keys).
+const HOPPER_FUSED_TMA_ROWS: u64 = HOPPER_KEY_TMA_ROWS + 2 * TILE;
 
 /// The forward kernel's dynamic shared memory: a Q tile and one K and one V tile, 16-bit.
 fn forward_shared_bytes(rows: u64, head_dim: usize) -> u32 {
@@ -718,9 +718,15 @@ unsafe fn launch_forward(
     // The TMA forward reads Q, K and V through maps, the others through their addresses.
     let maps = match hopper {
         Some(hopper) if wide => Some([
-            tensor_map(x.q, dims.heads_q, dims.len, hopper.tensor_type)?,
-            tensor_map(x.k, dims.heads_kv, dims.len, hopper.tensor_type)?,
-            tensor_map(x.v, dims.heads_kv, dims.len, hopper.tensor_type)?,
+            tensor_map(
+                x.q,
+                dims.heads_q,
+                dims.len,
+                FORWARD_TILE,
+                hopper.tensor_type,
+            )?,
+            tensor_map(x.k, dims.heads_kv, dims.len, WIDE_TILE, hopper.tensor_type)?,
+            tensor_map(x.v, dims.heads_kv, dims.len, WIDE_TILE, hopper.tensor_type)?,
         ]),
         _ => None,
     };
@@ -793,7 +799,8 @@ unsafe fn launch_backward(
 
     let (len, group) = (dims.len as i32, (dims.heads_q / dims.heads_kv) as i32);
     let scale_log2 = dims.scale * std::f32::consts::LOG2_E;
-    let inputs = [x.q, x.k, x.v, g.d_out, x.lse, g.delta];
+    let inputs = [x.q, x.k, x.v, g.d_out];
+    let statistics = [x.lse, g.delta];
     // The dQ kernels test a partial tile's keys against their rows' intervals, the key-tile
     // kernels its queries against their keys' (columns').
     let (rows, columns) = (
@@ -825,15 +832,25 @@ unsafe fn launch_backward(
     // Where the masks' blocks do not split the forward's 128-row tiles, two warpgroups share
     // each tile of the wgmma kernels.
     let wide = t.forward_rows == FORWARD_TILE;
-    // 128-key tiles, two warpgroups sharing each step's Q and dO.
-    let wide_key_tiles = |rows| LaunchConfig {
+    // 128-key tiles: two warpgroups share each step's Q and dO, a third loads them by TMA,
+    // through maps of Q and dO in 64-row boxes (the steps) and K and V in 128-row ones.
+    let tma_key_tiles = |rows| LaunchConfig {
         grid_dim: (
             dims.len.div_ceil(WIDE_TILE as usize) as u32,
             dims.heads_kv as u32,
             1,
         ),
-        block_dim: (256, 1, 1),
+        block_dim: (3 * 128, 1, 1),
         shared_mem_bytes: hopper_shared_bytes(rows),
+    };
+    let key_maps = match hopper {
+        Some(h) if wide => Some([
+            tensor_map(x.q, dims.heads_q, dims.len, TILE, h.tensor_type)?,
+            tensor_map(x.k, dims.heads_kv, dims.len, WIDE_TILE, h.tensor_type)?,
+            tensor_map(x.v, dims.heads_kv, dims.len, WIDE_TILE, h.tensor_type)?,
+            tensor_map(g.d_out, dims.heads_q, dims.len, TILE, h.tensor_type)?,
+        ]),
+        _ => None,
     };
     let (dq, dq_lists, dq_config) = match hopper {
         // The forward's 128-row tiles (its lists and order, its grid): two warpgroups share
@@ -868,33 +885,42 @@ unsafe fn launch_backward(
             grid(tiles, dims.heads_q, 0),
         ),
     };
+    let wide_key_lists = || {
+        lists(
+            &t.wide_key_tile_start,
+            &t.wide_key_tiles,
+            Some(&t.wide_key_order),
+            columns,
+        )
+    };
+    let narrow_key_lists = || lists(&t.key_tile_start, &t.key_tiles, Some(&t.key_order), columns);
     let (dkdv, dkdv_lists, dkdv_config) = match hopper {
         Some(h) if wide => (
-            &h.dkdv_wide,
-            lists(
-                &t.wide_key_tile_start,
-                &t.wide_key_tiles,
-                Some(&t.wide_key_order),
-                columns,
-            ),
-            wide_key_tiles(HOPPER_DKDV_WIDE_ROWS),
+            &h.dkdv_tma,
+            wide_key_lists(),
+            tma_key_tiles(HOPPER_KEY_TMA_ROWS),
         ),
         Some(h) => (
             &h.dkdv,
-            lists(&t.key_tile_start, &t.key_tiles, Some(&t.key_order), columns),
+            narrow_key_lists(),
             grid(tiles, dims.heads_kv, hopper_shared_bytes(HOPPER_DKDV_ROWS)),
         ),
-        None => (
-            &f.dkdv,
-            lists(&t.key_tile_start, &t.key_tiles, Some(&t.key_order), columns),
-            key_tiles(false),
-        ),
+        None => (&f.dkdv, narrow_key_lists(), key_tiles(false)),
     };
+    // The dQ kernels read Q, K, V and dO by address.
     let launches = if backward == Backward::Split {
         vec![
-            (dq, vec![g.dq], dq_lists, dq_config, "flash backward (dQ)"),
+            (
+                dq,
+                None,
+                vec![g.dq],
+                dq_lists,
+                dq_config,
+                "flash backward (dQ)",
+            ),
             (
                 dkdv,
+                key_maps.as_ref(),
                 vec![g.dq, g.dk, g.dv],
                 dkdv_lists,
                 dkdv_config,
@@ -904,32 +930,32 @@ unsafe fn launch_backward(
     } else {
         let (fused, fused_lists, fused_config) = match hopper {
             Some(h) => (
-                &h.fused,
-                lists(
-                    &t.wide_key_tile_start,
-                    &t.wide_key_tiles,
-                    Some(&t.wide_key_order),
-                    columns,
-                ),
-                wide_key_tiles(HOPPER_FUSED_ROWS),
+                &h.fused_tma,
+                wide_key_lists(),
+                tma_key_tiles(HOPPER_FUSED_TMA_ROWS),
             ),
-            None => (
-                &f.fused,
-                lists(&t.key_tile_start, &t.key_tiles, Some(&t.key_order), columns),
-                key_tiles(true),
-            ),
+            None => (&f.fused, narrow_key_lists(), key_tiles(true)),
         };
         vec![(
             fused,
+            key_maps.as_ref(),
             vec![g.dq, g.dk, g.dv],
             fused_lists,
             fused_config,
             "flash backward",
         )]
     };
-    for (kernel, outputs, tables, config, what) in launches {
+    for (kernel, maps, outputs, tables, config, what) in launches {
         let mut launch = stream.launch_builder(kernel);
-        for address in inputs.iter().chain(&outputs).chain(&tables) {
+        match maps {
+            Some(maps) => maps.iter().for_each(|map| {
+                launch.arg(map);
+            }),
+            None => inputs.iter().for_each(|address| {
+                launch.arg(address);
+            }),
+        }
+        for address in statistics.iter().chain(&outputs).chain(&tables) {
             launch.arg(address);
         }
         launch
@@ -1464,19 +1490,19 @@ mod tests {
     }
 
     /// Each wgmma kernel's shared memory, with the static arrays of the dK/dV kernels (LSE and D
-    /// of three 64-row stages at most), fits what one block of sm_90 may opt into (227 KiB): a
+    /// of two 64-row stages and the mbarriers: 2 KiB as ptxas counts them), fits what one block of sm_90 may opt into (227 KiB): a
     /// kernel past it would fail at launch, on the GPU only.
     #[test]
     fn hopper_kernels_fit_shared_memory() {
         const SM90_BLOCK_SHARED: u32 = 227 * 1024;
-        const STATIC_BYTES: u32 = 2 * 3 * 64 * 4;
+        const STATIC_BYTES: u32 = 2048;
         for (kernel, rows) in [
             ("forward", HOPPER_FORWARD_ROWS),
             ("narrow forward", HOPPER_NARROW_FORWARD_ROWS),
             ("dQ", HOPPER_DQ_ROWS),
             ("dK/dV", HOPPER_DKDV_ROWS),
-            ("wide dK/dV", HOPPER_DKDV_WIDE_ROWS),
-            ("fused", HOPPER_FUSED_ROWS),
+            ("TMA dK/dV", HOPPER_KEY_TMA_ROWS),
+            ("TMA fused", HOPPER_FUSED_TMA_ROWS),
         ] {
             let bytes = hopper_shared_bytes(rows) + STATIC_BYTES;
             assert!(bytes <= SM90_BLOCK_SHARED, "{kernel}: {bytes} bytes");
