@@ -1373,51 +1373,96 @@ FLASH_BACKWARD(f16_d128, 2, 128)
 // 128 for K and V), then as the others'.
 #define KEY_TMA_PARAMS const TensorMap* q_map, const TensorMap* k_map, const TensorMap* v_map, const TensorMap* do_map, KEY_TILE_TAIL
 
-// dQ of one (query tile, query head), as flash_backward_dq: per key tile S = Q·Kᵀ and dP = dO·Vᵀ
-// (both in flight together), P and dS = P∘(dP − D) while dP lands, dQ += dS·K. WGS warpgroups
-// of 64 rows each share the K and V tiles: with two, the tiles are the forward's (128 rows, its
-// work lists and order; the grid (heads, tiles) as the forward's); with one, the backward's
-// (64 rows, grid (tiles, heads)). Q and dO stay in registers; shared memory: two buffers each
-// of K and V.
-template <int E, int WGS>
+// The query-tile kernels' parameters after their four 16-bit inputs (Q, K, V and dO, by address
+// or by TMA map).
+#define QUERY_TILE_TAIL const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dq, \
+    const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles, const unsigned* __restrict__ order, \
+    const unsigned* __restrict__ row_start, const unsigned* __restrict__ intervals, \
+    const int* __restrict__ mask_of_head, int seqlen, int group, float scale, float scale_log2
+#define QUERY_TILE_TAIL_ARGS lse, delta, dq, tile_start, tiles, order, row_start, intervals, mask_of_head, seqlen, group, scale, scale_log2
+
+// A warpgroup's 64 query rows of a wgmma dQ kernel (this thread's rows row0 and row0 + 8): their
+// Q and dO fragments in registers, LSE·log2 e, D and key intervals.
+struct QueryRows {
+    u32 q[8][4], d_out[8][4];
+    float lse[2], delta[2];
+    unsigned iv_begin[2], iv_count[2];
+
+    __device__ QueryRows(const u16* q_head, const u16* do_head, const float* lse_head, const float* delta_head,
+                         const unsigned* table_rows, int row0, int seqlen) {
+        const float log2e = 1.4426950408889634f;
+        #pragma unroll
+        for (int slot = 0; slot < 2; ++slot) {
+            const int r = row0 + slot * 8;
+            const bool in = r < seqlen;
+            iv_begin[slot] = in ? table_rows[r] : 0;
+            iv_count[slot] = in ? table_rows[r + 1] - iv_begin[slot] : 0;
+            lse[slot] = in ? lse_head[r] * log2e : __int_as_float(0xff800000);
+            delta[slot] = in ? delta_head[r] : 0.0f;
+        }
+        load_row_fragments(q, q_head, row0, seqlen);
+        load_row_fragments(d_out, do_head, row0, seqlen);
+    }
+};
+
+// One 64-key tile of a wgmma dQ kernel for a warpgroup's rows (sk, sv: the tile's K and V panels;
+// `inside`: the query tile lies inside the sequence): S = Q·Kᵀ and dP = dO·Vᵀ in flight
+// together, P and dS = P∘(dP − D) while dP lands, then dQ += dS·K issued and committed, not
+// waited for.
+template <int E>
+__device__ __forceinline__ void query_tile_step(float* acc, const QueryRows& rows, const u16* sk, const u16* sv, bool partial, int k0,
+                                                bool inside, int seqlen, const unsigned* intervals, float scale_log2) {
+    const int t = threadIdx.x & 3;
+    const float minus_inf = __int_as_float(0xff800000);
+    float s[BN / 2], dp[BN / 2];
+    wgmma_fence();
+    scores_from_registers<E>(s, rows.q, sk);
+    wgmma_commit();
+    scores_from_registers<E>(dp, rows.d_out, sv);
+    wgmma_commit();
+    wgmma_wait<1>();
+    settle<BN / 2>(s);
+    // s[4c + i]: row slot i / 2, key k0 + 8c + 2t + i mod 2. A full tile inside the sequence
+    // needs no test: every cell is allowed, so every row has a key and a finite LSE.
+    if (!partial && k0 + BN <= seqlen && inside) {
+        #pragma unroll
+        for (int i = 0; i < BN / 2; ++i) s[i] = fast_exp2(fmaf(s[i], scale_log2, -rows.lse[(i >> 1) & 1]));
+    } else {
+        #pragma unroll
+        for (int i = 0; i < BN / 2; ++i) {
+            const int slot = (i >> 1) & 1, key = k0 + (i >> 2) * 8 + t * 2 + (i & 1);
+            bool ok = key < seqlen && rows.lse[slot] != minus_inf;
+            if (ok && partial) ok = allowed(key, intervals + 2 * rows.iv_begin[slot], rows.iv_count[slot]);
+            s[i] = ok ? fast_exp2(s[i] * scale_log2 - rows.lse[slot]) : 0.0f;
+        }
+    }
+    wgmma_wait<0>();
+    settle<BN / 2>(dp);
+    #pragma unroll
+    for (int i = 0; i < BN / 2; ++i) s[i] *= dp[i] - rows.delta[(i >> 1) & 1];
+    issue_values_product<E>(acc, s, sk);  // dQ += dS·K
+}
+
+// dQ of one (64-row query tile, query head), as flash_backward_dq, one warpgroup: query_tile_step
+// over the tile's work list, K and V of the next tile loading by cp.async into the other of two
+// buffers. For masks whose blocks split the 128-row tiles of flash_backward_dq_tma.
+template <int E>
 __device__ void flash_backward_dq_hopper(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                                         const u16* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
-                                         float* __restrict__ dq,
-                                         const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles,
-                                         const unsigned* __restrict__ order,
-                                         const unsigned* __restrict__ row_start, const unsigned* __restrict__ intervals,
-                                         const int* __restrict__ mask_of_head, int seqlen, int group, float scale, float scale_log2) {
-    constexpr int D = 128, TILE_ELEMENTS = 64 * D, ROWS = 64 * WGS, NT = HOPPER_BACKWARD_THREADS * WGS;
+                                         const u16* __restrict__ d_out, QUERY_TILE_TAIL) {
+    constexpr int D = HOPPER_HEAD_DIM, TILE_ELEMENTS = 64 * D, ROWS = 64, NT = HOPPER_WARPGROUP;
     u16* tiles_base = hopper_tiles();
     auto key_buffer = [&](int i) { return tiles_base + i * TILE_ELEMENTS; };
     auto value_buffer = [&](int i) { return tiles_base + (2 + i) * TILE_ELEMENTS; };
-    const int head = WGS == 2 ? blockIdx.x : blockIdx.y, kv_head = head / group, mask = mask_of_head[head];
-    const int q_tiles = (seqlen + ROWS - 1) / ROWS;
-    const int q_tile = WGS == 2 ? (int)order[mask * q_tiles + blockIdx.y] : blockIdx.x;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int half = warp >> 2;  // this warpgroup's 64 rows of the tile
-    const int q0 = q_tile * ROWS, row0 = q0 + half * 64 + (warp & 3) * 16 + g;
-    const float minus_inf = __int_as_float(0xff800000), log2e = 1.4426950408889634f;
-    const unsigned* table_rows = row_start + (size_t)mask * (seqlen + 1);
-    unsigned iv_begin[2], iv_count[2];
-    float row_lse[2], row_delta[2];
-    #pragma unroll
-    for (int slot = 0; slot < 2; ++slot) {
-        const int r = row0 + slot * 8;
-        const bool in = r < seqlen;
-        iv_begin[slot] = in ? table_rows[r] : 0;
-        iv_count[slot] = in ? table_rows[r + 1] - iv_begin[slot] : 0;
-        row_lse[slot] = in ? lse[(size_t)head * seqlen + r] * log2e : minus_inf;
-        row_delta[slot] = in ? delta[(size_t)head * seqlen + r] : 0.0f;
-    }
+    const int head = blockIdx.y, kv_head = head / group, mask = mask_of_head[head];
+    const int q_tiles = (seqlen + ROWS - 1) / ROWS, q_tile = blockIdx.x;
+    const int q0 = q_tile * ROWS, row0 = q0 + (threadIdx.x >> 5) * 16 + ((threadIdx.x & 31) >> 2);
+    const size_t head_rows = (size_t)head * seqlen;
+    const QueryRows rows(q + head_rows * D, d_out + head_rows * D, lse + head_rows, delta + head_rows,
+                         row_start + (size_t)mask * (seqlen + 1), row0, seqlen);
     const u16* kh = k + ((size_t)kv_head * seqlen) * D;
     const u16* vh = v + ((size_t)kv_head * seqlen) * D;
     const unsigned list = mask * q_tiles + q_tile;
     const unsigned begin = tile_start[list], end = tile_start[list + 1];
-    // This thread's Q and dO fragments stay in registers for every tile.
-    u32 q_fragments[8][4], do_fragments[8][4];
-    load_row_fragments(q_fragments, q + (size_t)head * seqlen * D, row0, seqlen);
-    load_row_fragments(do_fragments, d_out + (size_t)head * seqlen * D, row0, seqlen);
     if (begin < end) load_key_tile<NT>(key_buffer(0), value_buffer(0), kh, vh, tiles[begin], seqlen);
     commit_copies();
 
@@ -1427,42 +1472,80 @@ __device__ void flash_backward_dq_hopper(const u16* __restrict__ q, const u16* _
     for (unsigned w = begin; w < end; ++w) {
         const int j = w - begin;
         const unsigned entry = tiles[w];
-        const bool partial = entry >> 31;
-        const int k0 = (int)(entry & 0x7fffffffu) * BN;
         // Past tile j−1's products, its buffers are free.
         next_key_tile<NT>(key_buffer((j + 1) & 1), value_buffer((j + 1) & 1), kh, vh, w + 1 < end ? tiles + w + 1 : nullptr, seqlen);
-        const u16* sk = key_buffer(j & 1);
-        float s[BN / 2], dp[BN / 2];
-        wgmma_fence();
-        scores_from_registers<E>(s, q_fragments, sk);
-        wgmma_commit();
-        scores_from_registers<E>(dp, do_fragments, value_buffer(j & 1));
-        wgmma_commit();
-        wgmma_wait<1>();
-        settle<BN / 2>(s);
-        // s[4c + i]: row slot i / 2, key k0 + 8c + 2t + i mod 2. A full tile inside the sequence
-        // needs no test: every cell is allowed, so every row has a key and a finite LSE.
-        if (!partial && k0 + BN <= seqlen && q0 + ROWS <= seqlen) {
-            #pragma unroll
-            for (int i = 0; i < BN / 2; ++i) s[i] = fast_exp2(fmaf(s[i], scale_log2, -row_lse[(i >> 1) & 1]));
-        } else {
-            #pragma unroll
-            for (int i = 0; i < BN / 2; ++i) {
-                const int slot = (i >> 1) & 1, key = k0 + (i >> 2) * 8 + t * 2 + (i & 1);
-                bool ok = key < seqlen && row_lse[slot] != minus_inf;
-                if (ok && partial) ok = allowed(key, intervals + 2 * iv_begin[slot], iv_count[slot]);
-                s[i] = ok ? fast_exp2(s[i] * scale_log2 - row_lse[slot]) : 0.0f;
-            }
-        }
-        wgmma_wait<0>();
-        settle<BN / 2>(dp);
-        #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) s[i] *= dp[i] - row_delta[(i >> 1) & 1];
-        issue_values_product<E>(acc, s, sk);  // dQ += dS·K
+        query_tile_step<E>(acc, rows, key_buffer(j & 1), value_buffer(j & 1), entry >> 31, (int)(entry & 0x7fffffffu) * BN,
+                           q0 + ROWS <= seqlen, seqlen, intervals, scale_log2);
         wgmma_wait<0>();
         settle<D / 2>(acc);
     }
-    store_rows(dq + (size_t)head * seqlen * D, acc, row0, seqlen, scale);
+    store_rows(dq + head_rows * D, acc, row0, seqlen, scale);
+}
+
+// dQ of one (128-row query tile, query head), warp-specialised as flash_forward_tma: one thread
+// of the first warpgroup loads each 64-key tile's K and V of the work list by TMA into STAGES
+// buffers guarded by "full" and "empty" mbarriers; two consumer warpgroups of 64 rows each
+// (their Q and dO in registers) run query_tile_step on every tile with no CTA barrier between
+// tiles. The forward's tiles, work lists and order, and its grid (heads, tiles).
+template <int E>
+__device__ void flash_backward_dq_tma(const TensorMap* k_map, const TensorMap* v_map, const u16* __restrict__ q,
+                                      const u16* __restrict__ d_out, QUERY_TILE_TAIL) {
+    constexpr int D = HOPPER_HEAD_DIM, TILE_ELEMENTS = 64 * D, ROWS = 128, STAGES = 3;
+    u16* tiles_base = hopper_tiles();
+    auto key_buffer = [&](int i) { return tiles_base + i * TILE_ELEMENTS; };
+    auto value_buffer = [&](int i) { return tiles_base + (STAGES + i) * TILE_ELEMENTS; };
+    __shared__ unsigned long long full[STAGES], empty[STAGES];
+    const int head = blockIdx.x, kv_head = head / group, mask = mask_of_head[head];
+    const int q_tiles = (seqlen + ROWS - 1) / ROWS;
+    const int q_tile = order[mask * q_tiles + blockIdx.y];
+    const int q0 = q_tile * ROWS;
+    const unsigned list = mask * q_tiles + q_tile;
+    const unsigned begin = tile_start[list], end = tile_start[list + 1];
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < STAGES; ++i) {
+            barrier_init(&full[i], 1);
+            barrier_init(&empty[i], 2 * HOPPER_WARPGROUP);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (threadIdx.x < HOPPER_WARPGROUP) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (threadIdx.x != 0) return;
+        for (unsigned w = begin; w < end; ++w) {
+            const int j = w - begin, stage = j % STAGES;
+            const int k0 = (int)(tiles[w] & 0x7fffffffu) * BN;
+            barrier_wait(&empty[stage], ((j / STAGES) & 1) ^ 1);
+            barrier_expect_bytes(&full[stage], 2 * BN * D * 2);
+            for (int panel = 0; panel < 2; ++panel) {
+                load_box(key_buffer(stage) + panel * BN * 64, k_map, panel * 64, k0, kv_head, &full[stage]);
+                load_box(value_buffer(stage) + panel * BN * 64, v_map, panel * 64, k0, kv_head, &full[stage]);
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+
+    const int warp = (threadIdx.x >> 5) - 4;
+    const int row0 = q0 + warp * 16 + ((threadIdx.x & 31) >> 2);
+    const size_t head_rows = (size_t)head * seqlen;
+    const QueryRows rows(q + head_rows * D, d_out + head_rows * D, lse + head_rows, delta + head_rows,
+                         row_start + (size_t)mask * (seqlen + 1), row0, seqlen);
+    float acc[D / 2];
+    #pragma unroll
+    for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f;
+    for (unsigned w = begin; w < end; ++w) {
+        const int j = w - begin, stage = j % STAGES;
+        const unsigned entry = tiles[w];
+        barrier_wait(&full[stage], (j / STAGES) & 1);
+        query_tile_step<E>(acc, rows, key_buffer(stage), value_buffer(stage), entry >> 31, (int)(entry & 0x7fffffffu) * BN,
+                           q0 + ROWS <= seqlen, seqlen, intervals, scale_log2);
+        wgmma_wait<0>();
+        barrier_arrive(&empty[stage]);  // this thread's products of the tile have landed
+        settle<D / 2>(acc);
+    }
+    store_rows(dq + head_rows * D, acc, row0, seqlen, scale);
 }
 
 // One 64-query step of a wgmma key-tile kernel for a warpgroup's 64 keys (key0: this thread's
@@ -1723,12 +1806,14 @@ __device__ void flash_backward_key_tma(KEY_TMA_PARAMS) {
     store_rows(dv + (size_t)kv_head * seqlen * D, dv_acc, key0, seqlen, 1.0f);
 }
 
-#define FLASH_BACKWARD_DQ_HOPPER(NAME, SUFFIX, E, WGS) \
-extern "C" __global__ void __launch_bounds__(HOPPER_BACKWARD_THREADS * WGS, 2 / WGS) NAME##_##SUFFIX( \
-    const u16* q, const u16* k, const u16* v, const u16* d_out, const float* lse, const float* delta, float* dq, \
-    const unsigned* tile_start, const unsigned* tiles, const unsigned* order, const unsigned* row_start, const unsigned* intervals, \
-    const int* mask_of_head, int seqlen, int group, float scale, float scale_log2) { \
-    flash_backward_dq_hopper<E, WGS>(q, k, v, d_out, lse, delta, dq, tile_start, tiles, order, row_start, intervals, mask_of_head, seqlen, group, scale, scale_log2); }
+#define FLASH_BACKWARD_DQ_HOPPER(SUFFIX, E) \
+extern "C" __global__ void __launch_bounds__(HOPPER_WARPGROUP, 2) flash_backward_dq_hopper_##SUFFIX( \
+    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ d_out, QUERY_TILE_TAIL) { \
+    flash_backward_dq_hopper<E>(q, k, v, d_out, QUERY_TILE_TAIL_ARGS); } \
+extern "C" __global__ void __launch_bounds__(3 * HOPPER_WARPGROUP, 1) flash_backward_dq_tma_##SUFFIX( \
+    const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map, const u16* __restrict__ q, \
+    const u16* __restrict__ d_out, QUERY_TILE_TAIL) { \
+    flash_backward_dq_tma<E>(&k_map, &v_map, q, d_out, QUERY_TILE_TAIL_ARGS); }
 #define FLASH_BACKWARD_DKDV_HOPPER(SUFFIX, E) \
 extern "C" __global__ void __launch_bounds__(HOPPER_WARPGROUP, 2) flash_backward_dkdv_hopper_##SUFFIX(KEY_TILE_PARAMS) { \
     flash_backward_dkdv_hopper<E>(KEY_TILE_ARGS); }
@@ -1738,8 +1823,7 @@ extern "C" __global__ void __launch_bounds__(3 * HOPPER_WARPGROUP, 1) NAME##_##S
     const __grid_constant__ TensorMap do_map, KEY_TILE_TAIL) { \
     flash_backward_key_tma<E, DQ>(&q_map, &k_map, &v_map, &do_map, KEY_TILE_TAIL_ARGS); }
 #define FLASH_BACKWARHOPPER_HEAD_DIM(SUFFIX, E) \
-FLASH_BACKWARD_DQ_HOPPER(flash_backward_dq_hopper, SUFFIX, E, 1) \
-FLASH_BACKWARD_DQ_HOPPER(flash_backward_dq_wide_hopper, SUFFIX, E, 2) \
+FLASH_BACKWARD_DQ_HOPPER(SUFFIX, E) \
 FLASH_BACKWARD_DKDV_HOPPER(SUFFIX, E) \
 FLASH_BACKWARD_KEY_TMA(flash_backward_dkdv_tma, SUFFIX, E, false) \
 FLASH_BACKWARD_KEY_TMA(flash_backward_fused_tma, SUFFIX, E, true)

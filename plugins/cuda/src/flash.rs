@@ -395,9 +395,9 @@ impl Kernels {
                         function("backward_dq_hopper")?,
                         hopper_shared_bytes(HOPPER_DQ_ROWS),
                     )?,
-                    dq_wide: allow_shared(
-                        function("backward_dq_wide_hopper")?,
-                        hopper_shared_bytes(HOPPER_DQ_ROWS),
+                    dq_tma: allow_shared(
+                        function("backward_dq_tma")?,
+                        hopper_shared_bytes(HOPPER_DQ_TMA_ROWS),
                     )?,
                     dkdv: allow_shared(
                         function("backward_dkdv_hopper")?,
@@ -517,8 +517,9 @@ struct HopperFunctions {
     /// The forward on 64 × 64 tiles, one warpgroup per block.
     forward_narrow: CudaFunction,
     dq: CudaFunction,
-    /// dQ on the forward's 128-row tiles.
-    dq_wide: CudaFunction,
+    /// dQ on the forward's 128-row tiles: two warpgroups compute, a third loads every K and V
+    /// tile by TMA.
+    dq_tma: CudaFunction,
     dkdv: CudaFunction,
     /// dK and dV on 128-key tiles: two warpgroups compute, a third loads every tile by TMA.
     dkdv_tma: CudaFunction,
@@ -626,6 +627,8 @@ const HOPPER_FORWARD_ROWS: u64 = FORWARD_TILE + 4 * WIDE_TILE;
 const HOPPER_NARROW_FORWARD_ROWS: u64 = 5 * TILE;
 /// The wgmma dQ kernels' (Q and dO stay in registers): two 64-row buffers each of K and V.
 const HOPPER_DQ_ROWS: u64 = 4 * TILE;
+/// The TMA dQ kernel's: three 64-row buffers each of K and V.
+const HOPPER_DQ_TMA_ROWS: u64 = 6 * TILE;
 /// The wgmma dK/dV kernel's: K and V (64 keys each), two 64-row buffers each of Q and dO.
 const HOPPER_DKDV_ROWS: u64 = 6 * TILE;
 /// The TMA dK/dV kernel's: K and V tiles of 128 keys, two 64-row buffers each of Q and dO.
@@ -799,7 +802,7 @@ unsafe fn launch_backward(
 
     let (len, group) = (dims.len as i32, (dims.heads_q / dims.heads_kv) as i32);
     let scale_log2 = dims.scale * std::f32::consts::LOG2_E;
-    let inputs = [x.q, x.k, x.v, g.d_out];
+    let addresses = [x.q, x.k, x.v, g.d_out].map(KernelInput::Address);
     let statistics = [x.lse, g.delta];
     // The dQ kernels test a partial tile's keys against their rows' intervals, the key-tile
     // kernels its queries against their keys' (columns').
@@ -843,20 +846,35 @@ unsafe fn launch_backward(
         block_dim: (3 * 128, 1, 1),
         shared_mem_bytes: hopper_shared_bytes(rows),
     };
-    let key_maps = match hopper {
-        Some(h) if wide => Some([
-            tensor_map(x.q, dims.heads_q, dims.len, TILE, h.tensor_type)?,
-            tensor_map(x.k, dims.heads_kv, dims.len, WIDE_TILE, h.tensor_type)?,
-            tensor_map(x.v, dims.heads_kv, dims.len, WIDE_TILE, h.tensor_type)?,
-            tensor_map(g.d_out, dims.heads_q, dims.len, TILE, h.tensor_type)?,
-        ]),
-        _ => None,
+    // The TMA dQ kernel reads K and V through maps of 64-row boxes (its key tiles), Q and dO
+    // by address.
+    let (key_tile_inputs, query_tile_inputs) = match hopper {
+        Some(h) if wide => {
+            let map =
+                |address, heads, rows| tensor_map(address, heads, dims.len, rows, h.tensor_type);
+            (
+                [
+                    map(x.q, dims.heads_q, TILE)?,
+                    map(x.k, dims.heads_kv, WIDE_TILE)?,
+                    map(x.v, dims.heads_kv, WIDE_TILE)?,
+                    map(g.d_out, dims.heads_q, TILE)?,
+                ]
+                .map(KernelInput::Map),
+                [
+                    KernelInput::Map(map(x.k, dims.heads_kv, TILE)?),
+                    KernelInput::Map(map(x.v, dims.heads_kv, TILE)?),
+                    KernelInput::Address(x.q),
+                    KernelInput::Address(g.d_out),
+                ],
+            )
+        }
+        _ => (addresses, addresses),
     };
     let (dq, dq_lists, dq_config) = match hopper {
         // The forward's 128-row tiles (its lists and order, its grid): two warpgroups share
         // each K and V tile.
         Some(h) if wide => (
-            &h.dq_wide,
+            &h.dq_tma,
             lists(
                 &t.forward_tile_start,
                 &t.forward_tiles,
@@ -869,8 +887,8 @@ unsafe fn launch_backward(
                     dims.len.div_ceil(FORWARD_TILE as usize) as u32,
                     1,
                 ),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: hopper_shared_bytes(HOPPER_DQ_ROWS),
+                block_dim: (3 * 128, 1, 1),
+                shared_mem_bytes: hopper_shared_bytes(HOPPER_DQ_TMA_ROWS),
             },
         ),
         // The order is not read with one warpgroup.
@@ -907,12 +925,11 @@ unsafe fn launch_backward(
         ),
         None => (&f.dkdv, narrow_key_lists(), key_tiles(false)),
     };
-    // The dQ kernels read Q, K, V and dO by address.
     let launches = if backward == Backward::Split {
         vec![
             (
                 dq,
-                None,
+                query_tile_inputs,
                 vec![g.dq],
                 dq_lists,
                 dq_config,
@@ -920,7 +937,7 @@ unsafe fn launch_backward(
             ),
             (
                 dkdv,
-                key_maps.as_ref(),
+                key_tile_inputs,
                 vec![g.dq, g.dk, g.dv],
                 dkdv_lists,
                 dkdv_config,
@@ -938,24 +955,22 @@ unsafe fn launch_backward(
         };
         vec![(
             fused,
-            key_maps.as_ref(),
+            key_tile_inputs,
             vec![g.dq, g.dk, g.dv],
             fused_lists,
             fused_config,
             "flash backward",
         )]
     };
-    for (kernel, maps, outputs, tables, config, what) in launches {
+    for (kernel, inputs, outputs, tables, config, what) in &launches {
         let mut launch = stream.launch_builder(kernel);
-        match maps {
-            Some(maps) => maps.iter().for_each(|map| {
-                launch.arg(map);
-            }),
-            None => inputs.iter().for_each(|address| {
-                launch.arg(address);
-            }),
+        for input in inputs {
+            match input {
+                KernelInput::Map(map) => launch.arg(map),
+                KernelInput::Address(address) => launch.arg(address),
+            };
         }
-        for address in statistics.iter().chain(&outputs).chain(&tables) {
+        for address in statistics.iter().chain(outputs).chain(tables) {
             launch.arg(address);
         }
         launch
@@ -964,9 +979,16 @@ unsafe fn launch_backward(
             .arg(&dims.scale)
             .arg(&scale_log2);
         // SAFETY: the caller vouches for the extents (above).
-        unsafe { launch.launch(config) }.map_err(failed(what))?;
+        unsafe { launch.launch(*config) }.map_err(failed(what))?;
     }
     Ok(())
+}
+
+/// A 16-bit input of a backward kernel: its address, or its TMA map.
+#[derive(Clone, Copy)]
+enum KernelInput {
+    Address(u64),
+    Map(TensorMap),
 }
 
 /// How the backward pass computes dQ (see the module's documentation).
@@ -1500,6 +1522,7 @@ mod tests {
             ("forward", HOPPER_FORWARD_ROWS),
             ("narrow forward", HOPPER_NARROW_FORWARD_ROWS),
             ("dQ", HOPPER_DQ_ROWS),
+            ("TMA dQ", HOPPER_DQ_TMA_ROWS),
             ("dK/dV", HOPPER_DKDV_ROWS),
             ("TMA dK/dV", HOPPER_KEY_TMA_ROWS),
             ("TMA fused", HOPPER_FUSED_TMA_ROWS),
