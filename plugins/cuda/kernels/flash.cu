@@ -723,14 +723,14 @@ __device__ void flash_forward_hopper(FORWARD_PARAMS) {
     store_forward_rows(out, lse, o, m, l, head, row0, seqlen);
 }
 
-#define FLASH_FORWARHOPPER_HEAD_DIM_TILE(NAME, SUFFIX, E, WGS) \
+#define FLASH_FORWARD_HOPPER_TILE(NAME, SUFFIX, E, WGS) \
 extern "C" __global__ void __launch_bounds__(HOPPER_WARPGROUP * WGS, 2 / WGS) NAME##_##SUFFIX(FORWARD_PARAMS) { \
     flash_forward_hopper<E, WGS>(FORWARD_ARGS); }
-#define FLASH_FORWARHOPPER_HEAD_DIM(SUFFIX, E) \
-    FLASH_FORWARHOPPER_HEAD_DIM_TILE(flash_forward_hopper, SUFFIX, E, 2) \
-    FLASH_FORWARHOPPER_HEAD_DIM_TILE(flash_forward_narrow_hopper, SUFFIX, E, 1)
-FLASH_FORWARHOPPER_HEAD_DIM(bf16_d128, 1)
-FLASH_FORWARHOPPER_HEAD_DIM(f16_d128, 2)
+#define FLASH_FORWARD_HOPPER(SUFFIX, E) \
+    FLASH_FORWARD_HOPPER_TILE(flash_forward_hopper, SUFFIX, E, 2) \
+    FLASH_FORWARD_HOPPER_TILE(flash_forward_narrow_hopper, SUFFIX, E, 1)
+FLASH_FORWARD_HOPPER(bf16_d128, 1)
+FLASH_FORWARD_HOPPER(f16_d128, 2)
 
 // The forward with a producer warp (FlashAttention-3's warp specialisation): one CTA of three
 // warpgroups per (128-row query tile, query head) on 128 × 128 tiles. The first warpgroup gives
@@ -1822,11 +1822,11 @@ extern "C" __global__ void __launch_bounds__(3 * HOPPER_WARPGROUP, 1) NAME##_##S
     const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map, \
     const __grid_constant__ TensorMap do_map, KEY_TILE_TAIL) { \
     flash_backward_key_tma<E, DQ>(&q_map, &k_map, &v_map, &do_map, KEY_TILE_TAIL_ARGS); }
-#define FLASH_BACKWARHOPPER_HEAD_DIM(SUFFIX, E) \
+#define FLASH_BACKWARD_HOPPER(SUFFIX, E) \
 FLASH_BACKWARD_DQ_HOPPER(SUFFIX, E) \
 FLASH_BACKWARD_DKDV_HOPPER(SUFFIX, E) \
 FLASH_BACKWARD_KEY_TMA(flash_backward_dkdv_tma, SUFFIX, E, false) \
 FLASH_BACKWARD_KEY_TMA(flash_backward_fused_tma, SUFFIX, E, true)
-FLASH_BACKWARHOPPER_HEAD_DIM(bf16_d128, 1)
-FLASH_BACKWARHOPPER_HEAD_DIM(f16_d128, 2)
+FLASH_BACKWARD_HOPPER(bf16_d128, 1)
+FLASH_BACKWARD_HOPPER(f16_d128, 2)
 #endif
