@@ -377,10 +377,11 @@ impl Kernels {
                 function("forward_narrow")?,
                 forward_shared_bytes(TILE, head_dim),
             )?,
-            hopper: match function("forward_hopper") {
-                Ok(_) => Some(HopperFunctions {
+            // A module compiled for sm_90a has the wgmma kernels.
+            hopper: match function("forward_tma") {
+                Ok(forward_tma) => Some(HopperFunctions {
                     forward_tma: allow_shared(
-                        function("forward_tma")?,
+                        forward_tma,
                         hopper_shared_bytes(HOPPER_FORWARD_ROWS),
                     )?,
                     tensor_type: match element {
@@ -388,7 +389,7 @@ impl Kernels {
                         _ => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                     },
                     forward_narrow: allow_shared(
-                        function("forward_narrow_hopper")?,
+                        function("forward_narrow_tma")?,
                         hopper_shared_bytes(HOPPER_NARROW_FORWARD_ROWS),
                     )?,
                     dq: allow_shared(
@@ -514,7 +515,8 @@ struct HopperFunctions {
     forward_tma: CudaFunction,
     /// The 16-bit element type, for the TMA maps.
     tensor_type: CUtensorMapDataType,
-    /// The forward on 64 × 64 tiles, one warpgroup per block.
+    /// The forward on 64 × 64 tiles: two warpgroups compute a query tile each, a third loads
+    /// their K and V tiles by TMA.
     forward_narrow: CudaFunction,
     dq: CudaFunction,
     /// dQ on the forward's 128-row tiles: two warpgroups compute, a third loads every K and V
@@ -622,9 +624,9 @@ fn hopper_shared_bytes(rows: u64) -> u32 {
 }
 /// The TMA forward's rows: a 128-row Q tile, two 128-key buffers each of K and V.
 const HOPPER_FORWARD_ROWS: u64 = FORWARD_TILE + 4 * WIDE_TILE;
-/// The wgmma forward's on 64-row tiles (Q stays in registers): two 64-key buffers of K and
-/// three of V.
-const HOPPER_NARROW_FORWARD_ROWS: u64 = 5 * TILE;
+/// The TMA forward's on 64-row tiles (Q stays in registers): for each of its two query tiles,
+/// three 64-key buffers each of K and V.
+const HOPPER_NARROW_FORWARD_ROWS: u64 = 2 * 2 * 3 * TILE;
 /// The wgmma dQ kernels' (Q and dO stay in registers): two 64-row buffers each of K and V.
 const HOPPER_DQ_ROWS: u64 = 4 * TILE;
 /// The TMA dQ kernel's: three 64-row buffers each of K and V.
@@ -718,26 +720,25 @@ unsafe fn launch_forward(
         (None, true) => (&f.forward, forward_shared_bytes(rows, dims.head_dim)),
         (None, false) => (&f.forward_narrow, forward_shared_bytes(rows, dims.head_dim)),
     };
-    // The TMA forward reads Q, K and V through maps, the others through their addresses.
+    // The TMA forwards read K and V through maps of boxes of their tiles' rows and Q through
+    // a map (128-row tiles, Q in shared memory) or its address (64-row tiles, Q in registers);
+    // the others read all three through their addresses.
     let maps = match hopper {
-        Some(hopper) if wide => Some([
-            tensor_map(
-                x.q,
-                dims.heads_q,
-                dims.len,
-                FORWARD_TILE,
-                hopper.tensor_type,
-            )?,
-            tensor_map(x.k, dims.heads_kv, dims.len, WIDE_TILE, hopper.tensor_type)?,
-            tensor_map(x.v, dims.heads_kv, dims.len, WIDE_TILE, hopper.tensor_type)?,
+        Some(hopper) => Some([
+            tensor_map(x.q, dims.heads_q, dims.len, rows, hopper.tensor_type)?,
+            tensor_map(x.k, dims.heads_kv, dims.len, rows, hopper.tensor_type)?,
+            tensor_map(x.v, dims.heads_kv, dims.len, rows, hopper.tensor_type)?,
         ]),
-        _ => None,
+        None => None,
     };
     let mut launch = stream.launch_builder(function);
     match &maps {
-        Some(maps) => maps.iter().for_each(|map| {
-            launch.arg(map);
-        }),
+        Some(maps) => {
+            maps.iter().for_each(|map| {
+                launch.arg(map);
+            });
+            launch.arg(&x.q);
+        }
         None => [&x.q, &x.k, &x.v].into_iter().for_each(|address| {
             launch.arg(address);
         }),
@@ -746,24 +747,21 @@ unsafe fn launch_forward(
         launch.arg(address);
     }
     launch.arg(&len).arg(&group).arg(&scale_log2);
-    // One CTA per (query head, query tile) — 128 threads, or with wgmma a warpgroup per 64 rows
-    // (and on 128-row tiles a producer warpgroup): the heads of a KV group sit side by side in
-    // the grid and read the same K and V tiles while they are in L2.
+    // One CTA per (query head, query tile) — 128 threads, or with wgmma two consumer
+    // warpgroups and a producer, which on 64-row tiles take two query tiles: the heads of a KV
+    // group sit side by side in the grid and read the same K and V tiles while they are in L2.
+    let (tiles_per_block, threads) = match hopper {
+        Some(_) if wide => (1, 3 * 128),
+        Some(_) => (2, 3 * 128),
+        None => (1, 128),
+    };
     let config = LaunchConfig {
         grid_dim: (
             dims.heads_q as u32,
-            dims.len.div_ceil(rows as usize) as u32,
+            dims.len.div_ceil(rows as usize).div_ceil(tiles_per_block) as u32,
             1,
         ),
-        block_dim: (
-            match (hopper, wide) {
-                (Some(_), true) => 3 * 128,
-                (Some(_), false) => 128,
-                (None, _) => 128,
-            },
-            1,
-            1,
-        ),
+        block_dim: (threads, 1, 1),
         shared_mem_bytes,
     };
     // SAFETY: the caller vouches for the extents (above).
