@@ -7,6 +7,8 @@
 // Backward (deterministic: every output has one writer): D = rowsum(dO∘O); dK and dV per
 // (64-key tile, KV head), summing the group's query heads in order over the query tiles that
 // touch the key tile (the transposed work list); dQ per (64-row query tile, query head).
+// On sm_90a the same work lists drive warpgroup-MMA kernels (head_dim 128), warp-specialised
+// with TMA loads where the masks keep 128-row tiles (see "The wgmma forward" below).
 #define BM 64
 #define BN 64
 #define THREADS 128

@@ -11,7 +11,10 @@
 //! backwards also come as warpgroup-MMA (wgmma) kernels reading their operands from shared
 //! memory (see [`Instructions`]): the forward on 128 × 128 tiles (64 × 64 where the masks' blocks
 //! split those) with each tile's softmax overlapping the previous tile's P·V, the fused backward
-//! where the masks keep 128-row tiles.
+//! where the masks keep 128-row tiles. Where the masks keep 128-row tiles every wgmma kernel is
+//! warp-specialised: a producer warpgroup loads the tiles by TMA (swizzled as wgmma reads them,
+//! signalled through mbarriers) and two consumer warpgroups compute without a block-wide barrier
+//! per tile; on 64 × 64 tiles the forward is too, the backward loads by cp.async.
 //! The CUDA C is `kernels/flash.cu`.
 
 use std::collections::HashMap;
