@@ -85,8 +85,13 @@ impl RowIntervals {
                 intervals.extend([start as u32, end as u32]);
             }
         }
+        RowIntervals::from_lists(rows)
+    }
+
+    /// Rows given as lists of flattened `[start, end)` pairs, one list per row.
+    fn from_lists(rows: Vec<Vec<u32>>) -> RowIntervals {
         let mut result = RowIntervals {
-            row_start: Vec::with_capacity(q_positions.len() + 1),
+            row_start: Vec::with_capacity(rows.len() + 1),
             intervals: Vec::with_capacity(rows.iter().map(Vec::len).sum()),
         };
         result.row_start.push(0);
@@ -134,16 +139,7 @@ impl RowIntervals {
             }
             previous = current;
         }
-        let mut result = RowIntervals {
-            row_start: Vec::with_capacity(k_len + 1),
-            intervals: Vec::with_capacity(columns.iter().map(Vec::len).sum()),
-        };
-        result.row_start.push(0);
-        for intervals in columns {
-            result.intervals.extend(intervals);
-            result.row_start.push((result.intervals.len() / 2) as u32);
-        }
-        result
+        RowIntervals::from_lists(columns)
     }
 
     /// The allowed local keys of row `r`, as `[start, end)` pairs.
