@@ -1513,8 +1513,8 @@ mod tests {
     }
 
     /// Each wgmma kernel's shared memory, with the static arrays of the dK/dV kernels (LSE and D
-    /// of two 64-row stages and the mbarriers: 2 KiB as ptxas counts them), fits what one block of sm_90 may opt into (227 KiB): a
-    /// kernel past it would fail at launch, on the GPU only.
+    /// of two 64-row stages and the mbarriers: 2 KiB as ptxas counts them), fits what one block
+    /// of sm_90 may opt into (227 KiB): a kernel past it would fail at launch, on the GPU only.
     #[test]
     fn hopper_kernels_fit_shared_memory() {
         const SM90_BLOCK_SHARED: u32 = 227 * 1024;
