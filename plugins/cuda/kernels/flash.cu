@@ -886,7 +886,7 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
                                   const int* __restrict__ mask_of_head, int seqlen, int group, float scale, float scale_log2) {
     __shared__ __align__(128) u16 sk_buffers[2][BN * D];
     __shared__ __align__(128) u16 sv[BN * D];
-    const int q_tile = blockIdx.x, head = blockIdx.y, kv_head = head / group;
+    const int q_tile = blockIdx.y, head = blockIdx.x, kv_head = head / group;
     const int mask = mask_of_head[head];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int q0 = q_tile * BM;
@@ -1105,8 +1105,8 @@ __device__ void flash_backward_dkdv(KEY_TILE_PARAMS) {
     __shared__ __align__(16) float s_lse[2][BQ];
     __shared__ __align__(16) float s_delta[2][BQ];
     // The key tiles start longest list first (by the group's first head's mask).
-    const int kv_head = blockIdx.y, k_tiles = (seqlen + BN - 1) / BN;
-    const int k_tile = order[mask_of_head[kv_head * group] * k_tiles + blockIdx.x];
+    const int kv_head = blockIdx.x, k_tiles = (seqlen + BN - 1) / BN;
+    const int k_tile = order[mask_of_head[kv_head * group] * k_tiles + blockIdx.y];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int k0 = k_tile * BN;
     const int key0 = k0 + warp * 16 + g, key1 = key0 + 8;
@@ -1385,8 +1385,8 @@ __device__ void flash_backward_dq_hopper(const u16* __restrict__ q, const u16* _
     u16* tiles_base = hopper_tiles();
     auto key_buffer = [&](int i) { return tiles_base + i * TILE_ELEMENTS; };
     auto value_buffer = [&](int i) { return tiles_base + (2 + i) * TILE_ELEMENTS; };
-    const int head = blockIdx.y, kv_head = head / group, mask = mask_of_head[head];
-    const int q_tiles = (seqlen + ROWS - 1) / ROWS, q_tile = blockIdx.x;
+    const int head = blockIdx.x, kv_head = head / group, mask = mask_of_head[head];
+    const int q_tiles = (seqlen + ROWS - 1) / ROWS, q_tile = blockIdx.y;
     const int q0 = q_tile * ROWS, row0 = q0 + (threadIdx.x >> 5) * 16 + ((threadIdx.x & 31) >> 2);
     const size_t head_rows = (size_t)head * seqlen;
     const QueryRows rows(q + head_rows * D, d_out + head_rows * D, lse + head_rows, delta + head_rows,
@@ -1563,8 +1563,8 @@ __device__ void flash_backward_dkdv_hopper(KEY_TILE_PARAMS) {
     __shared__ __align__(16) float s_lse[2][ROWS];
     __shared__ __align__(16) float s_delta[2][ROWS];
     // The key tiles start longest list first (by the group's first head's mask).
-    const int kv_head = blockIdx.y, k_tiles = (seqlen + KEYS - 1) / KEYS;
-    const int k_tile = order[mask_of_head[kv_head * group] * k_tiles + blockIdx.x];
+    const int kv_head = blockIdx.x, k_tiles = (seqlen + KEYS - 1) / KEYS;
+    const int k_tile = order[mask_of_head[kv_head * group] * k_tiles + blockIdx.y];
     const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
     const int k0 = k_tile * KEYS, key0 = k0 + warp * 16 + g;
     load_panels_async<KEYS, NT>(sk, k + ((size_t)kv_head * seqlen + k0) * D, min(KEYS, seqlen - k0));
@@ -1629,8 +1629,8 @@ __device__ void flash_backward_key_tma(KEY_TMA_PARAMS) {
     __shared__ __align__(16) float s_delta[STAGES][ROWS];
     __shared__ unsigned long long kv_full, full[STAGES], empty[STAGES];
     // The key tiles start longest list first (by the group's first head's mask).
-    const int kv_head = blockIdx.y, k_tiles = (seqlen + KEYS - 1) / KEYS;
-    const int k_tile = order[mask_of_head[kv_head * group] * k_tiles + blockIdx.x];
+    const int kv_head = blockIdx.x, k_tiles = (seqlen + KEYS - 1) / KEYS;
+    const int k_tile = order[mask_of_head[kv_head * group] * k_tiles + blockIdx.y];
     const int k0 = k_tile * KEYS;
     if (threadIdx.x == 0) {
         barrier_init(&kv_full, 1);

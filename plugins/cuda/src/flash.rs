@@ -664,11 +664,13 @@ fn allow_shared(function: CudaFunction, bytes: u32) -> Result<CudaFunction, Plug
     Ok(function)
 }
 
-/// A grid of one 128-thread CTA per (tile, head) with `shared` bytes of dynamic shared memory:
-/// the backward pass.
-fn grid(tiles: usize, heads: usize, shared: u32) -> LaunchConfig {
+/// A grid of x × y 128-thread CTAs with `shared` bytes of dynamic shared memory: the backward
+/// pass's, x the heads and y the tiles where a CTA takes one (head, tile). Blocks start x first,
+/// so every head's first tile in the order — its longest list — starts before any head's
+/// second: a head's long lists never wait behind the other heads' short ones.
+fn grid(x: usize, y: usize, shared: u32) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (tiles as u32, heads as u32, 1),
+        grid_dim: (x as u32, y as u32, 1),
         block_dim: (128, 1, 1),
         shared_mem_bytes: shared,
     }
@@ -827,8 +829,8 @@ unsafe fn launch_backward(
     let tiles = dims.len.div_ceil(TILE as usize);
     let key_tiles = |fused| {
         grid(
-            tiles,
             dims.heads_kv,
+            tiles,
             key_tile_shared_bytes(dims.head_dim, fused),
         )
     };
@@ -840,8 +842,8 @@ unsafe fn launch_backward(
     // through maps of Q and dO in 64-row boxes (the steps) and K and V in 128-row ones.
     let tma_key_tiles = |rows| LaunchConfig {
         grid_dim: (
-            dims.len.div_ceil(WIDE_TILE as usize) as u32,
             dims.heads_kv as u32,
+            dims.len.div_ceil(WIDE_TILE as usize) as u32,
             1,
         ),
         block_dim: (3 * 128, 1, 1),
@@ -896,12 +898,12 @@ unsafe fn launch_backward(
         Some(h) => (
             &h.dq,
             lists(&t.tile_start, &t.tiles, Some(&t.forward_order), rows),
-            grid(tiles, dims.heads_q, hopper_shared_bytes(HOPPER_DQ_ROWS)),
+            grid(dims.heads_q, tiles, hopper_shared_bytes(HOPPER_DQ_ROWS)),
         ),
         None => (
             &f.dq,
             lists(&t.tile_start, &t.tiles, None, rows),
-            grid(tiles, dims.heads_q, 0),
+            grid(dims.heads_q, tiles, 0),
         ),
     };
     let wide_key_lists = || {
@@ -922,7 +924,7 @@ unsafe fn launch_backward(
         Some(h) => (
             &h.dkdv,
             narrow_key_lists(),
-            grid(tiles, dims.heads_kv, hopper_shared_bytes(HOPPER_DKDV_ROWS)),
+            grid(dims.heads_kv, tiles, hopper_shared_bytes(HOPPER_DKDV_ROWS)),
         ),
         None => (&f.dkdv, narrow_key_lists(), key_tiles(false)),
     };
