@@ -43,6 +43,12 @@ __device__ __forceinline__ bool allowed(unsigned k, const unsigned* iv, unsigned
     for (unsigned t = 0; t < n; ++t) { if (k >= iv[2 * t] && k < iv[2 * t + 1]) return true; }
     return false;
 }
+// Row r's key intervals: where they start in the mask's interval array, and how many; none for a
+// row past the sequence.
+__device__ __forceinline__ void row_intervals(const unsigned* table_rows, int r, int seqlen, unsigned& begin, unsigned& count) {
+    begin = r < seqlen ? table_rows[r] : 0;
+    count = r < seqlen ? table_rows[r + 1] - begin : 0;
+}
 
 // Shared tiles are stored swizzled: 16-byte chunk c of row r sits at chunk c ^ (r mod 8) of that
 // row, so the 8 rows an ldmatrix (or a fragment load) touches fall into 8 different banks.
@@ -150,11 +156,7 @@ __device__ void flash_forward(FORWARD_PARAMS) {
     auto row_of = [&](int slot) { return row0 + (slot >> 1) * 16 + (slot & 1) * 8; };
     unsigned iv_begin[2 * FWD_M], iv_count[2 * FWD_M];
     #pragma unroll
-    for (int slot = 0; slot < 2 * FWD_M; ++slot) {
-        const int r = row_of(slot);
-        iv_begin[slot] = r < seqlen ? table_rows[r] : 0;
-        iv_count[slot] = r < seqlen ? table_rows[r + 1] - iv_begin[slot] : 0;
-    }
+    for (int slot = 0; slot < 2 * FWD_M; ++slot) row_intervals(table_rows, row_of(slot), seqlen, iv_begin[slot], iv_count[slot]);
 
     float acc[FWD_M][D / 8][4];
     #pragma unroll
@@ -747,11 +749,7 @@ __device__ void flash_forward_tma(TMA_FORWARD_PARAMS) {
     const int row0 = q_tile * ROWS + (SHARED ? half * 64 : 0) + (warp & 3) * 16 + g;
     unsigned iv_begin[2], iv_count[2];
     #pragma unroll
-    for (int slot = 0; slot < 2; ++slot) {
-        const int r = row0 + slot * 8;
-        iv_begin[slot] = r < seqlen ? table_rows[r] : 0;
-        iv_count[slot] = r < seqlen ? table_rows[r + 1] - iv_begin[slot] : 0;
-    }
+    for (int slot = 0; slot < 2; ++slot) row_intervals(table_rows, row0 + slot * 8, seqlen, iv_begin[slot], iv_count[slot]);
     float o[D / 2];
     #pragma unroll
     for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
@@ -1299,7 +1297,6 @@ FLASH_BACKWARD(f16_d128, 2, 128)
 // Hopper backward (sm_90a), head_dim 128: the split backward's two kernels on warpgroup MMAs, a
 // warpgroup per 64 rows; every product is a scores or a values one (above).
 
-#define HOPPER_BACKWARD_THREADS HOPPER_WARPGROUP
 #define HOPPER_HEAD_DIM 128
 // The TMA key-tile kernel's parameters: maps of Q, K, V and dO (boxes of 64 rows for Q and dO,
 // 128 for K and V), then as the others'.
@@ -1327,8 +1324,7 @@ struct QueryRows {
         for (int slot = 0; slot < 2; ++slot) {
             const int r = row0 + slot * 8;
             const bool in = r < seqlen;
-            iv_begin[slot] = in ? table_rows[r] : 0;
-            iv_count[slot] = in ? table_rows[r + 1] - iv_begin[slot] : 0;
+            row_intervals(table_rows, r, seqlen, iv_begin[slot], iv_count[slot]);
             lse[slot] = in ? lse_head[r] * log2e : __int_as_float(0xff800000);
             delta[slot] = in ? delta_head[r] : 0.0f;
         }
@@ -1647,7 +1643,6 @@ __device__ void flash_backward_key_tma(KEY_TMA_PARAMS) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         if (threadIdx.x >= 32) return;
         const int lane = threadIdx.x;
-        const float log2e = 1.4426950408889634f;
         if (lane == 0) {
             barrier_expect_bytes(&kv_full, 2 * KEYS * D * 2);
             for (int panel = 0; panel < 2; ++panel) {
@@ -1659,11 +1654,7 @@ __device__ void flash_backward_key_tma(KEY_TMA_PARAMS) {
             const int stage = j % STAGES, head = walk.head, q0 = walk.row0();
             barrier_wait(&empty[stage], ((j / STAGES) & 1) ^ 1);
             // The warp's stores of the row statistics are released by its arrivals.
-            for (int i = lane; i < ROWS; i += 32) {
-                const bool in = q0 + i < seqlen;
-                s_lse[stage][i] = in ? lse[(size_t)head * seqlen + q0 + i] * log2e : __int_as_float(0xff800000);
-                s_delta[stage][i] = in ? delta[(size_t)head * seqlen + q0 + i] : 0.0f;
-            }
+            stage_row_statistics<ROWS, 32>(s_lse[stage], s_delta[stage], lse, delta, (size_t)head * seqlen, q0, seqlen);
             if (lane == 0) {
                 barrier_expect_bytes(&full[stage], 2 * ROWS * D * 2);
                 u16* sq = stage_tiles(stage);
