@@ -36,19 +36,51 @@ template <> __device__ __forceinline__ void mma<2>(float* c, const u32* a, const
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Whether key k lies in one of a row's n [start, end) intervals. A linear scan: rows of the
-// catalogue's masks hold one to a few intervals, and a binary search here cost the forward kernel
-// registers it spilled (block-sparse rows with hundreds of intervals would want one).
-__device__ __forceinline__ bool allowed(unsigned k, const unsigned* iv, unsigned n) {
-    for (unsigned t = 0; t < n; ++t) { if (k >= iv[2 * t] && k < iv[2 * t + 1]) return true; }
-    return false;
-}
-// Row r's key intervals: where they start in the mask's interval array, and how many; none for a
-// row past the sequence.
-__device__ __forceinline__ void row_intervals(const unsigned* table_rows, int r, int seqlen, unsigned& begin, unsigned& count) {
-    begin = r < seqlen ? table_rows[r] : 0;
-    count = r < seqlen ? table_rows[r + 1] - begin : 0;
-}
+// What one row of a mask allows (its keys), or one column (its queries), as a partial tile tests
+// it: the first [start, end) interval in registers — the only one of most catalogue masks' rows,
+// so most tests are two comparisons and no load — and where the rest lie in the mask's interval
+// array. The rest are scanned linearly: rows of the catalogue's masks hold a few at most, and a
+// binary search cost the forward kernel registers it spilled (block-sparse rows with hundreds of
+// intervals would want one).
+struct Allowed {
+    unsigned start = 0, end = 0, rest = 0, rest_count = 0;
+
+    __device__ Allowed() = default;
+    // Row (or column) r of a mask's `table` (where each row's intervals start in `intervals`);
+    // nothing past the sequence.
+    __device__ Allowed(const unsigned* table, int r, int seqlen, const unsigned* intervals) {
+        if (r >= seqlen) return;
+        const unsigned begin = table[r], count = table[r + 1] - begin;
+        if (count == 0) return;
+        start = intervals[2 * begin];
+        end = intervals[2 * begin + 1];
+        rest = begin + 1;
+        rest_count = count - 1;
+    }
+
+    __device__ __forceinline__ bool holds(unsigned k, const unsigned* intervals) const {
+        if (k >= start && k < end) return true;
+        for (unsigned i = 0; i < rest_count; ++i)
+            if (k >= intervals[2 * (rest + i)] && k < intervals[2 * (rest + i) + 1]) return true;
+        return false;
+    }
+};
+
+// The columns of this thread's two keys (key0 and key0 + 8) in a key-tile kernel: the queries a
+// partial step allows them, read again only where a step's head has another mask than the last.
+struct KeyColumns {
+    Allowed queries[2];
+    int mask = -1;
+
+    __device__ __forceinline__ void follow(int step_mask, const unsigned* column_start, const unsigned* column_intervals, int key0,
+                                           int seqlen) {
+        if (step_mask == mask) return;
+        mask = step_mask;
+        const unsigned* table = column_start + (size_t)mask * (seqlen + 1);
+        #pragma unroll
+        for (int slot = 0; slot < 2; ++slot) queries[slot] = Allowed(table, key0 + slot * 8, seqlen, column_intervals);
+    }
+};
 
 // Shared tiles are stored swizzled: 16-byte chunk c of row r sits at chunk c ^ (r mod 8) of that
 // row, so the 8 rows an ldmatrix (or a fragment load) touches fall into 8 different banks.
@@ -154,9 +186,9 @@ __device__ void flash_forward(FORWARD_PARAMS) {
     const unsigned* table_rows = row_start + (size_t)mask * (seqlen + 1);
     const int row0 = q0 + warp * 16 * FWD_M + g;
     auto row_of = [&](int slot) { return row0 + (slot >> 1) * 16 + (slot & 1) * 8; };
-    unsigned iv_begin[2 * FWD_M], iv_count[2 * FWD_M];
+    Allowed keys[2 * FWD_M];
     #pragma unroll
-    for (int slot = 0; slot < 2 * FWD_M; ++slot) row_intervals(table_rows, row_of(slot), seqlen, iv_begin[slot], iv_count[slot]);
+    for (int slot = 0; slot < 2 * FWD_M; ++slot) keys[slot] = Allowed(table_rows, row_of(slot), seqlen, intervals);
 
     float acc[FWD_M][D / 8][4];
     #pragma unroll
@@ -219,7 +251,7 @@ __device__ void flash_forward(FORWARD_PARAMS) {
                         const int slot = mb * 2 + (i >> 1);
                         const int key = k0 + n * 8 + t * 2 + (i & 1);
                         bool ok = key < seqlen;
-                        if (ok && partial) ok = allowed(key, intervals + 2 * iv_begin[slot], iv_count[slot]);
+                        if (ok && partial) ok = keys[slot].holds(key, intervals);
                         if (!ok) s[mb][n][i] = minus_inf;
                     }
         }
@@ -560,7 +592,7 @@ __device__ __forceinline__ u16* hopper_tiles() {
 // rows must be scaled by and `moved` whether any row of the warp needs it.
 template <int KEYS>
 __device__ __forceinline__ void online_softmax(float* s, float* m, float* l, float* shrink, bool* moved, bool partial, int k0, int seqlen,
-                                               const unsigned* iv_begin, const unsigned* iv_count, const unsigned* intervals, float scale_log2) {
+                                               const Allowed* keys, const unsigned* intervals, float scale_log2) {
     const int t = threadIdx.x & 3;
     const float minus_inf = __int_as_float(0xff800000);
     if (partial || k0 + KEYS > seqlen) {
@@ -570,7 +602,7 @@ __device__ __forceinline__ void online_softmax(float* s, float* m, float* l, flo
             for (int i = 0; i < 4; ++i) {
                 const int slot = i >> 1, key = k0 + c * 8 + t * 2 + (i & 1);
                 bool ok = key < seqlen;
-                if (ok && partial) ok = allowed(key, intervals + 2 * iv_begin[slot], iv_count[slot]);
+                if (ok && partial) ok = keys[slot].holds(key, intervals);
                 if (!ok) s[4 * c + i] = minus_inf;
             }
     }
@@ -747,9 +779,9 @@ __device__ void flash_forward_tma(TMA_FORWARD_PARAMS) {
     list_bounds(q_tile, begin, end);
     const unsigned* table_rows = row_start + (size_t)mask * (seqlen + 1);
     const int row0 = q_tile * ROWS + (SHARED ? half * 64 : 0) + (warp & 3) * 16 + g;
-    unsigned iv_begin[2], iv_count[2];
+    Allowed keys[2];
     #pragma unroll
-    for (int slot = 0; slot < 2; ++slot) row_intervals(table_rows, row0 + slot * 8, seqlen, iv_begin[slot], iv_count[slot]);
+    for (int slot = 0; slot < 2; ++slot) keys[slot] = Allowed(table_rows, row0 + slot * 8, seqlen, intervals);
     float o[D / 2];
     #pragma unroll
     for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
@@ -789,7 +821,7 @@ __device__ void flash_forward_tma(TMA_FORWARD_PARAMS) {
         barrier_arrive(&k_empty[list][stage]);  // this thread's scores are read: K's buffer may refill
         float shrink[2];
         bool moved[2];
-        online_softmax<KEYS>(s, m, l, shrink, moved, partial, k0, seqlen, iv_begin, iv_count, intervals, scale_log2);
+        online_softmax<KEYS>(s, m, l, shrink, moved, partial, k0, seqlen, keys, intervals, scale_log2);
         // Tile j−1's product has landed: O, P and its V buffer are free.
         wgmma_wait<0>();
         settle<D / 2>(o);
@@ -891,9 +923,7 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
     const int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
     const float minus_inf = __int_as_float(0xff800000), log2e = 1.4426950408889634f;
     const unsigned* table_rows = row_start + (size_t)mask * (seqlen + 1);
-    unsigned iv0_begin = 0, iv0_count = 0, iv1_begin = 0, iv1_count = 0;
-    if (r0 < seqlen) { iv0_begin = table_rows[r0]; iv0_count = table_rows[r0 + 1] - iv0_begin; }
-    if (r1 < seqlen) { iv1_begin = table_rows[r1]; iv1_count = table_rows[r1 + 1] - iv1_begin; }
+    const Allowed keys0(table_rows, r0, seqlen, intervals), keys1(table_rows, r1, seqlen, intervals);
     const float lse0 = r0 < seqlen ? lse[(size_t)head * seqlen + r0] * log2e : minus_inf;
     const float lse1 = r1 < seqlen ? lse[(size_t)head * seqlen + r1] * log2e : minus_inf;
     const float d0 = r0 < seqlen ? delta[(size_t)head * seqlen + r0] : 0.0f;
@@ -966,8 +996,7 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
                     const bool upper = i < 2;
                     const float row_lse = upper ? lse0 : lse1;
                     bool ok = key < seqlen && row_lse != minus_inf;
-                    if (ok && partial) ok = upper ? allowed(key, intervals + 2 * iv0_begin, iv0_count)
-                                                  : allowed(key, intervals + 2 * iv1_begin, iv1_count);
+                    if (ok && partial) ok = (upper ? keys0 : keys1).holds(key, intervals);
                     const float p = ok ? fast_exp2(s[n][i] * scale_log2 - row_lse) : 0.0f;
                     s[n][i] = p * (dp[n][i] - (upper ? d0 : d1));
                 }
@@ -1132,11 +1161,12 @@ __device__ void flash_backward_dkdv(KEY_TILE_PARAMS) {
         dk_acc[n][0] = dk_acc[n][1] = dk_acc[n][2] = dk_acc[n][3] = 0.0f;
         dv_acc[n][0] = dv_acc[n][1] = dv_acc[n][2] = dv_acc[n][3] = 0.0f;
     }
+    KeyColumns columns;
     for (int stage = 0; !walk.done(); stage ^= 1) {
         const int step_head = walk.head;
         const bool partial = walk.entry() >> 31;
         const int q0 = walk.row0();
-        const unsigned* table_columns = column_start + (size_t)mask_of_head[step_head] * (seqlen + 1);
+        columns.follow(mask_of_head[step_head], column_start, column_intervals, key0, seqlen);
         walk.advance();
         // The other buffer was last read two steps ago, behind the barrier that ended that step.
         issue(stage ^ 1);
@@ -1167,17 +1197,6 @@ __device__ void flash_backward_dkdv(KEY_TILE_PARAMS) {
                 }
             }
         } else {
-            // This thread's two keys' row intervals: a partial step's query is allowed where they
-            // hold it.
-            unsigned iv_begin[2] = {0, 0}, iv_count[2] = {0, 0};
-            #pragma unroll
-            for (int slot = 0; slot < 2; ++slot) {
-                const int key = slot ? key1 : key0;
-                if (partial && key < seqlen) {
-                    iv_begin[slot] = table_columns[key];
-                    iv_count[slot] = table_columns[key + 1] - iv_begin[slot];
-                }
-            }
             #pragma unroll
             for (int n = 0; n < BQ / 8; ++n) {
                 #pragma unroll
@@ -1187,7 +1206,7 @@ __device__ void flash_backward_dkdv(KEY_TILE_PARAMS) {
                     const int slot = i >> 1, key = slot ? key1 : key0;
                     const float row_lse = s_lse[stage][column];
                     bool ok = key < seqlen && row_q < seqlen && row_lse != minus_inf;
-                    if (ok && partial) ok = allowed(row_q, column_intervals + 2 * iv_begin[slot], iv_count[slot]);
+                    if (ok && partial) ok = columns.queries[slot].holds(row_q, column_intervals);
                     const float p = ok ? fast_exp2(st[n][i] * scale_log2 - row_lse) : 0.0f;
                     st[n][i] = p;
                     dpt[n][i] = p * (dpt[n][i] - s_delta[stage][column]);
@@ -1315,16 +1334,16 @@ FLASH_BACKWARD(f16_d128, 2, 128)
 struct QueryRows {
     u32 q[8][4], d_out[8][4];
     float lse[2], delta[2];
-    unsigned iv_begin[2], iv_count[2];
+    Allowed keys[2];
 
     __device__ QueryRows(const u16* q_head, const u16* do_head, const float* lse_head, const float* delta_head,
-                         const unsigned* table_rows, int row0, int seqlen) {
+                         const unsigned* table_rows, const unsigned* intervals, int row0, int seqlen) {
         const float log2e = 1.4426950408889634f;
         #pragma unroll
         for (int slot = 0; slot < 2; ++slot) {
             const int r = row0 + slot * 8;
             const bool in = r < seqlen;
-            row_intervals(table_rows, r, seqlen, iv_begin[slot], iv_count[slot]);
+            keys[slot] = Allowed(table_rows, r, seqlen, intervals);
             lse[slot] = in ? lse_head[r] * log2e : __int_as_float(0xff800000);
             delta[slot] = in ? delta_head[r] : 0.0f;
         }
@@ -1360,7 +1379,7 @@ __device__ __forceinline__ void query_tile_step(float* acc, const QueryRows& row
         for (int i = 0; i < BN / 2; ++i) {
             const int slot = (i >> 1) & 1, key = k0 + (i >> 2) * 8 + t * 2 + (i & 1);
             bool ok = key < seqlen && rows.lse[slot] != minus_inf;
-            if (ok && partial) ok = allowed(key, intervals + 2 * rows.iv_begin[slot], rows.iv_count[slot]);
+            if (ok && partial) ok = rows.keys[slot].holds(key, intervals);
             s[i] = ok ? fast_exp2(s[i] * scale_log2 - rows.lse[slot]) : 0.0f;
         }
     }
@@ -1386,7 +1405,7 @@ __device__ void flash_backward_dq_hopper(const u16* __restrict__ q, const u16* _
     const int q0 = q_tile * ROWS, row0 = q0 + (threadIdx.x >> 5) * 16 + ((threadIdx.x & 31) >> 2);
     const size_t head_rows = (size_t)head * seqlen;
     const QueryRows rows(q + head_rows * D, d_out + head_rows * D, lse + head_rows, delta + head_rows,
-                         row_start + (size_t)mask * (seqlen + 1), row0, seqlen);
+                         row_start + (size_t)mask * (seqlen + 1), intervals, row0, seqlen);
     const u16* kh = k + ((size_t)kv_head * seqlen) * D;
     const u16* vh = v + ((size_t)kv_head * seqlen) * D;
     const unsigned list = mask * q_tiles + q_tile;
@@ -1459,7 +1478,7 @@ __device__ void flash_backward_dq_tma(const TensorMap* k_map, const TensorMap* v
     const int row0 = q0 + warp * 16 + ((threadIdx.x & 31) >> 2);
     const size_t head_rows = (size_t)head * seqlen;
     const QueryRows rows(q + head_rows * D, d_out + head_rows * D, lse + head_rows, delta + head_rows,
-                         row_start + (size_t)mask * (seqlen + 1), row0, seqlen);
+                         row_start + (size_t)mask * (seqlen + 1), intervals, row0, seqlen);
     float acc[D / 2];
     #pragma unroll
     for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f;
@@ -1487,7 +1506,7 @@ template <int E, int KEYS>
 __device__ __forceinline__ void key_tile_step(float* dk_acc, float* dv_acc, u32 (*ds)[4], const u16* k_rows, const u16* v_rows,
                                               const u16* sq, const u16* sdo, const float* s_lse, const float* s_delta,
                                               bool partial, int q0, int k0, int key0, int seqlen,
-                                              const unsigned* table_columns, const unsigned* column_intervals, float scale_log2) {
+                                              const KeyColumns& columns, const unsigned* column_intervals, float scale_log2) {
     constexpr int ROWS = BM;
     const int t = threadIdx.x & 3;
     const float minus_inf = __int_as_float(0xff800000);
@@ -1511,22 +1530,13 @@ __device__ __forceinline__ void key_tile_step(float* dk_acc, float* dv_acc, u32 
                 st[4 * c + i] = fast_exp2(fmaf(st[4 * c + i], scale_log2, -((i & 1) ? pair.y : pair.x)));
         }
     } else {
-        unsigned iv_begin[2] = {0, 0}, iv_count[2] = {0, 0};
-        #pragma unroll
-        for (int slot = 0; slot < 2; ++slot) {
-            const int key = key0 + slot * 8;
-            if (partial && key < seqlen) {
-                iv_begin[slot] = table_columns[key];
-                iv_count[slot] = table_columns[key + 1] - iv_begin[slot];
-            }
-        }
         #pragma unroll
         for (int i = 0; i < ROWS / 2; ++i) {
             const int column = (i >> 2) * 8 + t * 2 + (i & 1), row_q = q0 + column;
             const int slot = (i >> 1) & 1, key = key0 + slot * 8;
             const float row_lse = s_lse[column];
             bool ok = key < seqlen && row_q < seqlen && row_lse != minus_inf;
-            if (ok && partial) ok = allowed(row_q, column_intervals + 2 * iv_begin[slot], iv_count[slot]);
+            if (ok && partial) ok = columns.queries[slot].holds(row_q, column_intervals);
             st[i] = ok ? fast_exp2(st[i] * scale_log2 - row_lse) : 0.0f;
         }
     }
@@ -1581,10 +1591,11 @@ __device__ void flash_backward_dkdv_hopper(KEY_TILE_PARAMS) {
     float dk_acc[D / 2], dv_acc[D / 2];
     #pragma unroll
     for (int i = 0; i < D / 2; ++i) dk_acc[i] = dv_acc[i] = 0.0f;
+    KeyColumns columns;
     for (int stage = 0; !walk.done(); stage ^= 1) {
         const bool partial = walk.entry() >> 31;
         const int q0 = walk.row0();
-        const unsigned* table_columns = column_start + (size_t)mask_of_head[walk.head] * (seqlen + 1);
+        columns.follow(mask_of_head[walk.head], column_start, column_intervals, key0, seqlen);
         walk.advance();
         wait_copies<0>();  // this step's Q, dO and row statistics (and, on the first step, K and V)
         shared_writes_to_async_proxy();
@@ -1596,7 +1607,7 @@ __device__ void flash_backward_dkdv_hopper(KEY_TILE_PARAMS) {
         const u16* sq = stage_tiles(stage);
         u32 ds[4][4];
         key_tile_step<E, KEYS>(dk_acc, dv_acc, ds, sk, sv, sq, sq + TILE_ELEMENTS, s_lse[stage], s_delta[stage], partial, q0, k0, key0,
-                               seqlen, table_columns, column_intervals, scale_log2);
+                               seqlen, columns, column_intervals, scale_log2);
         wgmma_wait<0>();
         settle<D / 2>(dk_acc);
         settle<D / 2>(dv_acc);
@@ -1679,18 +1690,19 @@ __device__ void flash_backward_key_tma(KEY_TMA_PARAMS) {
     float dk_acc[D / 2], dv_acc[D / 2];
     #pragma unroll
     for (int i = 0; i < D / 2; ++i) dk_acc[i] = dv_acc[i] = 0.0f;
+    KeyColumns columns;
     barrier_wait(&kv_full, 0);
     for (int j = 0; !walk.done(); ++j) {
         const int stage = j % STAGES;
         const bool partial = walk.entry() >> 31;
         const int head = walk.head, q0 = walk.row0();
-        const unsigned* table_columns = column_start + (size_t)mask_of_head[head] * (seqlen + 1);
+        columns.follow(mask_of_head[head], column_start, column_intervals, key0, seqlen);
         walk.advance();
         barrier_wait(&full[stage], (j / STAGES) & 1);
         const u16* sq = stage_tiles(stage);
         u32 ds[4][4];
         key_tile_step<E, KEYS>(dk_acc, dv_acc, ds, k_rows, v_rows, sq, sq + TILE_ELEMENTS, s_lse[stage], s_delta[stage], partial, q0, k0,
-                               key0, seqlen, table_columns, column_intervals, scale_log2);
+                               key0, seqlen, columns, column_intervals, scale_log2);
         if constexpr (DQ) {
             u16* sds = ds_buffer(j & 1);
             store_transposed_fragments(sds + half * 64 * 64, ds);
