@@ -1,6 +1,10 @@
 //! Corpus downloads against a real HTTP server on loopback, and the histograms they give.
 
+#[path = "datasets/hostile.rs"]
+mod hostile;
+
 use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
 
 use attnbench_tests::http::HttpServer;
 use attnbench_tests::{stderr, Sandbox};
@@ -41,6 +45,20 @@ fn pipeline(sandbox: &Sandbox, url: &str, sha: &str) -> String {
         "name: corpus\nseed: 42\nstages:\n  lengths:\n    uses: datasets/lengths\n    with: {source: corpus.yaml, retries: 2}\n  masks:\n    uses: masks/generate\n    needs: [lengths]\n    with: {mask: causal_document, seqlen: 8k, distribution: input}\n",
     );
     "p.yaml".to_string()
+}
+
+/// Every file under `dir` that could hold data (lock files only serialise downloads).
+fn data_files(dir: &Path) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            found.extend(data_files(&path));
+        } else if !path.to_string_lossy().ends_with(".lock") {
+            found.push(path);
+        }
+    }
+    found
 }
 
 fn node<'a>(record: &'a serde_json::Value, id: &str) -> &'a serde_json::Value {
@@ -148,13 +166,7 @@ fn a_checksum_mismatch_fails_and_leaves_nothing_that_looks_valid() {
         "{lengths}"
     );
     assert_eq!(node(&record, "masks")["status"], "skipped");
-    let downloads: Vec<_> = std::fs::read_dir(sandbox.cache().join("downloads"))
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        // Lock files only serialise downloads; they hold no data.
-        .filter(|name| !name.ends_with(".lock"))
-        .collect();
+    let downloads = data_files(&sandbox.cache().join("downloads"));
     assert!(
         downloads.is_empty(),
         "no shard or partial file is left: {downloads:?}"

@@ -40,6 +40,11 @@ impl Counter {
     }
 }
 
+/// The longest line (one document) a shard may have: the longest documents of real corpora are
+/// tens of MB, and a line that never ends (a few KB of zstd can expand to GBs) must not be
+/// gathered into memory whole.
+const MAX_LINE: usize = 256 << 20;
+
 /// The length of each document of a `.jsonl` or `.jsonl.zst` shard, at most `limit` of them.
 pub fn count_tokens(
     path: &Path,
@@ -54,17 +59,46 @@ pub fn count_tokens(
     } else {
         Box::new(file)
     };
+    count_lines(reader, &name, text_field, counter, limit, MAX_LINE)
+}
+
+fn count_lines(
+    reader: impl Read,
+    name: &str,
+    text_field: &str,
+    counter: &Counter,
+    limit: u64,
+    max_line: usize,
+) -> Result<Vec<u64>, PluginError> {
+    let mut reader = BufReader::new(reader);
     let mut lengths = Vec::new();
-    for (number, line) in BufReader::new(reader).lines().enumerate() {
+    let mut bytes = Vec::new();
+    for number in 0u64.. {
         if lengths.len() as u64 >= limit {
             break;
         }
-        let line =
-            line.map_err(|err| PluginError::failed(format!("{name}: line {}: {err}", number + 1)))?;
+        bytes.clear();
+        let read = (&mut reader)
+            .take(max_line as u64 + 1)
+            .read_until(b'\n', &mut bytes)
+            .map_err(|err| PluginError::failed(format!("{name}: line {}: {err}", number + 1)))?;
+        if read == 0 {
+            break;
+        }
+        if bytes.len() > max_line {
+            return Err(PluginError::failed(format!(
+                "{name}: line {} is longer than {} bytes; a JSON-lines corpus has one document per line",
+                number + 1,
+                max_line
+            )));
+        }
+        let line = std::str::from_utf8(&bytes).map_err(|err| {
+            PluginError::failed(format!("{name}: line {} is not UTF-8: {err}", number + 1))
+        })?;
         if line.trim().is_empty() {
             continue;
         }
-        let document: Value = serde_json::from_str(&line).map_err(|err| {
+        let document: Value = serde_json::from_str(line).map_err(|err| {
             PluginError::failed(format!("{name}: line {} is not JSON: {err}", number + 1))
         })?;
         let text = document
@@ -121,5 +155,36 @@ impl<R: BufRead> Read for ZstdFrames<R> {
             })?;
             self.current = Some(decoder);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_line_past_the_limit_is_refused_before_it_is_gathered() {
+        let shard = b"{\"text\": \"a b c\"}\n{\"text\": \"d\"}\n";
+        let lengths =
+            count_lines(&shard[..], "s", "text", &Counter::Whitespace, u64::MAX, 64).unwrap();
+        assert_eq!(lengths, vec![3, 1]);
+        let endless = std::io::repeat(b'x');
+        let err =
+            count_lines(endless, "s", "text", &Counter::Whitespace, u64::MAX, 64).unwrap_err();
+        assert!(
+            err.to_string().contains("line 1 is longer than 64 bytes"),
+            "{err}"
+        );
+        let last_without_newline = b"{\"text\": \"a b\"}";
+        let lengths = count_lines(
+            &last_without_newline[..],
+            "s",
+            "text",
+            &Counter::Whitespace,
+            9,
+            64,
+        )
+        .unwrap();
+        assert_eq!(lengths, vec![2]);
     }
 }

@@ -1,12 +1,15 @@
 //! `datasets/lengths`: a document-length histogram (LongCA-bench's JSON format) from a histogram
 //! file, the built-in synthetic histogram, or a dataset manifest whose corpus shards are
-//! downloaded (resumable, verified) and counted.
+//! downloaded (resumable, size-capped, pinned by SHA-256) and counted.
 
 mod corpus;
 mod download;
 mod manifest;
+mod partial;
+mod policy;
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use attnbench_sdk::histogram::{Bucket, Histogram};
 use attnbench_sdk::{
@@ -16,7 +19,7 @@ use attnbench_sdk::{
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-pub use download::fetch;
+pub use download::{fetch, Fetched, Rules};
 pub use manifest::DatasetManifest;
 
 /// The file this stage writes, read by `masks/generate` with `distribution: input`.
@@ -32,6 +35,9 @@ struct Params {
     retries: u32,
     downloads: String,
     tokenizer: String,
+    max_bytes: u64,
+    idle_timeout: f64,
+    allow_unpinned: bool,
 }
 
 impl Plugin for Datasets {
@@ -53,6 +59,15 @@ impl Plugin for Datasets {
                     .param(ParamSpec::new("downloads", ParamType::String).default("").doc(
                         "Where shards are kept between runs (default: $ATTNBENCH_CACHE/downloads, else artifacts/downloads).",
                     ))
+                    .param(ParamSpec::new("max_bytes", ParamType::Size).default("4G").doc(
+                        "Refuse a shard larger than this (announced or sent); a shard's own `max_bytes:` in the manifest overrides it.",
+                    ))
+                    .param(ParamSpec::new("idle_timeout", ParamType::Float).default(60.0).doc(
+                        "Seconds without a byte from the server before an attempt is given up (and retried).",
+                    ))
+                    .param(ParamSpec::new("allow_unpinned", ParamType::Bool).default(false).doc(
+                        "Download shards whose manifest entry pins no sha256 (refused otherwise); the result records the sha256 each one had, to pin.",
+                    ))
                     .output("histogram"),
             )
     }
@@ -69,6 +84,17 @@ impl Plugin for Datasets {
             return Err(PluginError::Params(format!(
                 "bucket_ratio must be greater than 1, got {}",
                 params.bucket_ratio
+            )));
+        }
+        if params.max_bytes == 0 {
+            return Err(PluginError::Params(
+                "max_bytes must be more than 0 (a size such as 4G)".into(),
+            ));
+        }
+        if !params.idle_timeout.is_finite() || params.idle_timeout <= 0.0 {
+            return Err(PluginError::Params(format!(
+                "idle_timeout must be a positive number of seconds, got {}",
+                params.idle_timeout
             )));
         }
         let (histogram, mut summary) = match params.source.as_str() {
@@ -110,6 +136,15 @@ fn from_manifest(
     host: &Host,
 ) -> Result<(Histogram, Value), PluginError> {
     let manifest = DatasetManifest::load(path)?;
+    if !params.allow_unpinned {
+        if let Some(shard) = manifest.shards.iter().find(|s| s.sha256.is_none()) {
+            return Err(PluginError::failed(format!(
+                "dataset manifest {}: shard {} pins no sha256; add `sha256: <its 64 hex digits>` under its url (the publisher's checksum, e.g. the SHA256 of a Hugging Face file's Git LFS details), or set `allow_unpinned: true` on the stage to download it unverified and find the sha256 it had in the result",
+                path.display(),
+                shard.url
+            )));
+        }
+    }
     let counter = if params.tokenizer.is_empty() {
         corpus::Counter::Whitespace
     } else {
@@ -122,21 +157,32 @@ fn from_manifest(
         if params.max_documents > 0 && lengths.len() as u64 >= params.max_documents {
             break;
         }
-        let file = fetch(
-            &shard.url,
-            &dir,
-            shard.sha256.as_deref(),
-            params.retries,
-            host,
-        )?;
+        let rules = Rules {
+            sha256: shard.sha256.as_deref(),
+            retries: params.retries,
+            max_bytes: shard.max_bytes().unwrap_or(params.max_bytes),
+            idle_timeout: Duration::try_from_secs_f64(params.idle_timeout).unwrap_or(Duration::MAX),
+            redirect_hosts: &manifest.redirect_hosts,
+            manifest: path,
+        };
+        let fetched = fetch(&shard.url, &dir, &rules, host)?;
         let limit = if params.max_documents > 0 {
             params.max_documents - lengths.len() as u64
         } else {
             u64::MAX
         };
-        let counted = corpus::count_tokens(&file, &manifest.text_field, &counter, limit)?;
+        let counted = corpus::count_tokens(&fetched.path, &manifest.text_field, &counter, limit)?;
         host.info(&format!("{}: {} documents", shard.url, counted.len()));
-        shards.push(json!({"url": shard.url, "sha256_verified": shard.sha256.is_some(), "documents": counted.len()}));
+        shards.push(json!({
+            "url": shard.url,
+            "final_url": fetched.final_url,
+            "redirects": fetched.redirects,
+            "downloaded": fetched.downloaded,
+            "bytes": fetched.bytes,
+            "sha256": fetched.sha256,
+            "sha256_verified": shard.sha256.is_some(),
+            "documents": counted.len(),
+        }));
         lengths.extend(counted);
     }
     if lengths.is_empty() {

@@ -2,8 +2,10 @@
 
 use std::path::Path;
 
-use attnbench_sdk::PluginError;
+use attnbench_sdk::{parse_size, PluginError};
 use serde::Deserialize;
+
+use crate::policy::check_host_pattern;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -14,6 +16,10 @@ pub struct DatasetManifest {
     /// The JSON field holding a document's text.
     #[serde(default = "text_field")]
     pub text_field: String,
+    /// Hosts other than a shard's own origin that its URL may redirect to (`cdn.example.org`,
+    /// `cdn.example.org:8443`, `*.example.org`): a file host that serves through a CDN.
+    #[serde(default)]
+    pub redirect_hosts: Vec<String>,
     pub shards: Vec<Shard>,
 }
 
@@ -25,6 +31,27 @@ pub struct Shard {
     /// Hex SHA-256 of the shard; downloads that do not match are removed.
     #[serde(default)]
     pub sha256: Option<String>,
+    /// The most bytes this shard may have (`600M`, `16G`); overrides the stage's `max_bytes`.
+    #[serde(default)]
+    pub max_bytes: Option<SizeText>,
+}
+
+/// A size as YAML gives it: a plain integer or text with a suffix (`16G`).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum SizeText {
+    Bytes(u64),
+    Text(String),
+}
+
+impl Shard {
+    /// The shard's own size limit, if the manifest sets one (checked by [`DatasetManifest::load`]).
+    pub fn max_bytes(&self) -> Option<u64> {
+        match self.max_bytes.as_ref()? {
+            SizeText::Bytes(bytes) => Some(*bytes),
+            SizeText::Text(text) => parse_size(text).ok(),
+        }
+    }
 }
 
 fn text_field() -> String {
@@ -53,6 +80,15 @@ impl DatasetManifest {
                     shard.url
                 )));
             }
+            if let Some(SizeText::Text(text)) = &shard.max_bytes {
+                parse_size(text).map_err(|err| {
+                    PluginError::Params(format!(
+                        "dataset manifest {}: max_bytes of {}: {err}",
+                        path.display(),
+                        shard.url
+                    ))
+                })?;
+            }
             if let Some(sha) = &shard.sha256 {
                 if sha.len() != 64 || !sha.chars().all(|c| c.is_ascii_hexdigit()) {
                     return Err(PluginError::Params(format!(
@@ -63,6 +99,77 @@ impl DatasetManifest {
                 }
             }
         }
+        for pattern in &manifest.redirect_hosts {
+            check_host_pattern(pattern).map_err(|err| {
+                PluginError::Params(format!(
+                    "dataset manifest {}: redirect_hosts: {err}",
+                    path.display()
+                ))
+            })?;
+        }
         Ok(manifest)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shipped_manifests_load() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../datasets");
+        let mut loaded = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().and_then(|e| e.to_str()) == Some("yaml") {
+                let manifest = DatasetManifest::load(&path).unwrap_or_else(|err| panic!("{err}"));
+                assert!(!manifest.shards.is_empty());
+                loaded += 1;
+            }
+        }
+        assert!(loaded > 0);
+    }
+
+    #[test]
+    fn bad_fields_are_one_clear_sentence() {
+        let dir = std::env::temp_dir().join(format!("attnbench-manifest-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("m.yaml");
+        let cases = [
+            (
+                "redirect_hosts: [\"https://cdn.example.org/\"]\n",
+                "redirect_hosts: `https://cdn.example.org/` is not a host",
+            ),
+            ("", ""),
+        ];
+        for (extra, expected) in cases {
+            std::fs::write(
+                &path,
+                format!("name: m\n{extra}shards:\n  - url: https://example.org/a.jsonl\n    max_bytes: 2G\n"),
+            )
+            .unwrap();
+            match DatasetManifest::load(&path) {
+                Ok(manifest) => {
+                    assert!(expected.is_empty(), "{expected}");
+                    assert_eq!(manifest.shards[0].max_bytes(), Some(2 << 30));
+                }
+                Err(err) => assert!(
+                    !expected.is_empty() && err.to_string().contains(expected),
+                    "{err}"
+                ),
+            }
+        }
+        std::fs::write(
+            &path,
+            "name: m\nshards:\n  - url: https://example.org/a.jsonl\n    max_bytes: lots\n",
+        )
+        .unwrap();
+        let err = DatasetManifest::load(&path).unwrap_err().to_string();
+        assert!(
+            err.contains("max_bytes of https://example.org/a.jsonl")
+                && err.contains("suffix k, M or G"),
+            "{err}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
