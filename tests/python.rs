@@ -353,3 +353,39 @@ fn a_hanging_kernel_times_out_and_takes_its_python_worker_with_it() {
         .is_some_and(|state| state != "Z" && state != "X");
     assert!(!running, "the hung Python worker {pid} still runs: {state}");
 }
+
+#[test]
+fn a_script_planted_in_the_shared_temp_folder_is_never_run() {
+    // Earlier versions ran `$TMPDIR/attnbench-python/attnbench_bridge-<hash>.py` when it existed:
+    // whoever created it first had their code run by every user of the machine.
+    let sandbox = Sandbox::new();
+    let python = python();
+    let tmp = sandbox.path().join("shared-tmp");
+    let planted_dir = tmp.join("attnbench-python");
+    std::fs::create_dir_all(&planted_dir).unwrap();
+    let source = std::fs::read(
+        attnbench_tests::workspace_root().join("plugins/python/bridge/attnbench_bridge.py"),
+    )
+    .unwrap();
+    let hash = blake3::hash(&source).to_hex();
+    let marker = sandbox.path().join("planted-code-ran");
+    std::fs::write(
+        planted_dir.join(format!("attnbench_bridge-{}.py", &hash[..16])),
+        format!("open({:?}, 'w').write('x')\n", marker.display().to_string()),
+    )
+    .unwrap();
+    sandbox.write(
+        "p.yaml",
+        &format!(
+            "stages:\n  masks:\n    uses: masks/generate\n    with: {{mask: causal, seqlen: 64}}\n  bench:\n    uses: python/benchmark\n    needs: [masks]\n    with: {{kernel: numpy, python: \"{python}\", heads_q: 2, heads_kv: 2, head_dim: 16, min_reps: 1, max_time_s: 0.05}}\n"
+        ),
+    );
+    let run = sandbox
+        .command(&["run", "p.yaml", "-q"])
+        .env("TMPDIR", &tmp)
+        .output()
+        .unwrap();
+    assert!(!marker.exists(), "the planted script ran");
+    assert!(run.status.success(), "{}", stderr(&run));
+    assert_eq!(measurement(&sandbox.last_record(), "bench")["status"], "ok");
+}

@@ -128,20 +128,21 @@ pub fn check(library: &Path, registry: &Registry, worker_exe: &Path) -> Report {
             format!("stages: {}", stages.join(", "))
         }),
     );
-    let links = std::env::temp_dir().join(format!("attnbench-cuda-libs-{}", std::process::id()));
-    let env = crate::cuda_env::worker_env(&links);
-    let mut runner = Runner {
-        exe: worker_exe.to_path_buf(),
-        library: plugin.path.clone(),
-        worker: None,
-        env,
-    };
     let scratch = match tempfile::tempdir() {
         Ok(dir) => dir,
         Err(err) => {
             report.record("scratch directory", Err(err.to_string()));
             return report;
         }
+    };
+    // Workers search this folder first for CUDA libraries: it must be one nobody else can write,
+    // so it lives in the check's own private scratch folder, never under a guessable name.
+    let env = crate::cuda_env::worker_env(&scratch.path().join("cuda-libs"));
+    let mut runner = Runner {
+        exe: worker_exe.to_path_buf(),
+        library: plugin.path.clone(),
+        worker: None,
+        env,
     };
     for spec in &plugin.manifest.stages {
         let mask_input = if spec.is_kernel() {

@@ -5,6 +5,7 @@
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -31,6 +32,8 @@ pub struct Bridge {
     next_id: u64,
     /// The worker's greeting: protocol, Python version and executable.
     pub hello: Value,
+    /// The private folder of the script the interpreter runs, removed with the bridge.
+    _script_dir: tempfile::TempDir,
 }
 
 /// What a request came back with.
@@ -53,24 +56,29 @@ pub fn interpreter(param: &str) -> String {
         .unwrap_or_else(|| "python3".into())
 }
 
-/// The script on disk, named by its hash so that versions never overwrite each other in use.
-fn script_path() -> Result<PathBuf, PluginError> {
-    let hash = blake3::hash(SCRIPT.as_bytes()).to_hex();
-    let dir = std::env::temp_dir().join("attnbench-python");
-    let path = dir.join(format!("attnbench_bridge-{}.py", &hash[..16]));
-    if !path.exists() {
-        std::fs::create_dir_all(&dir).map_err(|err| PluginError::io(&dir, err))?;
-        let partial = path.with_extension(format!("{}.partial", std::process::id()));
-        std::fs::write(&partial, SCRIPT)
-            .and_then(|_| std::fs::rename(&partial, &path))
-            .map_err(|err| PluginError::io(&path, err))?;
-    }
-    Ok(path)
+/// Writes the worker's source into a folder made for this worker alone. `mkdir` under a random
+/// name with mode 0700 means nobody else can have put a file there first or swap it afterwards:
+/// a fixed name in a shared temp folder would run whatever another user of the machine planted.
+fn write_script() -> Result<(tempfile::TempDir, PathBuf), PluginError> {
+    let dir = tempfile::Builder::new()
+        .prefix("attnbench-python-")
+        .permissions(std::fs::Permissions::from_mode(0o700))
+        .tempdir()
+        .map_err(|err| PluginError::io(&std::env::temp_dir(), err))?;
+    let path = dir.path().join("attnbench_bridge.py");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .and_then(|mut file| file.write_all(SCRIPT.as_bytes()))
+        .map_err(|err| PluginError::io(&path, err))?;
+    Ok((dir, path))
 }
 
 impl Bridge {
     pub fn start(python: &str) -> Result<Bridge, PluginError> {
-        let script = script_path()?;
+        let (script_dir, script) = write_script()?;
         let mut command = Command::new(python);
         command
             .arg("-u")
@@ -111,6 +119,7 @@ impl Bridge {
             stderr_tail,
             next_id: 1,
             hello: Value::Null,
+            _script_dir: script_dir,
         };
         let hello = match bridge.read_line() {
             Some(value) => value,
