@@ -1,43 +1,12 @@
-//! The artifact cache: hits, precise invalidation, corruption, concurrent runs, resume after kill.
+//! The artifact cache: hits, precise invalidation, corruption, concurrent runs, resume after
+//! kill, gc after a stopped or killed run, entries that hold more than they list, streaming hashes.
 
-use std::collections::BTreeMap;
+mod cache_common;
+
 use std::time::{Duration, Instant};
 
 use attnbench_tests::{statuses, stderr, stdout, Sandbox};
-
-const CHAIN: &str = r#"
-name: chain
-seed: 3
-stages:
-  a:
-    uses: testkit/echo
-    matrix: {size: [1k, 2k]}
-  b:
-    uses: testkit/echo
-    needs: [a]
-    with: {value: first}
-  c:
-    uses: testkit/echo
-    needs: {b: all}
-"#;
-
-fn count(statuses: &BTreeMap<String, String>, status: &str) -> usize {
-    statuses.values().filter(|s| *s == status).count()
-}
-
-fn entry_count(sandbox: &Sandbox) -> usize {
-    let Ok(shards) = std::fs::read_dir(sandbox.cache().join("cache")) else {
-        return 0;
-    };
-    shards
-        .flatten()
-        .map(|shard| {
-            std::fs::read_dir(shard.path())
-                .map(|d| d.count())
-                .unwrap_or(0)
-        })
-        .sum()
-}
+use cache_common::{artifact_of, count, entry_count, CHAIN};
 
 #[test]
 fn a_rerun_is_served_from_the_cache() {
@@ -292,96 +261,152 @@ fn gc_keeps_what_the_latest_run_used() {
     assert_eq!(count(&sandbox.statuses(), "cached"), 5);
 }
 
-/// A sweep cut short on one machine resumes on another: `cache export` there, `cache import`
-/// here, and the run is served from what was carried over. A tampered entry is refused.
+/// The documented resume workflow: a run stopped by its time budget (or a signal) before it
+/// reached its nodes must not make gc delete what the pipeline still needs.
 #[test]
-fn an_export_carried_to_another_cache_is_reused_and_tampering_is_refused() {
-    let first = Sandbox::new();
-    let pipeline = first.write("chain.yaml", CHAIN);
-    assert!(first
-        .run(&["run", pipeline.to_str().unwrap(), "-q"])
-        .status
-        .success());
-    let carried = first.path().join("carried");
-    let export = first.run(&["cache", "export", carried.to_str().unwrap()]);
-    assert!(export.status.success(), "{}", stderr(&export));
-    assert!(
-        stdout(&export).contains("exported 5 entries and 1 run records"),
-        "{}",
-        stdout(&export)
-    );
+fn gc_after_a_stopped_run_keeps_what_the_pipeline_still_needs() {
+    let sandbox = Sandbox::new();
+    let pipeline = sandbox.write("chain.yaml", CHAIN);
+    let pipeline = pipeline.to_str().unwrap();
+    assert!(sandbox.run(&["run", "-q", pipeline]).status.success());
+    sandbox.run(&["run", "-q", pipeline, "--time-budget", "0s"]);
+    let stopped = sandbox.last_record();
 
-    let second = Sandbox::new();
-    let pipeline = second.write("chain.yaml", CHAIN);
-    let import = second.run(&["cache", "import", carried.to_str().unwrap()]);
-    assert!(import.status.success(), "{}", stderr(&import));
+    let gc = sandbox.run(&["cache", "gc"]);
+    assert!(gc.status.success(), "{}", stderr(&gc));
+    assert!(stdout(&gc).contains("removed 0 entries"), "{}", stdout(&gc));
+    assert_eq!(entry_count(&sandbox), 5);
+    let first = attnbench_tests::node(&stopped, "a[size=1k]");
+    assert_eq!(first["status"], "skipped", "{first}");
     assert!(
-        stdout(&import)
-            .contains("imported 5 entries (0 already here, 0 rejected) and 1 run records"),
-        "{}",
-        stdout(&import)
+        first["key"].as_str().is_some_and(|k| k.len() == 64),
+        "a skipped node whose inputs are known has its key: {first}"
     );
-    let imported_run = std::fs::read_dir(second.cache().join("runs"))
-        .unwrap()
-        .flatten()
-        .find(|e| e.path().join("run.json").is_file())
-        .expect("the run record came along")
-        .path();
-    let record: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(imported_run.join("run.json")).unwrap()).unwrap();
-    for node in record["nodes"].as_array().unwrap() {
-        let artifact = node["artifact"].as_str().unwrap();
-        assert!(
-            std::path::Path::new(artifact).starts_with(second.cache().canonicalize().unwrap()),
-            "{artifact} points into this cache"
-        );
-    }
-    assert!(second
-        .run(&["run", pipeline.to_str().unwrap(), "-q"])
-        .status
-        .success());
+    assert!(sandbox.run(&["run", "-q", pipeline]).status.success());
     assert_eq!(
-        count(&second.statuses(), "cached"),
+        count(&sandbox.statuses(), "cached"),
         5,
         "{:?}",
-        second.statuses()
-    );
-
-    // One entry's file altered after the export: refused, the others still come in.
-    let victim = walk_files(&carried.join("cache"))
-        .into_iter()
-        .find(|p| p.file_name().is_some_and(|n| n == "echo.json"))
-        .expect("an entry file");
-    std::fs::write(&victim, b"{\"tampered\": true}").unwrap();
-    let third = Sandbox::new();
-    let import = third.run(&["cache", "import", carried.to_str().unwrap()]);
-    assert_eq!(import.status.code(), Some(1), "{}", stdout(&import));
-    let text = stdout(&import);
-    assert!(
-        text.contains("does not match its digest")
-            && text.contains("imported 4 entries (0 already here, 1 rejected)"),
-        "{text}"
-    );
-    let missing = third.run(&[
-        "cache",
-        "import",
-        third.path().join("nothing").to_str().unwrap(),
-    ]);
-    assert!(
-        !missing.status.success() && stderr(&missing).contains("not a cache or an export"),
-        "{}",
-        stderr(&missing)
+        sandbox.statuses()
     );
 }
 
-fn walk_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
-    let mut files = Vec::new();
-    for entry in std::fs::read_dir(dir).unwrap().flatten() {
-        if entry.path().is_dir() {
-            files.extend(walk_files(&entry.path()));
-        } else {
-            files.push(entry.path());
-        }
+/// Killed outright between two rewrites of its record, a run has committed entries that its
+/// record does not name yet; gc keeps them for the resumed run.
+#[test]
+fn gc_after_a_killed_run_keeps_what_it_computed_but_had_not_recorded() {
+    let sandbox = Sandbox::new();
+    let pipeline = sandbox.write(
+        "slow.yaml",
+        "name: slow\nstages:\n  s:\n    uses: testkit/echo\n    with: {sleep_ms: 900}\n    matrix: {value: [1, 2, 3, 4, 5, 6]}\n",
+    );
+    let pipeline = pipeline.to_str().unwrap();
+    let mut child = sandbox
+        .command(&["run", "-q", "-j", "1", pipeline])
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    // The record is first rewritten 2 s in; the second node is done at about 1.8 s.
+    while entry_count(&sandbox) < 2 {
+        assert!(Instant::now() < deadline, "the run made no progress");
+        std::thread::sleep(Duration::from_millis(10));
     }
-    files
+    unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+    let _ = child.wait();
+    let computed = entry_count(&sandbox);
+
+    let gc = sandbox.run(&["cache", "gc"]);
+    assert!(gc.status.success(), "{}", stderr(&gc));
+    assert_eq!(entry_count(&sandbox), computed, "{}", stdout(&gc));
+    assert!(sandbox.run(&["run", "-q", pipeline]).status.success());
+    assert_eq!(count(&sandbox.statuses(), "cached"), computed);
+}
+
+/// A file put into an entry after it was committed is not vouched for by anything: the entry is
+/// invalid for `cache verify`, for a run (which recomputes it) and for `report`.
+#[test]
+fn a_file_added_to_an_entry_invalidates_it_and_is_never_reported() {
+    let sandbox = Sandbox::new();
+    let pipeline = sandbox.write("chain.yaml", CHAIN);
+    let pipeline = pipeline.to_str().unwrap();
+    assert!(sandbox.run(&["run", "-q", pipeline]).status.success());
+    let artifact = artifact_of(&sandbox.last_record(), "a[size=2k]");
+    std::fs::write(artifact.join("measurement.json"), b"{\"planted\": true}").unwrap();
+
+    let verify = sandbox.run(&["cache", "verify"]);
+    assert_eq!(verify.status.code(), Some(1), "{}", stdout(&verify));
+    assert!(
+        stdout(&verify).contains("measurement.json is not listed"),
+        "{}",
+        stdout(&verify)
+    );
+
+    let out = sandbox.path().join("report");
+    let cache = sandbox.cache();
+    let report = sandbox.run(&[
+        "report",
+        "--table",
+        "--out",
+        out.to_str().unwrap(),
+        cache.to_str().unwrap(),
+    ]);
+    assert!(
+        !report.status.success(),
+        "the planted record was reported: {}",
+        stdout(&report)
+    );
+    assert!(
+        stderr(&report).contains("skipping cache entry")
+            && stderr(&report).contains("measurement.json is not listed"),
+        "{}",
+        stderr(&report)
+    );
+
+    assert!(sandbox.run(&["run", "-q", pipeline]).status.success());
+    let record = sandbox.last_record();
+    assert_eq!(attnbench_tests::node(&record, "a[size=2k]")["status"], "ok");
+    assert!(!artifact_of(&record, "a[size=2k]")
+        .join("measurement.json")
+        .exists());
+}
+
+/// Hashing streams: checking an entry with a 512 MiB file does not hold it in memory.
+#[test]
+fn verifying_a_large_entry_does_not_read_it_into_memory() {
+    let sandbox = Sandbox::new();
+    let pipeline = sandbox.write("chain.yaml", CHAIN);
+    assert!(sandbox
+        .run(&["run", "-q", pipeline.to_str().unwrap()])
+        .status
+        .success());
+    let artifact = artifact_of(&sandbox.last_record(), "a[size=1k]");
+    let big = std::fs::File::create(artifact.join("big.bin")).unwrap();
+    big.set_len(512 << 20).unwrap();
+    let entry_json = artifact.parent().unwrap().join("entry.json");
+    let mut meta: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&entry_json).unwrap()).unwrap();
+    // Listed, with a digest that does not match: the whole file is hashed before that is known.
+    meta["files"]["big.bin"] = "0".repeat(64).into();
+    std::fs::write(&entry_json, meta.to_string()).unwrap();
+
+    // Reaped by wait4 below, which also reports its peak memory.
+    #[allow(clippy::zombie_processes)]
+    let child = sandbox
+        .command(&["cache", "verify"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut status = 0;
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // wait4 gives this child's own peak memory, whatever other tests' children use.
+    let waited = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
+    assert_eq!(waited, child.id() as i32);
+    let peak_mib = usage.ru_maxrss / 1024;
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut child.stdout.unwrap(), &mut text).unwrap();
+    assert!(text.contains("big.bin does not match its digest"), "{text}");
+    assert!(
+        peak_mib < 128,
+        "cache verify peaked at {peak_mib} MiB for a 512 MiB file"
+    );
 }

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
-use attnbench_runtime::cache::{copy_tree, Cache};
+use attnbench_runtime::cache::{copy_tree, is_key, live_keys, Cache};
 use attnbench_runtime::record::{run_dirs, RunRecord};
 use clap::Subcommand;
 
@@ -21,7 +21,10 @@ pub enum CacheCommand {
         #[arg(long)]
         repair: bool,
     },
-    /// Remove entries that the latest run of every pipeline did not use, and leftovers of killed runs.
+    /// Remove entries that no pipeline's latest runs need, and leftovers of killed runs
+    ///
+    /// Kept: what each pipeline's runs named, back to its newest run that did every node, and
+    /// what an unfinished run (stopped, out of time budget, killed) may need when resumed.
     Gc {
         /// Remove every entry.
         #[arg(long)]
@@ -42,8 +45,11 @@ pub enum CacheCommand {
     },
     /// Add the entries and run records of other caches or exports to this one
     ///
-    /// Every entry's digests and key are checked; entries this cache already has are left as
-    /// they are.
+    /// Everything is copied into a staging folder and checked there first — every entry's
+    /// digests and key, every run record — links and special files are refused, and only then
+    /// is anything moved in; if anything fails, nothing is imported. Entries this cache already
+    /// has are left as they are. An export is trusted input: its digests prove it arrived as it
+    /// was made, not who made it, so import only exports from people and machines you trust.
     Import {
         #[arg(required = true, value_name = "DIR")]
         dirs: Vec<PathBuf>,
@@ -84,7 +90,19 @@ pub fn run(command: CacheCommand, cache: &Cache) -> Result<ExitCode> {
             let entries = cache.entries();
             let mut bad = 0;
             for (path, _) in &entries {
-                if let Err(reason) = cache.verify_dir(path) {
+                // A failure seen while a run replaces the entry (`--force`) is not corruption:
+                // only a check under the key's lock, where no commit is under way, counts.
+                let recheck = |reason: String| {
+                    let key = path
+                        .file_name()
+                        .and_then(|n| n.to_str())
+                        .unwrap_or_default();
+                    match is_key(key).then(|| cache.lock_key(key)) {
+                        Some(Ok(_lock)) => cache.verify_dir(path).map(|_| ()),
+                        _ => Err(reason),
+                    }
+                };
+                if let Err(reason) = cache.verify_dir(path).map(|_| ()).or_else(recheck) {
                     bad += 1;
                     println!("corrupted {}: {reason}", display_path(path));
                     if repair {
@@ -111,23 +129,33 @@ pub fn run(command: CacheCommand, cache: &Cache) -> Result<ExitCode> {
         CacheCommand::Import { dirs } => import(cache, &dirs),
         CacheCommand::Gc { all, dry_run } => {
             let _store = cache.lock_store(true)?;
+            let entries = cache.entries();
             let mut keep = HashSet::new();
             if !all {
-                let mut seen = HashSet::new();
+                let mut records = Vec::new();
                 for dir in run_dirs(&cache.runs_dir()) {
-                    let Ok(record) = RunRecord::read(&dir) else {
-                        continue;
-                    };
-                    if seen.insert(record.pipeline.clone()) {
-                        keep.extend(record.nodes.into_iter().filter_map(|n| n.key));
-                    }
+                    // An unreadable record might be the one naming what a resumed run needs.
+                    let record = RunRecord::read(&dir).map_err(|err| {
+                        anyhow::anyhow!(
+                            "{err}; gc cannot tell what that run needs: fix or remove {}, or use `cache gc --all`",
+                            display_path(&dir)
+                        )
+                    })?;
+                    records.push(record);
                 }
+                let metas: Vec<_> = entries
+                    .iter()
+                    .filter_map(|(_, meta)| meta.as_ref().ok().cloned())
+                    .collect();
+                keep = live_keys(&records, &metas);
             }
             let mut removed = 0;
+            let mut kept = 0;
             let mut freed = 0u64;
-            for (path, meta) in cache.entries() {
+            for (path, meta) in entries {
                 let key = meta.as_ref().map(|m| m.key.clone()).unwrap_or_default();
                 if keep.contains(&key) {
+                    kept += 1;
                     continue;
                 }
                 removed += 1;
@@ -157,7 +185,7 @@ pub fn run(command: CacheCommand, cache: &Cache) -> Result<ExitCode> {
             println!(
                 "{verb} {removed} entries ({}); kept {}",
                 human_bytes(freed),
-                keep.len()
+                kept
             );
             Ok(ExitCode::SUCCESS)
         }
@@ -191,13 +219,27 @@ fn export(cache: &Cache, dir: &Path, ids: &[String]) -> Result<ExitCode> {
     let mut keys = HashSet::new();
     for run in &runs {
         let record = RunRecord::read(run).map_err(anyhow::Error::msg)?;
-        keys.extend(record.nodes.into_iter().filter_map(|n| n.key));
+        for node in record.nodes {
+            match node.key {
+                Some(key) if is_key(&key) => {
+                    keys.insert(key);
+                }
+                Some(key) => bail!(
+                    "{}: node `{}` has key `{key}`, not 64 hex digits; that record is damaged",
+                    display_path(&run.join("run.json")),
+                    node.id
+                ),
+                None => {}
+            }
+        }
     }
     let target = Cache::open(dir).with_context(|| display_path(dir))?;
     let mut copied = 0;
     for key in &keys {
         let entry = cache.entry_dir(key);
         if entry.exists() {
+            // Checked and copied without following links, so an export carries only what the
+            // entry was committed with.
             target
                 .adopt(&entry)
                 .map_err(|reason| anyhow::anyhow!("{}: {reason}", display_path(&entry)))?;
@@ -213,8 +255,6 @@ fn export(cache: &Cache, dir: &Path, ids: &[String]) -> Result<ExitCode> {
 }
 
 fn import(cache: &Cache, dirs: &[PathBuf]) -> Result<ExitCode> {
-    let _store = cache.lock_store(false)?;
-    let (mut added, mut present, mut rejected, mut recorded) = (0, 0, 0, 0);
     for dir in dirs {
         if !dir.join("cache").is_dir() {
             bail!(
@@ -222,31 +262,40 @@ fn import(cache: &Cache, dirs: &[PathBuf]) -> Result<ExitCode> {
                 display_path(dir)
             );
         }
-        // Read in place: importing must not write into the source.
-        let source = Cache {
-            root: dir.canonicalize().with_context(|| display_path(dir))?,
-        };
-        for (path, _) in source.entries() {
-            match cache.adopt(&path) {
-                Ok(true) => added += 1,
-                Ok(false) => present += 1,
-                Err(reason) => {
-                    rejected += 1;
-                    println!("rejected {}: {reason}", display_path(&path));
-                }
-            }
-        }
-        recorded += copy_runs(&run_dirs(&source.runs_dir()), cache)?;
     }
-    println!(
-        "imported {added} entries ({present} already here, {rejected} rejected) and {recorded} run records into {}",
-        display_path(&cache.root)
-    );
-    Ok(if rejected > 0 {
-        ExitCode::from(1)
-    } else {
-        ExitCode::SUCCESS
-    })
+    let _store = cache.lock_store(false)?;
+    match attnbench_runtime::cache::import(cache, dirs) {
+        Ok(imported) => {
+            println!(
+                "imported {} entries ({} already here) and {} run records into {}",
+                imported.added,
+                imported.present,
+                imported.runs,
+                display_path(&cache.root)
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(failed) => {
+            for problem in &failed.problems {
+                println!("rejected {problem}");
+            }
+            let count = failed.problems.len();
+            let plural = if count == 1 { "" } else { "s" };
+            if failed.placed == 0 {
+                println!(
+                    "imported nothing: {count} problem{plural} found; {} is unchanged (fix them at the source: `attnbench --cache DIR cache verify --repair` removes damaged entries)",
+                    display_path(&cache.root)
+                );
+            } else {
+                println!(
+                    "every check passed, but moving into {} failed after {} entries and run records were in: {count} problem{plural}",
+                    display_path(&cache.root),
+                    failed.placed
+                );
+            }
+            Ok(ExitCode::from(1))
+        }
+    }
 }
 
 /// Copies run records that `target` does not have, pointing their nodes at `target`'s entries.
@@ -258,7 +307,7 @@ fn copy_runs(runs: &[PathBuf], target: &Cache) -> Result<usize> {
         if destination.exists() {
             continue;
         }
-        copy_tree(run, &destination).with_context(|| display_path(&destination))?;
+        copy_tree(run, &destination).map_err(anyhow::Error::msg)?;
         let mut record = RunRecord::read(&destination).map_err(anyhow::Error::msg)?;
         for node in &mut record.nodes {
             node.artifact = node

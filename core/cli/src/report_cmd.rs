@@ -122,6 +122,11 @@ fn collect(path: &Path, found: &mut Vec<Found>) -> Result<()> {
             let Some(artifact) = node.artifact else {
                 continue;
             };
+            if let Some(entry) = artifact.parent().filter(|e| e.join("entry.json").exists()) {
+                if !entry_is_valid(entry) {
+                    continue;
+                }
+            }
             if let Some(item) = read_artifact(&artifact, &node.id, &node.uses, node.params)? {
                 found.push(item);
             }
@@ -134,10 +139,38 @@ fn collect(path: &Path, found: &mut Vec<Found>) -> Result<()> {
             path.display()
         );
     }
+    // Given an entry's `files/` itself: the entry is checked as if walked into.
+    if let Some(entry) = path
+        .parent()
+        .filter(|e| path.ends_with("files") && e.join("entry.json").exists())
+    {
+        if !entry_is_valid(entry) {
+            return Ok(());
+        }
+    }
     walk(path, found)
 }
 
+/// Whether the cache entry at `dir` holds exactly what it was committed with; a measurement in an
+/// entry that fails (a damaged file, or one added to it afterwards) is not reported. Says why on
+/// stderr.
+fn entry_is_valid(dir: &Path) -> bool {
+    match attnbench_runtime::cache::verify_entry(dir) {
+        Ok(_) => true,
+        Err(reason) => {
+            eprintln!(
+                "skipping cache entry {}: {reason} (`attnbench cache verify` lists such entries)",
+                dir.display()
+            );
+            false
+        }
+    }
+}
+
 fn walk(dir: &Path, found: &mut Vec<Found>) -> Result<()> {
+    if dir.join("entry.json").exists() && !entry_is_valid(dir) {
+        return Ok(());
+    }
     let node = dir
         .file_name()
         .map(|name| name.to_string_lossy().into_owned())

@@ -5,7 +5,21 @@
 //! `result.json` and `entry.json` (key parts, digests). An entry appears by renaming a complete
 //! staging directory from `tmp/`, so it is either whole or absent; a killed run leaves only
 //! `tmp/` debris, which `cache gc` removes. Reads re-hash the files, so a corrupted entry is
-//! noticed and recomputed instead of trusted.
+//! noticed and recomputed instead of trusted; a file in an entry that its metadata does not list
+//! makes the entry invalid too, since nothing vouches for it.
+
+mod gc;
+mod import;
+mod lock;
+mod tree;
+mod verify;
+
+pub use gc::live_keys;
+pub use import::{import, ImportFailed, Imported};
+use lock::exchange;
+pub use lock::KeyLock;
+pub use tree::{copy_tree, is_key};
+pub use verify::verify_entry;
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -125,7 +139,9 @@ pub struct Entry {
 pub enum Lookup {
     Hit(Box<Entry>),
     Miss,
-    /// The entry exists but does not match its digests; it has been removed.
+    /// The entry exists but does not match its metadata, checked again under the key's lock;
+    /// it has been removed (or, if that lock could not be taken, left for the recompute to
+    /// replace).
     Corrupted(String),
 }
 
@@ -184,18 +200,42 @@ impl Cache {
         lock_file(&self.root.join("store.lock"), exclusive)
     }
 
-    /// Held while one node is computed, so two runs never compute the same key at once: the
-    /// second waits and then finds the entry.
-    pub fn lock_key(&self, key: &str) -> Result<File, CacheError> {
-        lock_file(&self.root.join("locks").join(format!("{key}.lock")), true)
+    /// Held while one node is computed or an entry is placed, so two runs never compute the
+    /// same key at once (the second waits and then finds the entry) and a reader can settle
+    /// whether an entry is really corrupted.
+    pub fn lock_key(&self, key: &str) -> Result<KeyLock, CacheError> {
+        let file = lock_file(&self.root.join("locks").join(format!("{key}.lock")), true)?;
+        Ok(KeyLock::new(file, key))
     }
 
+    /// The verified entry of `key`. A reader outside the key lock may catch an entry while a
+    /// forced run replaces it, so a failed check is only believed, and the entry only
+    /// discarded, when it fails again under the lock, where no commit can be under way.
     pub fn lookup(&self, key: &str) -> Lookup {
+        if !is_key(key) {
+            return Lookup::Miss;
+        }
         let dir = self.entry_dir(key);
         if !dir.exists() {
             return Lookup::Miss;
         }
-        match self.verify_dir(&dir) {
+        let first = match verify_entry(&dir) {
+            Ok(entry) => return Lookup::Hit(Box::new(entry)),
+            Err(reason) => reason,
+        };
+        let _lock = if KeyLock::held_here(key) {
+            None
+        } else {
+            match self.lock_key(key) {
+                Ok(lock) => Some(lock),
+                // Unprovable without the lock: recomputing is safe, discarding is not.
+                Err(_) => return Lookup::Corrupted(first),
+            }
+        };
+        if !dir.exists() {
+            return Lookup::Miss;
+        }
+        match verify_entry(&dir) {
             Ok(entry) => Lookup::Hit(Box::new(entry)),
             Err(reason) => {
                 self.discard(&dir);
@@ -206,30 +246,7 @@ impl Cache {
 
     /// Reads an entry and checks every digest; `Err` says what does not match.
     pub fn verify_dir(&self, dir: &Path) -> Result<Entry, String> {
-        let meta_text =
-            std::fs::read(dir.join("entry.json")).map_err(|err| format!("entry.json: {err}"))?;
-        let meta: EntryMeta =
-            serde_json::from_slice(&meta_text).map_err(|err| format!("entry.json: {err}"))?;
-        let result_bytes =
-            std::fs::read(dir.join("result.json")).map_err(|err| format!("result.json: {err}"))?;
-        if blake3::hash(&result_bytes).to_hex().as_str() != meta.result_digest {
-            return Err("result.json does not match its digest".into());
-        }
-        let files_dir = dir.join("files");
-        for (relative, digest) in &meta.files {
-            let bytes = std::fs::read(files_dir.join(relative))
-                .map_err(|err| format!("files/{relative}: {err}"))?;
-            if blake3::hash(&bytes).to_hex().as_str() != digest {
-                return Err(format!("files/{relative} does not match its digest"));
-            }
-        }
-        let result =
-            serde_json::from_slice(&result_bytes).map_err(|err| format!("result.json: {err}"))?;
-        Ok(Entry {
-            meta,
-            files_dir,
-            result,
-        })
+        verify_entry(dir)
     }
 
     /// Removes an entry (renamed away first, so readers never see it half-deleted).
@@ -267,7 +284,15 @@ impl Cache {
         let files_dir = staging.files_dir();
         let mut files = BTreeMap::new();
         let mut bytes = 0u64;
-        hash_tree(&files_dir, &files_dir, &mut files, &mut bytes).map_err(io(&files_dir))?;
+        let written = tree::regular_files(&files_dir).map_err(|reason| CacheError::Entry {
+            path: files_dir.clone(),
+            reason: format!("{reason}; a stage's output must be regular files and folders"),
+        })?;
+        for (relative, path) in written {
+            let (digest, length) = tree::hash_file(&path).map_err(io(&path))?;
+            bytes += length;
+            files.insert(relative, digest);
+        }
         let result_bytes = serde_json::to_vec_pretty(result).unwrap_or_default();
         let result_digest = blake3::hash(&result_bytes).to_hex().to_string();
         let output_digest = output_digest(&result_digest, &files);
@@ -293,19 +318,7 @@ impl Cache {
         if let Some(parent) = target.parent() {
             std::fs::create_dir_all(parent).map_err(io(parent))?;
         }
-        if target.exists() {
-            // Replaced on purpose (`--force`) or after corruption: move the old one away first.
-            self.discard(&target);
-        }
-        if let Err(err) = std::fs::rename(&staging.dir, &target) {
-            if !target.exists() {
-                return Err(CacheError::Io {
-                    path: target,
-                    source: err,
-                });
-            }
-            // Another run committed the same key first; its entry is equally valid.
-        }
+        self.place(&staging.dir, &target).map_err(io(&target))?;
         drop(staging);
         self.verify_dir(&target)
             .map_err(|reason| CacheError::Entry {
@@ -314,37 +327,47 @@ impl Cache {
             })
     }
 
-    /// Adds the entry at `dir`, taken from another cache (one copied back from another machine,
-    /// or an export), after checking every digest and that it is filed under the key its parts
-    /// hash to. `Ok(false)`: this cache has that key already.
-    pub fn adopt(&self, dir: &Path) -> Result<bool, String> {
-        let entry = self.verify_dir(dir)?;
-        let key = entry.meta.key;
-        if entry.meta.key_parts.key() != key
-            || dir.file_name().and_then(|n| n.to_str()) != Some(key.as_str())
-        {
-            return Err("filed under a key that its key parts do not hash to".into());
+    /// Moves the complete entry at `staged` to `target` in one step. An entry already there
+    /// (`--force`, or a corrupted one being recomputed) is exchanged with it atomically, so a
+    /// reader sees the old entry or the new one, never neither; the old one is left at `staged`
+    /// for its owner to remove. The caller holds the key's lock.
+    fn place(&self, staged: &Path, target: &Path) -> std::io::Result<()> {
+        match std::fs::rename(staged, target) {
+            Ok(()) => return Ok(()),
+            Err(_) if target.exists() => {}
+            Err(err) => return Err(err),
         }
+        if exchange(staged, target).is_ok() {
+            return Ok(());
+        }
+        // A file system without atomic exchange: readers may briefly find no entry and wait
+        // for the key lock, which is held until the new one is in place.
+        self.discard(target);
+        std::fs::rename(staged, target)
+    }
+
+    /// Adds the entry at `dir`, taken from this cache for an export, after checking it (see
+    /// [`verify_entry`]) and copying it without following links. `Ok(false)`: this cache has
+    /// that key already.
+    pub fn adopt(&self, dir: &Path) -> Result<bool, String> {
+        let key = verify_entry(dir)?.meta.key;
         let target = self.entry_dir(&key);
         if target.exists() {
             return Ok(false);
         }
-        let staging = self
-            .root
-            .join("tmp")
-            .join(format!("adopt-{}", unique_suffix()));
-        let copied = copy_tree(dir, &staging).and_then(|_| {
-            std::fs::create_dir_all(target.parent().unwrap_or(&self.root))?;
-            std::fs::rename(&staging, &target)
-        });
-        if let Err(err) = copied {
-            let _ = std::fs::remove_dir_all(&staging);
-            if !target.exists() {
-                return Err(format!("cannot copy it into {}: {err}", target.display()));
-            }
-            // Another process adopted or computed the same key first; its entry is as good.
+        let staging = self.staging_dir("adopt").map_err(|err| err.to_string())?;
+        let staged = staging.dir.join(&key);
+        copy_tree(dir, &staged)?;
+        // The copy is what goes in, so the copy is what is checked.
+        verify_entry(&staged)?;
+        let _lock = self.lock_key(&key).map_err(|err| err.to_string())?;
+        if target.exists() {
+            return Ok(false);
         }
-        self.verify_dir(&target).map(|_| true)
+        std::fs::create_dir_all(target.parent().unwrap_or(&self.root))
+            .and_then(|_| std::fs::rename(&staged, &target))
+            .map_err(|err| format!("cannot move it into {}: {err}", target.display()))?;
+        Ok(true)
     }
 
     /// The keys of all entries, from directory listings alone: cheaper than probing each key
@@ -420,46 +443,7 @@ fn output_digest(result_digest: &str, files: &BTreeMap<String, String>) -> Strin
     hasher.finalize().to_hex().to_string()
 }
 
-fn hash_tree(
-    base: &Path,
-    dir: &Path,
-    files: &mut BTreeMap<String, String>,
-    bytes: &mut u64,
-) -> std::io::Result<()> {
-    for entry in std::fs::read_dir(dir)? {
-        let path = entry?.path();
-        if path.is_dir() {
-            hash_tree(base, &path, files, bytes)?;
-        } else {
-            let content = std::fs::read(&path)?;
-            *bytes += content.len() as u64;
-            let relative = path
-                .strip_prefix(base)
-                .unwrap_or(&path)
-                .to_string_lossy()
-                .replace('\\', "/");
-            files.insert(relative, blake3::hash(&content).to_hex().to_string());
-        }
-    }
-    Ok(())
-}
-
 /// A name part unique across processes and calls.
-/// Copies the directory tree `from` to `to` (created).
-pub fn copy_tree(from: &Path, to: &Path) -> std::io::Result<()> {
-    std::fs::create_dir_all(to)?;
-    for entry in std::fs::read_dir(from)? {
-        let entry = entry?;
-        let target = to.join(entry.file_name());
-        if entry.file_type()?.is_dir() {
-            copy_tree(&entry.path(), &target)?;
-        } else {
-            std::fs::copy(entry.path(), &target)?;
-        }
-    }
-    Ok(())
-}
-
 pub fn unique_suffix() -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -475,51 +459,4 @@ pub fn unique_suffix() -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-
-    fn parts(seqlen: u64) -> KeyParts {
-        KeyParts {
-            plugin: "p".into(),
-            plugin_version: "1".into(),
-            library_hash: "h".into(),
-            stage: "s".into(),
-            params: canonical(&json!({"seqlen": seqlen, "kernel": "k"})),
-            seed: 0,
-            inputs: vec![],
-            files: BTreeMap::new(),
-            backends: BTreeMap::new(),
-            environment: None,
-        }
-    }
-
-    #[test]
-    fn keys_ignore_param_order_but_not_values() {
-        let a = parts(1024);
-        let mut b = parts(1024);
-        b.params = canonical(&json!({"kernel": "k", "seqlen": 1024}));
-        assert_eq!(a.key(), b.key());
-        assert_ne!(a.key(), parts(2048).key());
-    }
-
-    #[test]
-    fn commit_then_lookup_and_detect_corruption() {
-        let root = tempfile::tempdir().unwrap();
-        let cache = Cache::open(root.path()).unwrap();
-        let staging = cache.staging().unwrap();
-        std::fs::write(staging.files_dir().join("data.bin"), b"payload").unwrap();
-        let entry = cache
-            .commit(staging, parts(1), "n", "p/s", &json!({"ok": 1}), 0.1)
-            .unwrap();
-        assert_eq!(entry.result, json!({"ok": 1}));
-        let key = parts(1).key();
-        assert!(matches!(cache.lookup(&key), Lookup::Hit(_)));
-        std::fs::write(cache.entry_dir(&key).join("files/data.bin"), b"tampered").unwrap();
-        match cache.lookup(&key) {
-            Lookup::Corrupted(reason) => assert!(reason.contains("data.bin"), "{reason}"),
-            _ => panic!("corruption not detected"),
-        }
-        assert!(matches!(cache.lookup(&key), Lookup::Miss));
-    }
-}
+mod tests;
