@@ -202,3 +202,193 @@ fn a_matrix_key_shared_with_the_upstream_stage_pairs_equal_values_only() {
     assert_eq!(text.matches("b[").count(), 4, "{text}");
     assert!(!text.contains("size=3"), "{text}");
 }
+
+/// Like [`refused`], for input the old code choked on: `plan` under a 4 GiB address-space limit
+/// and a deadline, so that a regression fails the test instead of the machine.
+fn refused_quickly(sandbox: &Sandbox, args: &[&str]) -> String {
+    use std::os::unix::process::CommandExt;
+    let mut command = sandbox.command(args);
+    command
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        command.pre_exec(|| {
+            let limit = libc::rlimit {
+                rlim_cur: 4 << 30,
+                rlim_max: 4 << 30,
+            };
+            libc::setrlimit(libc::RLIMIT_AS, &limit);
+            Ok(())
+        });
+    }
+    let mut child = command.spawn().expect("attnbench starts");
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for attnbench") {
+            break status;
+        }
+        if start.elapsed() > std::time::Duration::from_secs(20) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("attnbench {args:?} was still running after 20 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut text)
+        .expect("stderr is text");
+    assert_eq!(status.code(), Some(2), "refusals exit 2:\n{text}");
+    assert_eq!(text.trim_end().lines().count(), 1, "one line:\n{text}");
+    text
+}
+
+#[test]
+fn duplicate_keys_are_refused_at_every_level() {
+    // The second `stages:` used to replace the first: `a` silently vanished.
+    let text = refused(
+        "stages:\n  a:\n    uses: testkit/echo\nname: twice\nstages:\n  b:\n    uses: testkit/echo\n",
+        &[],
+    );
+    assert!(
+        text.contains("p.yaml:5:1: duplicate key `stages` (first at line 1, column 1)"),
+        "{text}"
+    );
+    let text = refused(
+        "stages:\n  a:\n    uses: testkit/echo\n    with:\n      value: 1\n      sleep_ms: 0\n      value: 2\n",
+        &[],
+    );
+    assert!(
+        text.contains(
+            "p.yaml:7:7: duplicate key `stages.a.with.value` (first at line 5, column 7)"
+        ),
+        "{text}"
+    );
+    let text = refused(
+        "stages:\n  a:\n    uses: testkit/echo\n",
+        &["--set", "stages.a.with={value: 1, value: 2}"],
+    );
+    assert!(
+        text.contains("--set stages.a.with={value: 1, value: 2}: duplicate key `value`"),
+        "{text}"
+    );
+}
+
+#[test]
+fn file_parameters_must_be_bounded_regular_files() {
+    let sandbox = Sandbox::new();
+    let fifo = sandbox.path().join("fifo.json");
+    let name = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: `name` is a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
+    // /dev/zero was read until memory ran out; a FIFO without a writer hung `plan`.
+    for (file, kind) in [("/dev/zero", "a character device"), ("fifo.json", "a FIFO")] {
+        sandbox.write(
+            "p.yaml",
+            &format!("stages:\n  m:\n    uses: masks/generate\n    with: {{mask: causal, seqlen: 1k, distribution: {file}}}\n"),
+        );
+        let text = refused_quickly(&sandbox, &["plan", "p.yaml"]);
+        assert!(text.starts_with("p.yaml:4:"), "{text}");
+        assert!(text.contains(&format!("{file} is {kind}")), "{text}");
+        assert!(text.contains("must name a regular file"), "{text}");
+    }
+    // Above the limit: refused from its size, without reading it.
+    let big = std::fs::File::create(sandbox.path().join("big.json")).unwrap();
+    big.set_len((1 << 30) + 1).unwrap();
+    sandbox.write(
+        "p.yaml",
+        "stages:\n  m:\n    uses: masks/generate\n    with: {mask: causal, seqlen: 1k, distribution: big.json}\n",
+    );
+    let text = refused_quickly(&sandbox, &["plan", "p.yaml"]);
+    assert!(
+        text.contains("big.json is 1.0 GiB, more than the limit of 1 GiB for a `file` parameter"),
+        "{text}"
+    );
+    // The pipeline file itself.
+    let text = refused_quickly(&sandbox, &["plan", "/dev/zero"]);
+    assert!(
+        text.contains("cannot read pipeline /dev/zero: it is a character device"),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_matrix_past_the_node_limit_is_refused_before_it_is_expanded() {
+    // A 70 KB file of 10⁷ nodes grew past 7.5 GB before it aborted.
+    let sizes: Vec<String> = (1..=1000).map(|n| n.to_string()).collect();
+    let values: Vec<String> = (1..=10_000).map(|n| n.to_string()).collect();
+    let sandbox = Sandbox::new();
+    sandbox.write(
+        "p.yaml",
+        &format!(
+            "stages:\n  grid:\n    uses: testkit/echo\n    matrix:\n      size: [{}]\n      value: [{}]\n",
+            sizes.join(", "),
+            values.join(", ")
+        ),
+    );
+    let start = std::time::Instant::now();
+    let text = refused_quickly(&sandbox, &["plan", "p.yaml"]);
+    assert!(
+        text.contains("p.yaml:4:5: the matrix of stage `grid` has 10,000,000 nodes (size: 1000 × value: 10000), more than the limit of 1,000,000 nodes per plan"),
+        "{text}"
+    );
+    assert!(start.elapsed().as_secs_f64() < 5.0, "{:?}", start.elapsed());
+}
+
+#[test]
+fn absurd_numbers_are_refused_with_the_allowed_range() {
+    // 1e300 panicked with a backtrace; 1e-12 became a zero timeout; 30 days overflowed nothing
+    // here but is no timeout anyone means.
+    for (timeout, shown) in [
+        ("1e300", "1e+300"),
+        ("1e-12", "1e-12"),
+        ("30days", "30days"),
+        ("-5", "-5"),
+    ] {
+        let text = refused(
+            &format!("stages:\n  a:\n    uses: testkit/echo\n    timeout: {timeout}\n"),
+            &[],
+        );
+        assert!(
+            text.contains(&format!(
+                "p.yaml:4:14: `timeout: {shown}` is outside the allowed range 1ms to 7days"
+            )),
+            "{text}"
+        );
+        assert!(!text.contains("panicked"), "{text}");
+    }
+    let text = refused(
+        "stages:\n  a:\n    uses: testkit/echo\n    with: {size: 18446744073709551615}\n",
+        &[],
+    );
+    assert!(
+        text.contains("p.yaml:4:18: parameter `size`: `18446744073709551615` is too large: sizes may be at most 2^53"),
+        "{text}"
+    );
+}
+
+/// Numbers past what the machine can represent are refused or mean "no limit", never a panic.
+#[test]
+fn absurd_command_line_numbers_do_not_panic() {
+    let sandbox = Sandbox::new();
+    sandbox.write(
+        "p.yaml",
+        "stages:\n  a:\n    uses: testkit/echo\n    with: {value: 1}\n",
+    );
+    let run = sandbox.run(&["run", "p.yaml", "-q", "--time-budget", "100000000years"]);
+    assert!(run.status.success(), "{}", stderr(&run));
+    let show = sandbox.run(&[
+        "mask",
+        "show",
+        "--mask",
+        "causal",
+        "--seqlen",
+        "4294967295",
+        "--heads-q",
+        "64",
+    ]);
+    assert!(!show.status.success(), "{}", stderr(&show));
+    let text = stderr(&show);
+    assert!(text.contains("do not fit in 64 bits"), "{text}");
+    assert!(!text.contains("panicked"), "{text}");
+}

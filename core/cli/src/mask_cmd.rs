@@ -83,7 +83,15 @@ pub fn run(command: MaskCommand, plugin_dirs: &[PathBuf]) -> Result<ExitCode> {
         .call("generate", &given, args.seed, output.path(), Vec::new())
         .map_err(|err| anyhow!("{err}"))?;
     let set = MaskSet::load(output.path()).map_err(|err| anyhow!("{err}"))?;
-    let flops = set.flops(args.heads_q, args.heads_kv, args.head_dim);
+    let flops = set
+        .checked_flops(args.heads_q, args.heads_kv, args.head_dim)
+        .ok_or_else(|| {
+            anyhow!(
+                "the FLOPs of this mask with {} query heads of dimension {} do not fit in 64 bits; use fewer tokens or heads",
+                args.heads_q,
+                args.head_dim
+            )
+        })?;
     if let Some(path) = &args.png {
         draw_png(&set.masks[0], path)
             .with_context(|| format!("cannot write {}", path.display()))?;

@@ -16,7 +16,7 @@ pub enum NodeState {
     /// A cache entry exists for the node's key.
     Cached { meta: Box<EntryMeta> },
     /// The node's key is known and has no entry.
-    ToRun { parts: Box<KeyParts> },
+    ToRun { key: String },
     /// An input will run first, so the key is not known yet.
     AfterInputs { waiting_for: Vec<usize> },
 }
@@ -62,9 +62,7 @@ pub fn node_states(plan: &Plan, cache: &Cache) -> Vec<NodeState> {
             Some(meta) => NodeState::Cached {
                 meta: Box::new(meta),
             },
-            None => NodeState::ToRun {
-                parts: Box::new(parts),
-            },
+            None => NodeState::ToRun { key },
         });
     }
     states
@@ -137,11 +135,28 @@ pub fn explain(plan: &Plan, cache: &Cache, node: &str) -> Result<String, String>
                 }
             }
         }
-        NodeState::ToRun { parts } => {
+        NodeState::ToRun { key } => {
             lines.push(format!(
                 "`{id}` will run: no cached result has its key {}.",
-                &parts.key()[..16]
+                &key[..16]
             ));
+            let inputs = plan.nodes[index]
+                .inputs
+                .iter()
+                .filter_map(|&input| match &states[input] {
+                    NodeState::Cached { meta } => Some(crate::cache::InputDigest {
+                        node: plan.nodes[input].id.clone(),
+                        digest: meta.output_digest.clone(),
+                    }),
+                    _ => None,
+                })
+                .collect();
+            let parts = &key_parts(
+                plan,
+                index,
+                inputs,
+                &crate::cache::environment_fingerprint(&Environment::detect()),
+            );
             match &previous {
                 None => lines.push("  it has not run before in this cache".into()),
                 Some((run, old)) => {

@@ -15,6 +15,10 @@ use crate::diagnostic::{suggestion, Diagnostic, Origin};
 use crate::plugin::{Plugin, Registry};
 use crate::spans::SpanIndex;
 
+pub(crate) mod limits;
+
+pub use limits::{MAX_FILE_BYTES, MAX_NODES, MAX_PIPELINE_BYTES, MAX_TIMEOUT, MIN_TIMEOUT};
+
 const TOP_KEYS: [&str; 5] = ["name", "description", "seed", "defaults", "stages"];
 const STAGE_KEYS: [&str; 6] = ["uses", "with", "needs", "matrix", "timeout", "description"];
 
@@ -68,6 +72,8 @@ pub struct Stage {
     /// Indices of stages whose every node is an input of each node of this stage.
     pub collect: Vec<usize>,
     pub timeout: Option<Duration>,
+    /// Where the stage is defined, for problems found after validation (while expanding).
+    pub origin: Origin,
 }
 
 impl Stage {
@@ -144,7 +150,7 @@ pub fn load(
     overrides: &[String],
     registry: &Registry,
 ) -> Result<Pipeline, PipelineError> {
-    let text = std::fs::read_to_string(file).map_err(|source| PipelineError::Read {
+    let text = limits::read_pipeline(file).map_err(|source| PipelineError::Read {
         path: file.to_path_buf(),
         source,
     })?;
@@ -177,6 +183,10 @@ pub fn parse(
             .hint("check the indentation and quoting around this place")]));
         }
     };
+    let spans = SpanIndex::build(text);
+    if !spans.duplicates().is_empty() {
+        return Err(PipelineError::Invalid(limits::duplicate_keys(file, &spans)));
+    }
     let mut applied = BTreeMap::new();
     let mut problems = Vec::new();
     for option in overrides {
@@ -195,7 +205,7 @@ pub fn parse(
     }
     let mut checker = Checker {
         file: file.to_path_buf(),
-        spans: SpanIndex::build(text),
+        spans,
         overrides: applied,
         registry,
         problems,
@@ -230,6 +240,15 @@ fn apply_override(document: &mut Value, option: &str) -> Result<String, Diagnost
             ),
         )
     })?;
+    if let Some(duplicate) = SpanIndex::build(raw).duplicates().first() {
+        return Err(Diagnostic::new(
+            origin,
+            format!(
+                "duplicate key `{}` in the value; YAML would keep only the last one",
+                duplicate.path
+            ),
+        ));
+    }
     let segments: Vec<&str> = key.split('.').collect();
     if segments.iter().any(|segment| segment.is_empty()) {
         return Err(
@@ -568,7 +587,11 @@ fn check_stage(
     let mut params = Map::new();
     for param in &spec.params {
         if let Some(value) = defaults.get(&param.name) {
-            match param.ty.coerce(value) {
+            match param
+                .ty
+                .coerce(value)
+                .and_then(|value| limits::check_number(param, &value).map(|()| value))
+            {
                 Ok(value) => {
                     params.insert(param.name.clone(), canonical(&value));
                 }
@@ -607,9 +630,12 @@ fn check_stage(
             continue;
         };
         match param.ty.coerce(value) {
-            Ok(value) => {
-                params.insert(key.clone(), canonical(&value));
-            }
+            Ok(value) => match limits::check_number(param, &value) {
+                Ok(()) => {
+                    params.insert(key.clone(), canonical(&value));
+                }
+                Err(err) => checker.at_value(&at, format!("parameter `{key}`: {err}"), None),
+            },
             Err(err) => checker.at_value(
                 &at,
                 format!("parameter `{key}`: {err}"),
@@ -622,6 +648,11 @@ fn check_stage(
     match map.get("matrix") {
         None => {}
         Some(Value::Object(raw_matrix)) => {
+            // Before anything is coerced: a 70 KB file can spell out a matrix of 10⁷ nodes.
+            if let Err(err) = limits::matrix_size(stage_name, raw_matrix) {
+                checker.at_key(&["stages", stage_name, "matrix"], err, None);
+                return None;
+            }
             for (key, values) in raw_matrix {
                 let at = ["stages", stage_name, "matrix", key.as_str()];
                 let Some(param) = spec.find_param(key) else {
@@ -652,16 +683,23 @@ fn check_stage(
                     continue;
                 }
                 let mut coerced: Vec<Value> = Vec::with_capacity(values.len());
+                // By their JSON text: a linear scan per value made 20,000 values take seconds.
+                let mut seen = std::collections::HashSet::with_capacity(values.len());
                 for (index, value) in values.iter().enumerate() {
                     let index = index.to_string();
                     let at = ["stages", stage_name, "matrix", key.as_str(), index.as_str()];
-                    match param.ty.coerce(value) {
-                        Ok(value) if coerced.contains(&value) => checker.at_value(
+                    match param.ty.coerce(value).map(|value| canonical(&value)) {
+                        Ok(value) if !seen.insert(value.to_string()) => checker.at_value(
                             &at,
                             format!("matrix entry `{key}` repeats the value {value}"),
                             None,
                         ),
-                        Ok(value) => coerced.push(canonical(&value)),
+                        Ok(value) => match limits::check_number(param, &value) {
+                            Ok(()) => coerced.push(value),
+                            Err(err) => {
+                                checker.at_value(&at, format!("matrix entry `{key}`: {err}"), None)
+                            }
+                        },
                         Err(err) => checker.at_value(
                             &at,
                             format!("matrix entry `{key}`: {err}"),
@@ -696,7 +734,18 @@ fn check_stage(
             );
         }
     }
-    let timeout = timeout.or(spec.timeout_s.map(Duration::from_secs_f64));
+    let timeout = match (timeout, spec.timeout_s) {
+        (Some(timeout), _) => Some(timeout),
+        (None, None) => None,
+        (None, Some(seconds)) => match limits::declared_timeout(seconds) {
+            Ok(timeout) => Some(timeout),
+            Err(err) => {
+                checker.at_value(&uses_at, format!("`{uses}`: {err}"), None);
+                None
+            }
+        },
+    };
+    let origin = checker.origin(&at, true);
     let stage = Stage {
         name: stage_name.to_string(),
         plugin,
@@ -707,6 +756,7 @@ fn check_stage(
         fan_out: Vec::new(),
         collect: Vec::new(),
         timeout,
+        origin,
     };
     Some((stage, needs))
 }
@@ -816,25 +866,13 @@ fn check_timeout(
     stage_name: &str,
     timeout: Option<&Value>,
 ) -> Option<Duration> {
-    let at = ["stages", stage_name, "timeout"];
-    let parsed = match timeout? {
-        Value::Number(seconds) => seconds
-            .as_f64()
-            .filter(|s| *s > 0.0)
-            .map(Duration::from_secs_f64),
-        Value::String(text) => humantime::parse_duration(text)
-            .ok()
-            .filter(|d| !d.is_zero()),
-        _ => None,
-    };
-    if parsed.is_none() {
-        checker.at_value(
-            &at,
-            "`timeout` must be a positive duration",
-            Some("write seconds (`90`) or a duration (`90s`, `5m`)".into()),
-        );
+    match limits::timeout(timeout?) {
+        Ok(timeout) => Some(timeout),
+        Err(err) => {
+            checker.at_value(&["stages", stage_name, "timeout"], err, None);
+            None
+        }
     }
-    parsed
 }
 
 /// Resolves `file` parameters against the pipeline's folder and hashes the files they name.
@@ -873,21 +911,24 @@ fn resolve_files(
                     continue;
                 }
                 let path = base.join(text);
-                match std::fs::read(&path) {
-                    Ok(bytes) => {
-                        let resolved = path.canonicalize().unwrap_or(path).display().to_string();
-                        digests.insert(resolved.clone(), blake3::hash(&bytes).to_hex().to_string());
-                        *value = Value::String(resolved);
+                let resolved = limits::hash_file(&path).map(|(resolved, digest)| {
+                    let resolved = resolved.display().to_string();
+                    digests.insert(resolved.clone(), digest);
+                    resolved
+                });
+                match resolved {
+                    Ok(resolved) => *value = Value::String(resolved),
+                    Err(err) => {
+                        // Limits say what is wrong in full; a missing file may be a wrong folder.
+                        let hint = err.starts_with("cannot read").then(|| {
+                            "paths are relative to the pipeline file's folder".to_string()
+                        });
+                        checker.at_value(
+                            &at,
+                            format!("parameter `{name}` of stage `{}`: {err}", stage.name),
+                            hint,
+                        )
                     }
-                    Err(err) => checker.at_value(
-                        &at,
-                        format!(
-                            "parameter `{name}` of stage `{}`: cannot read {}: {err}",
-                            stage.name,
-                            path.display()
-                        ),
-                        Some("paths are relative to the pipeline file's folder".into()),
-                    ),
                 }
             }
         }

@@ -1,13 +1,54 @@
 //! Matrix expansion: a validated pipeline becomes a list of nodes in dependency order.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write;
+use std::sync::Arc;
 
 use attnbench_sdk::{format_size, ParamType};
 use serde_json::{Map, Value};
 
 use crate::diagnostic::{Diagnostic, Origin};
-use crate::pipeline::{Pipeline, PipelineError, Stage};
+use crate::pipeline::{Pipeline, PipelineError, Stage, MAX_NODES};
+
+/// A node's parameters: its stage's sorted parameters, shared by all its nodes, with the node's
+/// own matrix values in place. A full map per node was 4 KB for a stage of two dozen parameters.
+#[derive(Debug, Clone)]
+pub struct Params {
+    template: Arc<Map<String, Value>>,
+    own: Vec<(Arc<str>, Value)>,
+}
+
+impl Params {
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        match self.own.iter().find(|(k, _)| &**k == key) {
+            Some((_, value)) => Some(value),
+            None => self.template.get(key),
+        }
+    }
+
+    /// Keys in sorted order, with the node's values.
+    pub fn iter(&self) -> impl Iterator<Item = (&String, &Value)> {
+        self.template.iter().map(|(key, value)| {
+            (
+                key,
+                self.own
+                    .iter()
+                    .find(|(k, _)| **k == **key)
+                    .map_or(value, |(_, v)| v),
+            )
+        })
+    }
+
+    pub fn to_map(&self) -> Map<String, Value> {
+        self.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+    }
+}
+
+impl serde::Serialize for Params {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_map(self.iter())
+    }
+}
 
 /// A node's matrix coordinates: (axis, value) pairs.
 type Coords = Vec<(String, String)>;
@@ -19,7 +60,7 @@ pub struct Node {
     pub id: String,
     pub stage: usize,
     /// Parameters with defaults applied, keys sorted (canonical).
-    pub params: Map<String, Value>,
+    pub params: Params,
     /// The matrix values this node and its upstream nodes were expanded with, for display and joins.
     pub coords: Vec<(String, String)>,
     /// Indices (into `Plan::nodes`) of the nodes whose artifacts this node reads: first the
@@ -42,64 +83,91 @@ impl Plan {
         let mut nodes: Vec<Node> = Vec::new();
         let mut nodes_of_stage: Vec<Vec<usize>> = Vec::with_capacity(pipeline.stages.len());
         for (stage_index, stage) in pipeline.stages.iter().enumerate() {
-            // Combinations of upstream nodes: a natural join on shared matrix keys, so a stage that
-            // fans out over two stages of one matrix pairs the nodes that belong together.
-            let mut combos: Vec<(Coords, Vec<usize>)> = vec![(Vec::new(), Vec::new())];
-            for &upstream in &stage.fan_out {
-                let mut joined = Vec::new();
-                for (coords, inputs) in &combos {
-                    for &node in &nodes_of_stage[upstream] {
-                        if let Some(merged) = join(coords, &nodes[node].coords) {
-                            let mut inputs = inputs.clone();
-                            inputs.push(node);
-                            joined.push((merged, inputs));
-                        }
-                    }
-                }
-                combos = joined;
-            }
+            let combos = upstream_combinations(stage, &nodes, &nodes_of_stage)?;
             let collected: Vec<usize> = stage
                 .collect
                 .iter()
                 .flat_map(|&s| nodes_of_stage[s].iter().copied())
                 .collect();
-            let assignments = matrix_assignments(stage);
-            let mut ids = Vec::with_capacity(combos.len() * assignments.len());
+            let axes: Vec<Axis> = stage
+                .matrix
+                .iter()
+                .map(|(key, values)| Axis::new(stage, key, values))
+                .collect();
+            // Sorted once here, with the matrix keys in place, so that every node only fills in
+            // its values and cache keys can hash the parameters as they are.
+            let mut template = stage.params.clone();
+            for axis in &axes {
+                template.insert(axis.key.clone(), Value::Null);
+            }
+            template.sort_keys();
+            let template = Arc::new(template);
+            let keys: Vec<Arc<str>> = axes
+                .iter()
+                .map(|axis| Arc::from(axis.key.as_str()))
+                .collect();
+            let mut ids = Vec::new();
+            let mut choice: Vec<Option<usize>> = vec![None; axes.len()];
             for (coords, inputs) in &combos {
-                for assignment in &assignments {
-                    // A matrix key the upstream nodes already fixed joins too: only the
-                    // upstream node with the same value pairs with this assignment.
-                    let disagrees = assignment.iter().any(|(key, value)| {
-                        let shown = display_value(stage.param_type(key), value);
-                        coords.iter().any(|(k, v)| k == key && *v != shown)
-                    });
-                    if disagrees {
-                        continue;
-                    }
-                    let mut params = stage.params.clone();
-                    let mut node_coords = coords.clone();
-                    for (key, value) in assignment {
-                        params.insert(key.clone(), value.clone());
-                        let shown = display_value(stage.param_type(key), value);
-                        match node_coords.iter_mut().find(|(k, _)| k == key) {
-                            Some(existing) => existing.1 = shown,
-                            None => node_coords.push((key.clone(), shown)),
+                // A matrix key the upstream nodes already fixed joins too: only the assignment
+                // with the upstream node's value pairs with it.
+                let mut agrees = true;
+                for (axis, fixed) in axes.iter().zip(choice.iter_mut()) {
+                    *fixed = None;
+                    if let Some((_, shown)) = coords.iter().find(|(k, _)| *k == axis.key) {
+                        match axis.by_shown.get(shown.as_str()) {
+                            Some(&index) => *fixed = Some(index),
+                            None => agrees = false,
                         }
                     }
-                    // Sorted once here, so cache keys can hash the parameters as they are.
-                    params.sort_keys();
-                    let fan_out_inputs = inputs.len();
-                    let mut all_inputs = inputs.clone();
-                    all_inputs.extend(&collected);
+                }
+                if !agrees {
+                    continue;
+                }
+                let fan_out_inputs = inputs.len();
+                let mut all_inputs = inputs.clone();
+                all_inputs.extend(&collected);
+                // An odometer over the free axes, the last one turning fastest.
+                let mut at: Vec<usize> = choice.iter().map(|c| c.unwrap_or(0)).collect();
+                loop {
+                    if nodes.len() as u64 >= MAX_NODES {
+                        return Err(too_many_nodes(stage));
+                    }
+                    let mut params = Params {
+                        template: template.clone(),
+                        own: Vec::with_capacity(axes.len()),
+                    };
+                    let mut node_coords = coords.clone();
+                    for ((axis, &index), key) in axes.iter().zip(&at).zip(&keys) {
+                        params.own.push((key.clone(), axis.values[index].clone()));
+                        if !node_coords.iter().any(|(k, _)| *k == axis.key) {
+                            node_coords.push((axis.key.clone(), axis.shown[index].clone()));
+                        }
+                    }
                     ids.push(nodes.len());
                     nodes.push(Node {
                         id: node_id(&stage.name, &node_coords),
                         stage: stage_index,
                         params,
                         coords: node_coords,
-                        inputs: all_inputs,
+                        inputs: all_inputs.clone(),
                         fan_out_inputs,
                     });
+                    let mut turned = false;
+                    for position in (0..axes.len()).rev() {
+                        if choice[position].is_some() {
+                            continue;
+                        }
+                        if at[position] + 1 < axes[position].values.len() {
+                            at[position] += 1;
+                            turned = true;
+                            break;
+                        }
+                        at[position] = 0;
+                    }
+                    if !turned {
+                        break;
+                    }
                 }
             }
             if ids.is_empty() {
@@ -140,33 +208,104 @@ impl Plan {
     }
 }
 
-fn join(left: &[(String, String)], right: &[(String, String)]) -> Option<Coords> {
-    let mut merged = left.to_vec();
-    for (key, value) in right {
-        match left.iter().find(|(k, _)| k == key) {
-            Some((_, existing)) if existing != value => return None,
-            Some(_) => {}
-            None => merged.push((key.clone(), value.clone())),
-        }
-    }
-    Some(merged)
+/// One matrix axis with each value as node ids show it, computed once rather than per node.
+struct Axis<'a> {
+    key: String,
+    values: &'a [Value],
+    shown: Vec<String>,
+    by_shown: HashMap<String, usize>,
 }
 
-fn matrix_assignments(stage: &Stage) -> Vec<Vec<(String, Value)>> {
-    let mut assignments: Vec<Vec<(String, Value)>> = vec![Vec::new()];
-    for (key, values) in &stage.matrix {
-        assignments = assignments
-            .into_iter()
-            .flat_map(|assignment| {
-                values.iter().map(move |value| {
-                    let mut next = assignment.clone();
-                    next.push((key.clone(), value.clone()));
-                    next
-                })
-            })
+impl<'a> Axis<'a> {
+    fn new(stage: &Stage, key: &str, values: &'a [Value]) -> Self {
+        let shown: Vec<String> = values
+            .iter()
+            .map(|value| display_value(stage.param_type(key), value))
             .collect();
+        let by_shown = shown
+            .iter()
+            .enumerate()
+            .rev()
+            .map(|(index, shown)| (shown.clone(), index))
+            .collect();
+        Axis {
+            key: key.to_string(),
+            values,
+            shown,
+            by_shown,
+        }
     }
-    assignments
+}
+
+/// Combinations of upstream nodes: a natural join on shared matrix keys, so a stage that fans
+/// out over two stages of one matrix pairs the nodes that belong together. Every node of a stage
+/// has the same coordinate keys, so the join hashes the upstream nodes by the shared keys'
+/// values instead of comparing every pair.
+fn upstream_combinations(
+    stage: &Stage,
+    nodes: &[Node],
+    nodes_of_stage: &[Vec<usize>],
+) -> Result<Vec<(Coords, Vec<usize>)>, PipelineError> {
+    let mut combos: Vec<(Coords, Vec<usize>)> = vec![(Vec::new(), Vec::new())];
+    for &upstream in &stage.fan_out {
+        let upstream_nodes = &nodes_of_stage[upstream];
+        let Some(&first) = upstream_nodes.first() else {
+            return Ok(Vec::new());
+        };
+        let Some((left, _)) = combos.first() else {
+            return Ok(Vec::new());
+        };
+        let shared: Vec<&str> = nodes[first]
+            .coords
+            .iter()
+            .map(|(key, _)| key.as_str())
+            .filter(|key| left.iter().any(|(k, _)| k == key))
+            .collect();
+        let value_of = |coords: &[(String, String)], key: &str| -> String {
+            coords
+                .iter()
+                .find(|(k, _)| k == key)
+                .map(|(_, v)| v.clone())
+                .unwrap_or_default()
+        };
+        let mut by_values: HashMap<Vec<String>, Vec<usize>> = HashMap::new();
+        for &node in upstream_nodes {
+            let values = shared
+                .iter()
+                .map(|key| value_of(&nodes[node].coords, key))
+                .collect();
+            by_values.entry(values).or_default().push(node);
+        }
+        let mut joined = Vec::new();
+        for (coords, inputs) in &combos {
+            let values: Vec<String> = shared.iter().map(|key| value_of(coords, key)).collect();
+            for &node in by_values.get(&values).map_or(&[][..], Vec::as_slice) {
+                if joined.len() as u64 >= MAX_NODES {
+                    return Err(too_many_nodes(stage));
+                }
+                let mut merged = coords.clone();
+                for (key, value) in &nodes[node].coords {
+                    if !coords.iter().any(|(k, _)| k == key) {
+                        merged.push((key.clone(), value.clone()));
+                    }
+                }
+                let mut inputs = inputs.clone();
+                inputs.push(node);
+                joined.push((merged, inputs));
+            }
+        }
+        combos = joined;
+    }
+    Ok(combos)
+}
+
+fn too_many_nodes(stage: &Stage) -> PipelineError {
+    let message = format!(
+        "stage `{}` expands to more than {} nodes, the limit per plan (its matrix times the nodes of the stages it fans out over)",
+        stage.name,
+        crate::pipeline::limits::thousands(u128::from(MAX_NODES))
+    );
+    PipelineError::Invalid(vec![Diagnostic::new(stage.origin.clone(), message)])
 }
 
 fn display_value(ty: Option<&ParamType>, value: &Value) -> String {

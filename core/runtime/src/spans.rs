@@ -13,6 +13,21 @@ pub type Position = (usize, usize);
 pub struct SpanIndex {
     keys: HashMap<String, Position>,
     values: HashMap<String, Position>,
+    duplicates: Vec<Duplicate>,
+}
+
+/// A key given twice in one mapping. serde keeps only the last one, so without this a second
+/// `stages:` block would silently replace the first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Duplicate {
+    /// The key itself, e.g. `stages`.
+    pub key: String,
+    /// The key's path, e.g. `stages.bench.with.kernel`.
+    pub path: String,
+    /// Where the key is repeated.
+    pub at: Position,
+    /// Where it was first given.
+    pub first: Position,
 }
 
 impl SpanIndex {
@@ -38,6 +53,11 @@ impl SpanIndex {
         self.lookup(&self.values, path)
     }
 
+    /// Keys repeated within one mapping, in document order.
+    pub fn duplicates(&self) -> &[Duplicate] {
+        &self.duplicates
+    }
+
     fn lookup(&self, map: &HashMap<String, Position>, path: &[&str]) -> Option<Position> {
         (1..=path.len()).rev().find_map(|len| {
             let joined = path[..len].join(".");
@@ -47,8 +67,13 @@ impl SpanIndex {
 }
 
 enum Frame {
-    Map { key: Option<String> },
-    Seq { next: usize },
+    Map {
+        key: Option<String>,
+        seen: HashMap<String, Position>,
+    },
+    Seq {
+        next: usize,
+    },
 }
 
 #[derive(Default)]
@@ -63,8 +88,8 @@ impl Builder {
     /// when the next scalar is a mapping key.
     fn child_segment(&self) -> Option<String> {
         match self.frames.last() {
-            Some(Frame::Map { key: Some(key) }) => Some(key.clone()),
-            Some(Frame::Map { key: None }) => None,
+            Some(Frame::Map { key: Some(key), .. }) => Some(key.clone()),
+            Some(Frame::Map { key: None, .. }) => None,
             Some(Frame::Seq { next }) => Some(next.to_string()),
             None => Some(String::new()),
         }
@@ -72,7 +97,7 @@ impl Builder {
 
     fn value_done(&mut self) {
         match self.frames.last_mut() {
-            Some(Frame::Map { key }) => *key = None,
+            Some(Frame::Map { key, .. }) => *key = None,
             Some(Frame::Seq { next }) => *next += 1,
             None => {}
         }
@@ -99,10 +124,20 @@ impl MarkedEventReceiver for Builder {
             Event::Scalar(text, ..) => match self.child_segment() {
                 None => {
                     let joined = self.joined(&text);
-                    self.index.keys.insert(joined, position);
-                    if let Some(Frame::Map { key }) = self.frames.last_mut() {
+                    if let Some(Frame::Map { key, seen }) = self.frames.last_mut() {
+                        if let Some(&first) = seen.get(&text) {
+                            self.index.duplicates.push(Duplicate {
+                                key: text.clone(),
+                                path: joined.clone(),
+                                at: position,
+                                first,
+                            });
+                        } else {
+                            seen.insert(text.clone(), position);
+                        }
                         *key = Some(text);
                     }
+                    self.index.keys.insert(joined, position);
                 }
                 Some(segment) => {
                     let joined = self.joined(&segment);
@@ -117,7 +152,10 @@ impl MarkedEventReceiver for Builder {
                 self.path.push(segment);
                 self.frames
                     .push(if matches!(event, Event::MappingStart(..)) {
-                        Frame::Map { key: None }
+                        Frame::Map {
+                            key: None,
+                            seen: HashMap::new(),
+                        }
                     } else {
                         Frame::Seq { next: 0 }
                     });
@@ -154,5 +192,27 @@ mod tests {
         );
         // Unknown paths fall back to the nearest known ancestor.
         assert_eq!(index.key(&["stages", "masks", "with", "x"]), Some((3, 3)));
+        assert!(index.duplicates().is_empty());
+    }
+
+    #[test]
+    fn repeated_keys_are_found_at_every_level() {
+        let text = "stages:\n  a: {uses: x, uses: y}\nname: n\nstages:\n  b: {}\n";
+        let index = SpanIndex::build(text);
+        let found: Vec<(&str, &str, Position, Position)> = index
+            .duplicates()
+            .iter()
+            .map(|d| (d.key.as_str(), d.path.as_str(), d.at, d.first))
+            .collect();
+        assert_eq!(
+            found,
+            [
+                ("uses", "stages.a.uses", (2, 16), (2, 7)),
+                ("stages", "stages", (4, 1), (1, 1)),
+            ]
+        );
+        // The same key in two different mappings is no repetition.
+        let index = SpanIndex::build("a: {x: 1}\nb: {x: 2}\nc: [{x: 1}, {x: 2}]\n");
+        assert!(index.duplicates().is_empty(), "{:?}", index.duplicates());
     }
 }

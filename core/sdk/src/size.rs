@@ -1,5 +1,21 @@
 //! Token counts written the way people say them: `1k`, `64K`, `1M` (powers of two) or plain integers.
 
+/// The largest size a parameter may have: 2⁵³, the largest integer that JSON readers holding
+/// numbers as doubles (Python's `json` with floats, JavaScript, the report's plots) keep exactly,
+/// and far beyond any sequence length or byte count a machine holds (8 Pi).
+pub const MAX_SIZE: u64 = 1 << 53;
+
+/// Refuses a size above [`MAX_SIZE`], naming it as written.
+pub fn check_size(value: u64, written: &str) -> Result<u64, String> {
+    if value > MAX_SIZE {
+        Err(format!(
+            "`{written}` is too large: sizes may be at most 2^53 = {MAX_SIZE}"
+        ))
+    } else {
+        Ok(value)
+    }
+}
+
 /// Parses `1k` = 1024, `64K` = 65536, `1M` = 1048576, `2G`, or a plain non-negative integer.
 pub fn parse_size(text: &str) -> Result<u64, String> {
     let trimmed = text.trim();
@@ -12,9 +28,10 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     let value: u64 = digits.trim().parse().map_err(|_| {
         format!("`{text}` is not a size; write an integer or one with a suffix k, M or G (powers of two), e.g. 4k")
     })?;
-    value
+    let value = value
         .checked_mul(1u64 << shift)
-        .ok_or_else(|| format!("`{text}` is too large"))
+        .ok_or_else(|| format!("`{text}` is too large: sizes may be at most 2^53 = {MAX_SIZE}"))?;
+    check_size(value, trimmed)
 }
 
 /// The shortest exact spelling of a size: 1024 → `1k`, 1536 → `1536`, 1048576 → `1M`.
@@ -48,6 +65,14 @@ mod tests {
         assert!(parse_size("k").is_err());
         assert!(parse_size("-1k").is_err());
         assert!(parse_size("99999999999999999G").is_err());
+    }
+
+    #[test]
+    fn absurd_sizes_are_refused_with_the_limit() {
+        assert_eq!(parse_size("8388608G"), Ok(MAX_SIZE));
+        let err = parse_size("8388609G").unwrap_err();
+        assert!(err.contains("at most 2^53"), "{err}");
+        assert!(check_size(u64::MAX, "18446744073709551615").is_err());
     }
 
     #[test]

@@ -100,10 +100,17 @@ impl Slice {
         (hi > lo && lk > 0).then(|| (self.q[0] + lo as u64, self.q[0] + hi as u64))
     }
 
-    /// Number of allowed cells.
+    /// Number of allowed cells, saturating at `u64::MAX`: a slice of a [`Mask`] never gets there
+    /// (masks of more than `u64::MAX` cells are refused), see [`Slice::exact_area`] otherwise.
     pub fn area(&self) -> u64 {
-        let (lq, lk) = self.lengths();
-        let (lq, lk) = (lq as u64, lk as u64);
+        u64::try_from(self.exact_area()).unwrap_or(u64::MAX)
+    }
+
+    /// Number of allowed cells, exactly: the intermediate products of the closed forms pass
+    /// 2⁶⁴ at 2³² tokens even where the area itself fits.
+    pub fn exact_area(&self) -> u128 {
+        let lq = u128::from(self.q[1].saturating_sub(self.q[0]));
+        let lk = u128::from(self.k[1].saturating_sub(self.k[0]));
         match self.kind {
             SliceKind::Full => lq * lk,
             SliceKind::Causal | SliceKind::InvCausal => {
@@ -141,6 +148,12 @@ pub enum MaskError {
         end: u64,
         seqlen: u64,
     },
+    #[error("a {seqlen_q} × {seqlen_k} mask has {cells} cells, more than the 2^64 − 1 that areas and FLOPs are counted in; use at most 4294967295 tokens (2^32 − 1) on each side")]
+    TooLarge {
+        seqlen_q: u64,
+        seqlen_k: u64,
+        cells: u128,
+    },
 }
 
 /// A mask over `seqlen_q × seqlen_k` cells: the union of its slices.
@@ -160,14 +173,25 @@ pub struct Flops {
 }
 
 impl Flops {
-    /// `area` counted over the query heads (`heads_q`), as LongCA-bench counts them.
+    /// `area` counted over the query heads (`heads_q`), as LongCA-bench counts them; `None`
+    /// when a count does not fit in 64 bits (about 1.8·10¹⁹).
+    pub fn checked_of(area: u64, heads_q: u64, head_dim: u64) -> Option<Flops> {
+        let fwd = 4 * u128::from(area) * u128::from(heads_q) * u128::from(head_dim);
+        Some(Flops {
+            fwd: u64::try_from(fwd).ok()?,
+            bwd: u64::try_from(fwd / 2 * 5).ok()?,
+            fwd_bwd: u64::try_from(fwd / 2 * 7).ok()?,
+        })
+    }
+
+    /// Like [`Flops::checked_of`], saturating at `u64::MAX` instead of wrapping: kernels check
+    /// with [`MaskSet::check_heads`] first, which refuses counts that do not fit.
     pub fn of(area: u64, heads_q: u64, head_dim: u64) -> Flops {
-        let fwd = 4 * area * heads_q * head_dim;
-        Flops {
-            fwd,
-            bwd: fwd / 2 * 5,
-            fwd_bwd: fwd / 2 * 7,
-        }
+        Flops::checked_of(area, heads_q, head_dim).unwrap_or(Flops {
+            fwd: u64::MAX,
+            bwd: u64::MAX,
+            fwd_bwd: u64::MAX,
+        })
     }
 
     pub fn for_direction(&self, direction: &str) -> Option<u64> {
@@ -183,6 +207,7 @@ impl Flops {
 impl Mask {
     /// A mask from slices; empty slices are dropped, ranges outside the sequence refused.
     pub fn new(seqlen_q: u64, seqlen_k: u64, slices: Vec<Slice>) -> Result<Mask, MaskError> {
+        Mask::check_size(seqlen_q, seqlen_k)?;
         for (index, slice) in slices.iter().enumerate() {
             if slice.q[0] > slice.q[1] || slice.q[1] > seqlen_q {
                 return Err(MaskError::QOutOfRange {
@@ -207,6 +232,19 @@ impl Mask {
             seqlen_k,
             slices,
         })
+    }
+
+    /// Refuses masks whose cell count does not fit in `u64`, so that no area can overflow.
+    pub fn check_size(seqlen_q: u64, seqlen_k: u64) -> Result<(), MaskError> {
+        let cells = u128::from(seqlen_q) * u128::from(seqlen_k);
+        if cells > u128::from(u64::MAX) {
+            return Err(MaskError::TooLarge {
+                seqlen_q,
+                seqlen_k,
+                cells,
+            });
+        }
+        Ok(())
     }
 
     /// A square mask.
@@ -235,7 +273,10 @@ impl Mask {
     /// The exact number of allowed cells, overlaps counted once.
     pub fn area(&self) -> u64 {
         if self.slices_disjoint() {
-            return self.slices.iter().map(Slice::area).sum();
+            // Disjoint slices cover at most seqlen_q × seqlen_k cells, which `new` keeps within
+            // u64; a mask read from a file past that saturates rather than wraps.
+            let exact: u128 = self.slices.iter().map(Slice::exact_area).sum();
+            return u64::try_from(exact).unwrap_or(u64::MAX);
         }
         let mut area = 0;
         self.for_each_row(|_, intervals| area += intervals.iter().map(|(a, b)| b - a).sum::<u64>());

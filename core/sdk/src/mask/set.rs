@@ -40,9 +40,15 @@ impl MaskSet {
     pub fn load(dir: &Path) -> Result<MaskSet, PluginError> {
         let path = dir.join(Self::FILE);
         let text = std::fs::read(&path).map_err(|err| PluginError::io(&path, err))?;
-        serde_json::from_slice(&text).map_err(|err| {
+        let set: MaskSet = serde_json::from_slice(&text).map_err(|err| {
             PluginError::failed(format!("{}: not a mask set: {err}", path.display()))
-        })
+        })?;
+        // Read masks bypass `Mask::new`; their areas must fit all the same.
+        for mask in &set.masks {
+            Mask::check_size(mask.seqlen_q, mask.seqlen_k)
+                .map_err(|err| PluginError::failed(format!("{}: {err}", path.display())))?;
+        }
+        Ok(set)
     }
 
     pub fn save(&self, dir: &Path) -> Result<(), PluginError> {
@@ -59,6 +65,12 @@ impl MaskSet {
             HeadScope::PerKvGroup => heads_kv,
             HeadScope::PerHead => heads_q,
         };
+        if self.checked_flops(heads_q, heads_kv, head_dim).is_none() {
+            return Err(format!(
+                "{} tokens with {heads_q} query heads of dimension {head_dim} make more FLOPs than the 2^64 − 1 they are counted in; use fewer tokens or heads",
+                self.seqlen
+            ));
+        }
         if self.masks.len() as u64 != expected {
             return Err(format!(
                 "the mask set has {} masks ({:?}) but {heads_q} heads_q / {heads_kv} heads_kv need {expected}; give masks/generate the same heads",
@@ -84,14 +96,38 @@ impl MaskSet {
     }
 
     /// Allowed cells summed over all query heads: the area FLOPs are counted from.
+    /// Saturates at `u64::MAX` rather than wrapping; [`MaskSet::check_heads`] refuses that.
     pub fn area_over_heads(&self, heads_q: u64, heads_kv: u64) -> u64 {
+        self.checked_area_over_heads(heads_q, heads_kv)
+            .unwrap_or(u64::MAX)
+    }
+
+    /// `None` when the sum over the heads does not fit in 64 bits.
+    pub fn checked_area_over_heads(&self, heads_q: u64, heads_kv: u64) -> Option<u64> {
+        if self.masks.is_empty() {
+            return Some(0);
+        }
         let areas: Vec<u64> = self.masks.iter().map(Mask::area).collect();
-        (0..heads_q)
-            .map(|head| areas[self.mask_index(head, heads_q, heads_kv)])
-            .sum()
+        let total: u128 = match self.scope {
+            // Every head's mask is the same one: no need to walk 2⁶⁴ heads.
+            HeadScope::Shared => u128::from(areas[0]) * u128::from(heads_q),
+            _ => (0..heads_q)
+                .map(|head| u128::from(areas[self.mask_index(head, heads_q, heads_kv)]))
+                .sum(),
+        };
+        u64::try_from(total).ok()
     }
 
     pub fn flops(&self, heads_q: u64, heads_kv: u64, head_dim: u64) -> Flops {
         Flops::of(self.area_over_heads(heads_q, heads_kv), 1, head_dim)
+    }
+
+    /// `None` when a FLOPs count does not fit in 64 bits.
+    pub fn checked_flops(&self, heads_q: u64, heads_kv: u64, head_dim: u64) -> Option<Flops> {
+        Flops::checked_of(
+            self.checked_area_over_heads(heads_q, heads_kv)?,
+            1,
+            head_dim,
+        )
     }
 }

@@ -155,6 +155,41 @@ fn flops_follow_the_papers_accounting() {
 }
 
 #[test]
+fn areas_at_two_to_the_32_tokens_do_not_overflow() {
+    // The closed form's intermediate (2·Lk − h + 1)·h passes 2⁶⁴ though the area does not.
+    let s = (1u64 << 32) - 1;
+    let causal = Mask::square(s, vec![Slice::new([0, s], [0, s], SliceKind::Causal)]).unwrap();
+    assert_eq!(
+        u128::from(causal.area()),
+        u128::from(s) * u128::from(s + 1) / 2
+    );
+    let full = Mask::square(s, vec![Slice::new([0, s], [0, s], SliceKind::Full)]).unwrap();
+    assert_eq!(u128::from(full.area()), u128::from(s) * u128::from(s));
+    // One more token and the cells no longer fit: refused, not wrapped.
+    let err = Mask::square(
+        1 << 32,
+        vec![Slice::new([0, 1 << 32], [0, 1 << 32], SliceKind::Full)],
+    )
+    .unwrap_err();
+    assert!(matches!(err, MaskError::TooLarge { .. }), "{err}");
+    assert!(err.to_string().contains("more than the 2^64 − 1"), "{err}");
+    // FLOPs over heads are checked, and saturate instead of wrapping where unchecked.
+    assert_eq!(Flops::checked_of(causal.area(), 64, 128), None);
+    assert_eq!(Flops::of(causal.area(), 64, 128).fwd, u64::MAX);
+    let set = MaskSet {
+        pattern: "causal".into(),
+        seqlen: s,
+        params: Default::default(),
+        documents: Vec::new(),
+        scope: HeadScope::Shared,
+        masks: vec![causal],
+    };
+    let err = set.check_heads(64, 8, 128).unwrap_err();
+    assert!(err.contains("more FLOPs than the 2^64 − 1"), "{err}");
+    assert_eq!(set.checked_area_over_heads(64, 8), None);
+}
+
+#[test]
 fn out_of_range_slices_are_refused() {
     let err = Mask::square(8, vec![Slice::new([0, 9], [0, 8], SliceKind::Full)]).unwrap_err();
     assert_eq!(err.to_string(), "slice 0 has q-range [0, 9) outside [0, 8)");
