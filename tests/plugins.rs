@@ -135,3 +135,110 @@ fn plugin_info_shows_the_manifest() {
         stderr(&unknown)
     );
 }
+
+/// `attnbench ARGS` with `plugins` on the plugin path and the fixture's load trace going to
+/// `trace`; returns attnbench's own process id with its output.
+fn traced(
+    sandbox: &Sandbox,
+    plugins: &std::path::Path,
+    trace: &std::path::Path,
+    args: &[&str],
+) -> (u32, std::process::Output) {
+    let child = sandbox
+        .command(args)
+        .env("ATTNBENCH_PLUGIN_PATH", plugins)
+        .env("EXAMPLE_KERNEL_LOAD_TRACE", trace)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("attnbench starts");
+    let pid = child.id();
+    let output = child.wait_with_output().expect("attnbench finishes");
+    assert!(
+        output.status.success(),
+        "attnbench {args:?}: {}",
+        stderr(&output)
+    );
+    (pid, output)
+}
+
+/// The ids of the processes that loaded the traced library so far, in order.
+fn loads(trace: &std::path::Path) -> Vec<u32> {
+    std::fs::read_to_string(trace)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|line| line.trim().parse().ok())
+        .collect()
+}
+
+#[test]
+fn only_running_a_stage_loads_a_plugin_library_into_attnbench() {
+    let sandbox = Sandbox::new();
+    let plugins = sandbox.path().join("plugins");
+    std::fs::create_dir_all(&plugins).unwrap();
+    // Builds with other features share the fixture's output file; this copy must be the traced one.
+    let library = (0..3)
+        .map(|_| build_example_plugin(&["load-trace"], &plugins, "libexample_kernel.so"))
+        .find(|library| {
+            let bytes = std::fs::read(library).unwrap();
+            bytes
+                .windows(b"EXAMPLE_KERNEL_LOAD_TRACE".len())
+                .any(|w| w == b"EXAMPLE_KERNEL_LOAD_TRACE")
+        })
+        .expect("the fixture built with its load trace");
+    let trace = sandbox.path().join("loads.txt");
+    sandbox.write(
+        "kernel.yaml",
+        "name: kernel\nseed: 5\nstages:\n  attention:\n    uses: example-kernel/attention\n    with: {seqlen: 64, reps: 1}\n",
+    );
+
+    // A library not seen before is read by a helper process, never by attnbench itself.
+    let (pid, planned) = traced(&sandbox, &plugins, &trace, &["plan", "kernel.yaml"]);
+    assert!(
+        stdout(&planned).contains("example-kernel/attention"),
+        "{}",
+        stdout(&planned)
+    );
+    let first = loads(&trace);
+    assert!(
+        !first.contains(&pid),
+        "`plan` ran the plugin's initialiser in its own process ({pid}): {first:?}"
+    );
+    assert_eq!(first.len(), 1, "one helper read the manifest: {first:?}");
+
+    // Known now: commands that only need manifests, or another plugin, never load it.
+    for args in [
+        &["plan", "kernel.yaml"][..],
+        &["run", "kernel.yaml", "--dry-run"],
+        &["explain", "kernel.yaml", "attention"],
+        &["plugins", "list"],
+        &["plugins", "info", "example-kernel"],
+        &["mask", "show", "--mask", "causal", "--seqlen", "1k"],
+    ] {
+        traced(&sandbox, &plugins, &trace, args);
+        assert_eq!(
+            loads(&trace),
+            first,
+            "`attnbench {}` loaded it",
+            args.join(" ")
+        );
+    }
+
+    // Other bytes (a rebuild) are another key: the manifest is read afresh, again outside.
+    let mut bytes = std::fs::read(&library).unwrap();
+    bytes.extend_from_slice(b"rebuilt");
+    std::fs::write(&library, bytes).unwrap();
+    let (pid, _) = traced(&sandbox, &plugins, &trace, &["plan", "kernel.yaml"]);
+    let second = loads(&trace);
+    assert_eq!(
+        second.len(),
+        2,
+        "a changed library is read again: {second:?}"
+    );
+    assert!(!second.contains(&pid), "{second:?}");
+
+    // Running its in-process stage loads it, in attnbench's own process.
+    let (pid, _) = traced(&sandbox, &plugins, &trace, &["run", "kernel.yaml"]);
+    assert_eq!(sandbox.statuses()["attention"], "ok");
+    assert_eq!(loads(&trace)[2..], [pid], "run loaded it once, itself");
+}

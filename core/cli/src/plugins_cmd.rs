@@ -85,7 +85,7 @@ pub fn run(command: PluginsCommand, plugin_dirs: &[PathBuf]) -> Result<ExitCode>
             let loaded;
             let registry;
             let plugin_ref: &Plugin = if Path::new(&plugin).is_file() || plugin.contains('/') {
-                loaded = Plugin::load(Path::new(&plugin))?;
+                loaded = Plugin::describe(Path::new(&plugin))?;
                 &loaded
             } else {
                 registry = Registry::discover(plugin_dirs);

@@ -1,8 +1,16 @@
-//! Finding, loading and calling plugin libraries.
+//! Finding plugin libraries, knowing their manifests, and loading and calling them.
+//!
+//! Knowing a plugin and loading it are separate steps. Discovery learns each library's manifest
+//! from a cache keyed by the library's content hash, filled by a short-lived helper process (see
+//! [`configure_manifests`]), so a command that only validates or plans never runs a plugin's
+//! code in attnbench's own process. A library is loaded on the first in-process call of one of
+//! its stages, and only that library.
+
+mod manifests;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use attnbench_abi::abi_stable::library::{lib_header_from_path, LibraryError};
 use attnbench_abi::abi_stable::std_types::{RResult, RStr};
@@ -10,6 +18,8 @@ use attnbench_abi::{PluginModRef, ABI_VERSION};
 use attnbench_sdk::{PluginManifest, StageSpec};
 
 use crate::services::{services_for, ServiceSink};
+
+pub use manifests::{configure_manifests, serve_manifest};
 
 /// Why a library could not be used as a plugin; always one sentence.
 #[derive(Debug, thiserror::Error)]
@@ -28,15 +38,20 @@ pub enum LoadError {
     Init { path: PathBuf, reason: String },
     #[error("{path} has an invalid manifest: {reason}")]
     Manifest { path: PathBuf, reason: String },
+    #[error("reading the manifest of {path} failed: {reason}; rebuild the library or take it off the plugin path")]
+    Inspect { path: PathBuf, reason: String },
 }
 
-/// A loaded plugin library. Libraries stay loaded for the life of the process.
+/// A plugin library: its manifest always, its code once a stage runs in this process. Loaded
+/// libraries stay loaded for the life of the process.
 pub struct Plugin {
     pub path: PathBuf,
     /// blake3 of the library file: part of every cache key, so a rebuilt plugin reruns its nodes.
     pub library_hash: String,
     pub manifest: PluginManifest,
-    module: PluginModRef,
+    /// Loaded on the first in-process call; a failure is kept, so it is reported the same way
+    /// by every node instead of retried.
+    module: OnceLock<Result<PluginModRef, String>>,
 }
 
 impl std::fmt::Debug for Plugin {
@@ -44,49 +59,67 @@ impl std::fmt::Debug for Plugin {
         f.debug_struct("Plugin")
             .field("path", &self.path)
             .field("name", &self.manifest.name)
+            .field("loaded", &matches!(self.module.get(), Some(Ok(_))))
             .finish()
     }
 }
 
 impl Plugin {
+    /// Loads the library into this process now (worker processes, the conformance suite).
     pub fn load(path: &Path) -> Result<Plugin, LoadError> {
-        if !path.is_file() {
-            return Err(LoadError::Missing(path.to_path_buf()));
-        }
-        let path = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
-        let bytes = std::fs::read(&path).map_err(|err| LoadError::Open {
-            path: path.clone(),
-            reason: err.to_string(),
-        })?;
-        let library_hash = blake3::hash(&bytes).to_hex().to_string();
-        let header = lib_header_from_path(&path).map_err(|err| classify(&path, err))?;
-        let found = header.version_strings().version.to_string();
-        let found_major = found.split('.').next().and_then(|m| m.parse::<u32>().ok());
-        if found_major != Some(attnbench_abi::abi_major()) {
-            return Err(LoadError::OtherMajor { path, found });
-        }
-        let module = header
-            .init_root_module::<PluginModRef>()
-            .map_err(|err| match err {
-                LibraryError::AbiInstability(_)
-                | LibraryError::IncompatibleVersionNumber { .. } => LoadError::Layout {
-                    path: path.clone(),
-                    found: found.clone(),
-                },
-                other => classify(&path, other),
-            })?;
+        let (path, library_hash) = identify(path)?;
+        let (module, _) = open_library(&path)?;
         let manifest_json = (module.manifest())();
-        let manifest =
-            parse_manifest(manifest_json.as_str()).map_err(|reason| LoadError::Manifest {
-                path: path.clone(),
-                reason,
-            })?;
+        let manifest = checked_manifest(&path, manifest_json.as_str())?;
+        Ok(Plugin {
+            path,
+            library_hash,
+            manifest,
+            module: OnceLock::from(Ok(module)),
+        })
+    }
+
+    /// The plugin's manifest, without loading the library into this process (unless no helper
+    /// was configured, see [`configure_manifests`]); its code is loaded on the first
+    /// in-process call.
+    pub fn describe(path: &Path) -> Result<Plugin, LoadError> {
+        let (path, library_hash) = identify(path)?;
+        let known = manifests::manifest_of(&path, &library_hash)?;
+        let manifest = checked_manifest(&path, &known.manifest)?;
+        let module = OnceLock::new();
+        if let Some(loaded) = known.module {
+            let _ = module.set(Ok(loaded));
+        }
         Ok(Plugin {
             path,
             library_hash,
             manifest,
             module,
         })
+    }
+
+    /// The library's entry points, loading it on first use.
+    fn module(&self) -> Result<PluginModRef, String> {
+        self.module
+            .get_or_init(|| {
+                tracing::debug!("loading {}", self.path.display());
+                // The hash is in the keys of the nodes this code computes: code rebuilt since the
+                // manifest was read must not be run under it.
+                match hash_file(&self.path) {
+                    Ok(hash) if hash == self.library_hash => {}
+                    Ok(_) => {
+                        return Err(format!(
+                            "{} changed since attnbench read its manifest; run the command again",
+                            self.path.display()
+                        ))
+                    }
+                    Err(err) => return Err(format!("cannot load {}: {err}", self.path.display())),
+                }
+                open_library(&self.path)
+                    .map(|(module, _)| module)
+                    .map_err(|err| err.to_string())
+            })
+            .clone()
     }
 
     /// Runs one node in this process. `Ok` carries the result JSON text, `Err` the plugin's message.
@@ -96,8 +129,9 @@ impl Plugin {
         request_json: &str,
         sink: &impl ServiceSink,
     ) -> Result<String, String> {
+        let module = self.module()?;
         let services = services_for(sink);
-        match (self.module.run())(
+        match (module.run())(
             RStr::from_str(stage),
             RStr::from_str(request_json),
             &services,
@@ -110,6 +144,60 @@ impl Plugin {
     pub fn stage(&self, name: &str) -> Option<&StageSpec> {
         self.manifest.find_stage(name)
     }
+}
+
+/// The canonical path of an existing library and the blake3 of its bytes.
+fn identify(path: &Path) -> Result<(PathBuf, String), LoadError> {
+    if !path.is_file() {
+        return Err(LoadError::Missing(path.to_path_buf()));
+    }
+    let path = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
+    let hash = hash_file(&path).map_err(|err| LoadError::Open {
+        path: path.clone(),
+        reason: err.to_string(),
+    })?;
+    Ok((path, hash))
+}
+
+/// Streamed, so that a large GPU plugin is never held in memory just to be identified.
+fn hash_file(path: &Path) -> std::io::Result<String> {
+    let file = std::fs::File::open(path)?;
+    let mut hasher = blake3::Hasher::new();
+    hasher.update_reader(file)?;
+    Ok(hasher.finalize().to_hex().to_string())
+}
+
+/// Maps the library into this process (running its initialisers) and checks its ABI; returns
+/// its root module and the ABI version it was built for.
+fn open_library(path: &Path) -> Result<(PluginModRef, String), LoadError> {
+    let header = lib_header_from_path(path).map_err(|err| classify(path, err))?;
+    let found = header.version_strings().version.to_string();
+    let found_major = found.split('.').next().and_then(|m| m.parse::<u32>().ok());
+    if found_major != Some(attnbench_abi::abi_major()) {
+        return Err(LoadError::OtherMajor {
+            path: path.to_path_buf(),
+            found,
+        });
+    }
+    let module = header
+        .init_root_module::<PluginModRef>()
+        .map_err(|err| match err {
+            LibraryError::AbiInstability(_) | LibraryError::IncompatibleVersionNumber { .. } => {
+                LoadError::Layout {
+                    path: path.to_path_buf(),
+                    found: found.clone(),
+                }
+            }
+            other => classify(path, other),
+        })?;
+    Ok((module, found))
+}
+
+fn checked_manifest(path: &Path, json: &str) -> Result<PluginManifest, LoadError> {
+    parse_manifest(json).map_err(|reason| LoadError::Manifest {
+        path: path.to_path_buf(),
+        reason,
+    })
 }
 
 fn parse_manifest(json: &str) -> Result<PluginManifest, String> {
@@ -178,36 +266,44 @@ fn is_library(path: &Path) -> bool {
 pub struct Registry {
     pub dirs: Vec<PathBuf>,
     plugins: BTreeMap<String, Arc<Plugin>>,
-    /// Libraries that were found but could not be loaded, with the reason.
+    /// Libraries that were found but could not be used, with the reason.
     pub rejected: Vec<(PathBuf, String)>,
 }
 
 impl Registry {
+    /// Every library on the search path, known by its manifest; none is loaded into this
+    /// process once [`configure_manifests`] has named a reader.
     pub fn discover(plugin_dirs: &[PathBuf]) -> Registry {
         let dirs = search_path(plugin_dirs);
-        let mut registry = Registry {
-            dirs: dirs.clone(),
-            ..Registry::default()
-        };
+        let mut libraries = Vec::new();
         for dir in &dirs {
             let Ok(entries) = std::fs::read_dir(dir) else {
                 continue;
             };
-            let mut libraries: Vec<PathBuf> = entries
+            let mut found: Vec<PathBuf> = entries
                 .flatten()
                 .map(|e| e.path())
                 .filter(|p| is_library(p))
                 .collect();
-            libraries.sort();
-            for library in libraries {
-                registry.add_library(&library);
-            }
+            found.sort();
+            libraries.extend(found);
+        }
+        let mut registry = Registry {
+            dirs,
+            ..Registry::default()
+        };
+        for (library, described) in libraries.iter().zip(manifests::describe_all(&libraries)) {
+            registry.add(library, described);
         }
         registry
     }
 
     pub fn add_library(&mut self, path: &Path) {
-        match Plugin::load(path) {
+        self.add(path, Plugin::describe(path));
+    }
+
+    fn add(&mut self, path: &Path, described: Result<Plugin, LoadError>) {
+        match described {
             Ok(plugin) => {
                 let name = plugin.manifest.name.clone();
                 if let Some(existing) = self.plugins.get(&name) {
