@@ -18,7 +18,7 @@ use attnbench_runtime::inspect::{explain, node_states, NodeState};
 use attnbench_runtime::pipeline::{self, PipelineError};
 use attnbench_runtime::plan::{nodes_per_stage, Plan};
 use attnbench_runtime::plugin::Registry;
-use attnbench_runtime::run::{execute, install_interrupt_handler, RunOptions};
+use attnbench_runtime::run::{execute, RunOptions};
 use clap::{Args, Parser, Subcommand};
 
 #[derive(Parser)]
@@ -121,6 +121,10 @@ enum Command {
     Worker {
         #[arg(long)]
         plugin: PathBuf,
+        /// Only print the plugin's manifest and exit: how discovery reads a library it has not
+        /// seen, without loading it into its own process.
+        #[arg(long)]
+        manifest: bool,
     },
 }
 
@@ -174,8 +178,25 @@ fn load_plan(args: &PipelineArgs, registry: &Registry) -> Result<Plan> {
 }
 
 fn dispatch(cli: Cli) -> Result<ExitCode> {
+    if let Command::Worker {
+        plugin,
+        manifest: true,
+    } = &cli.command
+    {
+        attnbench_runtime::plugin::serve_manifest(plugin);
+    }
+    // Discovery knows plugins by their cached manifests and reads a new library's manifest in a
+    // child process, so no command runs a plugin's code here unless it runs one of its stages.
+    // The manifests live in the artifact cache; the implicit `./artifacts` is not created just
+    // for them, so `plugins list` in some other folder leaves nothing behind.
+    let explicit = cli.cache.is_some() || std::env::var_os("ATTNBENCH_CACHE").is_some();
+    let cache_root = cli.cache.clone().unwrap_or_else(Cache::default_root);
+    attnbench_runtime::plugin::configure_manifests(
+        (explicit || cache_root.is_dir()).then_some(cache_root.as_path()),
+        std::env::current_exe().ok(),
+    );
     match cli.command {
-        Command::Worker { plugin } => {
+        Command::Worker { plugin, .. } => {
             attnbench_runtime::worker::serve(&plugin).context("worker")?;
             Ok(ExitCode::SUCCESS)
         }
@@ -205,7 +226,8 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
                 argv: std::env::args().collect(),
                 time_budget,
             };
-            install_interrupt_handler();
+            attnbench_runtime::stop::install_handler()
+                .context("cannot install the stop-signal handler")?;
             let observer = progress::Progress::new(plan.nodes.len(), cli.quiet, cli.verbose > 0);
             let summary = execute(&plan, &cache, &options, &observer)?;
             observer.finish();

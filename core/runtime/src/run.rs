@@ -3,22 +3,21 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fs::File;
-use std::io::Write;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use attnbench_abi::LogLevel;
 use attnbench_sdk::{CacheScope, InputArtifact, Isolation, StageRequest};
 use serde_json::Value;
 
 use crate::cache::{Cache, CacheError, Entry, InputDigest, KeyParts, Lookup};
 use crate::diagnostic::suggestion;
+use crate::machine_lock::{self, MachineLockError};
+use crate::node_sink::NodeSink;
 use crate::plan::Plan;
 use crate::record::{new_run_id, node_file_name, NodeRecord, PluginRecord, RunRecord, Status};
-use crate::services::{trace_plugin_log, ServiceSink};
+use crate::stop;
 use crate::worker::{WorkerOutcome, WorkerPool};
 use attnbench_sdk::environment::Environment;
 
@@ -109,7 +108,7 @@ pub fn key_parts(
         plugin_version: stage.plugin.manifest.version.clone(),
         library_hash: stage.plugin.library_hash.clone(),
         stage: stage.spec.name.clone(),
-        params: Value::Object(node.params.clone()),
+        params: Value::Object(node.params.to_map()),
         seed: plan.pipeline.seed,
         inputs,
         files,
@@ -217,12 +216,12 @@ pub fn execute(
         forced,
         logs_dir,
         observer,
-        deadline: options.time_budget.map(|budget| Instant::now() + budget),
+        // A budget past what a clock can represent is no budget at all.
+        deadline: options
+            .time_budget
+            .and_then(|budget| Instant::now().checked_add(budget)),
     };
-    // A budget spent by an earlier run of this process does not stop this one.
-    if BUDGET_SPENT.swap(false, Ordering::SeqCst) {
-        INTERRUPTED.store(false, Ordering::SeqCst);
-    }
+    stop::forget_spent_budget();
     // The record on disk follows the run: if it is killed outright (SIGKILL, a lost machine),
     // run.json still names every node that finished, with its artifact. Rewrites are spaced so
     // that they never cost more than a tenth of the run.
@@ -304,20 +303,24 @@ fn schedule(
         let mut running_exclusive: Option<usize> = None;
         let mut held: VecDeque<usize> = VecDeque::new();
         while finished_count < count {
-            spend_budget(shared.deadline);
+            stop::spend_budget(shared.deadline);
             while let Some(index) = ready.pop_front() {
                 let node = &plan.nodes[index];
                 let fan_out = &node.inputs[..node.fan_out_inputs];
                 let failed_input = fan_out.iter().find(|&&input| outputs[input].is_none());
-                let interrupted = INTERRUPTED.load(Ordering::Relaxed);
+                let interrupted = stop::requested();
                 if failed_input.is_some() || interrupted {
                     let reason = match failed_input {
                         Some(&failed) => {
                             format!("input `{}` did not succeed", plan.nodes[failed].id)
                         }
-                        None => stop_reason().to_string(),
+                        None => stop::reason().to_string(),
                     };
-                    let record = bare_record(plan, index, Status::Skipped, Some(reason));
+                    let parts = failed_input
+                        .is_none()
+                        .then(|| known_parts(shared, index, &outputs))
+                        .flatten();
+                    let record = bare_record(plan, index, Status::Skipped, Some(reason), parts);
                     shared.observer.event(Event::Finished { record: &record });
                     records[index] = Some(record);
                     finished_count += 1;
@@ -372,7 +375,7 @@ fn schedule(
             let finished = loop {
                 match done_receiver.recv_timeout(Duration::from_millis(200)) {
                     Ok(finished) => break Some(finished),
-                    Err(mpsc::RecvTimeoutError::Timeout) => spend_budget(shared.deadline),
+                    Err(mpsc::RecvTimeoutError::Timeout) => stop::spend_budget(shared.deadline),
                     Err(mpsc::RecvTimeoutError::Disconnected) => break None,
                 }
             };
@@ -405,7 +408,14 @@ fn schedule(
         .enumerate()
         .map(|(index, record)| {
             record.unwrap_or_else(|| {
-                bare_record(plan, index, Status::Skipped, Some("never scheduled".into()))
+                let parts = known_parts(shared, index, &outputs);
+                bare_record(
+                    plan,
+                    index,
+                    Status::Skipped,
+                    Some("never scheduled".into()),
+                    parts,
+                )
             })
         })
         .collect()
@@ -424,7 +434,7 @@ fn input_artifact(
     let mut artifact = InputArtifact {
         node: upstream.id.clone(),
         uses: plan.stage_of(upstream).uses.clone(),
-        params: upstream.params.clone(),
+        params: upstream.params.to_map(),
         coords: upstream
             .coords
             .iter()
@@ -456,22 +466,45 @@ fn input_artifact(
     )
 }
 
-fn bare_record(plan: &Plan, index: usize, status: Status, error: Option<String>) -> NodeRecord {
+/// The key parts a node that was not started would have had, when every input's output is
+/// known: recorded so that `cache gc` keeps what a resumed run will reuse.
+fn known_parts(shared: &Shared, index: usize, outputs: &[Option<Output>]) -> Option<KeyParts> {
+    let plan = shared.plan;
+    let inputs = plan.nodes[index]
+        .inputs
+        .iter()
+        .map(|&input| {
+            Some(InputDigest {
+                node: plan.nodes[input].id.clone(),
+                digest: outputs[input].as_ref()?.digest.clone(),
+            })
+        })
+        .collect::<Option<Vec<_>>>()?;
+    Some(key_parts(plan, index, inputs, &shared.fingerprint))
+}
+
+fn bare_record(
+    plan: &Plan,
+    index: usize,
+    status: Status,
+    error: Option<String>,
+    parts: Option<KeyParts>,
+) -> NodeRecord {
     let node = &plan.nodes[index];
     let stage = plan.stage_of(node);
     NodeRecord {
         id: node.id.clone(),
         stage: stage.name.clone(),
         uses: stage.uses.clone(),
-        params: node.params.clone(),
+        params: node.params.to_map(),
         inputs: node
             .inputs
             .iter()
             .map(|&i| plan.nodes[i].id.clone())
             .collect(),
         status,
-        key: None,
-        key_parts: None,
+        key: parts.as_ref().map(KeyParts::key),
+        key_parts: parts,
         duration_s: 0.0,
         error,
         note: None,
@@ -484,16 +517,22 @@ fn run_node(shared: &Shared, task: Task) -> Finished {
     let plan = shared.plan;
     let index = task.node;
     // Queued before an interrupt, not yet started: it does not start now.
-    if INTERRUPTED.load(Ordering::Relaxed) {
+    if stop::requested() {
         return Finished {
             node: index,
-            record: bare_record(plan, index, Status::Skipped, Some(stop_reason().into())),
+            record: bare_record(
+                plan,
+                index,
+                Status::Skipped,
+                Some(stop::reason().into()),
+                Some(key_parts(plan, index, task.digests, &shared.fingerprint)),
+            ),
             output: None,
         };
     }
     let parts = key_parts(plan, index, task.digests, &shared.fingerprint);
     let key = parts.key();
-    let mut record = bare_record(plan, index, Status::Ok, None);
+    let mut record = bare_record(plan, index, Status::Ok, None, None);
     record.key = Some(key.clone());
     record.key_parts = Some(parts.clone());
     let hit = |record: &mut NodeRecord, entry: Entry| {
@@ -540,6 +579,26 @@ fn run_node(shared: &Shared, task: Task) -> Finished {
             };
         }
     }
+    let exclusive = plan.stage_of(&plan.nodes[index]).spec.exclusive;
+    let waiting = || {
+        tracing::info!(
+            "{}: waiting for another run on this cache to finish its measurement",
+            record.id
+        )
+    };
+    let _machine = match machine_lock::acquire(&shared.cache.root, exclusive, waiting) {
+        Ok(lock) => lock,
+        Err(MachineLockError::Stopped) => {
+            record.status = Status::Skipped;
+            record.error = Some(stop::reason().into());
+            return Finished {
+                node: index,
+                record,
+                output: None,
+            };
+        }
+        Err(err) => return failed(index, record, Status::Error, err.to_string()),
+    };
     shared.observer.event(Event::Started { node: &record.id });
     let started = Instant::now();
     let outcome = compute(shared, index, &task.inputs, parts, &mut record);
@@ -589,7 +648,7 @@ fn compute(
     let request = StageRequest {
         node: node.id.clone(),
         stage: stage.spec.name.clone(),
-        params: node.params.clone(),
+        params: node.params.to_map(),
         seed: plan.pipeline.seed,
         output_dir: staging.files_dir(),
         inputs: inputs.to_vec(),
@@ -605,16 +664,28 @@ fn compute(
     let log = File::create(&log_path).ok();
     record.log = Some(log_path);
     let sink = NodeSink {
-        node: &node.id,
-        plugin: &stage.plugin.manifest.name,
+        node: node.id.clone(),
+        plugin: stage.plugin.manifest.name.clone(),
         log: Mutex::new(log.as_ref().and_then(|f| f.try_clone().ok())),
-        observer: shared.observer,
+        progress: |done, total, message: &str| {
+            progress(shared.observer, &node.id, done, total, message)
+        },
     };
-    let result_text = match stage.spec.isolation {
-        Isolation::InProcess => stage
-            .plugin
-            .run(&stage.spec.name, &request_json, &sink)
-            .map_err(|err| (Status::Error, err))?,
+    // A limit can only be held by killing what runs past it, so a stage with a `timeout:` runs
+    // in a worker process even when it would run in process.
+    let isolation = match stage.timeout {
+        Some(_) => Isolation::Worker,
+        None => stage.spec.isolation,
+    };
+    let result_text = match isolation {
+        Isolation::InProcess => crate::node_sink::run_detached(
+            Arc::clone(&stage.plugin),
+            stage.spec.name.clone(),
+            request_json,
+            node.id.clone(),
+            log.as_ref().and_then(|f| f.try_clone().ok()),
+            &|done, total, message| progress(shared.observer, &node.id, done, total, message),
+        )?,
         Isolation::Worker => {
             let mut worker = shared
                 .pool
@@ -625,7 +696,7 @@ fn compute(
                 &stage.spec.name,
                 &request_json,
                 stage.timeout,
-                &INTERRUPTED,
+                &stop::INTERRUPTED,
                 &sink,
                 stderr_log,
             ) {
@@ -688,35 +759,13 @@ fn brief(value: &Value) -> String {
     }
 }
 
-struct NodeSink<'a> {
-    node: &'a str,
-    plugin: &'a str,
-    log: Mutex<Option<File>>,
-    observer: &'a dyn Observer,
-}
-
-impl ServiceSink for NodeSink<'_> {
-    fn log(&self, level: LogLevel, message: &str) {
-        trace_plugin_log(self.plugin, self.node, level, message);
-        if let Ok(mut log) = self.log.lock() {
-            if let Some(file) = log.as_mut() {
-                let _ = writeln!(file, "[{}] {message}", level.as_str());
-            }
-        }
-    }
-
-    fn progress(&self, done: u64, total: u64, message: &str) {
-        self.observer.event(Event::Progress {
-            node: self.node,
-            done,
-            total,
-            message,
-        });
-    }
-
-    fn is_cancelled(&self) -> bool {
-        INTERRUPTED.load(Ordering::Relaxed)
-    }
+fn progress(observer: &dyn Observer, node: &str, done: u64, total: u64, message: &str) {
+    observer.event(Event::Progress {
+        node,
+        done,
+        total,
+        message,
+    });
 }
 
 fn plugin_records(plan: &Plan) -> Vec<PluginRecord> {
@@ -737,47 +786,4 @@ fn plugin_records(plan: &Plan) -> Vec<PluginRecord> {
 
 fn now() -> String {
     humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string()
-}
-
-/// Set by the first Ctrl-C or SIGTERM (a job scheduler's or `timeout`'s stop): no new node
-/// starts, running in-process nodes see `is_cancelled`, running nodes finish, and the run record
-/// is still written. A second signal of the same kind ends the process at once.
-pub static INTERRUPTED: AtomicBool = AtomicBool::new(false);
-
-/// Set with [`INTERRUPTED`] when the stop came from the run's own time budget.
-static BUDGET_SPENT: AtomicBool = AtomicBool::new(false);
-
-/// Stops the run as a signal would once `deadline` has passed.
-fn spend_budget(deadline: Option<Instant>) {
-    if deadline.is_some_and(|d| Instant::now() >= d) && !INTERRUPTED.load(Ordering::SeqCst) {
-        BUDGET_SPENT.store(true, Ordering::SeqCst);
-        INTERRUPTED.store(true, Ordering::SeqCst);
-    }
-}
-
-/// Why nodes that did not start were skipped.
-fn stop_reason() -> &'static str {
-    if BUDGET_SPENT.load(Ordering::SeqCst) {
-        "the run's time budget ran out"
-    } else {
-        "the run was interrupted"
-    }
-}
-
-extern "C" fn on_interrupt(signal: libc::c_int) {
-    INTERRUPTED.store(true, Ordering::SeqCst);
-    // SAFETY: restoring the default disposition is async-signal-safe.
-    unsafe { libc::signal(signal, libc::SIG_DFL) };
-}
-
-pub fn install_interrupt_handler() {
-    for signal in [libc::SIGINT, libc::SIGTERM] {
-        // SAFETY: the handler only stores to an atomic and resets the disposition.
-        unsafe {
-            libc::signal(
-                signal,
-                on_interrupt as extern "C" fn(libc::c_int) as libc::sighandler_t,
-            )
-        };
-    }
 }

@@ -64,6 +64,9 @@ impl Plugin for Testkit {
             .stage(misbehaving("abort", "Aborts the process."))
             .stage(misbehaving("segfault", "Dereferences a null pointer."))
             .stage(misbehaving("hang", "Sleeps forever, ignoring cancellation.").timeout_s(1.0))
+            .stage(echo_stage("hang-in-process", Isolation::InProcess).doc(
+                "Checks its parameters, then sleeps forever in process, ignoring cancellation.",
+            ))
             .stage(
                 StageSpec::new("malformed").doc("Returns a bare string instead of a JSON object."),
             )
@@ -88,6 +91,12 @@ impl Plugin for Testkit {
             "hang" => loop {
                 std::thread::sleep(Duration::from_secs(3600));
             },
+            "hang-in-process" => {
+                let _: EchoParams = request.params()?;
+                loop {
+                    std::thread::sleep(Duration::from_secs(3600));
+                }
+            }
             "malformed" => Ok(json!("not an object")),
             "noisy" => {
                 println!("testkit writes to stdout, which must not corrupt the worker protocol");
