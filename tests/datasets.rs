@@ -281,3 +281,82 @@ fn documents_can_be_counted_with_a_tokenizer_json() {
     );
     assert_eq!(tokens["counted_as"], "tokens of the given tokenizer.json");
 }
+
+/// The manifest of a published histogram (`format: histogram`), with its URL and sha256.
+fn histogram_manifest(sandbox: &Sandbox, url: &str, sha: &str) {
+    sandbox.write(
+        "histogram.yaml",
+        &format!("name: published\nformat: histogram\nshards:\n  - url: {url}\n    sha256: {sha}\n    max_bytes: 1M\n"),
+    );
+    sandbox.write(
+        "p.yaml",
+        "name: published\nseed: 42\nstages:\n  lengths:\n    uses: datasets/lengths\n    with: {source: histogram.yaml, retries: 0}\n  masks:\n    uses: masks/generate\n    needs: [lengths]\n    with: {mask: causal_document, seqlen: 16k, distribution: input}\n",
+    );
+}
+
+#[test]
+fn a_published_histogram_is_fetched_pinned_and_drawn_from() {
+    let histogram = br#"{"[0,32)": 0.25, "[32,1024)": 0.5, "[1024,4096)": 0.25}"#.to_vec();
+    let server = HttpServer::start(
+        HashMap::from([("h.json".to_string(), histogram.clone())]),
+        HashSet::new(),
+    );
+    let sandbox = Sandbox::new();
+    histogram_manifest(&sandbox, &server.url("h.json"), &sha256(&histogram));
+    let run = sandbox.run(&["run", "p.yaml", "-q"]);
+    assert!(run.status.success(), "{}", stderr(&run));
+    let record = sandbox.last_record();
+    let lengths = result_of(node(&record, "lengths"));
+    assert_eq!(lengths["format"], "histogram", "{lengths}");
+    assert_eq!(lengths["shards"][0]["sha256_verified"], true, "{lengths}");
+    let masks = result_of(node(&record, "masks"));
+    let documents = masks["documents"].as_array().unwrap();
+    assert!(
+        documents.len() > 4 && documents.iter().all(|d| d.as_u64().unwrap() < 4096 + 16384),
+        "documents drawn from the published histogram: {masks}"
+    );
+
+    // The same URL serving other bytes is refused, not drawn from.
+    let other = Sandbox::new();
+    histogram_manifest(&other, &server.url("h.json"), &"0".repeat(64));
+    let run = other.run(&["run", "p.yaml", "-q"]);
+    assert_eq!(run.status.code(), Some(1), "{}", stderr(&run));
+    let error = node(&other.last_record(), "lengths")["error"].to_string();
+    assert!(error.contains("sha256"), "{error}");
+}
+
+/// The shipped manifests of LongCA-bench's histograms pin the files the paper's code holds: each
+/// is served from loopback with the copy beside the project (when there is one) and must pass.
+#[test]
+fn the_shipped_longca_manifests_pin_the_papers_histograms() {
+    let data = attnbench_tests::workspace_root().join("../shared/data/longca-distributions");
+    if !data.is_dir() {
+        eprintln!("{} is not here: nothing to check the pins against", data.display());
+        return;
+    }
+    let mut checked = 0;
+    for name in ["pile", "prolong64k", "prolong512k"] {
+        let bytes = std::fs::read(data.join(format!("{name}.json"))).unwrap();
+        let manifest = std::fs::read_to_string(
+            attnbench_tests::workspace_root().join(format!("datasets/longca-{name}.yaml")),
+        )
+        .unwrap();
+        let url = manifest
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("- url: "))
+            .unwrap()
+            .to_string();
+        let file = url.rsplit('/').next().unwrap().to_string();
+        let server = HttpServer::start(HashMap::from([(file.clone(), bytes)]), HashSet::new());
+        let sandbox = Sandbox::new();
+        sandbox.write("histogram.yaml", &manifest.replace(&url, &server.url(&file)));
+        sandbox.write(
+            "p.yaml",
+            "stages:\n  lengths:\n    uses: datasets/lengths\n    with: {source: histogram.yaml, retries: 0}\n",
+        );
+        let run = sandbox.run(&["run", "p.yaml", "-q"]);
+        assert!(run.status.success(), "longca-{name}.yaml: {}", stderr(&run));
+        checked += 1;
+    }
+    assert_eq!(checked, 3);
+}

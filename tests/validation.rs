@@ -392,3 +392,32 @@ fn absurd_command_line_numbers_do_not_panic() {
     assert!(text.contains("do not fit in 64 bits"), "{text}");
     assert!(!text.contains("panicked"), "{text}");
 }
+
+/// Every shipped pipeline passes the checker against the workspace's plugins, and the GPU
+/// pipelines draw their documents from LongCA-bench's published Pile histogram, not the
+/// synthetic stand-in.
+#[test]
+fn every_shipped_pipeline_plans() {
+    let sandbox = Sandbox::new();
+    let dir = attnbench_tests::workspace_root().join("pipelines");
+    let mut planned = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().and_then(|e| e.to_str()) != Some("yaml") {
+            continue;
+        }
+        let plan = sandbox.run(&["plan", path.to_str().unwrap(), "--summary"]);
+        assert!(plan.status.success(), "{}: {}", path.display(), stderr(&plan));
+        let name = path.file_name().unwrap().to_string_lossy();
+        if ["dense-kernels.yaml", "context-parallel-gpu.yaml", "naive-gpu.yaml"].contains(&&*name) {
+            let text = std::fs::read_to_string(&path).unwrap();
+            assert!(
+                text.contains("source: ../datasets/longca-pile.yaml")
+                    && text.contains("distribution: input"),
+                "{name} draws its documents from the Pile histogram"
+            );
+        }
+        planned += 1;
+    }
+    assert!(planned >= 10, "{planned} pipelines");
+}

@@ -1,6 +1,7 @@
 //! `datasets/lengths`: a document-length histogram (LongCA-bench's JSON format) from a histogram
-//! file, the built-in synthetic histogram, or a dataset manifest whose corpus shards are
-//! downloaded (resumable, size-capped, pinned by SHA-256) and counted.
+//! file, the built-in synthetic histogram, or a dataset manifest whose shards are downloaded
+//! (resumable, size-capped, pinned by SHA-256): corpus text that is counted, or a published
+//! histogram used as it is.
 
 mod corpus;
 mod download;
@@ -145,18 +146,8 @@ fn from_manifest(
             )));
         }
     }
-    let counter = if params.tokenizer.is_empty() {
-        corpus::Counter::Whitespace
-    } else {
-        corpus::Counter::from_file(Path::new(&params.tokenizer))?
-    };
     let dir = downloads_dir(params);
-    let mut lengths = Vec::new();
-    let mut shards = Vec::new();
-    for shard in &manifest.shards {
-        if params.max_documents > 0 && lengths.len() as u64 >= params.max_documents {
-            break;
-        }
+    let fetch_shard = |shard: &manifest::Shard| {
         let rules = Rules {
             sha256: shard.sha256.as_deref(),
             retries: params.retries,
@@ -166,14 +157,7 @@ fn from_manifest(
             manifest: path,
         };
         let fetched = fetch(&shard.url, &dir, &rules, host)?;
-        let limit = if params.max_documents > 0 {
-            params.max_documents - lengths.len() as u64
-        } else {
-            u64::MAX
-        };
-        let counted = corpus::count_tokens(&fetched.path, &manifest.text_field, &counter, limit)?;
-        host.info(&format!("{}: {} documents", shard.url, counted.len()));
-        shards.push(json!({
+        let summary = json!({
             "url": shard.url,
             "final_url": fetched.final_url,
             "redirects": fetched.redirects,
@@ -181,8 +165,49 @@ fn from_manifest(
             "bytes": fetched.bytes,
             "sha256": fetched.sha256,
             "sha256_verified": shard.sha256.is_some(),
-            "documents": counted.len(),
-        }));
+        });
+        Ok::<_, PluginError>((fetched, summary))
+    };
+    if manifest.format == manifest::ShardFormat::Histogram {
+        let (fetched, shard) = fetch_shard(&manifest.shards[0])?;
+        let text = std::fs::read_to_string(&fetched.path)
+            .map_err(|err| PluginError::io(&fetched.path, err))?;
+        let histogram = Histogram::from_longca_json(&text).map_err(|err| {
+            PluginError::failed(format!(
+                "{}: {} is not a LongCA-bench histogram: {err}",
+                path.display(),
+                shard["url"]
+            ))
+        })?;
+        let summary = json!({
+            "source": path.display().to_string(),
+            "dataset": manifest.name,
+            "format": "histogram",
+            "shards": [shard],
+        });
+        return Ok((histogram, summary));
+    }
+    let counter = if params.tokenizer.is_empty() {
+        corpus::Counter::Whitespace
+    } else {
+        corpus::Counter::from_file(Path::new(&params.tokenizer))?
+    };
+    let mut lengths = Vec::new();
+    let mut shards = Vec::new();
+    for shard in &manifest.shards {
+        if params.max_documents > 0 && lengths.len() as u64 >= params.max_documents {
+            break;
+        }
+        let (fetched, mut summary) = fetch_shard(shard)?;
+        let limit = if params.max_documents > 0 {
+            params.max_documents - lengths.len() as u64
+        } else {
+            u64::MAX
+        };
+        let counted = corpus::count_tokens(&fetched.path, &manifest.text_field, &counter, limit)?;
+        host.info(&format!("{}: {} documents", shard.url, counted.len()));
+        summary["documents"] = json!(counted.len());
+        shards.push(summary);
         lengths.extend(counted);
     }
     if lengths.is_empty() {

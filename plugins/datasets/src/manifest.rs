@@ -1,4 +1,5 @@
-//! Dataset manifests (`datasets/*.yaml`): where a corpus's shards live and how to read them.
+//! Dataset manifests (`datasets/*.yaml`): where a corpus's shards live and how to read them, or
+//! where a published document-length histogram lives.
 
 use std::path::Path;
 
@@ -20,7 +21,22 @@ pub struct DatasetManifest {
     /// `cdn.example.org:8443`, `*.example.org`): a file host that serves through a CDN.
     #[serde(default)]
     pub redirect_hosts: Vec<String>,
+    /// What the shards hold.
+    #[serde(default)]
+    pub format: ShardFormat,
     pub shards: Vec<Shard>,
+}
+
+/// What a manifest's shards hold.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ShardFormat {
+    /// Corpus text, one JSON document a line (`.jsonl` or `.jsonl.zst`), counted into a histogram.
+    #[default]
+    Jsonl,
+    /// One document-length histogram in LongCA-bench's JSON format, used as it is: a paper's
+    /// published distribution, fetched by URL and pinned by SHA-256.
+    Histogram,
 }
 
 #[derive(Debug, Deserialize)]
@@ -70,6 +86,13 @@ impl DatasetManifest {
             return Err(PluginError::Params(format!(
                 "dataset manifest {} lists no shards",
                 path.display()
+            )));
+        }
+        if manifest.format == ShardFormat::Histogram && manifest.shards.len() != 1 {
+            return Err(PluginError::Params(format!(
+                "dataset manifest {}: `format: histogram` takes exactly one shard (the histogram's URL), not {}",
+                path.display(),
+                manifest.shards.len()
             )));
         }
         for shard in &manifest.shards {
