@@ -1278,8 +1278,12 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
     grid, _ = block_grid(masks) if form is None else (None, "")
     block = next((b for b in FLEX_BLOCKS if grid is not None and all(
         (edges % b == 0).all() for edges in grid[:2])), None)
+    # Documents and windows have a closed form, the one flex's documentation writes (a
+    # document-id vector and index arithmetic): preferred to any table where no block form is exact.
+    closed = varlen_encoding(shared)[0] if shared is not None and form is None and not block else None
     mode = {"full": "none", "causal": "causal"}.get(
-        form, "blocks" if block else "block table" if grid is not None else "row intervals" if single else "dense")
+        form, "blocks" if block else "documents" if closed is not None else "block table" if grid is not None
+        else "row intervals" if single else "dense")
     s, count = p.seqlen, len(masks)
     if mode == "dense" and count * s * -(-s // 8) >= 1 << 31:
         raise Unsupported(f"flex would read a {count}×{s}×{s} bit table in mask_mod, past the 2³¹ elements its "
@@ -1291,6 +1295,7 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
                     env={"backend": "torch.compile(flex_attention, dynamic=False) with create_block_mask"})
     kernel.phases["mask_mode"] = {"none": "no block mask (full)", "causal": "mask_mod q >= kv",
                                   "row intervals": "mask_mod reads per-row key intervals",
+                                  "documents": "closed-form mask_mod: " + closed_form_description(closed),
                                   "blocks": f"full {block}-token blocks from the masks' block grid (no mask_mod)",
                                   "block table": f"{FLEX_TILE}-token tiles from the masks' block grid: full inside kept "
                                                  "blocks, mask_mod reading a per-block table where tiles cut blocks",
@@ -1315,6 +1320,8 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
             block_mask, tables = flex_block_table(p, torch, device, flex, grid, head_of)
         elif mode == "causal":
             mask_mod = lambda b, h, q, kv: q >= kv  # noqa: E731
+        elif mode == "documents":
+            mask_mod, tables = closed_form_mask_mod(closed, torch, device)
         elif mode == "row intervals":
             lo = torch.from_numpy(np.stack([p.intervals(i)[0] for i in indices])).to(device, torch.int32)
             hi = torch.from_numpy(np.stack([p.intervals(i)[1] for i in indices])).to(device, torch.int32)
@@ -1351,6 +1358,46 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
 
     kernel.call, kernel.setup = call, setup
     return kernel
+
+
+def closed_form_description(encoding: Optional[dict]) -> str:
+    if encoding is None:
+        return ""
+    documents = len(encoding["cu_seqlens"]) - 1
+    parts = [f"document ids ({documents} documents)"] if documents > 1 else []
+    if encoding["left"] >= 0:
+        parts.append(f"q - kv <= {encoding['left']}")
+    if encoding["right"] == 0:
+        parts.append("q >= kv")
+    elif encoding["right"] > 0:
+        parts.append(f"kv - q <= {encoding['right']}")
+    return " and ".join(parts)
+
+
+def closed_form_mask_mod(encoding: dict, torch: Any, device: Any) -> Tuple[Callable[..., Any], List[Any]]:
+    """The mask_mod of documents with one window inside each (varlen_encoding's form): a
+    document-id vector where there are several documents, index arithmetic for the window."""
+    cu = encoding["cu_seqlens"]
+    left, right = encoding["left"], encoding["right"]
+    tables: List[Any] = []
+    if len(cu) > 2:
+        lengths = torch.tensor([b - a for a, b in zip(cu, cu[1:])], device=device)
+        doc = torch.repeat_interleave(torch.arange(len(lengths), device=device, dtype=torch.int32), lengths)
+        tables = [doc]
+    else:
+        doc = None
+
+    def mask_mod(b: Any, h: Any, q: Any, kv: Any) -> Any:
+        allowed = (doc[q] == doc[kv]) if doc is not None else (q >= 0)
+        if right == 0:
+            allowed = allowed & (q >= kv)
+        elif right > 0:
+            allowed = allowed & (kv - q <= right)
+        if left >= 0:
+            allowed = allowed & (q - kv <= left)
+        return allowed
+
+    return mask_mod, tables
 
 
 # flex's own block size: its kernels' tiles divide it under their default settings (smaller sparse
