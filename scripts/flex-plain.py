@@ -36,10 +36,11 @@ def arguments():
     parser.add_argument("cache", nargs="?", default=os.environ.get("ATTNBENCH_CACHE", "artifacts"))
     parser.add_argument("run", nargs="?", help="run id (default: the latest)")
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--lse", action="store_true", help="also return the LSE, as attnbench's harness asks")
     args = parser.parse_args()
     runs = os.path.join(args.cache, "runs")
     run = args.run or open(os.path.join(runs, "latest")).read().strip()
-    return json.load(open(os.path.join(runs, run, "run.json"))), args.reps
+    return json.load(open(os.path.join(runs, run, "run.json"))), args.reps, args.lse
 
 
 def mask_mod_of(mask_set, device):
@@ -94,7 +95,7 @@ def median_ms(call, reps, flush, start, end):
     return statistics.median(times[3:])
 
 
-def plain(m, mask_set, reps, cache):
+def plain(m, mask_set, reps, cache, lse=False):
     device = torch.device("cuda")
     shape, s = m["shape"], mask_set["seqlen"]
     mask_mod, what = mask_mod_of(mask_set, device)
@@ -116,8 +117,12 @@ def plain(m, mask_set, reps, cache):
     # falls back to its unfused eager path (and its S × S scores).
     torch._dynamo.reset()
     compiled = torch.compile(flex.flex_attention, dynamic=False)
-    run = lambda: compiled(q, k, v, block_mask=block_mask, scale=1 / math.sqrt(shape["head_dim"]),  # noqa: E731
-                           enable_gqa=shape["heads_q"] != shape["heads_kv"])
+    extra = {"return_aux": flex.AuxRequest(lse=True)} if lse else {}
+
+    def run():
+        result = compiled(q, k, v, block_mask=block_mask, scale=1 / math.sqrt(shape["head_dim"]),
+                          enable_gqa=shape["heads_q"] != shape["heads_kv"], **extra)
+        return result[0] if lse else result
     flush = torch.empty(2 * torch.cuda.get_device_properties(device).L2_cache_size, dtype=torch.uint8, device=device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     if m["direction"] == "fwd":
@@ -134,7 +139,7 @@ def plain(m, mask_set, reps, cache):
 
 
 def main():
-    record, reps = arguments()
+    record, reps, lse = arguments()
     nodes = {n["id"]: n for n in record["nodes"]}
     cache = {}
     print("cell\tattnbench TFLOP/s\tplain flex TFLOP/s\tdifference\tmask_mode (attnbench)\tplain form")
@@ -148,7 +153,7 @@ def main():
         masks = [nodes[i] for i in node["inputs"] if nodes[i]["uses"] == "masks/generate"]
         mask_set = json.load(open(os.path.join(masks[0]["artifact"], "mask.json")))
         ours = m["tflops"]["p50"]
-        theirs, what = plain(m, mask_set, reps, cache)
+        theirs, what = plain(m, mask_set, reps, cache, lse)
         mode = ((m.get("environment") or {}).get("phases") or {}).get("mask_mode", "")
         if theirs is None:
             print(f"{node['id']}\t{ours:.1f}\t\t\t{mode}\t{what}")
