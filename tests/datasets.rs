@@ -331,7 +331,10 @@ fn a_published_histogram_is_fetched_pinned_and_drawn_from() {
 fn the_shipped_longca_manifests_pin_the_papers_histograms() {
     let data = attnbench_tests::workspace_root().join("../shared/data/longca-distributions");
     if !data.is_dir() {
-        eprintln!("{} is not here: nothing to check the pins against", data.display());
+        eprintln!(
+            "{} is not here: nothing to check the pins against",
+            data.display()
+        );
         return;
     }
     let mut checked = 0;
@@ -349,7 +352,10 @@ fn the_shipped_longca_manifests_pin_the_papers_histograms() {
         let file = url.rsplit('/').next().unwrap().to_string();
         let server = HttpServer::start(HashMap::from([(file.clone(), bytes)]), HashSet::new());
         let sandbox = Sandbox::new();
-        sandbox.write("histogram.yaml", &manifest.replace(&url, &server.url(&file)));
+        sandbox.write(
+            "histogram.yaml",
+            &manifest.replace(&url, &server.url(&file)),
+        );
         sandbox.write(
             "p.yaml",
             "stages:\n  lengths:\n    uses: datasets/lengths\n    with: {source: histogram.yaml, retries: 0}\n",

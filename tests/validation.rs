@@ -407,9 +407,20 @@ fn every_shipped_pipeline_plans() {
             continue;
         }
         let plan = sandbox.run(&["plan", path.to_str().unwrap(), "--summary"]);
-        assert!(plan.status.success(), "{}: {}", path.display(), stderr(&plan));
+        assert!(
+            plan.status.success(),
+            "{}: {}",
+            path.display(),
+            stderr(&plan)
+        );
         let name = path.file_name().unwrap().to_string_lossy();
-        if ["dense-kernels.yaml", "context-parallel-gpu.yaml", "naive-gpu.yaml"].contains(&&*name) {
+        if [
+            "dense-kernels.yaml",
+            "context-parallel-gpu.yaml",
+            "naive-gpu.yaml",
+        ]
+        .contains(&&*name)
+        {
             let text = std::fs::read_to_string(&path).unwrap();
             assert!(
                 text.contains("source: ../datasets/longca-pile.yaml")
