@@ -389,3 +389,30 @@ fn a_script_planted_in_the_shared_temp_folder_is_never_run() {
     assert!(run.status.success(), "{}", stderr(&run));
     assert_eq!(measurement(&sandbox.last_record(), "bench")["status"], "ok");
 }
+
+/// FA4's wheel installs `flash_attn/cute` alone: `import flash_attn` then succeeds as a namespace
+/// package with no FA2 in it, which `doctor` must not report as FlashAttention 2.
+#[test]
+fn doctor_does_not_take_a_namespace_package_for_flash_attention_2() {
+    let sandbox = Sandbox::new();
+    let site = sandbox.path().join("site");
+    std::fs::create_dir_all(site.join("flash_attn/cute")).unwrap();
+    std::fs::write(
+        site.join("flash_attn/cute/__init__.py"),
+        "__version__ = '4.0.0'\ndef flash_attn_func(*args, **kwargs):\n    raise NotImplementedError\n",
+    )
+    .unwrap();
+    let doctor = sandbox
+        .command(&["doctor"])
+        .env("ATTNBENCH_PYTHON", python())
+        .env("PYTHONPATH", &site)
+        .output()
+        .unwrap();
+    let text = attnbench_tests::stdout(&doctor);
+    assert!(doctor.status.success(), "{}", stderr(&doctor));
+    assert!(
+        text.contains("flash_attn: only a namespace package"),
+        "{text}"
+    );
+    assert!(text.contains("flash_attn.cute 4.0.0"), "{text}");
+}

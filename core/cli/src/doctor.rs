@@ -67,16 +67,25 @@ pub fn run(plugin_dirs: &[PathBuf], cache: &Cache) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Python packages whose kernels the benchmarks compare, as the Python in use sees them.
+/// Python packages whose kernels the benchmarks compare, as the Python in use sees them: each
+/// with the entry point its adapter calls, so that a namespace package left by another wheel
+/// (FA4's installs `flash_attn/cute` only) is not taken for the package itself.
 const PYTHON_BACKENDS: &str = r#"
 import importlib, json, sys
 found = {}
-for name in ["torch", "triton", "flash_attn", "flash_attn_interface", "flash_attn.cute", "flashinfer", "paddle", "xformers", "transformer_engine", "numpy"]:
+for name, entry in [("torch", None), ("triton", None), ("flash_attn", "flash_attn_func"),
+                    ("flash_attn_interface", "flash_attn_func"), ("flash_attn.cute", "flash_attn_func"),
+                    ("flashinfer", None), ("paddle", None), ("xformers", None),
+                    ("transformer_engine", None), ("numpy", None)]:
     try:
         module = importlib.import_module(name)
-        found[name] = str(getattr(module, "__version__", "importable"))
     except Exception as error:
         found[name] = None
+        continue
+    if entry is not None and not hasattr(module, entry):
+        found[name] = {"missing": entry, "namespace": getattr(module, "__file__", None) is None}
+        continue
+    found[name] = str(getattr(module, "__version__", "importable"))
 print(json.dumps({"python": sys.executable, "version": sys.version.split()[0], "backends": found}))
 "#;
 
@@ -100,9 +109,13 @@ fn python_backends() {
     );
     if let Some(backends) = report["backends"].as_object() {
         for (name, version) in backends {
-            match version.as_str() {
-                Some(version) => println!("  {name} {version}"),
-                None => println!("  {name}: not importable"),
+            match (version.as_str(), version["missing"].as_str()) {
+                (Some(version), _) => println!("  {name} {version}"),
+                (None, Some(entry)) if version["namespace"] == true => println!(
+                    "  {name}: only a namespace package (another package's subfolder), without its {entry}: not installed"
+                ),
+                (None, Some(entry)) => println!("  {name}: imports, but has no {entry}: not usable"),
+                (None, None) => println!("  {name}: not importable"),
             }
         }
     }
