@@ -6,14 +6,13 @@ mod cache_common;
 use std::time::{Duration, Instant};
 
 use attnbench_tests::{statuses, stderr, stdout, Sandbox};
-use cache_common::{artifact_of, count, entry_count, CHAIN};
+use cache_common::{artifact_of, count, entry_count, kill_after_entries, run_chain};
 
 #[test]
 fn a_rerun_is_served_from_the_cache() {
     let sandbox = Sandbox::new();
-    let pipeline = sandbox.write("chain.yaml", CHAIN);
-    let pipeline = pipeline.to_str().unwrap();
-    assert!(sandbox.run(&["run", pipeline]).status.success());
+    let pipeline = run_chain(&sandbox);
+    let pipeline = pipeline.as_str();
     assert_eq!(count(&sandbox.statuses(), "ok"), 5);
     let again = sandbox.run(&["run", pipeline]);
     assert!(again.status.success(), "{}", stderr(&again));
@@ -33,9 +32,8 @@ fn a_rerun_is_served_from_the_cache() {
 #[test]
 fn a_changed_parameter_reruns_only_its_nodes_and_their_dependents() {
     let sandbox = Sandbox::new();
-    let pipeline = sandbox.write("chain.yaml", CHAIN);
-    let pipeline = pipeline.to_str().unwrap();
-    assert!(sandbox.run(&["run", pipeline]).status.success());
+    let pipeline = run_chain(&sandbox);
+    let pipeline = pipeline.as_str();
 
     let changed = sandbox.run(&["run", pipeline, "--set", "stages.a.matrix.size=[1k, 4k]"]);
     assert!(changed.status.success(), "{}", stderr(&changed));
@@ -70,9 +68,8 @@ fn a_changed_parameter_reruns_only_its_nodes_and_their_dependents() {
 #[test]
 fn a_corrupted_entry_is_detected_and_recomputed() {
     let sandbox = Sandbox::new();
-    let pipeline = sandbox.write("chain.yaml", CHAIN);
-    let pipeline = pipeline.to_str().unwrap();
-    assert!(sandbox.run(&["run", pipeline]).status.success());
+    let pipeline = run_chain(&sandbox);
+    let pipeline = pipeline.as_str();
     let record = sandbox.last_record();
     let victim = record["nodes"]
         .as_array()
@@ -216,18 +213,7 @@ fn a_run_killed_mid_way_resumes_with_only_the_unfinished_nodes() {
         "name: long\nstages:\n  s:\n    uses: testkit/echo\n    with: {sleep_ms: 250}\n    matrix: {value: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]}\n",
     );
     let pipeline = pipeline.to_str().unwrap();
-    let mut child = sandbox
-        .command(&["run", "-q", "-j", "1", pipeline])
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while entry_count(&sandbox) < 3 {
-        assert!(Instant::now() < deadline, "the run made no progress");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
-    let _ = child.wait();
-    let finished = entry_count(&sandbox);
+    let finished = kill_after_entries(&sandbox, pipeline, 3);
     assert!(finished < 10, "killed before the end");
 
     let resumed = sandbox.run(&["run", "-q", pipeline]);
@@ -241,9 +227,8 @@ fn a_run_killed_mid_way_resumes_with_only_the_unfinished_nodes() {
 #[test]
 fn gc_keeps_what_the_latest_run_used() {
     let sandbox = Sandbox::new();
-    let pipeline = sandbox.write("chain.yaml", CHAIN);
-    let pipeline = pipeline.to_str().unwrap();
-    assert!(sandbox.run(&["run", pipeline]).status.success());
+    let pipeline = run_chain(&sandbox);
+    let pipeline = pipeline.as_str();
     assert!(sandbox
         .run(&["run", pipeline, "--set", "stages.b.with.value=other"])
         .status
@@ -266,9 +251,8 @@ fn gc_keeps_what_the_latest_run_used() {
 #[test]
 fn gc_after_a_stopped_run_keeps_what_the_pipeline_still_needs() {
     let sandbox = Sandbox::new();
-    let pipeline = sandbox.write("chain.yaml", CHAIN);
-    let pipeline = pipeline.to_str().unwrap();
-    assert!(sandbox.run(&["run", "-q", pipeline]).status.success());
+    let pipeline = run_chain(&sandbox);
+    let pipeline = pipeline.as_str();
     sandbox.run(&["run", "-q", pipeline, "--time-budget", "0s"]);
     let stopped = sandbox.last_record();
 
@@ -301,19 +285,8 @@ fn gc_after_a_killed_run_keeps_what_it_computed_but_had_not_recorded() {
         "name: slow\nstages:\n  s:\n    uses: testkit/echo\n    with: {sleep_ms: 900}\n    matrix: {value: [1, 2, 3, 4, 5, 6]}\n",
     );
     let pipeline = pipeline.to_str().unwrap();
-    let mut child = sandbox
-        .command(&["run", "-q", "-j", "1", pipeline])
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
     // The record is first rewritten 2 s in; the second node is done at about 1.8 s.
-    while entry_count(&sandbox) < 2 {
-        assert!(Instant::now() < deadline, "the run made no progress");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
-    let _ = child.wait();
-    let computed = entry_count(&sandbox);
+    let computed = kill_after_entries(&sandbox, pipeline, 2);
 
     let gc = sandbox.run(&["cache", "gc"]);
     assert!(gc.status.success(), "{}", stderr(&gc));
@@ -327,9 +300,8 @@ fn gc_after_a_killed_run_keeps_what_it_computed_but_had_not_recorded() {
 #[test]
 fn a_file_added_to_an_entry_invalidates_it_and_is_never_reported() {
     let sandbox = Sandbox::new();
-    let pipeline = sandbox.write("chain.yaml", CHAIN);
-    let pipeline = pipeline.to_str().unwrap();
-    assert!(sandbox.run(&["run", "-q", pipeline]).status.success());
+    let pipeline = run_chain(&sandbox);
+    let pipeline = pipeline.as_str();
     let artifact = artifact_of(&sandbox.last_record(), "a[size=2k]");
     std::fs::write(artifact.join("measurement.json"), b"{\"planted\": true}").unwrap();
 
@@ -374,11 +346,7 @@ fn a_file_added_to_an_entry_invalidates_it_and_is_never_reported() {
 #[test]
 fn verifying_a_large_entry_does_not_read_it_into_memory() {
     let sandbox = Sandbox::new();
-    let pipeline = sandbox.write("chain.yaml", CHAIN);
-    assert!(sandbox
-        .run(&["run", "-q", pipeline.to_str().unwrap()])
-        .status
-        .success());
+    run_chain(&sandbox);
     let artifact = artifact_of(&sandbox.last_record(), "a[size=1k]");
     let big = std::fs::File::create(artifact.join("big.bin")).unwrap();
     big.set_len(512 << 20).unwrap();

@@ -5,7 +5,7 @@
 mod cache_common;
 
 use attnbench_tests::{stderr, stdout, Sandbox};
-use cache_common::{count, entry_count, run_folders, walk_files, CHAIN};
+use cache_common::{count, entry_count, run_chain, run_folders, walk_files, CHAIN};
 
 /// A sweep cut short on one machine resumes on another: `cache export` there, `cache import`
 /// here, and the run is served from what was carried over. A tampered entry is refused.
@@ -224,11 +224,7 @@ fn import_help_says_an_export_is_trusted_input() {
 #[test]
 fn an_export_refuses_links() {
     let sandbox = Sandbox::new();
-    let pipeline = sandbox.write("chain.yaml", CHAIN);
-    assert!(sandbox
-        .run(&["run", "-q", pipeline.to_str().unwrap()])
-        .status
-        .success());
+    run_chain(&sandbox);
     let secret = sandbox.write("secret.txt", "not for the export");
     let run = run_folders(&sandbox).pop().unwrap();
     std::os::unix::fs::symlink(&secret, run.join("logs/stolen.log")).unwrap();

@@ -23,6 +23,36 @@ stages:
     needs: {b: all}
 "#;
 
+/// Writes [`CHAIN`] into the sandbox and runs it once; returns the pipeline's path.
+pub fn run_chain(sandbox: &Sandbox) -> String {
+    let pipeline = sandbox.write("chain.yaml", CHAIN);
+    let pipeline = pipeline.to_str().unwrap().to_string();
+    let run = sandbox.run(&["run", "-q", &pipeline]);
+    assert!(run.status.success(), "{}", attnbench_tests::stderr(&run));
+    pipeline
+}
+
+/// Runs `pipeline` with one job and kills it outright (SIGKILL) once the cache holds `entries`
+/// entries; returns how many it holds then.
+pub fn kill_after_entries(sandbox: &Sandbox, pipeline: &str, entries: usize) -> usize {
+    let mut child = sandbox
+        .command(&["run", "-q", "-j", "1", pipeline])
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while entry_count(sandbox) < entries {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the run made no progress"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    // SAFETY: kills the child this test started.
+    unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+    let _ = child.wait();
+    entry_count(sandbox)
+}
+
 pub fn count(statuses: &BTreeMap<String, String>, status: &str) -> usize {
     statuses.values().filter(|s| *s == status).count()
 }
