@@ -32,6 +32,21 @@ fn setup(sandbox: &Sandbox, manifest: &str, with: &str) {
     );
 }
 
+/// A server with one hostile route serving `shard`, and a sandbox whose manifest pins that
+/// shard's sha256; `with` are the stage's parameters.
+fn pinned_shard(
+    name: &str,
+    behaviour: Behaviour,
+    shard: &[u8],
+    with: &str,
+) -> (HttpServer, Sandbox, String) {
+    let server = HttpServer::serve(HashMap::from([(name.to_string(), behaviour)]));
+    let sandbox = Sandbox::new();
+    let url = server.url(name);
+    setup(&sandbox, &manifest(&url, Some(&sha256(shard)), ""), with);
+    (server, sandbox, url)
+}
+
 struct Finished {
     code: Option<i32>,
     stderr: String,
@@ -151,15 +166,10 @@ fn a_content_length_past_max_bytes_is_refused_before_reading() {
 #[test]
 fn a_stalled_server_fails_after_the_idle_timeout() {
     let (shard, _) = corpus();
-    let server = HttpServer::serve(HashMap::from([(
-        "stall.jsonl.zst".to_string(),
+    let (_server, sandbox, url) = pinned_shard(
+        "stall.jsonl.zst",
         Behaviour::Stall(shard.clone()),
-    )]));
-    let sandbox = Sandbox::new();
-    let url = server.url("stall.jsonl.zst");
-    setup(
-        &sandbox,
-        &manifest(&url, Some(&sha256(&shard)), ""),
+        &shard,
         "idle_timeout: 0.5, retries: 0",
     );
     let run = run_within(&sandbox, Duration::from_secs(30));
@@ -216,15 +226,10 @@ fn a_redirect_to_another_origin_is_refused() {
         Default::default(),
     );
     let target = elsewhere.url("shard.jsonl.zst");
-    let server = HttpServer::serve(HashMap::from([(
-        "moved.jsonl.zst".to_string(),
+    let (_server, sandbox, url) = pinned_shard(
+        "moved.jsonl.zst",
         Behaviour::Redirect(target.clone()),
-    )]));
-    let sandbox = Sandbox::new();
-    let url = server.url("moved.jsonl.zst");
-    setup(
-        &sandbox,
-        &manifest(&url, Some(&sha256(&shard)), ""),
+        &shard,
         "retries: 0",
     );
     let run = run_within(&sandbox, Duration::from_secs(60));
@@ -303,15 +308,10 @@ fn a_redirect_to_a_host_the_manifest_allows_is_followed() {
 #[test]
 fn a_206_with_the_wrong_content_range_restarts_from_zero() {
     let (shard, _) = corpus();
-    let server = HttpServer::serve(HashMap::from([(
-        "range.jsonl.zst".to_string(),
+    let (server, sandbox, _url) = pinned_shard(
+        "range.jsonl.zst",
         Behaviour::WrongRange(shard.clone()),
-    )]));
-    let sandbox = Sandbox::new();
-    let url = server.url("range.jsonl.zst");
-    setup(
-        &sandbox,
-        &manifest(&url, Some(&sha256(&shard)), ""),
+        &shard,
         "retries: 3",
     );
     let run = run_within(&sandbox, Duration::from_secs(60));
