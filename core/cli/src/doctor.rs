@@ -75,7 +75,7 @@ import importlib, json, sys
 found = {}
 for name, entry in [("torch", None), ("triton", None), ("flash_attn", "flash_attn_func"),
                     ("flash_attn_interface", "flash_attn_func"), ("flash_attn.cute", "flash_attn_func"),
-                    ("flashinfer", None), ("paddle", None), ("xformers", None),
+                    ("cudnn", "pygraph"), ("flashinfer", None), ("paddle", None), ("xformers", None),
                     ("transformer_engine", None), ("numpy", None)]:
     try:
         module = importlib.import_module(name)

@@ -79,7 +79,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 PROTOCOL = 1
 KERNELS = ("numpy", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "flex",
-           "fa2", "fa3", "fa4", "flashinfer", "flashmask", "module")
+           "fa2", "fa3", "fa4", "cudnn", "flashinfer", "flashmask", "module")
 DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
 LAYOUTS = ("bshd", "bhsd")  # how inputs are stored; see to_layout
 GQA_MODES = ("native", "expand")  # how SDPA gets grouped K and V; see sdpa_adapter
@@ -1522,7 +1522,18 @@ def flash_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
         raise Unsupported(f"{name} has no flash_attn_func")
     require_cuda(p, device)
     require_half(p)
-    plan = flash_plan(p, "full, causal, sliding-window and document (varlen) masks")
+    supports = "full, causal, sliding-window and document (varlen) masks"
+    if p.kernel == "fa4":
+        try:
+            plan = flash_plan(p, supports)
+        except Unsupported as why:
+            grid, not_blocks = block_grid(p.masks)
+            if grid is None:
+                raise Unsupported(f"{why}; nor is it a block-sparse table for FA4's block_sparse_tensors "
+                                  f"({not_blocks}); the bridge passes FA4 no mask_mod") from None
+            return fa4_block_sparse(p, torch, device, module, grid)
+    else:
+        plan = flash_plan(p, supports)
     unbounded = None if p.kernel == "fa4" else -1  # FA4 writes an open window side as None
     left, right = plan["left"], plan["right"]
     options: Dict[str, Any] = {"softmax_scale": p.scale}
@@ -1557,25 +1568,220 @@ def flash_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
     return kernel
 
 
+FA4_SPARSE_BLOCK = 128  # FA4's tile on Hopper at d <= 128: whole blocks need no mask_mod
+
+
+def fa4_block_sparse(p: Problem, torch: Any, device: Any, module: Any, grid: Tuple[Any, Any, Any]) -> Kernel:
+    """FA4 on a block-sparse table: every kept block is whole (full_block_idx), so no mask_mod;
+    the backward gets the transposed lists (block_sparse_tensors_bwd), as FA4's API asks."""
+    np, block = _np(), FA4_SPARSE_BLOCK
+    sparsity = need("flash_attn.cute.block_sparsity")
+    rows, cols, kept = grid
+    if any(int(e) % block and int(e) != p.seqlen for e in np.concatenate([rows, cols])):
+        raise Unsupported(f"fa4's block sparsity runs whole {block}-token blocks here; {p.pattern} has "
+                          f"block edges off that grid (partial blocks would need a mask_mod)")
+    starts = np.arange(-(-p.seqlen // block)) * block  # the uniform grid, in the table's blocks
+    r, c = np.searchsorted(rows, starts, side="right") - 1, np.searchsorted(cols, starts, side="right") - 1
+    shared = p.shared_mask() is not None
+    per_head = [0] if shared else [p.mask_index(h) for h in range(p.heads_q)]
+    dense = kept[per_head][:, r][:, :, c]  # [H or 1, q blocks, kv blocks] on the uniform grid
+
+    def lists(table: Any) -> Any:  # full-block counts and indices, kept blocks packed left
+        order = np.argsort(~table, axis=-1, kind="stable").astype(np.int32)
+        to = lambda a: torch.from_numpy(np.ascontiguousarray(a)[None]).to(device)  # noqa: E731
+        counts = to(table.sum(-1).astype(np.int32))
+        return sparsity.BlockSparseTensorsTorch(
+            mask_block_cnt=torch.zeros_like(counts), mask_block_idx=torch.zeros_like(to(order)),
+            full_block_cnt=counts, full_block_idx=to(order), block_size=(block, block))
+    options: Dict[str, Any] = {"softmax_scale": p.scale, "return_lse": True,
+                               "block_sparse_tensors": lists(dense)}
+    if p.backward:
+        options["block_sparse_tensors_bwd"] = lists(np.swapaxes(dense, 1, 2))
+
+    def call(q: Any, k: Any, v: Any) -> Tuple[Any, Any]:
+        return split_result(module.flash_attn_func(q, k, v, **options))
+
+    version = getattr(sys.modules.get("flash_attn"), "__version__", None) or _package_version(module, "flash-attn-4")
+    return Kernel(call=call, layout="bshd", refusal_is_unsupported=True, compiles=True,
+                  extra_bytes=16 * p.heads_q * p.seqlen * 4,
+                  env={"backend": "flash_attn.cute.flash_attn_func (block_sparse_tensors)", "package_version": version},
+                  phases={"mask_mode": f"{int(dense.sum())} of {dense.size} {block}-token blocks, "
+                                       f"{'one table for every head' if shared else 'a table per query head'}"})
+
+
+CUDNN_IO = {"bf16": "BFLOAT16", "fp16": "HALF"}
+
+
+def cudnn_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
+    """cuDNN's own fused attention through its frontend's graph API, as cuDNN's samples build it:
+    documents as THD ragged tensors (ragged offsets plus per-document lengths and the padding
+    mask), windows as the diagonal band, one forward graph and one backward graph built before
+    timing and executed on torch's stream."""
+    cudnn = need("cudnn", "cudnn (nvidia-cudnn-frontend)")
+    require_cuda(p, device)
+    require_half(p)
+    plan = flash_plan(p, "full, causal, diagonal-band (window) and THD ragged document masks")
+    left, right, cu = plan["left"], plan["right"], plan["cu_seqlens"]
+    documents, longest, s = len(cu) - 1, plan["max_seqlen"], p.seqlen
+    ragged = documents > 1
+    # The band in cuDNN's terms: key j is seen by query i when i - j < left_bound and j - i <= right_bound.
+    mask: Dict[str, Any] = {}
+    if left < 0 and right == 0:
+        mask["use_causal_mask"] = True
+    else:
+        if left >= 0:
+            mask["diagonal_band_left_bound"] = left + 1
+        if right >= 0:
+            mask["diagonal_band_right_bound"] = right
+        if mask:
+            mask["diagonal_alignment"] = cudnn.diagonal_alignment.TOP_LEFT
+    io = getattr(cudnn.data_type, CUDNN_IO[p.dtype])
+    f32 = cudnn.data_type.FLOAT
+    handle = cudnn.create_handle()
+    state: Dict[str, Any] = {}
+    d = p.head_dim
+
+    def dims(heads: int) -> Tuple[List[int], List[int]]:  # bshd storage seen as b, h, s, d
+        batch, rows = (documents, longest) if ragged else (1, s)
+        return [batch, heads, rows, d], [rows * heads * d, d, heads * d, 1]
+
+    def graph() -> Any:
+        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device).cuda_stream)
+        return cudnn.pygraph(io_data_type=io, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
+
+    def tensors(g: Any, binds: Dict[Any, Any], names: Dict[str, int]) -> Dict[str, Any]:
+        made = {}
+        for name, heads in names.items():
+            dim, stride = dims(heads)
+            made[name] = g.tensor(name=name, dim=dim, stride=stride, data_type=io)
+            if ragged:
+                made[name].set_ragged_offset(offset(g, binds, heads))
+        return made
+
+    def offset(g: Any, binds: Dict[Any, Any], heads: int) -> Any:
+        """The graph's ragged-offset tensor for tensors of `heads` heads (elements, not tokens)."""
+        key = ("offset", heads)
+        if key not in binds:
+            binds[key] = g.tensor(name=f"offset_{heads}", dim=[documents + 1, 1, 1, 1], stride=[1, 1, 1, 1],
+                                  data_type=cudnn.data_type.INT64)
+            binds[binds[key]] = state["offsets"][heads]
+        return binds[key]
+
+    def lengths(g: Any, binds: Dict[Any, Any]) -> Dict[str, Any]:
+        if not ragged:
+            return {}
+        t = g.tensor(name="seq_len", dim=[documents, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
+        binds[t] = state["lengths"]
+        return {"use_padding_mask": True, "seq_len_q": t, "seq_len_kv": t}
+
+    def build(g: Any, what: str) -> Any:
+        try:
+            g.validate()
+            g.build_operation_graph()
+            g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+            g.check_support()
+            g.build_plans()
+        except Exception as error:
+            log(f"cudnn refused the {what} graph:\n{traceback.format_exc()}")
+            raise Unsupported(f"cudnn {cudnn.backend_version_string()} refused the {what} graph for "
+                              f"{p.pattern}: {type(error).__name__}: {first_line(error)}") from None
+        return torch.empty(g.get_workspace_size(), dtype=torch.uint8, device=device)
+
+    def setup(native: Dict[str, Any]) -> None:
+        start = time.perf_counter()
+        bounds = torch.tensor(cu, dtype=torch.int64, device=device)
+        state["lengths"] = (bounds[1:] - bounds[:-1]).to(torch.int32).reshape(-1, 1, 1, 1)
+        state["offsets"] = {h: (bounds * h * d).reshape(-1, 1, 1, 1) for h in {p.heads_q, p.heads_kv}}
+        fwd, binds = graph(), {}
+        t = tensors(fwd, binds, {"q": p.heads_q, "k": p.heads_kv, "v": p.heads_kv})
+        o, stats = fwd.sdpa(name="sdpa", q=t["q"], k=t["k"], v=t["v"], generate_stats=True,
+                            attn_scale=p.scale, **mask, **lengths(fwd, binds))
+        o_dim, o_stride = dims(p.heads_q)
+        o.set_output(True).set_dim(o_dim).set_stride(o_stride)
+        if ragged:
+            o.set_ragged_offset(offset(fwd, binds, p.heads_q))
+        stats.set_output(True).set_data_type(f32)
+        state["fwd"] = (fwd, t, o, stats, build(fwd, "forward"), binds)
+        batch, rows = o_dim[0], o_dim[2]
+        state["stats"] = torch.empty(batch, p.heads_q, rows, 1, dtype=torch.float32, device=device)
+        if ragged:  # token t of document b is row t - cu[b] of batch b
+            doc = torch.repeat_interleave(torch.arange(documents, device=device), state["lengths"].flatten())
+            state["gather"] = (doc, torch.arange(s, device=device) - bounds[:-1][doc])
+        if p.backward:
+            bwd, binds = graph(), {}
+            t = tensors(bwd, binds, {"q": p.heads_q, "k": p.heads_kv, "v": p.heads_kv, "o": p.heads_q, "dO": p.heads_q})
+            stats_in = bwd.tensor(name="stats", dim=list(state["stats"].shape),
+                                  stride=list(state["stats"].stride()), data_type=f32)
+            extra = {"max_total_seq_len_q": s, "max_total_seq_len_kv": s} if ragged else {}
+            dq, dk, dv = bwd.sdpa_backward(name="sdpa_backward", q=t["q"], k=t["k"], v=t["v"], o=t["o"],
+                                           dO=t["dO"], stats=stats_in, attn_scale=p.scale,
+                                           **mask, **lengths(bwd, binds), **extra)
+            for grad, heads in ((dq, p.heads_q), (dk, p.heads_kv), (dv, p.heads_kv)):
+                dim, stride = dims(heads)
+                grad.set_output(True).set_dim(dim).set_stride(stride)
+                if ragged:
+                    grad.set_ragged_offset(offset(bwd, binds, heads))
+            state["bwd"] = (bwd, t, stats_in, (dq, dk, dv), build(bwd, "backward"), binds)
+        kernel.phases["mask_build_s"] = time.perf_counter() - start
+
+    def execute(g: Any, pack: Dict[Any, Any], workspace: Any, binds: Dict[Any, Any]) -> None:
+        pack.update((t, x) for t, x in binds.items() if not isinstance(t, tuple))
+        g.execute(pack, workspace, handle=handle)
+
+    def call(q: Any, k: Any, v: Any) -> Tuple[Any, Any]:
+        g, t, o, stats, workspace, binds = state["fwd"]
+        out = torch.empty_like(q)
+        execute(g, {t["q"]: q, t["k"]: k, t["v"]: v, o: out, stats: state["stats"]}, workspace, binds)
+        return out, state["stats"]
+
+    def grad(out: Any, q: Any, k: Any, v: Any, do: Any) -> Tuple[Any, Any, Any]:
+        g, t, stats_in, outputs, workspace, binds = state["bwd"]
+        grads = [torch.empty_like(x) for x in (q, k, v)]
+        pack = {t["q"]: q, t["k"]: k, t["v"]: v, t["o"]: out, t["dO"]: do, stats_in: state["stats"]}
+        pack.update(zip(outputs, grads))
+        execute(g, pack, workspace, binds)
+        return tuple(grads)
+
+    def heads(stats: Any) -> Any:  # [batch, H, rows, 1] -> [H, S]
+        if not ragged:
+            return stats[0, :, :, 0]
+        doc, row = state["gather"]
+        return stats[doc, :, row, 0].t()
+
+    kernel = Kernel(call=call, grad=grad, setup=setup, layout="bshd", lse_to_heads=heads,
+                    refusal_is_unsupported=True, extra_bytes=4 * p.heads_q * documents * longest,
+                    env={"backend": "cudnn.pygraph sdpa" + (" / sdpa_backward" if p.backward else ""),
+                         "package_version": _package_version(cudnn, "nvidia-cudnn-frontend"),
+                         "cudnn_backend": cudnn.backend_version_string()})
+    kernel.phases["mask_mode"] = (f"{documents} documents (THD ragged, padding mask), " if ragged else "") + \
+        ("causal" if mask.get("use_causal_mask") else
+         f"band left {mask.get('diagonal_band_left_bound')} right {mask.get('diagonal_band_right_bound')}"
+         if "diagonal_alignment" in mask else "full")
+    return kernel
+
+
 def flashinfer_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
     flashinfer = need("flashinfer")
     require_cuda(p, device)
     require_half(p)
     if p.backward:
         raise Unsupported("flashinfer has no backward (its prefill kernels are forward only)")
-    supports = "full, causal and causal sliding-window masks on one sequence"
+    supports = "full, causal and causal sliding-window masks, on one sequence or on documents"
     try:
         plan = flash_plan(p, supports)
         left, right = plan["left"], plan["right"]
-        dense = len(plan["cu_seqlens"]) == 2 and (right == 0 or (left < 0 and right < 0))
+        dense = right == 0 or (left < 0 and right < 0)
     except Unsupported:
         dense = False
     if not dense:
         grid, why = block_grid(p.masks)
         if grid is None:
-            raise Unsupported(f"flashinfer runs {supports} (single_prefill_with_kv_cache) and block-sparse "
-                              f"masks (VariableBlockSparseAttentionWrapper); {p.pattern} is neither: {why}")
+            raise Unsupported(f"flashinfer runs {supports} (single_prefill_with_kv_cache, "
+                              f"BatchPrefillWithRaggedKVCacheWrapper) and block-sparse masks "
+                              f"(VariableBlockSparseAttentionWrapper); {p.pattern} is neither: {why}")
         return flashinfer_block_sparse(p, torch, device, flashinfer, grid)
+    if len(plan["cu_seqlens"]) > 2:
+        return flashinfer_documents(p, torch, device, flashinfer, plan)
     function = flashinfer.single_prefill_with_kv_cache
     options: Dict[str, Any] = {"causal": right == 0, "kv_layout": "NHD", "sm_scale": p.scale}
     if left >= 0:
@@ -1594,7 +1800,40 @@ def flashinfer_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
 
     return Kernel(call=call, layout="bshd", lse_to_heads=heads, refusal_is_unsupported=True, compiles=True,
                   env={"backend": f"flashinfer.{function.__name__}", "package_version": flashinfer.__version__},
-                  phases={"mask_mode": "causal" if right == 0 else "full", "lse": "converted from log2"})
+                  phases={"mask_mode": ("causal" if right == 0 else "full") + (f", window_left {left}" if left >= 0 else ""),
+                          "lse": "converted from log2"})
+
+
+def flashinfer_documents(p: Problem, torch: Any, device: Any, flashinfer: Any, plan: dict) -> Kernel:
+    """Documents as FlashInfer batches them: one ragged batch, a request per document
+    (qo_indptr = kv_indptr = the document bounds), planned once before timing."""
+    wrapper_class = getattr(flashinfer, "BatchPrefillWithRaggedKVCacheWrapper", None)
+    if wrapper_class is None:
+        raise Unsupported(f"flashinfer {flashinfer.__version__} has no BatchPrefillWithRaggedKVCacheWrapper")
+    left, right, documents = plan["left"], plan["right"], len(plan["cu_seqlens"]) - 1
+    state = {}
+
+    def setup(native: Dict[str, Any]) -> None:
+        start = time.perf_counter()
+        bounds = torch.tensor(plan["cu_seqlens"], dtype=torch.int32, device=device)
+        state["wrapper"] = wrapper = wrapper_class(torch.empty(128 << 20, dtype=torch.uint8, device=device), "NHD")
+        wrapper.plan(bounds, bounds, p.heads_q, p.heads_kv, p.head_dim, causal=right == 0, window_left=left,
+                     sm_scale=p.scale, q_data_type=torch_dtype(torch, p.dtype))
+        synchronize(torch, device, kernel)
+        kernel.phases["mask_build_s"] = time.perf_counter() - start
+
+    def call(q: Any, k: Any, v: Any) -> Tuple[Any, Any]:
+        out, lse = state["wrapper"].run(q[0], k[0], v[0], return_lse=True)
+        return out.unsqueeze(0), lse
+
+    kernel = Kernel(call=call, setup=setup, layout="bshd", refusal_is_unsupported=True, compiles=True,
+                    lse_to_heads=lambda lse: lse.detach().float().t() * math.log(2.0),
+                    env={"backend": "flashinfer.BatchPrefillWithRaggedKVCacheWrapper",
+                         "package_version": flashinfer.__version__},
+                    phases={"mask_mode": f"{documents} documents (indptr), " +
+                            ("causal" if right == 0 else "full") + (f", window_left {left}" if left >= 0 else ""),
+                            "lse": "converted from log2"})
+    return kernel
 
 
 def flashinfer_block_sparse(p: Problem, torch: Any, device: Any, flashinfer: Any, grid: Tuple[Any, Any, Any]) -> Kernel:
@@ -1757,7 +1996,8 @@ def torch_module_kernel(p: Problem, torch: Any, device: Any, module: Any, label:
 
 TORCH_ADAPTERS = {"sdpa-math": sdpa_adapter, "sdpa-flash": sdpa_adapter, "sdpa-efficient": sdpa_adapter,
                   "sdpa-cudnn": sdpa_adapter, "flex": flex_adapter, "fa2": flash_adapter,
-                  "fa3": flash_adapter, "fa4": flash_adapter, "flashinfer": flashinfer_adapter,
+                  "fa3": flash_adapter, "fa4": flash_adapter, "cudnn": cudnn_adapter,
+                  "flashinfer": flashinfer_adapter,
                   "flashmask": flashmask_adapter}
 
 
@@ -1821,6 +2061,11 @@ def probe(kernel: str) -> Optional[str]:
         return _package_version(need("flash_attn_interface"), "flash_attn_3", "flash-attn-3")
     if kernel == "fa4":
         return _package_version(need("flash_attn.cute"), "flash-attn-4", "fa4")
+    if kernel == "cudnn":
+        cudnn = need("cudnn", "cudnn (nvidia-cudnn-frontend)")
+        if not hasattr(cudnn, "pygraph"):
+            raise Unsupported("the cudnn module has no pygraph (nvidia-cudnn-frontend provides it)")
+        return _package_version(cudnn, "nvidia-cudnn-frontend")
     if kernel == "flashinfer":
         return _package_version(need("flashinfer"), "flashinfer-python", "flashinfer")
     if kernel == "flashmask":

@@ -367,7 +367,7 @@ def test_backends(bridge):
     reply = bridge.request("backends")
     report = reply.get("result") or {}
     kernels = ["numpy", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "flex", "fa2", "fa3",
-               "fa4", "flashinfer", "flashmask", "module"]
+               "fa4", "cudnn", "flashinfer", "flashmask", "module"]
     check("backends lists every kernel", reply.get("ok") and sorted(report) == sorted(kernels), json.dumps(reply))
     check("backends: numpy available", report.get("numpy", {}).get("available"), json.dumps(report.get("numpy")))
     for name, entry in report.items():
@@ -626,7 +626,7 @@ def test_gpu(bridge, report):
     case = Case(hq=8, hkv=2, s=256, d=64, bf16=True)
     sets = mask_sets(case.s)
     kernels = [k for k in ("sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "flex", "fa2", "fa3",
-                           "fa4", "flashinfer", "flashmask") if report.get(k, {}).get("available")]
+                           "fa4", "cudnn", "flashinfer", "flashmask") if report.get(k, {}).get("available")]
     for kernel in kernels:
         names = ("causal_document", "empty_rows", "per_kv_group") if kernel == "flex" else \
             ("causal", "causal_document", "sliding_window", "empty_rows", "per_kv_group")

@@ -30,7 +30,7 @@ use bridge::{Bridge, Reply};
 struct Python;
 
 /// The kernels the worker knows, as the `kernel` parameter names them.
-const KERNELS: [&str; 12] = [
+const KERNELS: [&str; 13] = [
     "numpy",
     "sdpa-math",
     "sdpa-flash",
@@ -40,6 +40,7 @@ const KERNELS: [&str; 12] = [
     "fa2",
     "fa3",
     "fa4",
+    "cudnn",
     "flashinfer",
     "flashmask",
     "module",

@@ -1,0 +1,338 @@
+#!/usr/bin/env python3
+"""Each Python peer called the way its own documentation writes it, beside attnbench's cells of one run.
+
+    scripts/peer-plain.py [CACHE_DIR] [RUN_ID] [--reps N] [--kernels flex,fa4,cudnn,flashinfer] [--lse]
+    (defaults: $ATTNBENCH_CACHE or ./artifacts, the latest run, 30 reps, every kernel listed)
+
+For every measurement of those kernels in the run whose mask has a closed form here (full,
+causal, the document masks, the sliding windows, the prefix LMs), this builds the mask from the
+pattern's own parameters and documents (not from attnbench's encodings) and calls the peer the
+way its documentation does: flex with `create_block_mask` and a `mask_mod` (checked against the
+mask on sampled rows); FA4 with `causal` / `window_size` and `flash_attn_varlen_func` for
+documents; cuDNN with a graph of its frontend (THD ragged documents, the diagonal band);
+FlashInfer with `single_prefill_with_kv_cache` or a ragged batch for documents. Timing is the
+harness's: a flush of twice the L2 before every timed call, CUDA events, the median of N; the
+backward is `autograd.grad` of the forward's output, timed alone (cuDNN: its backward graph). It
+prints both figures and their difference; a difference past 3% is a finding to explain before
+the harness's figure is published.
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+
+import numpy as np
+import torch
+import torch._dynamo
+import torch._functorch.config
+from torch.nn.attention import flex_attention as flex
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "plugins", "python", "bridge"))
+from attnbench_bridge import row_intervals  # noqa: E402  (the IR's rows, to check the mask_mod against)
+
+torch._functorch.config.donated_buffer = False  # a repeated backward on one graph
+PEERS = ("flex", "fa4", "cudnn", "flashinfer")
+
+
+def arguments():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("cache", nargs="?", default=os.environ.get("ATTNBENCH_CACHE", "artifacts"))
+    parser.add_argument("run", nargs="?", help="run id (default: the latest)")
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--kernels", default=",".join(PEERS), help="comma-separated, of " + ", ".join(PEERS))
+    parser.add_argument("--lse", action="store_true", help="flex: also return the LSE, as attnbench's harness asks")
+    args = parser.parse_args()
+    unknown = set(args.kernels.split(",")) - set(PEERS)
+    if unknown:
+        parser.error(f"--kernels: {', '.join(sorted(unknown))} is not one of {', '.join(PEERS)}")
+    runs = os.path.join(args.cache, "runs")
+    run = args.run or open(os.path.join(runs, "latest")).read().strip()
+    return json.load(open(os.path.join(runs, run, "run.json"))), args
+
+
+def window_of(mask_set):
+    """(documents, left, right) of the closed forms the flash-style peers take: within a document,
+    q sees kv when q - kv <= left and kv - q <= right (-1: unbounded); None when there is none."""
+    pattern, params, s = mask_set["pattern"], mask_set["params"], mask_set["seqlen"]
+    window = int(params.get("window", 0))
+    forms = {"full": (-1, -1), "causal": (-1, 0), "full_document": (-1, -1), "causal_document": (-1, 0),
+             "sliding_window_causal": (window, 0), "sliding_window": (window, window)}
+    if pattern not in forms:
+        return None
+    documents = mask_set.get("documents") if pattern.endswith("document") else None
+    return (documents or [s],) + forms[pattern]
+
+
+def mask_mod_of(mask_set, device):
+    """(mask_mod or None for no mask, description), from the pattern's parameters."""
+    pattern, params, s = mask_set["pattern"], mask_set["params"], mask_set["seqlen"]
+    documents = mask_set.get("documents") or [s]
+    doc = torch.repeat_interleave(torch.arange(len(documents), device=device, dtype=torch.int32),
+                                  torch.tensor(documents, device=device))
+    window = int(params.get("window", 0))
+    prefix = int(params.get("prefix", mask_set.get("prefix", -1)))
+    same = lambda q, kv: doc[q] == doc[kv]  # noqa: E731
+    forms = {
+        "full": None,
+        "causal": lambda b, h, q, kv: q >= kv,
+        "full_document": lambda b, h, q, kv: same(q, kv),
+        "causal_document": lambda b, h, q, kv: same(q, kv) & (q >= kv),
+        "sliding_window_causal": lambda b, h, q, kv: (q >= kv) & (q - kv <= window),
+        "sliding_window": lambda b, h, q, kv: (q - kv <= window) & (kv - q <= window),
+        "prefix_lm_causal": lambda b, h, q, kv: (kv < prefix) | (q >= kv),
+    }
+    if pattern not in forms or (pattern.startswith("prefix") and prefix < 0):
+        return None, None
+    return forms[pattern], f"{pattern}: {len(documents)} documents, window {window}, prefix {prefix}"
+
+
+def matches(mask_mod, mask, device, rows=64):
+    """The mask_mod against the IR's rows (sampled): each row one interval [lo, hi)."""
+    lo, hi, count = row_intervals(mask)
+    s = mask["seqlen_q"]
+    picked = np.unique(np.random.default_rng(0).integers(0, s, rows))
+    kv = torch.arange(s, device=device)
+    zero = torch.zeros((), dtype=torch.int32, device=device)
+    for q in picked:
+        if count[q] > 1:
+            return f"row {q} has {count[q]} intervals"
+        allowed = mask_mod(zero, zero, torch.full((s,), int(q), device=device), kv).cpu().numpy()
+        want = (np.arange(s) >= lo[q]) & (np.arange(s) < hi[q])
+        if (allowed != want).any():
+            return f"row {q} differs from the mask"
+    return None
+
+
+def median_ms(call, reps, flush, start, end):
+    times = []
+    for _ in range(reps + 3):
+        flush.zero_()
+        start.record()
+        call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[3:])
+
+
+def make_inputs(m, layout, s):
+    """Random q, k, v as the peer takes them: "bhsd" [1, H, S, D], "bshd" [1, S, H, D] or "thd" [S, H, D]."""
+    shape = m["shape"]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[shape["dtype"]]
+
+    def one(heads):
+        dims = {"bhsd": (1, heads, s), "bshd": (1, s, heads), "thd": (s, heads)}[layout]
+        return torch.randn(*dims, shape["head_dim"], device="cuda", dtype=dtype, requires_grad=m["direction"] != "fwd")
+    return one(shape["heads_q"]), one(shape["heads_kv"]), one(shape["heads_kv"])
+
+
+def timed(m, reps, forward, backward=None):
+    """Median ms of the cell's direction: the forward alone, or the backward of one forward alone."""
+    flush = torch.empty(2 * torch.cuda.get_device_properties(0).L2_cache_size, dtype=torch.uint8, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if m["direction"] == "fwd":
+        with torch.no_grad():
+            return median_ms(forward, reps, flush, start, end)
+    out = forward()
+    grad = torch.randn_like(out)
+    if backward is None:
+        inputs = forward.inputs
+        return median_ms(lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True), reps, flush, start, end)
+    return median_ms(lambda: backward(out, grad), reps, flush, start, end)
+
+
+def with_inputs(call, inputs):
+    forward = lambda: call(*inputs)  # noqa: E731
+    forward.inputs = inputs
+    return forward
+
+
+def plain_flex(m, mask_set, args, cache):
+    shape, s = m["shape"], mask_set["seqlen"]
+    mask_mod, what = mask_mod_of(mask_set, torch.device("cuda"))
+    if what is None:
+        return None, f"no closed form here for {mask_set['pattern']}"
+    if mask_mod is not None:
+        why = matches(mask_mod, mask_set["masks"][0], torch.device("cuda"))
+        if why:
+            return None, f"the closed form is not this mask: {why}"
+    key = (mask_set["pattern"], s, json.dumps(mask_set.get("documents")))
+    if key not in cache:
+        cache[key] = flex.create_block_mask(mask_mod, None, None, s, s, device="cuda") if mask_mod else None
+    block_mask = cache[key]
+    # One compile per cell, as a fresh process would have: past dynamo's recompile limit flex
+    # falls back to its unfused eager path (and its S × S scores).
+    torch._dynamo.reset()
+    compiled = torch.compile(flex.flex_attention, dynamic=False)
+    extra = {"return_aux": flex.AuxRequest(lse=True)} if args.lse else {}
+
+    def call(q, k, v):
+        result = compiled(q, k, v, block_mask=block_mask, scale=1 / math.sqrt(shape["head_dim"]),
+                          enable_gqa=shape["heads_q"] != shape["heads_kv"], **extra)
+        return result[0] if args.lse else result
+    return with_inputs(call, make_inputs(m, "bhsd", mask_set["seqlen"])), None, what
+
+
+def plain_fa4(m, mask_set, args, cache):
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    form = window_of(mask_set)
+    if form is None:
+        return None, f"no closed form here for {mask_set['pattern']}"
+    documents, left, right = form
+    options = {"causal": True} if (left, right) == (-1, 0) else \
+        {"window_size": (left if left >= 0 else None, right if right >= 0 else None)}
+    what = f"{len(documents)} documents, {options}"
+    if len(documents) == 1:
+        return with_inputs(lambda q, k, v: flash_attn_func(q, k, v, **options)[0], make_inputs(m, "bshd", mask_set["seqlen"])), None, what
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(documents)]), dtype=torch.int32, device="cuda")
+    varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(documents), max_seqlen_k=max(documents))
+    return with_inputs(lambda q, k, v: flash_attn_varlen_func(q, k, v, **varlen, **options)[0],
+                       make_inputs(m, "thd", mask_set["seqlen"])), None, what
+
+
+def plain_flashinfer(m, mask_set, args, cache):
+    import flashinfer
+    form = window_of(mask_set)
+    if form is None or form[2] > 0:
+        return None, f"no FlashInfer form here for {mask_set['pattern']}"
+    documents, left, right = form
+    options = {"causal": right == 0, "window_left": left}
+    what = f"{len(documents)} documents, {options}"
+    if len(documents) == 1:
+        return with_inputs(lambda q, k, v: flashinfer.single_prefill_with_kv_cache(q, k, v, **options),
+                           make_inputs(m, "thd", mask_set["seqlen"])), None, what
+    shape = m["shape"]
+    indptr = torch.tensor(np.concatenate([[0], np.cumsum(documents)]), dtype=torch.int32, device="cuda")
+    batch = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
+    batch.plan(indptr, indptr, shape["heads_q"], shape["heads_kv"], shape["head_dim"],
+               q_data_type={"bf16": torch.bfloat16, "fp16": torch.float16}[shape["dtype"]], **options)
+    return with_inputs(batch.run, make_inputs(m, "thd", mask_set["seqlen"])), None, what
+
+
+def plain_cudnn(m, mask_set, args, cache):
+    """A forward and a backward graph of cuDNN's frontend, as its SDPA samples write them."""
+    import cudnn
+    form = window_of(mask_set)
+    if form is None:
+        return None, f"no closed form here for {mask_set['pattern']}"
+    documents, left, right = form
+    shape = m["shape"]
+    hq, hkv, d, s = shape["heads_q"], shape["heads_kv"], shape["head_dim"], mask_set["seqlen"]
+    b, rows = len(documents), max(documents)
+    io = {"bf16": cudnn.data_type.BFLOAT16, "fp16": cudnn.data_type.HALF}[shape["dtype"]]
+    handle = cudnn.create_handle()
+    cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+    starts = torch.tensor(np.concatenate([[0], np.cumsum(documents)]), dtype=torch.int64, device="cuda")
+    seq = torch.tensor(documents, dtype=torch.int32, device="cuda").view(b, 1, 1, 1)
+    band = {"use_causal_mask": True} if (left, right) == (-1, 0) else {
+        k: v for k, v in (("diagonal_band_left_bound", left + 1 if left >= 0 else None),
+                          ("diagonal_band_right_bound", right if right >= 0 else None)) if v is not None}
+    ragged = b > 1
+
+    def new_graph():
+        g = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
+                          compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+        extra, pack = {}, {}
+        if ragged:
+            seq_t = g.tensor(name="seq", dim=[b, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
+            extra, pack = {"use_padding_mask": True, "seq_len_q": seq_t, "seq_len_kv": seq_t}, {seq_t: seq}
+        return g, extra, pack
+
+    def offset(g, pack, name, heads):  # a ragged offset counts elements, not tokens
+        off = g.tensor(name=name + "_offset", dim=[b + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT64)
+        pack[off] = (starts * heads * d).view(-1, 1, 1, 1)
+        return off
+
+    def declare(g, pack, name, heads):
+        t = g.tensor(name=name, dim=[b, heads, rows, d], stride=[rows * heads * d, d, heads * d, 1], data_type=io)
+        if ragged:
+            t.set_ragged_offset(offset(g, pack, name, heads))
+        return t
+
+    def finish(g):
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.check_support()
+        g.build_plans()
+        return torch.empty(g.get_workspace_size(), dtype=torch.uint8, device="cuda")
+
+    q, k, v = (x.detach() for x in make_inputs(m, "bshd", mask_set["seqlen"]))
+    out, stats = torch.empty_like(q), torch.empty(b, hq, rows, 1, dtype=torch.float32, device="cuda")
+    g, extra, pack = new_graph()
+    tq, tk, tv = declare(g, pack, "q", hq), declare(g, pack, "k", hkv), declare(g, pack, "v", hkv)
+    to, tstats = g.sdpa(name="sdpa", q=tq, k=tk, v=tv, generate_stats=True, attn_scale=1 / math.sqrt(d),
+                        **band, **extra)
+    to.set_output(True).set_dim([b, hq, rows, d]).set_stride([rows * hq * d, d, hq * d, 1])
+    if ragged:
+        to.set_ragged_offset(offset(g, pack, "out", hq))
+    tstats.set_output(True).set_data_type(cudnn.data_type.FLOAT)
+    workspace = finish(g)
+    pack.update({tq: q, tk: k, tv: v, to: out, tstats: stats})
+
+    def forward():
+        g.execute(pack, workspace, handle=handle)
+        return out
+    what = f"{b} documents{' (THD ragged)' if ragged else ''}, {band}"
+    if m["direction"] == "fwd":
+        return forward, None, what
+    gb, extra, bpack = new_graph()
+    names = {"q": hq, "k": hkv, "v": hkv, "o": hq, "dO": hq}
+    t = {n: declare(gb, bpack, n, h) for n, h in names.items()}
+    tstats_in = gb.tensor(name="stats", dim=[b, hq, rows, 1], stride=list(stats.stride()), data_type=cudnn.data_type.FLOAT)
+    grads = gb.sdpa_backward(name="sdpa_backward", q=t["q"], k=t["k"], v=t["v"], o=t["o"], dO=t["dO"], stats=tstats_in,
+                             attn_scale=1 / math.sqrt(d), **band, **extra,
+                             **({"max_total_seq_len_q": s, "max_total_seq_len_kv": s} if ragged else {}))
+    buffers = [torch.empty_like(x) for x in (q, k, v)]
+    for grad, name, buffer in zip(grads, "qkv", buffers):
+        grad.set_output(True).set_dim([b, names[name], rows, d]).set_stride([rows * names[name] * d, d, names[name] * d, 1])
+        if ragged:
+            grad.set_ragged_offset(offset(gb, bpack, "d" + name, names[name]))
+    bworkspace = finish(gb)
+    bpack.update({t["q"]: q, t["k"]: k, t["v"]: v, tstats_in: stats, **dict(zip(grads, buffers))})
+
+    def backward(o, do):
+        bpack.update({t["o"]: o, t["dO"]: do})
+        gb.execute(bpack, bworkspace, handle=handle)
+    return forward, backward, what
+
+
+PLAIN = {"flex": plain_flex, "fa4": plain_fa4, "cudnn": plain_cudnn, "flashinfer": plain_flashinfer}
+
+
+def main():
+    record, args = arguments()
+    wanted = set(args.kernels.split(","))
+    nodes = {n["id"]: n for n in record["nodes"]}
+    cache = {}
+    print("cell\tattnbench TFLOP/s\tplain TFLOP/s\tdifference\tmask_mode (attnbench)\tplain form")
+    for node in record["nodes"]:
+        path = node.get("artifact") and os.path.join(node["artifact"], "measurement.json")
+        if not path or not os.path.exists(path):
+            continue
+        m = json.load(open(path))
+        if m.get("kernel") not in wanted or m.get("status") != "ok":
+            continue
+        masks = [nodes[i] for i in node["inputs"] if nodes[i]["uses"] == "masks/generate"]
+        mask_set = json.load(open(os.path.join(masks[0]["artifact"], "mask.json")))
+        ours = m["tflops"]["p50"]
+        mode = ((m.get("environment") or {}).get("phases") or {}).get("mask_mode", "")
+        try:
+            built = PLAIN[m["kernel"]](m, mask_set, args, cache)
+            if built[0] is None:
+                print(f"{node['id']}\t{ours:.1f}\t\t\t{mode}\t{built[1]}")
+                continue
+            forward, backward, what = built
+            theirs = m["flops"] / (timed(m, args.reps, forward, backward) / 1e3) / 1e12
+        except Exception as error:  # a peer refusing its own plain call is a finding too
+            print(f"{node['id']}\t{ours:.1f}\t\t\t{mode}\tplain call failed: {type(error).__name__}: {error}")
+            continue
+        finally:
+            torch.cuda.empty_cache()
+        print(f"{node['id']}\t{ours:.1f}\t{theirs:.1f}\t{(ours - theirs) / theirs:+.1%}\t{mode}\t{what}")
+
+
+if __name__ == "__main__":
+    main()
