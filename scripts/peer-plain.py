@@ -118,13 +118,17 @@ def median_ms(call, reps, flush, start, end):
 
 
 def make_inputs(m, layout, s):
-    """Random q, k, v as the peer takes them: "bhsd" [1, H, S, D], "bshd" [1, S, H, D] or "thd" [S, H, D]."""
+    """Random q, k, v as the peer takes them: "bhsd" [1, H, S, D], "bshd" [1, S, H, D] or "thd" [S, H, D],
+    drawn as the harness draws its own (uniform in [-1, 1)): the same distribution, so that a
+    difference is not the data's (a GPU's clocks under its power limit, and any kernel that skips
+    work by value, see the values)."""
     shape = m["shape"]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[shape["dtype"]]
 
     def one(heads):
         dims = {"bhsd": (1, heads, s), "bshd": (1, s, heads), "thd": (s, heads)}[layout]
-        return torch.randn(*dims, shape["head_dim"], device="cuda", dtype=dtype, requires_grad=m["direction"] != "fwd")
+        x = torch.rand(*dims, shape["head_dim"], device="cuda").mul_(2).sub_(1).to(dtype)
+        return x.requires_grad_(m["direction"] != "fwd")
     return one(shape["heads_q"]), one(shape["heads_kv"]), one(shape["heads_kv"])
 
 
@@ -136,7 +140,7 @@ def timed(m, reps, forward, backward=None):
         with torch.no_grad():
             return median_ms(forward, reps, flush, start, end)
     out = forward()
-    grad = torch.randn_like(out)
+    grad = torch.rand_like(out).mul_(2).sub_(1)
     if backward is None:
         inputs = forward.inputs
         return median_ms(lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True), reps, flush, start, end)
