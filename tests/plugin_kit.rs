@@ -121,3 +121,46 @@ fn bad_names_and_places_are_refused() {
         stderr(&output)
     );
 }
+
+/// Every first-party plugin passes its own conformance suite on this machine: the CP plugin's
+/// kernel stage writes its gathered outputs for the check, and the GPU plugin's kernel checks are
+/// skipped with the reason on a machine without a GPU (and run, and pass, on one with a GPU).
+#[test]
+fn first_party_plugins_pass_the_conformance_suite() {
+    let sandbox = Sandbox::new();
+    let checked = sandbox.run(&["plugins", "check", "cp", "cuda", "--json"]);
+    assert!(checked.status.success(), "{}", stdout(&checked));
+    let reports: serde_json::Value = serde_json::from_slice(&checked.stdout).unwrap();
+    let checks = |plugin: &str| -> Vec<serde_json::Value> {
+        let report = reports
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["plugin"] == plugin);
+        report.unwrap_or_else(|| panic!("{plugin} in {reports}"))["checks"]
+            .as_array()
+            .unwrap()
+            .clone()
+    };
+    let cp = checks("cp");
+    let causal = cp
+        .iter()
+        .find(|c| c["name"] == "threads: causal")
+        .expect("the CP kernel is checked");
+    assert!(
+        causal["detail"]
+            .as_str()
+            .unwrap()
+            .contains("matches the reference"),
+        "{causal}"
+    );
+    for check in checks("cuda") {
+        assert_eq!(check["passed"], true, "{check}");
+        if check["skipped"] == true {
+            assert!(
+                check["detail"].as_str().unwrap().contains("needs a GPU"),
+                "{check}"
+            );
+        }
+    }
+}

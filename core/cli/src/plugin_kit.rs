@@ -132,13 +132,23 @@ pub fn check(libraries: &[PathBuf], plugin_dirs: &[PathBuf], json: bool) -> Resu
             for check in &report.checks {
                 println!(
                     "  {} {}: {}",
-                    if check.passed { "pass" } else { "FAIL" },
+                    match (check.skipped, check.passed) {
+                        (true, _) => "skip",
+                        (false, true) => "pass",
+                        (false, false) => "FAIL",
+                    },
                     check.name,
                     check.detail
                 );
             }
             let failed = report.checks.iter().filter(|c| !c.passed).count();
-            println!("  {} checks, {failed} failed", report.checks.len());
+            let skipped = report.checks.iter().filter(|c| c.skipped).count();
+            let skipped = if skipped > 0 {
+                format!(", {skipped} skipped")
+            } else {
+                String::new()
+            };
+            println!("  {} checks, {failed} failed{skipped}", report.checks.len());
         }
     }
     Ok(if reports.iter().all(conformance::Report::passed) {

@@ -32,6 +32,10 @@ const TOLERANCE: f64 = 2e-3;
 pub struct Check {
     pub name: String,
     pub passed: bool,
+    /// Not run, for the reason in `detail` (a stage that needs a GPU, on a machine without one):
+    /// it does not fail the report.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub skipped: bool,
     pub detail: String,
 }
 
@@ -55,7 +59,17 @@ impl Report {
         self.checks.push(Check {
             name: name.into(),
             passed,
+            skipped: false,
             detail,
+        });
+    }
+
+    fn skip(&mut self, name: impl Into<String>, reason: String) {
+        self.checks.push(Check {
+            name: name.into(),
+            passed: true,
+            skipped: true,
+            detail: reason,
         });
     }
 }
@@ -137,6 +151,12 @@ pub fn check(library: &Path, registry: &Registry, worker_exe: &Path) -> Report {
     };
     // Workers search this folder first for CUDA libraries: it must be one nobody else can write,
     // so it lives in the check's own private scratch folder, never under a guessable name.
+    let discovery = crate::cuda_env::discover();
+    let no_gpu = discovery.missing.iter().any(|m| m == "driver").then(|| {
+        "needs a GPU, and this machine has none: the NVIDIA driver library (libcuda.so) is in none of the \
+         folders `attnbench doctor` searches"
+            .to_string()
+    });
     let env = crate::cuda_env::worker_env(&scratch.path().join("cuda-libs"));
     let mut runner = Runner {
         exe: worker_exe.to_path_buf(),
@@ -172,6 +192,10 @@ pub fn check(library: &Path, registry: &Registry, worker_exe: &Path) -> Report {
                     format!("{}: kernel parameters", spec.name),
                     Err(format!("a kernel stage must take {}", missing.join(", "))),
                 );
+                continue;
+            }
+            if let (true, Some(reason)) = (spec.needs_gpu, &no_gpu) {
+                report.skip(format!("{}: every mask pattern", spec.name), reason.clone());
                 continue;
             }
             for pattern in attnbench_mask_patterns(registry) {

@@ -140,6 +140,10 @@ pub struct StageSpec {
     /// The node must have the machine to itself (timings): nothing else runs alongside it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub exclusive: bool,
+    /// The stage runs on a GPU: without one it fails, and `attnbench plugins check` skips the
+    /// checks that run it (saying so) instead of counting them as failures.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub needs_gpu: bool,
     /// Kernel stages: the mask patterns this kernel claims to run (empty = every pattern). Asked
     /// for another, it answers `unsupported` with a reason; `attnbench plugins check` holds it to both.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -158,6 +162,7 @@ impl StageSpec {
             isolation: Isolation::InProcess,
             timeout_s: None,
             exclusive: false,
+            needs_gpu: false,
             masks: Vec::new(),
         }
     }
@@ -193,6 +198,11 @@ impl StageSpec {
     /// Marks the stage's nodes as needing the machine to themselves (benchmarks).
     pub fn exclusive(mut self) -> Self {
         self.exclusive = true;
+        self
+    }
+
+    pub fn needs_gpu(mut self) -> Self {
+        self.needs_gpu = true;
         self
     }
 

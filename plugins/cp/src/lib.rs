@@ -73,7 +73,8 @@ impl Plugin for Cp {
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(8))
                         .param(ParamSpec::new("heads_kv", ParamType::Int).default(4))
                         .param(ParamSpec::new("head_dim", ParamType::Int).default(16))
-                        .param(ParamSpec::new("dtype", ParamType::one_of(&["bf16", "fp16", "f32"])).default("bf16").doc("Inputs are rounded to it; bytes are counted in it.")),
+                        .param(ParamSpec::new("dtype", ParamType::one_of(&["bf16", "fp16", "f32"])).default("bf16").doc("Inputs are rounded to it; bytes are counted in it."))
+                        .param(ParamSpec::new("outputs", ParamType::Bool).default(false).doc("Also write the gathered outputs (out.f32, lse.f32 and, with a backward, dq/dk/dv.f32) for checking (threads and processes backends).")),
                 )
                 .measures_masks()
                 // A hung kernel or worker ends the node, not the run; `timeout:` in a pipeline overrides.
@@ -143,6 +144,7 @@ struct Params {
     heads_kv: usize,
     head_dim: usize,
     dtype: String,
+    outputs: bool,
     #[serde(flatten)]
     harness: attnbench_sdk::measure::HarnessParams,
 }
@@ -317,6 +319,9 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
         lse: first.lse.clone(),
     };
     let grads = first.grads.clone().map(|[dq, dk, dv]| Grads { dq, dk, dv });
+    if p.outputs {
+        reference::write_outputs(&request.output_dir, &forward, grads.as_ref())?;
+    }
     let masks = HeadMasks::new(&set, &shape);
     measurement.correctness = Some(reference::check(
         &shape,

@@ -166,18 +166,7 @@ fn benchmark(
         ));
     }
     if params.common.outputs {
-        let tensors: [(&str, Option<&Vec<f32>>); 5] = [
-            ("out.f32", Some(&forward.out)),
-            ("lse.f32", Some(&forward.lse)),
-            ("dq.f32", grads.as_ref().map(|g| &g.dq)),
-            ("dk.f32", grads.as_ref().map(|g| &g.dk)),
-            ("dv.f32", grads.as_ref().map(|g| &g.dv)),
-        ];
-        for (name, values) in tensors {
-            if let Some(values) = values {
-                attnbench_sdk::reference::write_tensor(output_dir, name, values)?;
-            }
-        }
+        attnbench_sdk::reference::write_outputs(output_dir, &forward, grads.as_ref())?;
     }
 
     let timing = match params.common.direction.as_str() {

@@ -60,7 +60,7 @@ impl Plugin for Cuda {
     fn manifest() -> PluginManifest {
         PluginManifest::new("cuda", env!("CARGO_PKG_VERSION"))
             .description("Attention on NVIDIA GPUs: NVRTC-compiled CUDA C and cuBLAS, with the GPU harness.")
-            .stage(StageSpec::new("devices").doc("The GPUs, the driver and NVRTC versions.").isolation(Isolation::Worker).cache_scope(CacheScope::Machine))
+            .stage(StageSpec::new("devices").doc("The GPUs, the driver and NVRTC versions.").isolation(Isolation::Worker).cache_scope(CacheScope::Machine).needs_gpu())
             .stage(
                 default_harness().declare(
                     StageSpec::new("gemm")
@@ -74,6 +74,7 @@ impl Plugin for Cuda {
                 .cache_scope(CacheScope::Machine)
                 .isolation(Isolation::Worker)
                 .exclusive()
+                .needs_gpu()
                 // A hung kernel or worker ends the node, not the run; `timeout:` in a pipeline overrides.
                 .timeout_s(1800.0),
             )
@@ -93,6 +94,7 @@ impl Plugin for Cuda {
                         .param(ParamSpec::new("check_max_seqlen", ParamType::Size).default("2k").doc("Longest sequence whose every output is checked against the f64 reference before timing; longer ones check 16 rows of every head against an independent per-row reference.")),
                 )
                 .measures_masks()
+                .needs_gpu()
                 // A hung kernel or worker ends the node, not the run; `timeout:` in a pipeline overrides.
                 .timeout_s(1800.0),
             )
@@ -413,18 +415,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         });
         lap(&mut phases, "first_run_s");
         if p.common.outputs {
-            let tensors = [
-                Some(&forward.out),
-                Some(&forward.lse),
-                grads.as_ref().map(|g| &g.dq),
-                grads.as_ref().map(|g| &g.dk),
-                grads.as_ref().map(|g| &g.dv),
-            ];
-            for (name, values) in reference::OUTPUT_TENSORS.iter().zip(tensors) {
-                if let Some(values) = values {
-                    reference::write_tensor(&request.output_dir, name, values)?;
-                }
-            }
+            reference::write_outputs(&request.output_dir, &forward, grads.as_ref())?;
         }
         let mode = if shape.seqlen <= p.check_max_seqlen {
             CheckMode::Full

@@ -319,6 +319,28 @@ pub fn write_tensor(dir: &Path, name: &str, values: &[f32]) -> Result<(), Plugin
     crate::write_atomically(dir, name, &bytes)
 }
 
+/// Writes a kernel's outputs as a stage with `outputs: true` leaves them for checking: out.f32,
+/// lse.f32 and, when the backward ran, dq.f32, dk.f32 and dv.f32.
+pub fn write_outputs(
+    dir: &Path,
+    forward: &Forward,
+    grads: Option<&Grads>,
+) -> Result<(), PluginError> {
+    let tensors = [
+        Some(&forward.out),
+        Some(&forward.lse),
+        grads.map(|g| &g.dq),
+        grads.map(|g| &g.dk),
+        grads.map(|g| &g.dv),
+    ];
+    for (name, values) in OUTPUT_TENSORS.iter().zip(tensors) {
+        if let Some(values) = values {
+            write_tensor(dir, name, values)?;
+        }
+    }
+    Ok(())
+}
+
 /// Reads a tensor written by [`write_tensor`].
 pub fn read_tensor(path: &Path) -> Result<Vec<f32>, PluginError> {
     let bytes = std::fs::read(path).map_err(|err| PluginError::io(path, err))?;
