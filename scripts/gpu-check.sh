@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A GPU machine's check-up, from a staged bundle (`.device/run.sh`) or an installed attnbench:
+# A GPU machine's check-up with the attnbench given as the first argument (default: the one on PATH):
 # doctor, the harness against a cuBLAS GEMM, the naive kernel against the CPU reference, the
 # in-process flash backend against the host's f64 blocks, the naive kernel's pipeline, and the
 # repeatability of one cell. Results go under $OUT (default:
@@ -10,7 +10,8 @@
 set -uo pipefail
 steps=" ${STEPS:-doctor gemm check backend naive repeat} "
 want() { [[ $steps == *" $1 "* ]]; }
-attnbench=${ATTNBENCH:-.device/run.sh}
+attnbench=${1:-attnbench}
+command -v "$attnbench" >/dev/null || { echo "gpu-check: no attnbench at \`$attnbench\`: install it (scripts/stage-install.sh) or give its path as the first argument" >&2; exit 2; }
 out=${OUT:-gpu-check}
 mkdir -p "$out"
 export ATTNBENCH_CACHE=${ATTNBENCH_CACHE:-$out/cache}
@@ -23,79 +24,19 @@ fi
 
 if want gemm; then
   echo "== cuBLAS bf16 GEMM 8192³ through the harness"
-  cat > "$out/gemm.yaml" <<'YAML'
-name: gemm
-stages:
-  gemm: {uses: cuda/gemm, matrix: {dtype: [bf16]}}
-YAML
-  $attnbench run "$out/gemm.yaml" -v 2>&1 | tail -3
+  $attnbench run "$root/pipelines/checks/gemm.yaml" -v 2>&1 | tail -3
 fi
 
 if want check; then
   echo "== native kernels (${CHECK_KERNELS:-naive, flash}) against the f64 reference (every mask, ${CHECK_SEQLENS:-512, 1k} tokens, fwd and bwd)"
-  cat > "$out/check.yaml" <<YAML
-name: gpu-correctness
-seed: 7
-defaults: {heads_q: 8, heads_kv: 2, head_dim: 128}
-stages:
-  masks:
-    uses: masks/generate
-    matrix:
-      mask: [full, causal, causal_document, full_document, sliding_window, sliding_window_causal, share_question, causal_blockwise, prefix_lm_causal, prefix_lm_document, global_sliding_window, block_causal_document]
-      seqlen: [${CHECK_SEQLENS:-512, 1k}]
-    with: {window: 128, block_size: 128}
-  bench:
-    uses: cuda/benchmark
-    needs: [masks]
-    matrix: {kernel: [${CHECK_KERNELS:-naive, flash}], dtype: [bf16, fp16, f32], direction: [fwd, bwd]}
-    with: {check_max_seqlen: 1k, warmup_reps: 1, min_reps: 3, max_time_s: 0.2}
-  fused:
-    uses: cuda/benchmark
-    needs: [masks]
-    matrix: {dtype: [bf16, fp16]}
-    with: {kernel: flash, backward: fused, direction: bwd, check_max_seqlen: 1k, warmup_reps: 1, min_reps: 3, max_time_s: 0.2}
-  # On Hopper the flash kernel runs wgmma by default; its mma.sync kernels are checked here too.
-  mma:
-    uses: cuda/benchmark
-    needs: [masks]
-    matrix: {dtype: [bf16, fp16]}
-    with: {kernel: flash, instructions: mma, direction: bwd, check_max_seqlen: 1k, warmup_reps: 1, min_reps: 3, max_time_s: 0.2}
-  # Blocks of 64 tokens split the 128-row tiles (the flash kernel's narrow-tile paths), blocks
-  # of 128 do not.
-  sparse_masks:
-    uses: masks/generate
-    matrix: {seqlen: [${CHECK_SEQLENS:-512, 1k}], sparse_block: [64, 128]}
-    with: {mask: block_sparse_uniform, density: 0.5}
-  sparse:
-    uses: cuda/benchmark
-    needs: [sparse_masks]
-    matrix: {instructions: [auto, mma], dtype: [bf16, fp16]}
-    with: {kernel: flash, direction: bwd, check_max_seqlen: 1k, warmup_reps: 1, min_reps: 3, max_time_s: 0.2}
-  report:
-    uses: report/table
-    needs: {bench: all, fused: all, mma: all, sparse: all}
-YAML
-  $attnbench run "$out/check.yaml" -q 2>&1 | tail -4
+  $attnbench run "$root/pipelines/checks/correctness.yaml" -q \
+    --set "stages.masks.matrix.seqlen=[${CHECK_SEQLENS:-512, 1k}]" --set "stages.sparse_masks.matrix.seqlen=[${CHECK_SEQLENS:-512, 1k}]" \
+    --set "stages.bench.matrix.kernel=[${CHECK_KERNELS:-naive, flash}]" 2>&1 | tail -4
 fi
 
 if want backend; then
   echo "== the in-process flash backend (cuda/flash) against the host's f64 blocks"
-  cat > "$out/backend.yaml" <<'YAML'
-name: backend-check
-seed: 5
-stages:
-  masks:
-    uses: masks/generate
-    matrix:
-      mask: [causal, causal_document, sliding_window, global_sliding_window, prefix_lm_document, block_sparse_uniform]
-    with: {seqlen: 2k, window: 200, sparse_block: 64, heads_q: 8, heads_kv: 2}
-  check:
-    uses: cuda/backend-check
-    needs: [masks]
-    matrix: {dtype: [bf16, fp16], head_dim: [64, 128]}
-    with: {block: 384}
-YAML
-  $attnbench run "$out/backend.yaml" -q 2>&1 | tail -4
+  $attnbench run "$root/pipelines/checks/backend.yaml" -q 2>&1 | tail -4
 fi
 
 # The pipelines fetch LongCA-bench's Pile histogram; a GPU machine without network gives a copy

@@ -29,10 +29,15 @@ fn the_quickstart_runs_caches_and_reruns_only_what_changed() {
         args.extend_from_slice(&small);
         let output = sandbox.run(&args);
         assert!(output.status.success(), "{}", stderr(&output));
+        let said = stderr(&output);
         assert!(
-            stderr(&output).contains("report: "),
-            "the run says where the report is"
+            said.contains("report: ") && said.contains("reports/quickstart/report.html"),
+            "the run says where the report is, at the pipeline's stable path: {said}"
         );
+        let page = sandbox
+            .path()
+            .join("artifacts/reports/quickstart/report.html");
+        assert!(page.is_file(), "the latest report is at {}", page.display());
         counts(&sandbox.statuses())
     };
     let first = run("stages.masks.matrix.seqlen=[256, 512]");

@@ -393,7 +393,7 @@ fn absurd_command_line_numbers_do_not_panic() {
     assert!(!text.contains("panicked"), "{text}");
 }
 
-/// Every shipped pipeline passes the checker against the workspace's plugins, and the GPU
+/// Every shipped pipeline (the GPU check-up's under `pipelines/checks/` too) passes the checker against the workspace's plugins, and the GPU
 /// pipelines draw their documents from LongCA-bench's published Pile histogram, not the
 /// synthetic stand-in.
 #[test]
@@ -401,8 +401,11 @@ fn every_shipped_pipeline_plans() {
     let sandbox = Sandbox::new();
     let dir = attnbench_tests::workspace_root().join("pipelines");
     let mut planned = 0;
-    for entry in std::fs::read_dir(&dir).unwrap() {
-        let path = entry.unwrap().path();
+    let paths = [dir.clone(), dir.join("checks")]
+        .into_iter()
+        .flat_map(|folder| std::fs::read_dir(folder).unwrap())
+        .map(|entry| entry.unwrap().path());
+    for path in paths {
         if path.extension().and_then(|e| e.to_str()) != Some("yaml") {
             continue;
         }

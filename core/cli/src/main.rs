@@ -3,6 +3,7 @@
 mod cache_cmd;
 mod compare_cmd;
 mod doctor;
+mod latest_report;
 mod mask_cmd;
 mod plugin_kit;
 mod plugins_cmd;
@@ -231,7 +232,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             let observer = progress::Progress::new(plan.nodes.len(), cli.quiet, cli.verbose > 0);
             let summary = execute(&plan, &cache, &options, &observer)?;
             observer.finish();
-            let code = progress::print_summary(&summary, &observer);
+            let code = progress::print_summary(&summary, &observer, &cache.root);
             keep_until_exit((plan, summary));
             Ok(code)
         }

@@ -163,7 +163,11 @@ fn reports(record: &attnbench_runtime::record::RunRecord) -> Vec<std::path::Path
 }
 
 /// Prints what happened and returns the exit code: non-zero when any node did not succeed.
-pub fn print_summary(summary: &RunSummary, progress: &Progress) -> ExitCode {
+pub fn print_summary(
+    summary: &RunSummary,
+    progress: &Progress,
+    cache_root: &std::path::Path,
+) -> ExitCode {
     let record = &summary.record;
     let counts: Vec<String> = record
         .counts
@@ -190,8 +194,11 @@ pub fn print_summary(summary: &RunSummary, progress: &Progress) -> ExitCode {
         eprintln!("  … and {} more", failed.len() - 20);
     }
     eprintln!("record: {}", display_path(&summary.dir.join("run.json")));
-    for report in reports(record) {
-        eprintln!("report: {}", display_path(&report));
+    for published in crate::latest_report::publish(cache_root, &record.pipeline, &reports(record)) {
+        match published {
+            Ok(page) => eprintln!("report: {}", display_path(&page)),
+            Err(why) => eprintln!("report: {why}"),
+        }
     }
     if failed.is_empty() {
         ExitCode::SUCCESS
