@@ -179,7 +179,7 @@ fn sizes_that_do_not_shard_are_refused_with_a_reason() {
 
 #[test]
 fn the_paper_worked_example_of_traffic_holds() {
-    // T = 8192, h_q = 64, h_kv = 8, d = 128, bf16, N = 8 (longca-spec §7.6).
+    // T = 8192, h_q = 64, h_kv = 8, d = 128, bf16, N = 8 (LongCA-bench's traffic formulas).
     let sizes = Sizes {
         tokens: 8192,
         heads_q: 64,

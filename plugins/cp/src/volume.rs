@@ -1,4 +1,4 @@
-//! Bytes each rank sends, by formula (longca-spec §7.6), for a problem of `tokens` tokens per rank:
+//! Bytes each rank sends, by LongCA-bench's traffic formulas, for a problem of `tokens` tokens per rank:
 //! `Q = T·h_q·d·b`, `KV = 2·T·h_kv·d·b`, an all-to-all of x bytes over N ranks sends
 //! `(N−1)/N·x`. When a Ulysses group has more ranks than KV heads, the KV heads are repeated up to
 //! its size first (LongCA-bench does so for Ulysses and refuses USP), and KV counts the repeated
