@@ -58,16 +58,7 @@ fn link(folder: &Path, name: &str, page: &Path) -> std::io::Result<PathBuf> {
 
 /// A pipeline name as one path component.
 fn file_name(pipeline: &str) -> String {
-    let name: String = pipeline
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || "-_.".contains(c) {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect();
+    let name = attnbench_sdk::file_name_part(pipeline, "-_.");
     if name.is_empty() || name.starts_with('.') {
         format!("pipeline{name}")
     } else {

@@ -148,15 +148,8 @@ pub fn new_run_id() -> String {
 
 /// A file name for a node id: readable, and unique through a short hash.
 pub fn node_file_name(node: &str) -> String {
-    let readable: String = node
+    let readable: String = attnbench_sdk::file_name_part(node, "-_=")
         .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '=' {
-                c
-            } else {
-                '_'
-            }
-        })
         .take(80)
         .collect();
     format!(

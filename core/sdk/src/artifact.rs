@@ -27,3 +27,17 @@ pub fn write_json(
         .map_err(|err| PluginError::failed(format!("cannot encode {name}: {err}")))?;
     write_atomically(dir, name, &text)
 }
+
+/// `text` as part of a file name: ASCII letters and digits and the characters of `keep` stay,
+/// anything else (a path separator among them) becomes `_`.
+pub fn file_name_part(text: &str, keep: &str) -> String {
+    text.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || keep.contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}

@@ -34,7 +34,7 @@ pub mod rng;
 mod size;
 mod suggest;
 
-pub use artifact::{write_atomically, write_json};
+pub use artifact::{file_name_part, write_atomically, write_json};
 pub use attnbench_abi as abi;
 pub use error::PluginError;
 pub use export::Plugin;

@@ -463,16 +463,7 @@ fn local_name(url: &str) -> String {
         .split(['?', '#'])
         .next()
         .unwrap_or("shard");
-    let base: String = base
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || ".-_".contains(c) {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect();
+    let base = attnbench_sdk::file_name_part(base, ".-_");
     let digest = Sha256::digest(url.as_bytes());
     let prefix: String = digest.iter().take(6).map(|b| format!("{b:02x}")).collect();
     format!("{prefix}-{base}")

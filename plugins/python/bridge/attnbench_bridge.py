@@ -1601,10 +1601,10 @@ def fa4_block_sparse(p: Problem, torch: Any, device: Any, module: Any, grid: Tup
     def call(q: Any, k: Any, v: Any) -> Tuple[Any, Any]:
         return split_result(module.flash_attn_func(q, k, v, **options))
 
-    version = getattr(sys.modules.get("flash_attn"), "__version__", None) or _package_version(module, "flash-attn-4")
     return Kernel(call=call, layout="bshd", refusal_is_unsupported=True, compiles=True,
                   extra_bytes=16 * p.heads_q * p.seqlen * 4,
-                  env={"backend": "flash_attn.cute.flash_attn_func (block_sparse_tensors)", "package_version": version},
+                  env={"backend": "flash_attn.cute.flash_attn_func (block_sparse_tensors)",
+                       "package_version": _package_version(module, "flash-attn-4", "fa4")},
                   phases={"mask_mode": f"{int(dense.sum())} of {dense.size} {block}-token blocks, "
                                        f"{'one table for every head' if shared else 'a table per query head'}"})
 
