@@ -157,7 +157,7 @@ pub fn check(library: &Path, registry: &Registry, worker_exe: &Path) -> Report {
          folders `attnbench doctor` searches"
             .to_string()
     });
-    let env = crate::cuda_env::worker_env(&scratch.path().join("cuda-libs"));
+    let env = discovery.linked_worker_env(&scratch.path().join("cuda-libs"));
     let mut runner = Runner {
         exe: worker_exe.to_path_buf(),
         library: plugin.path.clone(),

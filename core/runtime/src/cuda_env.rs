@@ -230,18 +230,25 @@ impl Discovery {
 /// The environment GPU workers start with: the discovered libraries linked into `link_dir`, or
 /// nothing when no CUDA library is on this machine.
 pub fn worker_env(link_dir: &Path) -> Vec<(String, String)> {
-    let discovery = discover();
-    if discovery.found.is_empty() {
-        return Vec::new();
-    }
-    match discovery.link_into(link_dir) {
-        Ok(()) => discovery.worker_env(link_dir),
-        Err(err) => {
-            tracing::warn!(
-                "cannot link the CUDA libraries into {}: {err}",
-                link_dir.display()
-            );
-            Vec::new()
+    discover().linked_worker_env(link_dir)
+}
+
+impl Discovery {
+    /// [`worker_env`] from this discovery: its libraries linked into `link_dir`, or nothing when
+    /// it found none.
+    pub fn linked_worker_env(&self, link_dir: &Path) -> Vec<(String, String)> {
+        if self.found.is_empty() {
+            return Vec::new();
+        }
+        match self.link_into(link_dir) {
+            Ok(()) => self.worker_env(link_dir),
+            Err(err) => {
+                tracing::warn!(
+                    "cannot link the CUDA libraries into {}: {err}",
+                    link_dir.display()
+                );
+                Vec::new()
+            }
         }
     }
 }
