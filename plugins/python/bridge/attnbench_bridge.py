@@ -2040,8 +2040,10 @@ def benchmark(params: Any) -> dict:
 
 
 def _package_version(module: Any, *distributions: str) -> Optional[str]:
+    """The module's version, from its installed distribution where its `__version__` is missing
+    or a placeholder (`flash_attn.cute` says 0.0.0 in flash-attn-4 4.0.0b36)."""
     version = getattr(module, "__version__", None)
-    if version is None:
+    if version is None or str(version) == "0.0.0":
         from importlib import metadata
         for dist in distributions:
             try:
