@@ -10,6 +10,10 @@ import argparse
 import json
 import os
 import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from run_record import load_run  # noqa: E402
 
 
 def arguments():
@@ -18,9 +22,7 @@ def arguments():
     parser.add_argument("run", nargs="?", help="run id (default: the latest)")
     parser.add_argument("--kernels", help="comma-separated columns, in this order")
     args = parser.parse_args()
-    runs = os.path.join(args.cache, "runs")
-    run = args.run or open(os.path.join(runs, "latest")).read().strip()
-    return json.load(open(os.path.join(runs, run, "run.json"))), args
+    return load_run(args.cache, args.run), args
 
 
 def cell(m):

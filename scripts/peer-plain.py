@@ -31,6 +31,8 @@ from torch.nn.attention import flex_attention as flex
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "plugins", "python", "bridge"))
 from attnbench_bridge import row_intervals  # noqa: E402  (the IR's rows, to check the mask_mod against)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from run_record import load_run  # noqa: E402
 
 torch._functorch.config.donated_buffer = False  # a repeated backward on one graph
 PEERS = ("flex", "fa4", "cudnn", "flashinfer")
@@ -47,9 +49,7 @@ def arguments():
     unknown = set(args.kernels.split(",")) - set(PEERS)
     if unknown:
         parser.error(f"--kernels: {', '.join(sorted(unknown))} is not one of {', '.join(PEERS)}")
-    runs = os.path.join(args.cache, "runs")
-    run = args.run or open(os.path.join(runs, "latest")).read().strip()
-    return json.load(open(os.path.join(runs, run, "run.json"))), args
+    return load_run(args.cache, args.run), args
 
 
 def window_of(mask_set):

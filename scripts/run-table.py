@@ -9,9 +9,10 @@ import os
 import sys
 
 cache = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("ATTNBENCH_CACHE", "artifacts")
-runs = os.path.join(cache, "runs")
-run = sys.argv[2] if len(sys.argv) > 2 else open(os.path.join(runs, "latest")).read().strip()
-record = json.load(open(os.path.join(runs, run, "run.json")))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from run_record import load_run  # noqa: E402
+
+record = load_run(cache, sys.argv[2] if len(sys.argv) > 2 else None)
 print("node\tstatus\ttflops_p50\ttime_ms_p50\tpeak_gib\tcorrect\tmax_error\tnote")
 for node in record["nodes"]:
     artifact = node.get("artifact")
