@@ -37,9 +37,22 @@ def cell(m):
     return figure if (m.get("correctness") or {}).get("passed", True) else figure + " ✗"
 
 
+def row_of(node, nodes, m):
+    """(mask, length, the other settings of the cell) from the cell's and its mask node's matrix
+    values: kernel and direction are columns; the rest tells rows apart (block size, density, heads)."""
+    matrix = {}
+    for source in [nodes[i] for i in node.get("inputs", []) if nodes[i].get("uses") == "masks/generate"] + [node]:
+        matrix.update(re.findall(r"(\w+)=([^,\]]+)", source["id"]))
+    mask = matrix.pop("mask", None) or m.get("pattern") or (m.get("mask") or {}).get("pattern", "?")
+    seqlen = matrix.pop("seqlen", str(m["shape"].get("seqlen", "")))
+    rest = " ".join(f"{k}={v}" for k, v in matrix.items() if k not in ("kernel", "direction"))
+    return mask, seqlen, rest
+
+
 def main():
     record, args = arguments()
-    found, kernels, rows, documents = {}, [], [], {}
+    nodes = {n["id"]: n for n in record["nodes"]}
+    found, kernels, rows = {}, [], []
     for node in record["nodes"]:
         path = node.get("artifact") and os.path.join(node["artifact"], "measurement.json")
         if not path or not os.path.exists(path):
@@ -47,22 +60,19 @@ def main():
         m = json.load(open(path))
         if "kernel" not in m:
             continue
-        matrix = dict(re.findall(r"(\w+)=([^,\]]+)", node["id"]))
-        row = (matrix.get("mask") or m.get("pattern", "?"), matrix.get("seqlen", str(m["shape"].get("seqlen", ""))))
+        row = row_of(node, nodes, m)
         kernel = m["kernel"]
         found[(row, kernel, m["direction"])] = m
         kernels += [kernel] if kernel not in kernels else []
         rows += [row] if row not in rows else []
-        count = (m.get("mask") or {}).get("documents")
-        if count:
-            documents[row] = count
     columns = args.kernels.split(",") if args.kernels else kernels
-    print("| mask | S | " + " | ".join(columns) + " |")
-    print("|---|---|" + "---|" * len(columns))
+    settings = any(row[2] for row in rows)
+    print("| mask | S | " + ("settings | " if settings else "") + " | ".join(columns) + " |")
+    print("|---|---|" + ("---|" if settings else "") + "---|" * len(columns))
     for row in rows:
         cells = [f"{cell(found.get((row, k, 'fwd')))} / {cell(found.get((row, k, 'bwd')))}" for k in columns]
         cells = ["" if c == " / " else c for c in cells]
-        print(f"| {row[0]} | {row[1]} | " + " | ".join(cells) + " |")
+        print(f"| {row[0]} | {row[1]} | " + (f"{row[2]} | " if settings else "") + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Each Python peer called the way its own documentation writes it, beside attnbench's cells of one run.
+"""Each Python peer called the way its own documentation writes it, beside attnbench's harness.
 
-    scripts/peer-plain.py [CACHE_DIR] [RUN_ID] [--reps N] [--kernels flex,fa4,cudnn,flashinfer] [--lse]
-    (defaults: $ATTNBENCH_CACHE or ./artifacts, the latest run, 30 reps, every kernel listed)
+    scripts/peer-plain.py [CACHE_DIR] [RUN_ID] [--reps N] [--rounds R] [--kernels flex,fa4,cudnn,flashinfer] [--seqlen S] [--lse]
+    (defaults: $ATTNBENCH_CACHE or ./artifacts, the latest run, 20 reps, 5 rounds, every kernel listed)
 
 For every measurement of those kernels in the run whose mask has a closed form here (full,
 causal, the document masks, the sliding windows, the prefix LMs), this builds the mask from the
@@ -10,11 +10,15 @@ pattern's own parameters and documents (not from attnbench's encodings) and call
 way its documentation does: flex with `create_block_mask` and a `mask_mod` (checked against the
 mask on sampled rows); FA4 with `causal` / `window_size` and `flash_attn_varlen_func` for
 documents; cuDNN with a graph of its frontend (THD ragged documents, the diagonal band);
-FlashInfer with `single_prefill_with_kv_cache` or a ragged batch for documents. Timing is the
-harness's: a flush of twice the L2 before every timed call, CUDA events, the median of N; the
-backward is `autograd.grad` of the forward's output, timed alone (cuDNN: its backward graph). It
-prints both figures and their difference; a difference past 3% is a finding to explain before
-the harness's figure is published.
+FlashInfer with `single_prefill_with_kv_cache` or a ragged batch for documents.
+
+Beside it, in the same process, runs the harness's own repetition of the cell (the bridge's
+adapter, as the python plugin calls it), and the two alternate in rounds: R rounds of N
+repetitions each, a flush of twice the L2 before every timed call, CUDA events. A difference
+that survives the alternation is the adapter's; one between the run's figure and both of these
+is the machine's state between two runs (the record's clocks say which). The backward is
+`autograd.grad` of the forward's output, timed alone (cuDNN: its backward graph). A difference
+past 3% is a finding to explain before the harness's figure is published.
 """
 import argparse
 import json
@@ -30,7 +34,7 @@ import torch._functorch.config
 from torch.nn.attention import flex_attention as flex
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "plugins", "python", "bridge"))
-from attnbench_bridge import row_intervals  # noqa: E402  (the IR's rows, to check the mask_mod against)
+import attnbench_bridge as bridge  # noqa: E402  (the harness's own repetition, and the IR's rows)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from run_record import load_run  # noqa: E402
 
@@ -42,8 +46,10 @@ def arguments():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("cache", nargs="?", default=os.environ.get("ATTNBENCH_CACHE", "artifacts"))
     parser.add_argument("run", nargs="?", help="run id (default: the latest)")
-    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--reps", type=int, default=20, help="repetitions per round and side")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds, alternating the harness and the plain loop")
     parser.add_argument("--kernels", default=",".join(PEERS), help="comma-separated, of " + ", ".join(PEERS))
+    parser.add_argument("--seqlen", type=int, action="append", help="only the cells of this length (repeatable)")
     parser.add_argument("--lse", action="store_true", help="flex: also return the LSE, as attnbench's harness asks")
     args = parser.parse_args()
     unknown = set(args.kernels.split(",")) - set(PEERS)
@@ -90,7 +96,7 @@ def mask_mod_of(mask_set, device):
 
 def matches(mask_mod, mask, device, rows=64):
     """The mask_mod against the IR's rows (sampled): each row one interval [lo, hi)."""
-    lo, hi, count = row_intervals(mask)
+    lo, hi, count = bridge.row_intervals(mask)
     s = mask["seqlen_q"]
     picked = np.unique(np.random.default_rng(0).integers(0, s, rows))
     kv = torch.arange(s, device=device)
@@ -105,16 +111,19 @@ def matches(mask_mod, mask, device, rows=64):
     return None
 
 
-def median_ms(call, reps, flush, start, end):
-    times = []
-    for _ in range(reps + 3):
+def event_rep(call):
+    """One repetition as the harness times it: a flush of twice the L2, then CUDA events (ms)."""
+    flush = torch.empty(2 * torch.cuda.get_device_properties(0).L2_cache_size, dtype=torch.uint8, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def rep():
         flush.zero_()
         start.record()
         call()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[3:])
+        return start.elapsed_time(end)
+    return rep
 
 
 def make_inputs(m, layout, s):
@@ -132,19 +141,48 @@ def make_inputs(m, layout, s):
     return one(shape["heads_q"]), one(shape["heads_kv"]), one(shape["heads_kv"])
 
 
-def timed(m, reps, forward, backward=None):
-    """Median ms of the cell's direction: the forward alone, or the backward of one forward alone."""
-    flush = torch.empty(2 * torch.cuda.get_device_properties(0).L2_cache_size, dtype=torch.uint8, device="cuda")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+def plain_rep(m, forward, backward=None):
+    """A repetition (ms) of the cell's direction: the forward alone, or the backward of one forward."""
     if m["direction"] == "fwd":
-        with torch.no_grad():
-            return median_ms(forward, reps, flush, start, end)
+        rep = event_rep(forward)
+
+        def without_graph():
+            with torch.no_grad():
+                return rep()
+        return without_graph
     out = forward()
     grad = torch.rand_like(out).mul_(2).sub_(1)
     if backward is None:
         inputs = forward.inputs
-        return median_ms(lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True), reps, flush, start, end)
-    return median_ms(lambda: backward(out, grad), reps, flush, start, end)
+        return event_rep(lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True))
+    return event_rep(lambda: backward(out, grad))
+
+
+def median_of(rep, reps, warmup=3):
+    for _ in range(warmup):
+        rep()
+    return statistics.median(rep() for _ in range(reps))
+
+
+def sm_clock():
+    try:
+        return torch.cuda.clock_rate()  # MHz, through NVML
+    except Exception:
+        return None
+
+
+def side_by_side(harness, plain, reps, rounds):
+    """The harness's repetition and the plain loop's, alternating in rounds in one process on the
+    same GPU: a difference that survives this is the adapter's, not the machine's state between two
+    runs. Returns (median of the harness's round medians, the plain loop's, (low, high) of their
+    ratio over the rounds, SM clocks seen)."""
+    ours, theirs, clocks = [], [], []
+    for _ in range(rounds):
+        ours.append(median_of(lambda: harness() * 1e3, reps))
+        theirs.append(median_of(plain, reps))
+        clocks.append(sm_clock())
+    ratios = [b / a for a, b in zip(ours, theirs)]  # the harness's speed over the plain loop's
+    return statistics.median(ours), statistics.median(theirs), (min(ratios), max(ratios)), clocks
 
 
 def with_inputs(call, inputs):
@@ -306,12 +344,18 @@ def plain_cudnn(m, mask_set, args, cache):
 PLAIN = {"flex": plain_flex, "fa4": plain_fa4, "cudnn": plain_cudnn, "flashinfer": plain_flashinfer}
 
 
-def main():
-    record, args = arguments()
-    wanted = set(args.kernels.split(","))
+def harness_problem(m, mask_set):
+    """The cell's problem as the python plugin hands it to the bridge (seeded inputs, no check)."""
+    shape = m["shape"]
+    return bridge.parse_problem({
+        "kernel": m["kernel"], "direction": m["direction"], "dtype": shape["dtype"], "mask": mask_set,
+        "shape": {"heads_q": shape["heads_q"], "heads_kv": shape["heads_kv"], "seqlen": mask_set["seqlen"],
+                  "head_dim": shape["head_dim"]}, "device": "cuda"})
+
+
+def cells(record, wanted, lengths):
+    """(node id, measurement, mask set) of the run's ok measurements of the wanted kernels (and lengths)."""
     nodes = {n["id"]: n for n in record["nodes"]}
-    cache = {}
-    print("cell\tattnbench TFLOP/s\tplain TFLOP/s\tdifference\tmask_mode (attnbench)\tplain form")
     for node in record["nodes"]:
         path = node.get("artifact") and os.path.join(node["artifact"], "measurement.json")
         if not path or not os.path.exists(path):
@@ -321,21 +365,37 @@ def main():
             continue
         masks = [nodes[i] for i in node["inputs"] if nodes[i]["uses"] == "masks/generate"]
         mask_set = json.load(open(os.path.join(masks[0]["artifact"], "mask.json")))
+        if not lengths or mask_set["seqlen"] in lengths:
+            yield node["id"], m, mask_set
+
+
+def main():
+    record, args = arguments()
+    cache = {}
+    print("cell\tattnbench TFLOP/s\tharness here\tplain here\tdifference here\tratio over rounds"
+          "\tSM MHz\tmask_mode (attnbench)\tplain form")
+    for cell, m, mask_set in cells(record, set(args.kernels.split(",")), args.seqlen):
         ours = m["tflops"]["p50"]
         mode = ((m.get("environment") or {}).get("phases") or {}).get("mask_mode", "")
+        tflops = lambda ms: m["flops"] / (ms / 1e3) / 1e12  # noqa: E731
         try:
             built = PLAIN[m["kernel"]](m, mask_set, args, cache)
             if built[0] is None:
-                print(f"{node['id']}\t{ours:.1f}\t\t\t{mode}\t{built[1]}")
+                print(f"{cell}\t{ours:.1f}\t\t\t\t\t\t{mode}\t{built[1]}")
                 continue
             forward, backward, what = built
-            theirs = m["flops"] / (timed(m, args.reps, forward, backward) / 1e3) / 1e12
+            plain = plain_rep(m, forward, backward)
+            with bridge.harness_rep(harness_problem(m, mask_set)) as harness:
+                here, theirs, (low, high), clocks = side_by_side(harness, plain, args.reps, args.rounds)
         except Exception as error:  # a peer refusing its own plain call is a finding too
-            print(f"{node['id']}\t{ours:.1f}\t\t\t{mode}\tplain call failed: {type(error).__name__}: {error}")
+            print(f"{cell}\t{ours:.1f}\t\t\t\t\t\t{mode}\tfailed: {type(error).__name__}: {error}")
             continue
         finally:
             torch.cuda.empty_cache()
-        print(f"{node['id']}\t{ours:.1f}\t{theirs:.1f}\t{(ours - theirs) / theirs:+.1%}\t{mode}\t{what}")
+        seen = [c for c in clocks if c]
+        mhz = f"{min(seen)}–{max(seen)}" if seen else ""
+        print(f"{cell}\t{ours:.1f}\t{tflops(here):.1f}\t{tflops(theirs):.1f}\t{theirs / here - 1:+.1%}"
+              f"\t{low:.3f}–{high:.3f}\t{mhz}\t{mode}\t{what}")
 
 
 if __name__ == "__main__":

@@ -287,30 +287,54 @@ def slice_bounds(sl: dict) -> Tuple[Any, Any, Any]:
     return q0 + i[keep], k0 + np.maximum(lo[keep], 0), k0 + hi[keep]
 
 
-def row_intervals(mask: dict) -> Tuple[Any, Any, Any]:
-    """Per row: (lo, hi) hull of the allowed keys and how many disjoint intervals the union has."""
+def merged_intervals(mask: dict) -> Tuple[Any, Any, Any]:
+    """The allowed keys as disjoint intervals [lo, hi), one array each of (row, lo, hi), sorted by
+    row and then by lo: the union of the slices' intervals, touching ones merged."""
     np = _np()
-    sq, sk = mask["seqlen_q"], mask["seqlen_k"]
-    lo_rows, hi_rows = np.zeros(sq, np.int64), np.zeros(sq, np.int64)
+    sk = mask["seqlen_k"]
     parts = [slice_bounds(sl) for sl in mask["slices"]]
     if not parts or sum(len(r) for r, _, _ in parts) == 0:
-        return lo_rows, hi_rows, np.zeros(sq, np.int64)
+        return (np.zeros(0, np.int64),) * 3
     rows, lo, hi = (np.concatenate([part[j] for part in parts]) for j in range(3))
     order = np.lexsort((lo, rows))
     rows, lo, hi = rows[order], lo[order], hi[order]
     # Running maximum of `hi` within each row: rows are sorted and hi <= sk, so offsetting by
     # row * (sk + 1) keeps one cumulative maximum from leaking into the next row.
     reach = np.maximum.accumulate(rows * (sk + 1) + hi) - rows * (sk + 1)
-    first = np.ones(len(rows), bool)
-    first[1:] = rows[1:] != rows[:-1]
-    last = np.ones(len(rows), bool)
-    last[:-1] = first[1:]
     previous = np.full(len(rows), -1, np.int64)
-    previous[1:] = reach[:-1]
-    starts = first | (lo > previous)
-    lo_rows[rows[first]] = lo[first]
-    hi_rows[rows[last]] = reach[last]
-    return lo_rows, hi_rows, np.bincount(rows[starts], minlength=sq)
+    previous[1:] = np.where(rows[1:] == rows[:-1], reach[:-1], -1)
+    starts = lo > previous
+    ends = np.append(starts[1:], True)  # the last piece of each merged interval
+    return rows[starts], lo[starts], reach[ends]
+
+
+def row_intervals(mask: dict) -> Tuple[Any, Any, Any]:
+    """Per row: (lo, hi) hull of the allowed keys and how many disjoint intervals the union has."""
+    np = _np()
+    sq = mask["seqlen_q"]
+    rows, lo, hi = merged_intervals(mask)
+    lo_rows, hi_rows = np.zeros(sq, np.int64), np.zeros(sq, np.int64)
+    first = np.append(True, rows[1:] != rows[:-1]) if len(rows) else np.zeros(0, bool)
+    last = np.append(first[1:], True) if len(rows) else first
+    lo_rows[rows[first]], hi_rows[rows[last]] = lo[first], hi[last]
+    return lo_rows, hi_rows, np.bincount(rows, minlength=sq)
+
+
+def row_interval_pairs(mask: dict) -> Optional[Any]:
+    """Per row, its allowed keys as two intervals: [4, S] int64 of lo0, hi0, lo1, hi1 (an unused
+    interval is [0, 0)), or None when some row has more than two. Every static mask of the
+    paper has at most two a row (share_question: the question and the own answer; a global
+    window: the global tokens and the window), so a mask_mod reading these is exact for all."""
+    np = _np()
+    rows, lo, hi = merged_intervals(mask)
+    count = np.bincount(rows, minlength=mask["seqlen_q"])
+    if (count > 2).any():
+        return None
+    pairs = np.zeros((4, mask["seqlen_q"]), np.int64)
+    first = np.append(True, rows[1:] != rows[:-1]) if len(rows) else np.zeros(0, bool)
+    pairs[0, rows[first]], pairs[1, rows[first]] = lo[first], hi[first]
+    pairs[2, rows[~first]], pairs[3, rows[~first]] = lo[~first], hi[~first]
+    return pairs
 
 
 def row_keys(mask: dict, q: int) -> List[Tuple[int, int]]:
@@ -1010,8 +1034,8 @@ def first_calls(p: Problem, torch: Any, device: Any, kernel: Kernel, q: Any, k: 
     return out, lse, grads
 
 
-def run_torch(p: Problem, make_kernel: Callable) -> dict:
-    torch = need("torch")
+def ready_kernel(p: Problem, torch: Any, make_kernel: Callable) -> Tuple[Any, Kernel]:
+    """The device and p's kernel from its adapter, with autograd as the default backward."""
     if p.kernel in TORCH_ADAPTERS:
         probe(p.kernel)  # "flash_attn not importable" says more than "no CUDA" would
     device = torch_device(p, torch)
@@ -1022,12 +1046,30 @@ def run_torch(p: Problem, make_kernel: Callable) -> dict:
         kernel.grad = lambda out, q, k, v, do: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
     if device.type == "cuda":
         check_fits(p, torch, device, kernel)
+    return device, kernel
+
+
+def run_torch(p: Problem, make_kernel: Callable) -> dict:
+    torch = need("torch")
+    device, kernel = ready_kernel(p, torch, make_kernel)
     with kernel.context():
         return measure_torch(p, torch, device, kernel)
 
 
-def measure_torch(p: Problem, torch: Any, device: Any, kernel: Kernel) -> dict:
-    phases, notes, cuda = kernel.phases, [], device.type == "cuda"
+@contextlib.contextmanager
+def harness_rep(p: Problem) -> Any:
+    """The harness's timed repetition of p's torch kernel, after its first calls, unchecked: for
+    timing it side by side with another loop in one process (scripts/peer-plain.py)."""
+    torch = need("torch")
+    device, kernel = ready_kernel(p, torch, TORCH_ADAPTERS[p.kernel])
+    with kernel.context():
+        native = native_inputs(p, torch, device, kernel)
+        out, _, _ = first_calls(p, torch, device, kernel, native["q"], native["k"], native["v"], native.get("do"))
+        yield make_rep(torch, device, kernel, timed_step(p, kernel, native, out if p.direction == "bwd" else None))
+
+
+def native_inputs(p: Problem, torch: Any, device: Any, kernel: Kernel) -> Dict[str, Any]:
+    """The inputs in the kernel's layout, its setup run, q, k and v taking gradients for a backward."""
     start = time.perf_counter()
     inputs = make_torch_inputs(p, torch, device)
     if kernel.expand_kv:  # the model keeps K and V per query head: repeated once, untimed
@@ -1035,13 +1077,33 @@ def measure_torch(p: Problem, torch: Any, device: Any, kernel: Kernel) -> dict:
     native = {n: to_layout(x, kernel.layout, p.layout) for n, x in inputs.items()}
     del inputs
     synchronize(torch, device, kernel)
-    phases["inputs_s"] = time.perf_counter() - start
+    kernel.phases["inputs_s"] = time.perf_counter() - start
     if kernel.setup:
         kernel.setup(native)
-    q, k, v, do = native["q"], native["k"], native["v"], native.get("do")
     if p.backward:
-        for x in (q, k, v):
-            x.requires_grad_(True)
+        for name in ("q", "k", "v"):
+            native[name].requires_grad_(True)
+    return native
+
+
+def timed_step(p: Problem, kernel: Kernel, native: Dict[str, Any], out: Any) -> Callable[[], None]:
+    """What one timed repetition runs: the forward, the backward of the first forward, or both."""
+    q, k, v, do = native["q"], native["k"], native["v"], native.get("do")
+
+    def step() -> None:
+        if p.direction == "fwd":
+            kernel.call(q, k, v)
+        elif p.direction == "bwd":
+            kernel.grad(out, q, k, v, do)
+        else:
+            kernel.grad(kernel.call(q, k, v)[0], q, k, v, do)
+    return step
+
+
+def measure_torch(p: Problem, torch: Any, device: Any, kernel: Kernel) -> dict:
+    phases, notes, cuda = kernel.phases, [], device.type == "cuda"
+    native = native_inputs(p, torch, device, kernel)
+    q, k, v, do = native["q"], native["k"], native["v"], native.get("do")
     out, lse, grads = first_calls(p, torch, device, kernel, q, k, v, do)
     if kernel.compiles:
         phases["compile_s"] = phases["first_call_s"]
@@ -1064,16 +1126,9 @@ def measure_torch(p: Problem, torch: Any, device: Any, kernel: Kernel) -> dict:
                 tensors[n] = tensors[n].float().reshape(p.heads_kv, p.group, p.seqlen, p.head_dim).sum(1)
     correctness = check_or_write(p, tensors, kernel.lse_note, notes)
     del tensors, lse, grads, heads_lse
-    if p.direction != "bwd":
-        del out  # only the backward-alone step reuses the first forward's graph
-
-    def step() -> None:
-        if p.direction == "fwd":
-            kernel.call(q, k, v)
-        elif p.direction == "bwd":
-            kernel.grad(out, q, k, v, do)
-        else:
-            kernel.grad(kernel.call(q, k, v)[0], q, k, v, do)
+    # only the backward-alone step reuses the first forward's graph
+    step = timed_step(p, kernel, native, out if p.direction == "bwd" else None)
+    del out
 
     memory = None
     if cuda and kernel.torch_memory:
@@ -1273,6 +1328,8 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
     masks = [shared] if shared is not None else p.masks
     indices = [0] if shared is not None else list(range(len(p.masks)))
     single = all((p.intervals(i)[2] <= 1).all() for i in range(len(p.masks)))
+    pairs = None if single else [row_interval_pairs(m) for m in masks]
+    two = pairs is not None and all(x is not None for x in pairs)
     form = classify(shared) if shared is not None else None
     # Full blocks on flex's block sizes need no mask_mod at all: preferred to any table.
     grid, _ = block_grid(masks) if form is None else (None, "")
@@ -1283,7 +1340,7 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
     closed = varlen_encoding(shared)[0] if shared is not None and form is None and not block else None
     mode = {"full": "none", "causal": "causal"}.get(
         form, "blocks" if block else "documents" if closed is not None else "block table" if grid is not None
-        else "row intervals" if single else "dense")
+        else "row intervals" if single else "two row intervals" if two else "dense")
     s, count = p.seqlen, len(masks)
     if mode == "dense" and count * s * -(-s // 8) >= 1 << 31:
         raise Unsupported(f"flex would read a {count}×{s}×{s} bit table in mask_mod, past the 2³¹ elements its "
@@ -1295,13 +1352,14 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
                     env={"backend": "torch.compile(flex_attention, dynamic=False) with create_block_mask"})
     kernel.phases["mask_mode"] = {"none": "no block mask (full)", "causal": "mask_mod q >= kv",
                                   "row intervals": "mask_mod reads per-row key intervals",
+                                  "two row intervals": "mask_mod reads two key intervals a row",
                                   "documents": "closed-form mask_mod: " + closed_form_description(closed),
                                   "blocks": f"full {block}-token blocks from the masks' block grid (no mask_mod)",
                                   "block table": f"{FLEX_TILE}-token tiles from the masks' block grid: full inside kept "
                                                  "blocks, mask_mod reading a per-block table where tiles cut blocks",
                                   "dense": "mask_mod reads a bit-packed dense mask"}[mode]
     cells = grid[2].size if grid is not None else 0
-    table_bytes = {"row intervals": count * s * 16, "dense": count * s * -(-s // 8),
+    table_bytes = {"row intervals": count * s * 16, "two row intervals": count * s * 16, "dense": count * s * -(-s // 8),
                    "block table": 2 * 4 * -(-s // FLEX_TILE) * FLEX_TILE + cells}.get(mode, 0)
     # create_block_mask evaluates the mask over S × S; a block grid needs none of that.
     kernel.extra_bytes = table_bytes + (2 * count * s * s if mode not in ("none", "blocks", "block table") else 0)
@@ -1331,6 +1389,14 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
                 mask_mod = lambda b, h, q, kv: (kv >= lo0[q]) & (kv < hi0[q])  # noqa: E731
             else:
                 mask_mod = lambda b, h, q, kv: (kv >= lo[head_of(h), q]) & (kv < hi[head_of(h), q])  # noqa: E731
+        elif mode == "two row intervals":
+            bounds = torch.from_numpy(np.stack(pairs)).to(device, torch.int32)  # [masks, 4, S]
+            tables = [bounds]
+
+            def mask_mod(b: Any, h: Any, q: Any, kv: Any) -> Any:
+                i = 0 if count == 1 else head_of(h)
+                return (((kv >= bounds[i, 0, q]) & (kv < bounds[i, 1, q]))
+                        | ((kv >= bounds[i, 2, q]) & (kv < bounds[i, 3, q])))
         else:
             # Bits, not bytes: 8× less memory, and 8× further before flex's 32-bit indexing ends.
             bits = torch.stack([pack_bits(torch, dense_mask(m, torch, device)) for m in masks])
@@ -1527,11 +1593,10 @@ def flash_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
         try:
             plan = flash_plan(p, supports)
         except Unsupported as why:
-            grid, not_blocks = block_grid(p.masks)
-            if grid is None:
-                raise Unsupported(f"{why}; nor is it a block-sparse table for FA4's block_sparse_tensors "
-                                  f"({not_blocks}); the bridge passes FA4 no mask_mod") from None
-            return fa4_block_sparse(p, torch, device, module, grid)
+            grid, _ = block_grid(p.masks)
+            if grid is not None and fa4_on_tile_grid(p, grid):
+                return fa4_block_sparse(p, torch, device, module, grid)
+            return fa4_intervals(p, torch, device, module, str(why))
     else:
         plan = flash_plan(p, supports)
     unbounded = None if p.kernel == "fa4" else -1  # FA4 writes an open window side as None
@@ -1568,45 +1633,133 @@ def flash_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
     return kernel
 
 
-FA4_SPARSE_BLOCK = 128  # FA4's tile on Hopper at d <= 128: whole blocks need no mask_mod
+FA4_TILE = 128  # FA4's tile on Hopper at d <= 128, and the block size of its block-sparse tensors
 
 
-def fa4_block_sparse(p: Problem, torch: Any, device: Any, module: Any, grid: Tuple[Any, Any, Any]) -> Kernel:
-    """FA4 on a block-sparse table: every kept block is whole (full_block_idx), so no mask_mod;
-    the backward gets the transposed lists (block_sparse_tensors_bwd), as FA4's API asks."""
-    np, block = _np(), FA4_SPARSE_BLOCK
-    sparsity = need("flash_attn.cute.block_sparsity")
-    rows, cols, kept = grid
-    if any(int(e) % block and int(e) != p.seqlen for e in np.concatenate([rows, cols])):
-        raise Unsupported(f"fa4's block sparsity runs whole {block}-token blocks here; {p.pattern} has "
-                          f"block edges off that grid (partial blocks would need a mask_mod)")
-    starts = np.arange(-(-p.seqlen // block)) * block  # the uniform grid, in the table's blocks
-    r, c = np.searchsorted(rows, starts, side="right") - 1, np.searchsorted(cols, starts, side="right") - 1
-    shared = p.shared_mask() is not None
-    per_head = [0] if shared else [p.mask_index(h) for h in range(p.heads_q)]
-    dense = kept[per_head][:, r][:, :, c]  # [H or 1, q blocks, kv blocks] on the uniform grid
+def fa4_on_tile_grid(p: Problem, grid: Tuple[Any, Any, Any]) -> bool:
+    """Whether every block edge of the table is on FA4's tile grid (whole tiles need no mask_mod)."""
+    np = _np()
+    return all(int(e) % FA4_TILE == 0 or int(e) == p.seqlen for e in np.concatenate(grid[:2]))
 
-    def lists(table: Any) -> Any:  # full-block counts and indices, kept blocks packed left
+
+def fa4_block_lists(p: Problem, torch: Any, device: Any, full: Any, partial: Any) -> Any:
+    """FA4's block-sparse tensors from [H, rows, cols] tables of whole and cut tiles (H = 1: one
+    table for every head): per row of tiles, the columns of each kind, packed left."""
+    np, sparsity = _np(), need("flash_attn.cute.block_sparsity")
+
+    def packed(table: Any) -> Tuple[Any, Any]:
         order = np.argsort(~table, axis=-1, kind="stable").astype(np.int32)
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a)[None]).to(device)  # noqa: E731
-        counts = to(table.sum(-1).astype(np.int32))
-        return sparsity.BlockSparseTensorsTorch(
-            mask_block_cnt=torch.zeros_like(counts), mask_block_idx=torch.zeros_like(to(order)),
-            full_block_cnt=counts, full_block_idx=to(order), block_size=(block, block))
-    options: Dict[str, Any] = {"softmax_scale": p.scale, "return_lse": True,
-                               "block_sparse_tensors": lists(dense)}
-    if p.backward:
-        options["block_sparse_tensors_bwd"] = lists(np.swapaxes(dense, 1, 2))
+        return to(table.sum(-1).astype(np.int32)), to(order)
+    (mask_cnt, mask_idx), (full_cnt, full_idx) = packed(partial), packed(full)
+    return sparsity.BlockSparseTensorsTorch(mask_block_cnt=mask_cnt, mask_block_idx=mask_idx,
+                                            full_block_cnt=full_cnt, full_block_idx=full_idx,
+                                            block_size=(FA4_TILE, FA4_TILE))
+
+
+def fa4_kernel(p: Problem, module: Any, options: Dict[str, Any], entry: str, mask_mode: str) -> Kernel:
+    """FA4's flash_attn_func with `options`, the LSE returned; the backward gets the transposed
+    block lists (block_sparse_tensors_bwd) where the options have them."""
+    options = dict(options, softmax_scale=p.scale, return_lse=True)
 
     def call(q: Any, k: Any, v: Any) -> Tuple[Any, Any]:
         return split_result(module.flash_attn_func(q, k, v, **options))
-
     return Kernel(call=call, layout="bshd", refusal_is_unsupported=True, compiles=True,
                   extra_bytes=16 * p.heads_q * p.seqlen * 4,
-                  env={"backend": "flash_attn.cute.flash_attn_func (block_sparse_tensors)",
+                  env={"backend": f"flash_attn.cute.flash_attn_func ({entry})",
                        "package_version": _package_version(module, "flash-attn-4", "fa4")},
-                  phases={"mask_mode": f"{int(dense.sum())} of {dense.size} {block}-token blocks, "
-                                       f"{'one table for every head' if shared else 'a table per query head'}"})
+                  phases={"mask_mode": mask_mode})
+
+
+def fa4_block_sparse(p: Problem, torch: Any, device: Any, module: Any, grid: Tuple[Any, Any, Any]) -> Kernel:
+    """FA4 on a block-sparse table of whole tiles: every kept tile is whole (full_block_idx), so
+    no mask_mod."""
+    np = _np()
+    rows, cols, kept = grid
+    starts = np.arange(-(-p.seqlen // FA4_TILE)) * FA4_TILE  # the uniform grid, in the table's blocks
+    r, c = np.searchsorted(rows, starts, side="right") - 1, np.searchsorted(cols, starts, side="right") - 1
+    shared = p.shared_mask() is not None
+    per_head = [0] if shared else [p.mask_index(h) for h in range(p.heads_q)]
+    dense = kept[per_head][:, r][:, :, c]  # [H or 1, q tiles, kv tiles] on the uniform grid
+    none = np.zeros_like(dense)
+    options = {"block_sparse_tensors": fa4_block_lists(p, torch, device, dense, none)}
+    if p.backward:
+        flipped = np.swapaxes(dense, 1, 2)
+        options["block_sparse_tensors_bwd"] = fa4_block_lists(p, torch, device, flipped, np.zeros_like(flipped))
+    return fa4_kernel(p, module, options, "block_sparse_tensors",
+                      f"{int(dense.sum())} of {dense.size} {FA4_TILE}-token tiles, "
+                      f"{'one table for every head' if shared else 'a table per query head'}")
+
+
+def tile_kinds(pairs: Any, s: int) -> Tuple[Any, Any]:
+    """[q tiles, kv tiles] booleans (whole, cut) of a mask given as two key intervals a row: a tile
+    is whole when every row of it sees all of its keys, cut when some row sees some but not all."""
+    np = _np()
+    tiles = -(-s // FA4_TILE)
+    edges = np.minimum(np.arange(tiles + 1) * FA4_TILE, s)
+    seen = np.zeros((s, tiles), np.int64)
+    for lo, hi in ((pairs[0], pairs[1]), (pairs[2], pairs[3])):
+        seen += np.clip(np.minimum(hi[:, None], edges[1:]) - np.maximum(lo[:, None], edges[:-1]), 0, None)
+    pad = tiles * FA4_TILE - s  # rows past the end: neither stop a tile from being whole nor cut it
+    whole = np.vstack([seen == edges[1:] - edges[:-1], np.ones((pad, tiles), bool)])
+    some = np.vstack([seen > 0, np.zeros((pad, tiles), bool)])
+    whole = whole.reshape(tiles, FA4_TILE, tiles).all(1)
+    return whole, some.reshape(tiles, FA4_TILE, tiles).any(1) & ~whole
+
+
+_FA4_MASK_MOD: List[Any] = []
+
+
+def fa4_interval_mask_mod() -> Any:
+    """A CuTe mask_mod keeping the keys in two intervals of the row, read from aux tensors
+    [1, H, S] (lo0, hi0, lo1, hi1), as FA4's document-mask example reads document ids. One
+    function object per process: FA4 keys its compile cache on the function."""
+    if not _FA4_MASK_MOD:
+        cutlass, cute = need("cutlass"), need("cutlass.cute")
+        to_ssa = need("flash_attn.cute.utils").scalar_to_ssa
+
+        @cute.jit
+        def within_two_intervals(batch: Any, head: Any, q_idx: Any, kv_idx: Any, seqlen_info: Any,
+                                 aux_tensors: Any) -> Any:
+            lo0 = to_ssa(aux_tensors[0][batch[0], head[0], q_idx[0]], cutlass.Int32)
+            hi0 = to_ssa(aux_tensors[1][batch[0], head[0], q_idx[0]], cutlass.Int32)
+            lo1 = to_ssa(aux_tensors[2][batch[0], head[0], q_idx[0]], cutlass.Int32)
+            hi1 = to_ssa(aux_tensors[3][batch[0], head[0], q_idx[0]], cutlass.Int32)
+            return ((kv_idx >= lo0) & (kv_idx < hi0)) | ((kv_idx >= lo1) & (kv_idx < hi1))
+        _FA4_MASK_MOD.append(within_two_intervals)
+    return _FA4_MASK_MOD[0]
+
+
+def fa4_intervals(p: Problem, torch: Any, device: Any, module: Any, not_varlen: str) -> Kernel:
+    """FA4 on any mask of at most two key intervals a row (every static mask of the paper) through
+    its mask_mod, with block-sparse tensors from the same intervals: FA4 skips the empty tiles,
+    runs whole ones without the mask_mod and applies it only on the tiles the mask cuts."""
+    np = _np()
+    per_head = [p.mask_index(h) for h in range(p.heads_q)]
+    pairs = {i: row_interval_pairs(p.masks[i]) for i in sorted(set(per_head))}
+    if any(x is None for x in pairs.values()):
+        raise Unsupported(f"{not_varlen}; nor does the mask keep at most two key intervals a row, which the "
+                          "bridge's mask_mod for FA4 reads (nor is it a table of whole 128-token blocks)")
+    shared = len(pairs) == 1
+    # The aux tensors are per query head (FA4 passes the query head's index), [1, H, S] each.
+    aux_np = np.stack([pairs[i] for i in per_head], axis=1)[:, None]
+    aux = []
+    for bound in torch.from_numpy(aux_np.astype(np.int32)).to(device):
+        bound = bound.contiguous()
+        bound.__leading_dim__ = 2
+        aux.append(bound)
+    kinds = {i: tile_kinds(x, p.seqlen) for i, x in pairs.items()}
+    order = list(pairs) if shared else per_head
+    whole, cut = (np.stack([kinds[i][j] for i in order]) for j in (0, 1))
+    options = {"mask_mod": fa4_interval_mask_mod(), "aux_tensors": aux,
+               "block_sparse_tensors": fa4_block_lists(p, torch, device, whole, cut)}
+    if p.backward:
+        options["block_sparse_tensors_bwd"] = fa4_block_lists(p, torch, device, np.swapaxes(whole, 1, 2),
+                                                              np.swapaxes(cut, 1, 2))
+    return fa4_kernel(p, module, options, "mask_mod, aux_tensors, block_sparse_tensors",
+                      f"mask_mod reading two key intervals a row; of {whole.size} {FA4_TILE}-token tiles "
+                      f"{int(whole.sum())} whole, {int(cut.sum())} cut, "
+                      f"{'one table for every head' if shared else 'a table per query head'}")
 
 
 CUDNN_IO = {"bf16": "BFLOAT16", "fp16": "HALF"}

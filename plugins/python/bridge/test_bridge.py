@@ -693,6 +693,13 @@ def test_encodings():
             lo, hi, count = bridge.row_intervals(mask)
             runs = [(np.diff(np.concatenate([[0], r.astype(int), [0]])) == 1).sum() for r in want]
             check(f"encodings {label}: row intervals", list(count) == runs)
+            pairs = bridge.row_interval_pairs(mask)
+            if pairs is None:
+                check(f"encodings {label}: two intervals a row refused only past two", max(runs) > 2)
+            else:
+                k = np.arange(s)[None, :]
+                decoded = ((k >= pairs[0][:, None]) & (k < pairs[1][:, None])) | ((k >= pairs[2][:, None]) & (k < pairs[3][:, None]))
+                check(f"encodings {label}: two intervals a row decode back", (decoded == want).all())
             encoding, why = bridge.varlen_encoding(mask)
             if encoding is not None:
                 cu, left, right = encoding["cu_seqlens"], encoding["left"], encoding["right"]
@@ -738,6 +745,7 @@ def test_encodings():
         else:
             check(f"encodings {name}: block grid decodes back", all(
                 (expand(grid, i) == dense_reference(m)).all() for i, m in enumerate(mset["masks"])))
+    test_tile_kinds(bridge)
     sets = mask_sets(s)
     forms = {name: bridge.classify(sets[name]["masks"][0]) for name in ("causal", "full", "causal_document", "sliding_window")}
     check(f"encodings: classify {forms}", forms == {"causal": "causal", "full": "full", "causal_document": None,
@@ -751,6 +759,21 @@ def test_encodings():
     check("encodings: relative error, NaN fails", bridge.relative_error([np.nan, 1.0], [0.0, 1.0]) == math.inf)
     check("encodings: relative error, all-zero reference is absolute",
           abs(bridge.relative_error([0.5, 0.0], [0.0, 0.0]) - 0.5) < 1e-12)
+
+
+def test_tile_kinds(bridge):
+    """FA4's whole and cut tiles from two intervals a row, against the dense mask, with a tail tile."""
+    s = 2 * bridge.FA4_TILE + 44
+    for name, mset in mask_sets(s).items():
+        mask = mset["masks"][0]
+        pairs = bridge.row_interval_pairs(mask)
+        if pairs is None:
+            continue
+        whole, cut = bridge.tile_kinds(pairs, s)
+        dense, t = dense_reference(mask), bridge.FA4_TILE
+        tiles = [[dense[i:i + t, j:j + t] for j in range(0, s, t)] for i in range(0, s, t)]
+        check(f"tile kinds {name}: whole tiles", (whole == np.array([[x.all() for x in r] for r in tiles])).all())
+        check(f"tile kinds {name}: cut tiles", (cut == np.array([[x.any() and not x.all() for x in r] for r in tiles])).all())
 
 
 def test_lifecycle(python):
