@@ -50,6 +50,8 @@ def arguments():
     parser.add_argument("--rounds", type=int, default=5, help="rounds, alternating the harness and the plain loop")
     parser.add_argument("--kernels", default=",".join(PEERS), help="comma-separated, of " + ", ".join(PEERS))
     parser.add_argument("--seqlen", type=int, action="append", help="only the cells of this length (repeatable)")
+    parser.add_argument("--storage", choices=("bhsd", "bshd"), default="bhsd",
+                        help="flex: contiguous [1, H, S, D] (its documentation's) or a view of [1, S, H, D]")
     parser.add_argument("--lse", action="store_true", help="flex: also return the LSE, as attnbench's harness asks")
     args = parser.parse_args()
     unknown = set(args.kernels.split(",")) - set(PEERS)
@@ -214,7 +216,9 @@ def plain_flex(m, mask_set, args, cache):
         result = compiled(q, k, v, block_mask=block_mask, scale=1 / math.sqrt(shape["head_dim"]),
                           enable_gqa=shape["heads_q"] != shape["heads_kv"], **extra)
         return result[0] if args.lse else result
-    return with_inputs(call, make_inputs(m, "bhsd", mask_set["seqlen"])), None, what
+    inputs = make_inputs(m, "bhsd", s) if args.storage == "bhsd" else \
+        tuple(x.transpose(1, 2) for x in make_inputs(m, "bshd", s))  # as the harness's bshd storage
+    return with_inputs(call, inputs), None, what + f", {args.storage} storage"
 
 
 def plain_fa4(m, mask_set, args, cache):

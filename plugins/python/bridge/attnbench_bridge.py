@@ -867,6 +867,8 @@ class Kernel:
     layout: str = "bhsd"
     setup: Optional[Callable] = None        # (native inputs) -> None; builds masks, untimed
     grad: Optional[Callable] = None         # (out, q, k, v, do) -> (dq, dk, dv); autograd by default
+    out_only: Optional[Callable] = None     # (q, k, v) -> out: the forward without the LSE, as a model
+                                            # calls it; timed in place of `call` (see timed_step)
     retry: Optional[Callable] = None        # (error) -> True if it adapted and the call may be retried
     lse_to_heads: Optional[Callable] = None
     out_to_torch: Optional[Callable] = None  # converts a foreign output to a torch tensor
@@ -925,11 +927,15 @@ def to_layout(x: Any, layout: str, storage: str) -> Any:
     (`storage`): a bhsd kernel on bshd storage gets a transposed view, as a model would pass it."""
     if layout == "bshd":
         return x.transpose(1, 2).contiguous()
+    if layout == "thd":  # the packed tokens of varlen kernels: [S, H, D], its own leaf for autograd
+        return x[0].transpose(0, 1).contiguous()
     return x if storage == "bhsd" else x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def from_layout(x: Any, layout: str) -> Any:
     """Canonical [H, S, D] view of a native [1, ...] tensor."""
+    if layout == "thd":
+        return x.transpose(0, 1)
     return x[0] if layout == "bhsd" else x[0].transpose(0, 1)
 
 
@@ -1086,18 +1092,19 @@ def native_inputs(p: Problem, torch: Any, device: Any, kernel: Kernel) -> Dict[s
     return native
 
 
-def timed_step(p: Problem, kernel: Kernel, native: Dict[str, Any], out: Any) -> Callable[[], None]:
-    """What one timed repetition runs: the forward, the backward of the first forward, or both."""
+def timed_step(p: Problem, kernel: Kernel, native: Dict[str, Any], first_out: Any) -> Callable[[], None]:
+    """What one timed repetition runs: the forward, the backward of one forward, or both. The
+    forward is the one a model calls, without the LSE where the kernel has that (`out_only`): a
+    graph with the LSE as an output hands its backward a zero LSE gradient, which FA4 and flex then
+    process, up to 13% of a document backward. The LSE is checked from the first call."""
     q, k, v, do = native["q"], native["k"], native["v"], native.get("do")
-
-    def step() -> None:
-        if p.direction == "fwd":
-            kernel.call(q, k, v)
-        elif p.direction == "bwd":
-            kernel.grad(out, q, k, v, do)
-        else:
-            kernel.grad(kernel.call(q, k, v)[0], q, k, v, do)
-    return step
+    forward = kernel.out_only or (lambda q, k, v: kernel.call(q, k, v)[0])
+    if p.direction == "fwd":
+        return lambda: forward(q, k, v)
+    if p.direction == "bwd":
+        out = forward(q, k, v) if kernel.out_only else first_out
+        return lambda: kernel.grad(out, q, k, v, do)
+    return lambda: kernel.grad(forward(q, k, v), q, k, v, do)
 
 
 def measure_torch(p: Problem, torch: Any, device: Any, kernel: Kernel) -> dict:
@@ -1138,6 +1145,8 @@ def measure_torch(p: Problem, torch: Any, device: Any, kernel: Kernel) -> dict:
     env.update(kernel.env)
     view = kernel.layout == "bhsd" and p.layout == "bshd"
     env["inputs"] = f"bshd storage, {kernel.layout} view" if view else f"contiguous {kernel.layout}"
+    if kernel.out_only:
+        env["timed_forward"] = "without the LSE output (the LSE checked from the first call)"
     if cuda and not kernel.torch_memory:
         notes.append("memory not measured: the kernel allocates outside torch's allocator")
     if notes:
@@ -1422,7 +1431,10 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
         return split_result(compiled(q, k, v, block_mask=state["block_mask"], scale=p.scale,
                                      enable_gqa=p.heads_q != p.heads_kv, **lse_options))
 
-    kernel.call, kernel.setup = call, setup
+    def out_only(q: Any, k: Any, v: Any) -> Any:
+        return compiled(q, k, v, block_mask=state["block_mask"], scale=p.scale, enable_gqa=p.heads_q != p.heads_kv)
+
+    kernel.call, kernel.setup, kernel.out_only = call, setup, out_only
     return kernel
 
 
@@ -1608,24 +1620,26 @@ def flash_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
         options["window_size"] = (left if left >= 0 else unbounded, right if right >= 0 else unbounded)
     documents = len(plan["cu_seqlens"]) - 1
     if documents == 1:
-        options.update(lse_options_of(dense_call))
+        with_lse = lse_options_of(dense_call)
 
-        def call(q: Any, k: Any, v: Any) -> Tuple[Any, Any]:
-            return split_result(dense_call(q, k, v, **options))
+        def forward(q: Any, k: Any, v: Any, extra: Dict[str, Any]) -> Tuple[Any, Any]:
+            return split_result(dense_call(q, k, v, **options, **extra))
         entry = "flash_attn_func"
     else:
         if varlen_call is None:
             raise Unsupported(f"{name} has no flash_attn_varlen_func for {p.pattern}'s {documents} documents")
-        options.update(lse_options_of(varlen_call))
+        with_lse = lse_options_of(varlen_call)
         cu = torch.tensor(plan["cu_seqlens"], dtype=torch.int32, device=device)
         options.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=plan["max_seqlen"], max_seqlen_k=plan["max_seqlen"])
 
-        def call(q: Any, k: Any, v: Any) -> Tuple[Any, Any]:
-            out, lse = split_result(varlen_call(q[0], k[0], v[0], **options))
-            return out.unsqueeze(0), lse
+        def forward(q: Any, k: Any, v: Any, extra: Dict[str, Any]) -> Tuple[Any, Any]:
+            return split_result(varlen_call(q, k, v, **options, **extra))
         entry = "flash_attn_varlen_func"
     version = getattr(module, "__version__", None) or getattr(sys.modules.get(name.split(".")[0]), "__version__", None)
-    kernel = Kernel(call=call, layout="bshd", refusal_is_unsupported=True, compiles=p.kernel == "fa4",
+    # Varlen takes the packed tokens [S, H, D] as its leaves: a [1, S, H, D] leaf indexed per call
+    # would add a zero-filled gradient copy of q, k and v to every timed backward.
+    kernel = Kernel(call=lambda q, k, v: forward(q, k, v, with_lse), out_only=lambda q, k, v: forward(q, k, v, {})[0],
+                    layout="bshd" if documents == 1 else "thd", refusal_is_unsupported=True, compiles=p.kernel == "fa4",
                     extra_bytes=16 * p.heads_q * p.seqlen * 4,
                     env={"backend": f"{name}.{entry}", "package_version": version})
     kernel.phases["mask_mode"] = (f"{documents} documents (cu_seqlens), " if documents > 1 else "") + \
@@ -1658,13 +1672,15 @@ def fa4_block_lists(p: Problem, torch: Any, device: Any, full: Any, partial: Any
 
 
 def fa4_kernel(p: Problem, module: Any, options: Dict[str, Any], entry: str, mask_mode: str) -> Kernel:
-    """FA4's flash_attn_func with `options`, the LSE returned; the backward gets the transposed
-    block lists (block_sparse_tensors_bwd) where the options have them."""
-    options = dict(options, softmax_scale=p.scale, return_lse=True)
+    """FA4's flash_attn_func with `options`: `call` returns the LSE (checked), `out_only` does not
+    (timed); the backward gets the transposed block lists (block_sparse_tensors_bwd) where the
+    options have them."""
+    options = dict(options, softmax_scale=p.scale)
 
-    def call(q: Any, k: Any, v: Any) -> Tuple[Any, Any]:
-        return split_result(module.flash_attn_func(q, k, v, **options))
-    return Kernel(call=call, layout="bshd", refusal_is_unsupported=True, compiles=True,
+    def forward(q: Any, k: Any, v: Any, return_lse: bool) -> Tuple[Any, Any]:
+        return split_result(module.flash_attn_func(q, k, v, return_lse=return_lse, **options))
+    return Kernel(call=lambda q, k, v: forward(q, k, v, True), out_only=lambda q, k, v: forward(q, k, v, False)[0],
+                  layout="bshd", refusal_is_unsupported=True, compiles=True,
                   extra_bytes=16 * p.heads_q * p.seqlen * 4,
                   env={"backend": f"flash_attn.cute.flash_attn_func ({entry})",
                        "package_version": _package_version(module, "flash-attn-4", "fa4")},
@@ -1951,10 +1967,26 @@ def flashinfer_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
     def heads(lse: Any) -> Any:  # [S, H] in log base 2 -> [H, S] natural log
         return None if lse is None else lse.detach().float().t() * math.log(2.0)
 
-    return Kernel(call=call, layout="bshd", lse_to_heads=heads, refusal_is_unsupported=True, compiles=True,
+    without_lse = {key: value for key, value in options.items() if key != "return_lse"}
+
+    def out_only(q: Any, k: Any, v: Any) -> Any:
+        return flashinfer.single_prefill_with_kv_cache(q[0], k[0], v[0], **without_lse).unsqueeze(0)
+
+    return Kernel(call=call, out_only=out_only, layout="bshd", lse_to_heads=heads, refusal_is_unsupported=True, compiles=True,
                   env={"backend": f"flashinfer.{function.__name__}", "package_version": flashinfer.__version__},
                   phases={"mask_mode": ("causal" if right == 0 else "full") + (f", window_left {left}" if left >= 0 else ""),
                           "lse": "converted from log2"})
+
+
+def flashinfer_wrapper_calls(state: Dict[str, Any]) -> Tuple[Callable, Callable]:
+    """(call, out_only) of a planned FlashInfer wrapper in state["wrapper"], on bshd inputs."""
+    def call(q: Any, k: Any, v: Any) -> Tuple[Any, Any]:
+        out, lse = state["wrapper"].run(q[0], k[0], v[0], return_lse=True)
+        return out.unsqueeze(0), lse
+
+    def out_only(q: Any, k: Any, v: Any) -> Any:
+        return state["wrapper"].run(q[0], k[0], v[0]).unsqueeze(0)
+    return call, out_only
 
 
 def flashinfer_documents(p: Problem, torch: Any, device: Any, flashinfer: Any, plan: dict) -> Kernel:
@@ -1975,12 +2007,10 @@ def flashinfer_documents(p: Problem, torch: Any, device: Any, flashinfer: Any, p
         synchronize(torch, device, kernel)
         kernel.phases["mask_build_s"] = time.perf_counter() - start
 
-    def call(q: Any, k: Any, v: Any) -> Tuple[Any, Any]:
-        out, lse = state["wrapper"].run(q[0], k[0], v[0], return_lse=True)
-        return out.unsqueeze(0), lse
 
-    kernel = Kernel(call=call, setup=setup, layout="bshd", refusal_is_unsupported=True, compiles=True,
-                    lse_to_heads=lambda lse: lse.detach().float().t() * math.log(2.0),
+    call, out_only = flashinfer_wrapper_calls(state)
+    kernel = Kernel(call=call, out_only=out_only, setup=setup, layout="bshd", refusal_is_unsupported=True,
+                    compiles=True, lse_to_heads=lambda lse: lse.detach().float().t() * math.log(2.0),
                     env={"backend": "flashinfer.BatchPrefillWithRaggedKVCacheWrapper",
                          "package_version": flashinfer.__version__},
                     phases={"mask_mode": f"{documents} documents (indptr), " +
@@ -2015,12 +2045,10 @@ def flashinfer_block_sparse(p: Problem, torch: Any, device: Any, flashinfer: Any
         kernel.phases.update(mask_build_s=time.perf_counter() - start, blocks=[len(rows) - 1, len(cols) - 1],
                              kept_blocks=int(kept[of_kv].sum()))
 
-    def call(q: Any, k: Any, v: Any) -> Tuple[Any, Any]:
-        out, lse = state["wrapper"].run(q[0], k[0], v[0], return_lse=True)
-        return out.unsqueeze(0), lse
 
-    kernel = Kernel(call=call, setup=setup, lse_to_heads=lambda lse: lse.detach().float() * math.log(2.0),
-                    refusal_is_unsupported=True, compiles=True,
+    call, out_only = flashinfer_wrapper_calls(state)
+    kernel = Kernel(call=call, out_only=out_only, setup=setup, refusal_is_unsupported=True, compiles=True,
+                    lse_to_heads=lambda lse: lse.detach().float() * math.log(2.0),
                     env={"backend": "flashinfer.VariableBlockSparseAttentionWrapper",
                          "package_version": flashinfer.__version__},
                     phases={"mask_mode": "block grid from the slices", "lse": "converted from log2"})
