@@ -23,7 +23,11 @@ pub fn target_dir() -> PathBuf {
 
 /// The workspace root.
 pub fn workspace_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    let tests = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    tests
+        .parent()
+        .expect("the tests crate is a folder of the workspace")
+        .to_path_buf()
 }
 
 /// The `attnbench` binary next to the test executable.

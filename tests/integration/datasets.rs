@@ -1,6 +1,5 @@
 //! Corpus downloads against a real HTTP server on loopback, and the histograms they give.
 
-#[path = "datasets/hostile.rs"]
 mod hostile;
 
 use std::collections::{HashMap, HashSet};

@@ -1,12 +1,10 @@
 //! The artifact cache: hits, precise invalidation, corruption, concurrent runs, resume after
 //! kill, gc after a stopped or killed run, entries that hold more than they list, streaming hashes.
 
-mod cache_common;
-
 use std::time::{Duration, Instant};
 
+use crate::cache_common::{artifact_of, count, entry_count, kill_after_entries, run_chain};
 use attnbench_tests::{statuses, stderr, stdout, Sandbox};
-use cache_common::{artifact_of, count, entry_count, kill_after_entries, run_chain};
 
 #[test]
 fn a_rerun_is_served_from_the_cache() {

@@ -1,7 +1,5 @@
 //! What the cache tests share: a small pipeline and ways to look into a sandbox's cache.
 
-#![allow(dead_code)]
-
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 

@@ -2,10 +2,8 @@
 //! whole, refuse links, special files, names that escape and broken records, and bring in all or
 //! nothing.
 
-mod cache_common;
-
+use crate::cache_common::{count, entry_count, run_chain, run_folders, walk_files, CHAIN};
 use attnbench_tests::{stderr, stdout, Sandbox};
-use cache_common::{count, entry_count, run_chain, run_folders, walk_files, CHAIN};
 
 /// A sweep cut short on one machine resumes on another: `cache export` there, `cache import`
 /// here, and the run is served from what was carried over. A tampered entry is refused.
