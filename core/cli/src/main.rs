@@ -20,6 +20,7 @@ use attnbench_runtime::pipeline::{self, PipelineError};
 use attnbench_runtime::plan::{nodes_per_stage, Plan};
 use attnbench_runtime::plugin::Registry;
 use attnbench_runtime::run::{execute, RunOptions};
+use attnbench_runtime::stop::StopToken;
 use clap::{Args, Parser, Subcommand};
 
 #[derive(Parser)]
@@ -226,8 +227,9 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
                     .context("cannot find the attnbench binary to start workers")?,
                 argv: std::env::args().collect(),
                 time_budget,
+                stop: StopToken::new(),
             };
-            attnbench_runtime::stop::install_handler()
+            attnbench_runtime::stop::install_handler(options.stop.clone())
                 .context("cannot install the stop-signal handler")?;
             let observer = progress::Progress::new(plan.nodes.len(), cli.quiet, cli.verbose > 0);
             let summary = execute(&plan, &cache, &options, &observer)?;

@@ -6,9 +6,9 @@ use serde_json::Value;
 
 use crate::cache::{Cache, EntryMeta, InputDigest, KeyParts};
 use crate::diagnostic::nearest;
+use crate::key::key_parts;
 use crate::plan::Plan;
 use crate::record::{run_dirs, RunRecord};
-use crate::run::key_parts;
 use attnbench_sdk::environment::Environment;
 
 #[derive(Debug, Clone)]

@@ -3,6 +3,7 @@ pub mod conformance;
 pub mod cuda_env;
 pub mod diagnostic;
 pub mod inspect;
+pub mod key;
 pub mod machine_lock;
 mod node_sink;
 pub mod pipeline;

@@ -11,7 +11,7 @@ use std::fs::{File, TryLockError};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crate::stop;
+use crate::stop::StopToken;
 
 /// How often a waiting node tries again, and so how soon it notices a stop.
 const POLL: Duration = Duration::from_millis(50);
@@ -41,6 +41,7 @@ pub fn path(root: &Path) -> PathBuf {
 pub fn acquire(
     root: &Path,
     exclusive: bool,
+    stop: &StopToken,
     waiting: impl FnOnce(),
 ) -> Result<MachineLock, MachineLockError> {
     let path = path(root);
@@ -70,7 +71,7 @@ pub fn acquire(
             Err(TryLockError::WouldBlock) => {}
             Err(TryLockError::Error(source)) => return Err(open(source)),
         }
-        if stop::requested() {
+        if stop.requested() {
             return Err(MachineLockError::Stopped);
         }
         if started.elapsed() >= POLL {

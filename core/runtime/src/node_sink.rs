@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 use attnbench_abi::LogLevel;
 
 use crate::plugin::Plugin;
-use crate::record::Status;
+use crate::run::NodeFailure;
 use crate::services::{trace_plugin_log, ServiceSink};
-use crate::stop;
+use crate::stop::StopToken;
 use crate::worker::STOP_GRACE;
 
 /// The sink of one node: its log file and the tracing output get every line; progress goes to
@@ -22,6 +22,7 @@ pub struct NodeSink<P> {
     pub node: String,
     pub plugin: String,
     pub log: Mutex<Option<File>>,
+    pub stop: StopToken,
     pub progress: P,
 }
 
@@ -40,7 +41,7 @@ impl<P: Fn(u64, u64, &str)> ServiceSink for NodeSink<P> {
     }
 
     fn is_cancelled(&self) -> bool {
-        stop::requested()
+        self.stop.requested()
     }
 }
 
@@ -58,14 +59,16 @@ pub fn run_detached(
     request_json: String,
     node: String,
     log: Option<File>,
+    stop: &StopToken,
     on_progress: &dyn Fn(u64, u64, &str),
-) -> Result<String, (Status, String)> {
+) -> Result<String, NodeFailure> {
     let (sender, receiver) = mpsc::channel::<FromStage>();
     let progress_sender = Mutex::new(sender.clone());
     let sink = NodeSink {
         node: node.clone(),
         plugin: plugin.manifest.name.clone(),
         log: Mutex::new(log),
+        stop: stop.clone(),
         progress: move |done: u64, total: u64, message: &str| {
             if let Ok(sender) = progress_sender.lock() {
                 let _ = sender.send(FromStage::Progress(done, total, message.to_string()));
@@ -78,33 +81,24 @@ pub fn run_detached(
             let result = plugin.run(&stage, &request_json, &sink);
             let _ = sender.send(FromStage::Done(result));
         })
-        .map_err(|err| {
-            (
-                Status::Error,
-                format!("cannot start a thread for the node: {err}"),
-            )
-        })?;
+        .map_err(|err| NodeFailure::Error(format!("cannot start a thread for the node: {err}")))?;
     let mut stopped_at: Option<Instant> = None;
     loop {
         match receiver.recv_timeout(Duration::from_millis(100)) {
             Ok(FromStage::Progress(done, total, message)) => on_progress(done, total, &message),
-            Ok(FromStage::Done(result)) => return result.map_err(|err| (Status::Error, err)),
+            Ok(FromStage::Done(result)) => return result.map_err(NodeFailure::Error),
             Err(mpsc::RecvTimeoutError::Timeout) => {
-                if stop::requested()
+                if stop.requested()
                     && stopped_at.get_or_insert_with(Instant::now).elapsed() >= STOP_GRACE
                 {
-                    return Err((
-                        Status::Interrupted,
-                        format!(
-                            "the run was stopped and the node was not done {}s later; it runs in process and did not stop when asked, so it was left behind",
-                            STOP_GRACE.as_secs()
-                        ),
-                    ));
+                    return Err(NodeFailure::Interrupted(format!(
+                        "the run was stopped and the node was not done {}s later; it runs in process and did not stop when asked, so it was left behind",
+                        STOP_GRACE.as_secs()
+                    )));
                 }
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => {
-                return Err((
-                    Status::Crashed,
+                return Err(NodeFailure::Crashed(
                     "the stage's thread ended without a result (it panicked); see the node's log"
                         .into(),
                 ))

@@ -1,5 +1,6 @@
-//! Stopping a run cleanly: signals and the time budget set one flag; the scheduler starts no new
-//! node once it is set, running nodes get [`crate::worker::STOP_GRACE`], and the record is written.
+//! Stopping a run cleanly: signals and the time budget set the run's [`StopToken`]; the scheduler
+//! starts no new node once it is set, running nodes get [`crate::worker::STOP_GRACE`], and the
+//! record is written.
 //!
 //! Stop requests arrive more than once from one sender: GNU `timeout` signals the process and then
 //! its whole group, batch schedulers signal every process of a job. So repeated SIGTERMs never
@@ -7,59 +8,76 @@
 //! [`REPEAT_WINDOW`] after the first, ends the process at once.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
-/// Set by a stop signal or a spent time budget: no new node starts, running in-process nodes see
-/// `is_cancelled`, running nodes get their grace, and the run record is still written.
-pub static INTERRUPTED: AtomicBool = AtomicBool::new(false);
-
-/// Set with [`INTERRUPTED`] when the stop came from the run's own time budget.
-static BUDGET_SPENT: AtomicBool = AtomicBool::new(false);
-
 /// Interrupts closer together than this are one request (a sender that signals the process and
 /// its group), not a person pressing Ctrl-C twice.
 pub const REPEAT_WINDOW: Duration = Duration::from_secs(1);
 
-pub fn requested() -> bool {
-    INTERRUPTED.load(Ordering::Relaxed)
+/// A run's stop request, shared by everything that must see it: set by a stop signal (through
+/// [`install_handler`]) or by the run's own time budget. Once set, no new node starts, running
+/// in-process nodes see `is_cancelled`, running nodes get their grace, and the run record is
+/// still written. A run is handed its token; nothing reads a process-wide flag.
+#[derive(Clone, Default)]
+pub struct StopToken(Arc<StopState>);
+
+#[derive(Default)]
+struct StopState {
+    stopped: AtomicBool,
+    /// Set with `stopped` when the stop came from the run's own time budget.
+    budget_spent: AtomicBool,
 }
 
-/// Stops the run as a signal would once `deadline` has passed.
-pub fn spend_budget(deadline: Option<Instant>) {
-    if deadline.is_some_and(|d| Instant::now() >= d) && !INTERRUPTED.load(Ordering::SeqCst) {
-        BUDGET_SPENT.store(true, Ordering::SeqCst);
-        INTERRUPTED.store(true, Ordering::SeqCst);
+impl StopToken {
+    pub fn new() -> StopToken {
+        StopToken::default()
+    }
+
+    /// Asks the run to stop, as a signal does.
+    pub fn request(&self) {
+        self.0.stopped.store(true, Ordering::SeqCst);
+    }
+
+    pub fn requested(&self) -> bool {
+        self.0.stopped.load(Ordering::Relaxed)
+    }
+
+    /// The flag itself, for code that polls it (a worker waiting on its process).
+    pub fn flag(&self) -> &AtomicBool {
+        &self.0.stopped
+    }
+
+    /// Stops the run as a signal would once `deadline` has passed.
+    pub fn spend_budget(&self, deadline: Option<Instant>) {
+        if deadline.is_some_and(|d| Instant::now() >= d) && !self.0.stopped.load(Ordering::SeqCst) {
+            self.0.budget_spent.store(true, Ordering::SeqCst);
+            self.0.stopped.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// Why nodes that did not start were skipped.
+    pub fn reason(&self) -> &'static str {
+        if self.0.budget_spent.load(Ordering::SeqCst) {
+            "the run's time budget ran out"
+        } else {
+            "the run was interrupted"
+        }
     }
 }
 
-/// A budget spent by an earlier run of this process does not stop the next one.
-pub fn forget_spent_budget() {
-    if BUDGET_SPENT.swap(false, Ordering::SeqCst) {
-        INTERRUPTED.store(false, Ordering::SeqCst);
-    }
-}
-
-/// Why nodes that did not start were skipped.
-pub fn reason() -> &'static str {
-    if BUDGET_SPENT.load(Ordering::SeqCst) {
-        "the run's time budget ran out"
-    } else {
-        "the run was interrupted"
-    }
-}
-
-/// Turns SIGINT and SIGTERM into stop requests for the rest of the process's life.
-pub fn install_handler() -> std::io::Result<()> {
+/// Turns SIGINT and SIGTERM into stop requests on `token` for the rest of the process's life.
+pub fn install_handler(token: StopToken) -> std::io::Result<()> {
     let mut signals = Signals::new([SIGINT, SIGTERM])?;
     std::thread::Builder::new()
         .name("attnbench-signals".into())
         .spawn(move || {
             let mut stopped_at: Option<Instant> = None;
             for signal in signals.forever() {
-                INTERRUPTED.store(true, Ordering::SeqCst);
+                token.request();
                 match stopped_at {
                     None => {
                         stopped_at = Some(Instant::now());
