@@ -5,7 +5,6 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use attnbench_runtime::cache::Cache;
-use attnbench_runtime::cuda_env;
 use attnbench_runtime::plugin::Registry;
 use attnbench_runtime::services::Silent;
 use attnbench_runtime::worker::{Worker, WorkerOutcome};
@@ -124,7 +123,7 @@ fn python_backends() {
 /// The CUDA libraries found (and where attnbench looked), and the GPUs as the cuda plugin sees
 /// them from a worker started with those libraries.
 fn gpu(registry: &Registry, cache: &Cache) -> Result<()> {
-    let discovery = cuda_env::discover();
+    let discovery = attnbench_gpu_libs::discover();
     for found in &discovery.found {
         let version = found
             .version
@@ -155,7 +154,7 @@ fn gpu(registry: &Registry, cache: &Cache) -> Result<()> {
         return Ok(());
     };
     let links = cache.root.join("cuda-libs");
-    let env = cuda_env::worker_env(&links);
+    let env = attnbench_gpu_libs::worker_env(&links);
     let exe = std::env::current_exe()?;
     let mut worker = match Worker::spawn(&exe, &plugin.path, &env) {
         Ok(worker) => worker,

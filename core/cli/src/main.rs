@@ -9,6 +9,7 @@ mod plugin_kit;
 mod plugins_cmd;
 mod progress;
 mod report_cmd;
+mod workers;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -228,6 +229,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
                 argv: std::env::args().collect(),
                 time_budget,
                 stop: StopToken::new(),
+                worker_env: workers::run_env(&cache.root),
             };
             attnbench_runtime::stop::install_handler(options.stop.clone())
                 .context("cannot install the stop-signal handler")?;

@@ -116,9 +116,11 @@ pub fn check(libraries: &[PathBuf], plugin_dirs: &[PathBuf], json: bool) -> Resu
     let registry = Registry::discover(plugin_dirs);
     let exe =
         std::env::current_exe().context("cannot find the attnbench binary to start workers")?;
+    let discovery = attnbench_gpu_libs::discover();
+    let setup = crate::workers::check_setup(&discovery);
     let reports: Vec<conformance::Report> = libraries
         .iter()
-        .map(|library| conformance::check(library, &registry, &exe))
+        .map(|library| conformance::check(library, &registry, &exe, &setup))
         .collect();
     if json {
         println!("{}", serde_json::to_string_pretty(&reports)?);

@@ -109,7 +109,23 @@ impl Runner {
     }
 }
 
-pub fn check(library: &Path, registry: &Registry, worker_exe: &Path) -> Report {
+/// The environment of a worker whose private library folder is the argument.
+pub type EnvFor<'a> = Box<dyn Fn(&Path) -> Vec<(String, String)> + 'a>;
+
+/// How the check's workers are set up: the caller knows the machine (GPU libraries), the runtime
+/// does not.
+pub struct WorkerSetup<'a> {
+    pub env: EnvFor<'a>,
+    /// Why checks that need a device cannot run on this machine, when they cannot.
+    pub no_device: Option<String>,
+}
+
+pub fn check(
+    library: &Path,
+    registry: &Registry,
+    worker_exe: &Path,
+    setup: &WorkerSetup<'_>,
+) -> Report {
     let mut report = Report {
         library: library.to_path_buf(),
         plugin: None,
@@ -149,15 +165,11 @@ pub fn check(library: &Path, registry: &Registry, worker_exe: &Path) -> Report {
             return report;
         }
     };
-    // Workers search this folder first for CUDA libraries: it must be one nobody else can write,
-    // so it lives in the check's own private scratch folder, never under a guessable name.
-    let discovery = crate::cuda_env::discover();
-    let no_gpu = discovery.missing.iter().any(|m| m == "driver").then(|| {
-        "needs a GPU, and this machine has none: the NVIDIA driver library (libcuda.so) is in none of the \
-         folders `attnbench doctor` searches"
-            .to_string()
-    });
-    let env = discovery.linked_worker_env(&scratch.path().join("cuda-libs"));
+    // Workers search this folder first for the libraries the setup links: it must be one nobody
+    // else can write, so it lives in the check's own private scratch folder, never under a
+    // guessable name.
+    let no_gpu = setup.no_device.clone();
+    let env = (setup.env)(&scratch.path().join("worker-libs"));
     let mut runner = Runner {
         exe: worker_exe.to_path_buf(),
         library: plugin.path.clone(),

@@ -1,6 +1,5 @@
 pub mod cache;
 pub mod conformance;
-pub mod cuda_env;
 pub mod diagnostic;
 pub mod inspect;
 pub mod key;

@@ -417,31 +417,29 @@ fn signal_name(signal: i32) -> &'static str {
 pub struct WorkerPool {
     exe: PathBuf,
     idle: Mutex<Vec<Worker>>,
-    /// Where the CUDA libraries are linked for workers; the environment is found on first use.
-    cuda_links: PathBuf,
+    /// The caller's part of every worker's environment, asked for on first use.
+    extra_env: WorkerEnv,
     env: std::sync::OnceLock<Vec<(String, String)>>,
 }
 
+/// What workers' environments get beyond the host's own, from whoever starts the run (the CLI:
+/// the GPU libraries it found, the folder plugins keep their caches in). The runtime knows neither;
+/// it asks once, when the first worker starts.
+pub type WorkerEnv = Arc<dyn Fn() -> Vec<(String, String)> + Send + Sync>;
+
 impl WorkerPool {
-    pub fn new(exe: PathBuf, cuda_links: PathBuf) -> Self {
+    pub fn new(exe: PathBuf, extra_env: WorkerEnv) -> Self {
         WorkerPool {
             exe,
             idle: Mutex::new(Vec::new()),
-            cuda_links,
+            extra_env,
             env: std::sync::OnceLock::new(),
         }
     }
 
-    /// The environment workers start with (the CUDA libraries this machine has).
+    /// The environment workers start with.
     pub fn env(&self) -> &[(String, String)] {
-        self.env.get_or_init(|| {
-            let mut env = crate::cuda_env::worker_env(&self.cuda_links);
-            // Plugins keep their own caches (compiled kernels) beside the artifacts.
-            if let Some(root) = self.cuda_links.parent() {
-                env.push(("ATTNBENCH_CACHE".into(), root.display().to_string()));
-            }
-            env
-        })
+        self.env.get_or_init(|| (self.extra_env)())
     }
 
     /// A warm worker for `plugin`, or a new one.

@@ -20,7 +20,7 @@ use crate::diagnostic::suggestion;
 use crate::plan::Plan;
 use crate::record::{new_run_id, NodeRecord, PluginRecord, RunRecord, Status};
 use crate::stop::StopToken;
-use crate::worker::WorkerPool;
+use crate::worker::{WorkerEnv, WorkerPool};
 use checkpoint::Checkpoint;
 use frontier::Frontier;
 pub(crate) use node::NodeFailure;
@@ -51,6 +51,8 @@ pub struct RunOptions {
     pub time_budget: Option<Duration>,
     /// The run's stop request: the CLI hands the same token to the signal handler.
     pub stop: StopToken,
+    /// What worker processes' environments get beyond the host's (GPU libraries, caches).
+    pub worker_env: WorkerEnv,
 }
 
 /// What the scheduler reports while it runs; the CLI draws it.
@@ -147,7 +149,7 @@ pub fn execute(
     let shared = Shared {
         plan,
         cache,
-        pool: WorkerPool::new(options.worker_exe.clone(), cache.root.join("cuda-libs")),
+        pool: WorkerPool::new(options.worker_exe.clone(), Arc::clone(&options.worker_env)),
         fingerprint: crate::cache::environment_fingerprint(&environment),
         forced,
         logs_dir,
