@@ -83,7 +83,7 @@ fn documents_of(set: &MaskSet) -> (Vec<usize>, Vec<u64>) {
     (doc, starts)
 }
 
-/// Each pattern is what DESIGN says it is, cell by cell.
+/// Each pattern is what docs/masks-and-data.md says it is, cell by cell.
 #[test]
 fn every_static_pattern_matches_its_definition() {
     let histogram = Histogram {
