@@ -5,9 +5,9 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use attnbench_runtime::cache::Cache;
-use attnbench_runtime::plugin::Registry;
-use attnbench_runtime::services::Silent;
-use attnbench_runtime::worker::{Worker, WorkerOutcome};
+use attnbench_runtime::host::plugin::Registry;
+use attnbench_runtime::host::services::Silent;
+use attnbench_runtime::host::worker::{Worker, WorkerOutcome};
 use attnbench_sdk::environment::Environment;
 
 use crate::cache_cmd::human_bytes;

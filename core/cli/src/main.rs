@@ -16,10 +16,10 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use attnbench_runtime::cache::Cache;
+use attnbench_runtime::host::plugin::Registry;
 use attnbench_runtime::inspect::{explain, node_states, NodeState};
 use attnbench_runtime::pipeline::{self, PipelineError};
 use attnbench_runtime::plan::{nodes_per_stage, Plan};
-use attnbench_runtime::plugin::Registry;
 use attnbench_runtime::run::{execute, RunOptions};
 use attnbench_runtime::stop::StopToken;
 use clap::{Args, Parser, Subcommand};
@@ -186,7 +186,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         manifest: true,
     } = &cli.command
     {
-        attnbench_runtime::plugin::serve_manifest(plugin);
+        attnbench_runtime::host::plugin::serve_manifest(plugin);
     }
     // Discovery knows plugins by their cached manifests and reads a new library's manifest in a
     // child process, so no command runs a plugin's code here unless it runs one of its stages.
@@ -194,13 +194,13 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
     // for them, so `plugins list` in some other folder leaves nothing behind.
     let explicit = cli.cache.is_some() || std::env::var_os("ATTNBENCH_CACHE").is_some();
     let cache_root = cli.cache.clone().unwrap_or_else(Cache::default_root);
-    attnbench_runtime::plugin::configure_manifests(
+    attnbench_runtime::host::plugin::configure_manifests(
         (explicit || cache_root.is_dir()).then_some(cache_root.as_path()),
         std::env::current_exe().ok(),
     );
     match cli.command {
         Command::Worker { plugin, .. } => {
-            attnbench_runtime::worker::serve(&plugin).context("worker")?;
+            attnbench_runtime::host::worker::serve(&plugin).context("worker")?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Run {

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{anyhow, bail, Context, Result};
-use attnbench_runtime::plugin::Registry;
+use attnbench_runtime::host::plugin::Registry;
 use attnbench_sdk::mask::{Flops, Mask, MaskSet};
 use attnbench_sdk::{format_size, parse_size};
 use clap::{Args, Subcommand};

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use attnbench_runtime::conformance;
-use attnbench_runtime::plugin::Registry;
+use attnbench_runtime::host::plugin::Registry;
 use clap::{Subcommand, ValueEnum};
 
 use crate::display_path;

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Result};
 use attnbench_runtime::diagnostic::suggestion;
-use attnbench_runtime::plugin::{Plugin, Registry};
+use attnbench_runtime::host::plugin::{Plugin, Registry};
 use clap::Subcommand;
 
 use crate::display_path;

@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use std::time::SystemTime;
 
 use anyhow::{anyhow, bail, Context, Result};
-use attnbench_runtime::plugin::Registry;
+use attnbench_runtime::host::plugin::Registry;
 use attnbench_runtime::record::RunRecord;
 use attnbench_sdk::measure::{Measurement, Predictions};
 use attnbench_sdk::InputArtifact;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use attnbench_gpu_libs::Discovery;
 use attnbench_runtime::conformance::WorkerSetup;
-use attnbench_runtime::worker::WorkerEnv;
+use attnbench_runtime::host::worker::WorkerEnv;
 
 /// The workers' environment for runs on the cache at `cache_root`, found when the first worker
 /// starts.

@@ -11,9 +11,9 @@ use attnbench_sdk::{InputArtifact, ParamType, StageRequest, StageSpec};
 use serde::Serialize;
 use serde_json::{json, Map, Value};
 
-use crate::plugin::{Plugin, Registry};
-use crate::services::Silent;
-use crate::worker::{Worker, WorkerOutcome};
+use crate::host::plugin::{Plugin, Registry};
+use crate::host::services::Silent;
+use crate::host::worker::{Worker, WorkerOutcome};
 
 /// The small problem every kernel stage is checked on.
 const SEQLEN: u64 = 256;

@@ -8,8 +8,8 @@ use attnbench_sdk::{CacheScope, ParamType};
 use serde_json::Value;
 
 use crate::cache::{InputDigest, KeyParts};
+use crate::host::plugin::Plugin;
 use crate::plan::Plan;
-use crate::plugin::Plugin;
 
 /// The plugins whose in-process backends the node's `backend` parameters name.
 pub(crate) fn backends_of(plan: &Plan, node: usize) -> impl Iterator<Item = &Arc<Plugin>> {

@@ -1,16 +1,12 @@
 pub mod cache;
 pub mod conformance;
 pub mod diagnostic;
+pub mod host;
 pub mod inspect;
 pub mod key;
-pub mod machine_lock;
-mod node_sink;
 pub mod pipeline;
 pub mod plan;
-pub mod plugin;
 pub mod record;
 pub mod run;
-pub mod services;
 pub mod spans;
 pub mod stop;
-pub mod worker;

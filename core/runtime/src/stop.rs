@@ -1,5 +1,5 @@
 //! Stopping a run cleanly: signals and the time budget set the run's [`StopToken`]; the scheduler
-//! starts no new node once it is set, running nodes get [`crate::worker::STOP_GRACE`], and the
+//! starts no new node once it is set, running nodes get [`crate::host::worker::STOP_GRACE`], and the
 //! record is written.
 //!
 //! Stop requests arrive more than once from one sender: GNU `timeout` signals the process and then
@@ -83,7 +83,7 @@ pub fn install_handler(token: StopToken) -> std::io::Result<()> {
                         stopped_at = Some(Instant::now());
                         eprintln!(
                             "attnbench: stopping — no new node starts, running nodes get {} s, the run record is written (Ctrl-C again to stop at once)",
-                            crate::worker::STOP_GRACE.as_secs()
+                            crate::host::worker::STOP_GRACE.as_secs()
                         );
                     }
                     Some(at) if signal == SIGINT && at.elapsed() >= REPEAT_WINDOW => {

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use serde_json::{Map, Value};
 
 use crate::diagnostic::{suggestion, Diagnostic, Origin};
-use crate::plugin::Registry;
+use crate::host::plugin::Registry;
 use crate::spans::SpanIndex;
 
 pub(super) struct Checker<'a> {

@@ -12,7 +12,7 @@ use attnbench_sdk::{ParamType, StageSpec};
 use serde_json::{Map, Value};
 
 use crate::diagnostic::{Diagnostic, Origin};
-use crate::plugin::{Plugin, Registry};
+use crate::host::plugin::{Plugin, Registry};
 use crate::spans::SpanIndex;
 use checker::Checker;
 use overrides::{apply_override, strip_location};

@@ -10,7 +10,7 @@ use serde_json::Value;
 
 use super::checker::Checker;
 use super::{limits, Stage};
-use crate::plugin::{Plugin, Registry};
+use crate::host::plugin::{Plugin, Registry};
 
 /// The plugins that `backend` parameters (`plugin/kernel`) name; refuses a plugin that is not
 /// found or does not offer the kernel in process.

@@ -17,10 +17,10 @@ use attnbench_sdk::InputArtifact;
 
 use crate::cache::{Cache, CacheError, InputDigest};
 use crate::diagnostic::suggestion;
+use crate::host::worker::{WorkerEnv, WorkerPool};
 use crate::plan::Plan;
 use crate::record::{new_run_id, NodeRecord, PluginRecord, RunRecord, Status};
 use crate::stop::StopToken;
-use crate::worker::{WorkerEnv, WorkerPool};
 use checkpoint::Checkpoint;
 use frontier::Frontier;
 pub(crate) use node::NodeFailure;

@@ -11,12 +11,12 @@ use serde_json::Value;
 
 use super::{Event, Observer, Shared};
 use crate::cache::{CacheError, Entry, InputDigest, KeyParts, Lookup};
+use crate::host::machine_lock::{self, MachineLockError};
+use crate::host::node_sink::NodeSink;
+use crate::host::worker::WorkerOutcome;
 use crate::key::{backends_of, key_parts};
-use crate::machine_lock::{self, MachineLockError};
-use crate::node_sink::NodeSink;
 use crate::plan::Plan;
 use crate::record::{node_file_name, NodeRecord, Status};
-use crate::worker::WorkerOutcome;
 
 /// Why a node produced no artifact: the status its record gets, with what happened.
 #[derive(Debug)]
@@ -339,7 +339,7 @@ fn compute(
         None => stage.spec.isolation,
     };
     let result_text = match isolation {
-        Isolation::InProcess => crate::node_sink::run_detached(
+        Isolation::InProcess => crate::host::node_sink::run_detached(
             Arc::clone(&stage.plugin),
             stage.spec.name.clone(),
             request_json,
@@ -379,7 +379,7 @@ fn compute(
                 WorkerOutcome::Stopped => {
                     return Err(NodeFailure::Interrupted(format!(
                         "the run was stopped and the node was not done {}s later; its worker was killed",
-                        crate::worker::STOP_GRACE.as_secs()
+                        crate::host::worker::STOP_GRACE.as_secs()
                     )))
                 }
             }

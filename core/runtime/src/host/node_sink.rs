@@ -10,11 +10,11 @@ use std::time::{Duration, Instant};
 
 use attnbench_abi::LogLevel;
 
-use crate::plugin::Plugin;
+use crate::host::plugin::Plugin;
+use crate::host::services::{trace_plugin_log, ServiceSink};
+use crate::host::worker::STOP_GRACE;
 use crate::run::NodeFailure;
-use crate::services::{trace_plugin_log, ServiceSink};
 use crate::stop::StopToken;
-use crate::worker::STOP_GRACE;
 
 /// The sink of one node: its log file and the tracing output get every line; progress goes to
 /// `progress`, which draws it or carries it to the thread that does.

@@ -17,7 +17,7 @@ use attnbench_abi::abi_stable::std_types::{RResult, RStr};
 use attnbench_abi::{PluginModRef, ABI_VERSION};
 use attnbench_sdk::{PluginManifest, StageSpec};
 
-use crate::services::{services_for, ServiceSink};
+use crate::host::services::{services_for, ServiceSink};
 
 pub use manifests::{configure_manifests, serve_manifest};
 
@@ -345,7 +345,7 @@ struct StandaloneSink<'a> {
 
 impl ServiceSink for StandaloneSink<'_> {
     fn log(&self, level: attnbench_abi::LogLevel, message: &str) {
-        crate::services::trace_plugin_log(self.plugin, "-", level, message);
+        crate::host::services::trace_plugin_log(self.plugin, "-", level, message);
     }
 
     fn progress(&self, _done: u64, _total: u64, _message: &str) {}

@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 use attnbench_abi::LogLevel;
 use serde::{Deserialize, Serialize};
 
-use crate::plugin::Plugin;
-use crate::services::ServiceSink;
+use crate::host::plugin::Plugin;
+use crate::host::services::ServiceSink;
 
 /// How long a worker may take to load its plugin and say it is ready.
 const START_TIMEOUT: Duration = Duration::from_secs(60);

@@ -217,7 +217,7 @@ fn a_library_rebuilt_after_its_manifest_was_read_is_not_run_under_the_old_hash()
         module: OnceLock::new(),
     };
     let err = plugin
-        .run("stage", "{}", &crate::services::Silent)
+        .run("stage", "{}", &crate::host::services::Silent)
         .unwrap_err();
     assert!(
         err.contains("libfake.so changed since attnbench read its manifest"),
