@@ -428,15 +428,12 @@ impl GpuRun<'_> {
                 "backend nccl runs every block on a GPU kernel's in-process backend: set `attention` to one, e.g. cuda/flash".into(),
             )
         })?;
-        let tolerance = match self.element {
-            Element::Bf16 => 2e-2,
-            Element::F16 => 5e-3,
-            Element::F32 => {
-                return Err(PluginError::Params(
-                    "dtype f32: GPU ranks take bf16 or fp16 inputs".into(),
-                ))
-            }
-        };
+        if self.element == Element::F32 {
+            return Err(PluginError::Params(
+                "dtype f32: GPU ranks take bf16 or fp16 inputs".into(),
+            ));
+        }
+        let tolerance = self.element.tolerance();
         let n = setup.layout.world();
         // The stage starts every rank on this machine, one GPU each.
         let gpus = gpu_count().map_err(PluginError::failed)?;

@@ -23,16 +23,6 @@ struct Params {
     block: usize,
 }
 
-/// Tolerance on every output, relative to its largest value: f32 accumulation of 16-bit inputs
-/// with P and dS rounded to the inputs' type, as the benchmark's checks allow.
-fn tolerance(element: Element) -> f64 {
-    if element == Element::F16 {
-        5e-3
-    } else {
-        2e-2
-    }
-}
-
 /// Two chunks of `half` positions: one starting at `a`, one at `b`.
 fn chunks(a: usize, b: usize, half: usize) -> Vec<u32> {
     (a..a + half).chain(b..b + half).map(|p| p as u32).collect()
@@ -67,7 +57,7 @@ pub fn run(request: &StageRequest) -> Result<Value, PluginError> {
     for (name, keys) in [("diagonal", &mine), ("off-diagonal", &theirs)] {
         let rows = RowIntervals::restrict(mask, &mine, keys);
         let errors = check_block(&p, element, &rows, request.seed)?;
-        let passed = errors.values().all(|e| *e <= tolerance(element));
+        let passed = errors.values().all(|e| *e <= element.tolerance());
         if !passed {
             failures.push(format!("{name}: {errors:?}"));
         }
@@ -76,12 +66,12 @@ pub fn run(request: &StageRequest) -> Result<Value, PluginError> {
     if !failures.is_empty() {
         return Err(PluginError::failed(format!(
             "the flash backend differs from the f64 block beyond {}: {}",
-            tolerance(element),
+            element.tolerance(),
             failures.join("; ")
         )));
     }
     Ok(
-        json!({"kernel": "flash", "dtype": p.dtype, "tolerance": tolerance(element), "blocks": report}),
+        json!({"kernel": "flash", "dtype": p.dtype, "tolerance": element.tolerance(), "blocks": report}),
     )
 }
 

@@ -253,16 +253,6 @@ struct BenchParams {
     common: attnbench_sdk::measure::KernelParams,
 }
 
-/// Relative error allowed against the f64 reference: f32 accumulation, P and dS rounded to the
-/// inputs' type before their products.
-fn tolerance(element: Element) -> f64 {
-    match element {
-        Element::F32 => 1e-4,
-        Element::F16 => 5e-3,
-        Element::Bf16 => 2e-2,
-    }
-}
-
 fn gib(bytes: usize) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
 }
@@ -430,7 +420,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
             &forward,
             grads.as_ref(),
             mode,
-            tolerance(element),
+            element.tolerance(),
         ));
         drop((forward, grads, inputs));
         lap(&mut phases, "check_s");

@@ -73,6 +73,10 @@ pub struct Grads {
     pub dv: Vec<f32>,
 }
 
+/// The f32 bound for kernels whose matrix products may run in TF32 (a library's choice, such as
+/// PyTorch's backends): 10 mantissa bits, so about 1e-3 of the largest value.
+pub const TF32_TOLERANCE: f64 = 2e-3;
+
 /// How a kernel stores its inputs. Inputs drawn for an element type are exactly representable in
 /// it, so a kernel and the f64 reference see the same numbers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,6 +94,18 @@ impl Element {
             "bf16" => Some(Element::Bf16),
             "fp16" => Some(Element::F16),
             _ => None,
+        }
+    }
+
+    /// The relative error a kernel storing this type is allowed against the f64 reference (the
+    /// largest |actual − reference| over the largest |reference|), the one table every kernel
+    /// plugin checks with: f32 accumulation, with P and dS rounded to the inputs' type before
+    /// their products; f32 kernels whose products may run in TF32 get [`TF32_TOLERANCE`].
+    pub fn tolerance(self) -> f64 {
+        match self {
+            Element::F32 => 1e-4,
+            Element::F16 => 5e-3,
+            Element::Bf16 => 2e-2,
         }
     }
 
