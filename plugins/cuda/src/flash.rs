@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 
 use attnbench_sdk::attention::{require_tensors, AttentionCall, DType, Memory, RowIntervals};
 use attnbench_sdk::mask::BlockMask;
-use attnbench_sdk::reference::{Element, HeadMasks, Inputs, Shape};
+use attnbench_sdk::reference::{Element, Grads, HeadMasks, Inputs, Shape};
 use attnbench_sdk::PluginError;
 use cudarc::driver::sys::{
     CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave, CUtensorMapL2promotion,
@@ -34,7 +34,6 @@ use cudarc::driver::{
 };
 
 use crate::gpu::{failed, Buffer, Gpu};
-use crate::naive::Grads;
 
 const SOURCE: &str = include_str!("../kernels/flash.cu");
 

@@ -398,11 +398,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
             problem.backward(gpu)?;
         }
         let forward = problem.outputs(gpu)?;
-        let grads = problem.grads(gpu)?.map(|g| Grads {
-            dq: g.dq,
-            dk: g.dk,
-            dv: g.dv,
-        });
+        let grads = problem.grads(gpu)?;
         lap(&mut phases, "first_run_s");
         if p.common.outputs {
             reference::write_outputs(&request.output_dir, &forward, grads.as_ref())?;
@@ -492,7 +488,7 @@ impl Problem {
         })
     }
 
-    fn grads(&self, gpu: &Gpu) -> Result<Option<naive::Grads>, PluginError> {
+    fn grads(&self, gpu: &Gpu) -> Result<Option<Grads>, PluginError> {
         match self {
             Problem::Naive(p) => p.grads(gpu),
             Problem::Flash(p) => p.grads(gpu),

@@ -9,7 +9,7 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use attnbench_sdk::reference::{Element, HeadMasks, Inputs, Shape};
+use attnbench_sdk::reference::{Element, Grads, HeadMasks, Inputs, Shape};
 use attnbench_sdk::PluginError;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::driver::{CudaFunction, CudaModule, LaunchConfig, PushKernelArg};
@@ -145,13 +145,6 @@ struct Backward {
     pub dk: Buffer<f32>,
     pub dv: Buffer<f32>,
     softmax_grad: CudaFunction,
-}
-
-/// The gradients, downloaded.
-pub struct Grads {
-    pub dq: Vec<f32>,
-    pub dk: Vec<f32>,
-    pub dv: Vec<f32>,
 }
 
 impl Problem {
