@@ -30,6 +30,40 @@ pub struct MaskInfo {
     pub params: Map<String, Value>,
 }
 
+/// What a kernel measurement times: the forward, the backward alone (after one forward outside
+/// the timed region), or both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Direction {
+    Fwd,
+    Bwd,
+    FwdBwd,
+}
+
+impl Direction {
+    /// Every direction as a stage's `direction` parameter spells it, in this order.
+    pub const NAMES: [&'static str; 3] = ["fwd", "bwd", "fwd_bwd"];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Direction::Fwd => "fwd",
+            Direction::Bwd => "bwd",
+            Direction::FwdBwd => "fwd_bwd",
+        }
+    }
+
+    /// Whether it runs a backward pass (and so needs dO and gives gradients).
+    pub fn backward(self) -> bool {
+        self != Direction::Fwd
+    }
+}
+
+impl std::fmt::Display for Direction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Shape {
     pub batch: u64,
@@ -318,8 +352,7 @@ pub struct Measurement {
     pub plugin_version: String,
     pub mask: MaskInfo,
     pub shape: Shape,
-    /// `fwd`, `bwd` (timed alone, forward done once outside) or `fwd_bwd`.
-    pub direction: String,
+    pub direction: Direction,
     pub status: MeasureStatus,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
@@ -355,7 +388,7 @@ impl Measurement {
         plugin: (&str, &str),
         set: &crate::mask::MaskSet,
         shape: Shape,
-        direction: &str,
+        direction: Direction,
         harness: Harness,
     ) -> Measurement {
         let flops = set.flops(shape.heads_q, shape.heads_kv, shape.head_dim);
@@ -371,10 +404,10 @@ impl Measurement {
                 params: set.params.clone(),
             },
             shape,
-            direction: direction.to_string(),
+            direction,
             status: MeasureStatus::Ok,
             reason: None,
-            flops: flops.for_direction(direction).unwrap_or(flops.fwd),
+            flops: flops.for_direction(direction),
             time_s: None,
             tflops: None,
             memory: None,
@@ -397,7 +430,7 @@ impl Measurement {
 /// reads them: `#[serde(flatten)] common: KernelParams` beside the stage's own.
 #[derive(Debug, Clone, Deserialize)]
 pub struct KernelParams {
-    pub direction: String,
+    pub direction: Direction,
     pub heads_q: usize,
     pub heads_kv: usize,
     pub head_dim: usize,
@@ -409,7 +442,7 @@ pub struct KernelParams {
 
 impl KernelParams {
     pub fn backward(&self) -> bool {
-        self.direction != "fwd"
+        self.direction.backward()
     }
 
     /// The problem's layout for a mask of `seqlen` tokens.

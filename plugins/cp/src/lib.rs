@@ -20,7 +20,9 @@ mod tcp;
 mod threads;
 mod volume;
 
-use attnbench_sdk::measure::{Harness, Measurement, Quantiles, Shape as MeasuredShape, Throughput};
+use attnbench_sdk::measure::{
+    Direction, Harness, Measurement, Quantiles, Shape as MeasuredShape, Throughput,
+};
 use attnbench_sdk::reference::{
     self, CheckMode, Element, Forward, Grads, HeadMasks, Inputs, Shape,
 };
@@ -69,7 +71,7 @@ impl Plugin for Cp {
                         .param(ParamSpec::new("placement", ParamType::one_of(&["ring_inner", "ulysses_inner"])).default("ring_inner").doc("Which group is made of consecutive ranks."))
                         .param(ParamSpec::new("backend", ParamType::one_of(&["threads", "processes", "nccl"])).default("threads").doc("`threads`: ranks as threads of the worker; `processes`: one `attnbench-cp-rank` process per rank, joined over TCP on loopback (as srun/mpirun/torchrun would start them across machines); `nccl`: one such process per GPU, tensors on the GPUs (bf16/fp16 inputs, f32 results), NCCL between them, blocks on `attention`'s device backend (e.g. cuda/flash), outputs checked on 16 rows of every head."))
                         .param(ParamSpec::new("attention", ParamType::Backend).default("builtin").doc("The local attention of every block: `builtin` (f64, in this plugin) or a kernel plugin's in-process backend, e.g. `cpu/reference`."))
-                        .param(ParamSpec::new("direction", ParamType::one_of(&["fwd", "bwd", "fwd_bwd"])).default("fwd"))
+                        .param(ParamSpec::new("direction", ParamType::one_of(&Direction::NAMES)).default("fwd"))
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(8))
                         .param(ParamSpec::new("heads_kv", ParamType::Int).default(4))
                         .param(ParamSpec::new("head_dim", ParamType::Int).default(16))
@@ -139,7 +141,7 @@ struct Params {
     placement: String,
     backend: String,
     attention: String,
-    direction: String,
+    direction: Direction,
     heads_q: usize,
     heads_kv: usize,
     head_dim: usize,
@@ -217,7 +219,7 @@ fn rank_problem(
         head_dim: p.head_dim,
         dtype: p.dtype.clone(),
         seed,
-        backward: p.direction != "fwd",
+        backward: p.direction.backward(),
         mask: set.clone(),
     }
 }
@@ -276,11 +278,11 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
             head_dim: p.head_dim as u64,
             dtype: p.dtype.clone(),
         },
-        &p.direction,
+        p.direction,
         harness.clone(),
     );
     let inputs = Inputs::random_as(&shape, request.seed, element);
-    let backward = p.direction != "fwd";
+    let backward = p.direction.backward();
     let attention = attention_library(request, &p.attention)?;
     if p.backend == "nccl" {
         let run = GpuRun {
@@ -356,10 +358,10 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
             }
         };
         let slowest = |times: &[f64]| times.iter().copied().fold(0.0, f64::max);
-        match p.direction.as_str() {
-            "fwd" => slowest(&outcome.forward_s),
-            "bwd" => slowest(&outcome.backward_s),
-            _ => slowest(&outcome.forward_s) + slowest(&outcome.backward_s),
+        match p.direction {
+            Direction::Fwd => slowest(&outcome.forward_s),
+            Direction::Bwd => slowest(&outcome.backward_s),
+            Direction::FwdBwd => slowest(&outcome.forward_s) + slowest(&outcome.backward_s),
         }
     });
     // The ranks' job, logs and results were the means, not the artifact.
@@ -508,10 +510,10 @@ impl GpuRun<'_> {
             .map(|rep| {
                 let forward = slowest(&|r| &r.forward_s, rep);
                 let backward = slowest(&|r| &r.backward_s, rep);
-                match p.direction.as_str() {
-                    "fwd" => forward,
-                    "bwd" => backward,
-                    _ => forward + backward,
+                match p.direction {
+                    Direction::Fwd => forward,
+                    Direction::Bwd => backward,
+                    Direction::FwdBwd => forward + backward,
                 }
             })
             .collect();
@@ -557,7 +559,7 @@ impl GpuRun<'_> {
 #[derive(Deserialize)]
 pub(crate) struct ModelParams {
     mask: String,
-    direction: String,
+    direction: Direction,
     tokens_per_gpu: u64,
     heads_q: u64,
     heads_kv: u64,
@@ -577,7 +579,7 @@ fn model_stage(request: &StageRequest) -> Result<Value, PluginError> {
     let p: ModelParams = request.params()?;
     let element = Element::parse(&p.dtype)
         .ok_or_else(|| PluginError::Params(format!("dtype `{}`", p.dtype)))?;
-    let backward = p.direction == "bwd";
+    let backward = p.direction == Direction::Bwd;
     let kernel_tflops = match (p.kernel_tflops, backward) {
         (t, _) if t > 0.0 => t,
         (_, false) => 350.6,
@@ -705,7 +707,7 @@ fn against_measurements(
         };
         let world = setup.layout.world();
         // The slowest rank's pass, split as it recorded it.
-        let pass = if p.direction == "bwd" {
+        let pass = if p.direction == Direction::Bwd {
             "backward"
         } else {
             "forward"
@@ -731,13 +733,13 @@ fn against_measurements(
                 element: element.bytes() as u64,
             },
             causal: p.mask == "causal",
-            backward: p.direction == "bwd",
+            backward: p.direction == Direction::Bwd,
             kernel_flops: m.flops as f64 / world as f64 / kernels_s.max(1e-12),
         };
         comparisons.push(attnbench_sdk::measure::Comparison {
             method: method.name().into(),
             mask: p.mask.clone(),
-            direction: p.direction.clone(),
+            direction: p.direction.to_string(),
             world: world as u64,
             tokens_per_gpu: workload.sizes.tokens,
             measured_time_s: time.p50,

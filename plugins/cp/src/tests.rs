@@ -273,7 +273,7 @@ fn the_model_sets_measured_gpu_cells_beside_its_predictions() {
             ("cp", "0"),
             &set,
             shape,
-            "fwd",
+            attnbench_sdk::measure::Direction::Fwd,
             crate::default_harness(),
         );
         let times = Quantiles::of(&[total, total]).unwrap();

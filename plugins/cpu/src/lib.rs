@@ -7,7 +7,9 @@ pub mod tiled;
 
 use attnbench_sdk::attention::{run_on_host, AttentionCall};
 use attnbench_sdk::mask::MaskSet;
-use attnbench_sdk::measure::{Correctness, Harness, Measurement, Memory, Quantiles, Throughput};
+use attnbench_sdk::measure::{
+    Correctness, Direction, Harness, Measurement, Memory, Quantiles, Throughput,
+};
 use attnbench_sdk::{
     Host, ParamSpec, ParamType, Plugin, PluginError, PluginManifest, StageRequest, StageSpec,
 };
@@ -50,7 +52,7 @@ impl Plugin for Cpu {
                     .declare(StageSpec::new("benchmark"))
                     .doc("Times one kernel on one mask (from a masks/generate node) and checks its output.")
                     .param(ParamSpec::new("kernel", ParamType::one_of(&["tiled", "naive"])).default("tiled").doc("`tiled` (online softmax, threads) or `naive` (f64, materialised scores)."))
-                    .param(ParamSpec::new("direction", ParamType::one_of(&["fwd", "bwd", "fwd_bwd"])).default("fwd").doc("`bwd` is timed alone, after one forward outside the timing."))
+                    .param(ParamSpec::new("direction", ParamType::one_of(&Direction::NAMES)).default("fwd").doc("`bwd` is timed alone, after one forward outside the timing."))
                     .param(ParamSpec::new("heads_q", ParamType::Int).default(64).doc("Query heads."))
                     .param(ParamSpec::new("heads_kv", ParamType::Int).default(8).doc("Key/value heads (GQA when fewer than heads_q)."))
                     .param(ParamSpec::new("head_dim", ParamType::Int).default(128).doc("Head dimension."))
@@ -122,7 +124,7 @@ fn benchmark(
         plugin,
         set,
         measured_shape,
-        &params.common.direction,
+        params.common.direction,
         harness.clone(),
     );
     measurement.environment.insert(
@@ -169,10 +171,10 @@ fn benchmark(
         attnbench_sdk::reference::write_outputs(output_dir, &forward, grads.as_ref())?;
     }
 
-    let timing = match params.common.direction.as_str() {
-        "fwd" => harness.time(|| {}, || drop(run_forward())),
-        "bwd" => harness.time(|| {}, || drop(run_backward(&forward))),
-        _ => harness.time(|| {}, || drop(run_backward(&run_forward()))),
+    let timing = match params.common.direction {
+        Direction::Fwd => harness.time(|| {}, || drop(run_forward())),
+        Direction::Bwd => harness.time(|| {}, || drop(run_backward(&forward))),
+        Direction::FwdBwd => harness.time(|| {}, || drop(run_backward(&run_forward()))),
     };
     let times = Quantiles::of(&timing.samples);
     measurement.tflops = times.map(|t| Throughput::of(flops, &t));

@@ -13,7 +13,9 @@ mod naive;
 use std::sync::Mutex;
 
 use attnbench_sdk::attention::AttentionCall;
-use attnbench_sdk::measure::{Harness, MeasureStatus, Measurement, Memory, Quantiles, Throughput};
+use attnbench_sdk::measure::{
+    Direction, Harness, MeasureStatus, Measurement, Memory, Quantiles, Throughput,
+};
 use attnbench_sdk::nvml;
 use attnbench_sdk::reference::{
     self, CheckMode, Element, Forward, Grads, HeadMasks, Inputs, Shape,
@@ -85,7 +87,7 @@ impl Plugin for Cuda {
                         .param(ParamSpec::new("kernel", ParamType::one_of(&["naive", "flash"])).default("naive").doc("`naive`: cuBLAS GEMMs around a masked softmax, S×S scores per head (the GPU reference). `flash`: tiled tensor-core kernel driven by the mask IR (forward and backward; bf16/fp16; head_dim 64 or 128)."))
                         .param(ParamSpec::new("instructions", ParamType::one_of(&["auto", "mma", "wgmma"])).default("auto").doc("`flash`'s tensor-core instructions: `mma` (mma.sync, any GPU from sm_80), `wgmma` (Hopper's warpgroup MMA reading its operands from shared memory, tiles loaded by TMA in warp-specialised kernels; head_dim 128; the forward, pipelined so each tile's softmax overlaps the previous tile's P·V; the split backward; the fused one where the masks' blocks keep 128-row tiles), or `auto`, wgmma where it runs. What ran is the record's `environment.flash_forward` and `flash_backward`; chosen by name, it is also in the kernel's name (`cuda-flash-mma`, `cuda-flash-wgmma`)."))
                         .param(ParamSpec::new("backward", ParamType::one_of(&["split", "fused"])).default("split").doc("`flash`'s backward: `split` (deterministic) computes dK and dV per key tile and dQ per query tile in a second kernel, which recomputes S and dP; `fused` adds dQ from the key-tile kernel with atomics (two of seven products saved; the order of the sums, so the last bits, vary run to run). Recorded as kernel `cuda-flash-fused`; `environment.flash_backward` says whether it ran on wgmma or mma.sync."))
-                        .param(ParamSpec::new("direction", ParamType::one_of(&["fwd", "bwd", "fwd_bwd"])).default("fwd").doc("`bwd` is timed alone: the forward runs once, outside the timed region."))
+                        .param(ParamSpec::new("direction", ParamType::one_of(&Direction::NAMES)).default("fwd").doc("`bwd` is timed alone: the forward runs once, outside the timed region."))
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
                         .param(ParamSpec::new("heads_kv", ParamType::Int).default(8))
                         .param(ParamSpec::new("head_dim", ParamType::Int).default(128))
@@ -290,7 +292,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         plugin,
         &set,
         measured_shape,
-        &p.common.direction,
+        p.common.direction,
         harness.clone(),
     );
     let backward = p.common.backward();
@@ -424,10 +426,10 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
             .environment
             .insert("clocks_before".into(), nvml::clocks());
         let gpu = &mut state.gpu;
-        let timing = match p.common.direction.as_str() {
-            "fwd" => gpu.time(&harness, |gpu| problem.forward(gpu))?,
-            "bwd" => gpu.time(&harness, |gpu| problem.backward(gpu))?,
-            _ => gpu.time(&harness, |gpu| {
+        let timing = match p.common.direction {
+            Direction::Fwd => gpu.time(&harness, |gpu| problem.forward(gpu))?,
+            Direction::Bwd => gpu.time(&harness, |gpu| problem.backward(gpu))?,
+            Direction::FwdBwd => gpu.time(&harness, |gpu| {
                 problem.forward(gpu)?;
                 problem.backward(gpu)
             })?,

@@ -12,7 +12,8 @@ mod bridge;
 use std::sync::Mutex;
 
 use attnbench_sdk::measure::{
-    Correctness, Harness, MeasureStatus, Measurement, Memory, Quantiles, Throughput, Timing,
+    Correctness, Direction, Harness, MeasureStatus, Measurement, Memory, Quantiles, Throughput,
+    Timing,
 };
 use attnbench_sdk::nvml;
 use attnbench_sdk::reference::{
@@ -96,7 +97,7 @@ impl Plugin for Python {
                         .param(ParamSpec::new("python", ParamType::String).default("").doc("The interpreter; empty: ATTNBENCH_PYTHON, then python3."))
                         .param(ParamSpec::new("device", ParamType::one_of(&["cuda", "cpu"])).default("cuda").doc("Where torch kernels run (`numpy` always runs on the CPU)."))
                         .param(ParamSpec::new("layout", ParamType::one_of(&["bshd", "bhsd"])).default("bshd").doc("How Q, K, V and dO are stored: `bshd` ([1, S, H, D], as a model's projections produce them and as LongCA-bench creates them; kernels taking [1, H, S, D] get a transposed view) or `bhsd` (contiguous [1, H, S, D]). Some backends' speed depends on it (cuDNN's does)."))
-                        .param(ParamSpec::new("direction", ParamType::one_of(&["fwd", "bwd", "fwd_bwd"])).default("fwd").doc("`bwd` is timed alone: the forward runs once, outside the timed region."))
+                        .param(ParamSpec::new("direction", ParamType::one_of(&Direction::NAMES)).default("fwd").doc("`bwd` is timed alone: the forward runs once, outside the timed region."))
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
                         .param(ParamSpec::new("heads_kv", ParamType::Int).default(8))
                         .param(ParamSpec::new("head_dim", ParamType::Int).default(128))
@@ -210,7 +211,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         ("python", env!("CARGO_PKG_VERSION")),
         &set,
         measured_shape,
-        &p.common.direction,
+        p.common.direction,
         harness.clone(),
     );
     let on_gpu = p.device == "cuda" && p.kernel != "numpy";

@@ -67,7 +67,7 @@ pub fn from_measurement(node: &str, m: Measurement) -> Row {
         kernel,
         mask: m.mask.pattern,
         seqlen: m.mask.seqlen,
-        direction: m.direction,
+        direction: m.direction.to_string(),
         heads_q: m.shape.heads_q,
         heads_kv: m.shape.heads_kv,
         head_dim: m.shape.head_dim,

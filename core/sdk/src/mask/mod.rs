@@ -194,12 +194,12 @@ impl Flops {
         })
     }
 
-    pub fn for_direction(&self, direction: &str) -> Option<u64> {
+    pub fn for_direction(&self, direction: crate::measure::Direction) -> u64 {
+        use crate::measure::Direction;
         match direction {
-            "fwd" => Some(self.fwd),
-            "bwd" => Some(self.bwd),
-            "fwd_bwd" => Some(self.fwd_bwd),
-            _ => None,
+            Direction::Fwd => self.fwd,
+            Direction::Bwd => self.bwd,
+            Direction::FwdBwd => self.fwd_bwd,
         }
     }
 }
