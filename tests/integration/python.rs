@@ -364,7 +364,7 @@ fn a_script_planted_in_the_shared_temp_folder_is_never_run() {
     let planted_dir = tmp.join("attnbench-python");
     std::fs::create_dir_all(&planted_dir).unwrap();
     let source = std::fs::read(
-        attnbench_tests::workspace_root().join("plugins/python/bridge/attnbench_bridge.py"),
+        attnbench_tests::workspace_root().join("plugins/python/bridge/serve_bridge.py"),
     )
     .unwrap();
     let hash = blake3::hash(&source).to_hex();

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Stand-alone checks of attnbench_bridge.py over its JSON-lines protocol.
+"""Stand-alone checks of the attnbench_bridge package over its JSON-lines protocol.
 
     python3 test_bridge.py [--python /path/to/python] [--quick]
 
@@ -24,7 +24,7 @@ import traceback
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BRIDGE = os.path.join(HERE, "attnbench_bridge.py")
+BRIDGE = os.path.join(HERE, "serve_bridge.py")
 QUICK_HARNESS = {"warmup_reps": 1, "warmup_s": 0.0, "min_reps": 3, "max_reps": 6,
                  "max_time_s": 0.5, "target_rel_ci": 0.05}
 OUTPUTS = ("out", "lse", "dq", "dk", "dv")
@@ -67,7 +67,7 @@ def skip(name, why):
 class Bridge:
     def __init__(self, python, timeout=300.0, flags=()):
         self.stderr = tempfile.NamedTemporaryFile("w+", prefix="bridge-stderr-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([python, *flags, "-u", BRIDGE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([python, *flags, "-B", "-u", BRIDGE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.stderr, text=True, bufsize=1)
         self.lines = queue.Queue()
         self.timeout = timeout

@@ -5,7 +5,7 @@
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -14,8 +14,36 @@ use std::sync::{Arc, Mutex};
 use attnbench_sdk::PluginError;
 use serde_json::{json, Value};
 
-/// The worker's source, embedded so that the plugin library is all a user installs.
-const SCRIPT: &str = include_str!("../bridge/attnbench_bridge.py");
+/// One file of the `attnbench_bridge` package, for [`FILES`].
+macro_rules! package_file {
+    ($name:literal) => {
+        (
+            concat!("attnbench_bridge/", $name),
+            include_str!(concat!("../bridge/attnbench_bridge/", $name)),
+        )
+    };
+}
+
+/// The worker's source, embedded so that the plugin library is all a user installs: the
+/// launcher and the `attnbench_bridge` package beside it, as (path in the worker's folder, text).
+const FILES: [(&str, &str); 16] = [
+    ("serve_bridge.py", include_str!("../bridge/serve_bridge.py")),
+    package_file!("__init__.py"),
+    package_file!("checks.py"),
+    package_file!("cudnn.py"),
+    package_file!("dispatch.py"),
+    package_file!("encodings.py"),
+    package_file!("flash.py"),
+    package_file!("flashinfer.py"),
+    package_file!("flashmask.py"),
+    package_file!("harness.py"),
+    package_file!("numpy_kernel.py"),
+    package_file!("problem.py"),
+    package_file!("protocol.py"),
+    package_file!("sdpa_flex.py"),
+    package_file!("support.py"),
+    package_file!("user_module.py"),
+];
 
 /// The protocol version the worker's greeting must state.
 const PROTOCOL: u64 = 1;
@@ -59,28 +87,39 @@ pub fn interpreter(param: &str) -> String {
 /// Writes the worker's source into a folder made for this worker alone. `mkdir` under a random
 /// name with mode 0700 means nobody else can have put a file there first or swap it afterwards:
 /// a fixed name in a shared temp folder would run whatever another user of the machine planted.
+/// Returns the folder and the launcher's path.
 fn write_script() -> Result<(tempfile::TempDir, PathBuf), PluginError> {
     let dir = tempfile::Builder::new()
         .prefix("attnbench-python-")
         .permissions(std::fs::Permissions::from_mode(0o700))
         .tempdir()
         .map_err(|err| PluginError::io(&std::env::temp_dir(), err))?;
-    let path = dir.path().join("attnbench_bridge.py");
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&path)
-        .and_then(|mut file| file.write_all(SCRIPT.as_bytes()))
-        .map_err(|err| PluginError::io(&path, err))?;
-    Ok((dir, path))
+    let package = dir.path().join("attnbench_bridge");
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&package)
+        .map_err(|err| PluginError::io(&package, err))?;
+    for (name, text) in FILES {
+        let path = dir.path().join(name);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .and_then(|mut file| file.write_all(text.as_bytes()))
+            .map_err(|err| PluginError::io(&path, err))?;
+    }
+    let launcher = dir.path().join("serve_bridge.py");
+    Ok((dir, launcher))
 }
 
 impl Bridge {
     pub fn start(python: &str) -> Result<Bridge, PluginError> {
         let (script_dir, script) = write_script()?;
         let mut command = Command::new(python);
+        // -B: the folder is this worker's alone and goes with it, so no bytecode is written.
         command
+            .arg("-B")
             .arg("-u")
             .arg(&script)
             .stdin(Stdio::piped())

@@ -1,0 +1,74 @@
+"""attnbench's Python bridge: benchmarks attention kernels that live in Python packages.
+
+The attnbench host writes this package and its launcher ``serve_bridge.py`` into a private folder,
+starts ``python3 -u serve_bridge.py`` and keeps it running.
+It speaks JSON lines: one request per line on stdin, one response per line on stdout.
+
+Protocol (version 1)
+--------------------
+* On start: ``{"type":"hello","protocol":1,"python":"3.11.7","executable":...,"pid":N}``.
+* ``{"id":N,"op":"backends"}`` -> for every kernel name, ``{"available","version","reason"}``.
+* ``{"id":N,"op":"benchmark","params":{...}}`` -> ``{"id":N,"ok":true,"result":{...}}``; an
+  unexpected exception gives ``{"id":N,"ok":false,"error":"<one sentence>","traceback":"..."}``
+  and the bridge keeps serving.
+* ``{"id":N,"op":"shutdown"}`` -> ``{"id":N,"ok":true,"result":null}``, then exit 0; EOF -> exit 0.
+* A line that is not a JSON object, or an unknown op -> ``ok:false`` (``id`` null when unknown).
+
+Only the protocol goes to the real stdout: fd 1 and ``sys.stdout`` are pointed at stderr before
+anything else runs, so prints from libraries and kernels cannot corrupt the stream. Non-finite
+floats (an infinite error, an undefined rel_ci) are sent as ``null``, as serde_json does.
+
+A benchmark's ``result`` has ``status`` (ok, unsupported, oom), ``reason``, ``samples`` (seconds),
+``rel_ci``, ``stopped``, ``memory``, ``correctness`` (null when the host gave ``inputs_dir``: it
+checks the written outputs itself), ``phases`` and ``environment``, whose ``notes`` list, when
+present, says what a reader of the numbers should know (rows fixed up to the empty-row
+convention, an output not written). Correctness errors use
+the host's metric (reference/mod.rs): largest |actual - reference| over largest |reference|. A
+library kernel that refuses a problem on its first call (SDPA's "No available kernel", an assert
+in a FlashAttention build) is reported unsupported with the error's first line; an exception from
+a user module is a failure.
+
+Conventions: tensors are batch 1; Q, O, dO, dQ are [heads_q][seqlen][head_dim], K, V, dK, dV
+[heads_kv][seqlen][head_dim], LSE [heads_q][seqlen] (natural log of the scaled scores); scale is
+1/sqrt(head_dim); query head h reads KV head h // (heads_q / heads_kv). A row with no allowed key
+has O = 0 and LSE = -inf and contributes nothing to the gradients.
+
+Third-party kernels
+-------------------
+``"kernel": "module"`` with ``"module": "/abs/path/user_kernel.py"`` benchmarks a file of your own.
+The file is loaded afresh for every request (so edits are picked up) and must define::
+
+    def attention(q, k, v, mask, scale):
+        return out            # or (out, lse)
+
+* By default ``q`` is a torch tensor [1, heads_q, S, D] and ``k``, ``v`` are [1, heads_kv, S, D],
+  on the requested device and in the requested dtype. ``out`` has q's shape; ``lse``, when given,
+  is [1, heads_q, S] or [heads_q, S] (natural log). Backward goes through torch autograd: the
+  output must carry a graph back to q, k and v.
+* With the module attribute ``BACKEND = "numpy"``, q, k, v are float32 numpy arrays [heads, S, D]
+  (values rounded to the dtype) and the call runs on the CPU. Backward then needs
+  ``attention_backward(q, k, v, out, lse, dout, mask, scale) -> (dq, dk, dv)``; without it a
+  backward request is unsupported.
+* ``mask`` is a dict: ``"dense"``: a boolean [S, S] tensor (numpy array for numpy modules), True
+  where a key is allowed, built for masks shared by all heads up to S = 32768 (set
+  ``DENSE_MASK = False`` to skip it), else None; ``"slices"``: the shared mask's slices as
+  ``(q0, q1, k0, k1, kind)`` tuples, None when heads have different masks; ``"set"``: the raw
+  mask set (``scope``, ``masks``, ...).
+* Optional ``SUPPORTS(mask_set) -> None | str``: return a reason to report the problem as
+  unsupported without running it.
+* An exception raised while loading or running the module makes the request fail (``ok:false``),
+  except ImportError at load time, which reports the kernel as unsupported.
+"""
+
+from .dispatch import harness_rep
+from .encodings import (block_grid, classify, dense_mask, flashmask_columns, row_interval_pairs, row_intervals,
+                        row_keys, varlen_encoding)
+from .flash import FA4_TILE, tile_kinds
+from .harness import median_rel_ci
+from .checks import relative_error
+from .problem import parse_problem
+from .protocol import serve
+
+__all__ = ["FA4_TILE", "block_grid", "classify", "dense_mask", "flashmask_columns", "harness_rep", "median_rel_ci",
+           "parse_problem", "relative_error", "row_interval_pairs", "row_intervals", "row_keys", "serve", "tile_kinds",
+           "varlen_encoding"]

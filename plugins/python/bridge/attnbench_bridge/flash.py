@@ -1,0 +1,223 @@
+"""The FlashAttention family: FA2 and FA3 (documents and windows), FA4 (also block-sparse tensors
+and a mask_mod of two key intervals a row).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Dict, List, Tuple
+
+from .encodings import block_grid, row_interval_pairs, varlen_encoding
+from .harness import Kernel, require_cuda, require_half, split_result
+from .problem import Problem
+from .support import Unsupported, _np, _package_version, need, parameters_of
+
+
+FLASH_MODULES = {"fa2": "flash_attn", "fa3": "flash_attn_interface", "fa4": "flash_attn.cute"}
+
+
+def lse_options_of(function: Callable) -> Dict[str, bool]:
+    """The keyword that makes a FlashAttention-style function also return the LSE."""
+    parameters = parameters_of(function)
+    for name in ("return_lse", "return_softmax_lse", "return_attn_probs"):
+        if name in parameters:
+            return {name: True}
+    return {}
+
+
+def flash_plan(p: Problem, supports: str) -> dict:
+    """The varlen + window encoding of the (shared) mask, or unsupported with the reason."""
+    shared = p.shared_mask()
+    if shared is None:
+        raise Unsupported(f"{p.kernel} runs one mask for every head; {p.pattern} has "
+                          f"{p.mask_set['scope']} masks that differ")
+    encoding, why = varlen_encoding(shared)
+    if encoding is None:
+        raise Unsupported(f"{p.kernel} runs {supports}; {p.pattern} is not expressible that way ({why})")
+    return encoding
+
+
+def flash_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
+    name = FLASH_MODULES[p.kernel]
+    module = need(name)
+    dense_call, varlen_call = getattr(module, "flash_attn_func", None), getattr(module, "flash_attn_varlen_func", None)
+    if dense_call is None:
+        raise Unsupported(f"{name} has no flash_attn_func")
+    require_cuda(p, device)
+    require_half(p)
+    supports = "full, causal, sliding-window and document (varlen) masks"
+    if p.kernel == "fa4":
+        try:
+            plan = flash_plan(p, supports)
+        except Unsupported as why:
+            grid, _ = block_grid(p.masks)
+            if grid is not None and fa4_on_tile_grid(p, grid):
+                return fa4_block_sparse(p, torch, device, module, grid)
+            return fa4_intervals(p, torch, device, module, str(why))
+    else:
+        plan = flash_plan(p, supports)
+    unbounded = None if p.kernel == "fa4" else -1  # FA4 writes an open window side as None
+    left, right = plan["left"], plan["right"]
+    options: Dict[str, Any] = {"softmax_scale": p.scale}
+    if left < 0 and right == 0:
+        options["causal"] = True
+    elif left >= 0 or right >= 0:
+        options["window_size"] = (left if left >= 0 else unbounded, right if right >= 0 else unbounded)
+    documents = len(plan["cu_seqlens"]) - 1
+    if documents == 1:
+        with_lse = lse_options_of(dense_call)
+
+        def forward(q: Any, k: Any, v: Any, extra: Dict[str, Any]) -> Tuple[Any, Any]:
+            return split_result(dense_call(q, k, v, **options, **extra))
+        entry = "flash_attn_func"
+    else:
+        if varlen_call is None:
+            raise Unsupported(f"{name} has no flash_attn_varlen_func for {p.pattern}'s {documents} documents")
+        with_lse = lse_options_of(varlen_call)
+        cu = torch.tensor(plan["cu_seqlens"], dtype=torch.int32, device=device)
+        options.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=plan["max_seqlen"], max_seqlen_k=plan["max_seqlen"])
+
+        def forward(q: Any, k: Any, v: Any, extra: Dict[str, Any]) -> Tuple[Any, Any]:
+            return split_result(varlen_call(q, k, v, **options, **extra))
+        entry = "flash_attn_varlen_func"
+    version = getattr(module, "__version__", None) or getattr(sys.modules.get(name.split(".")[0]), "__version__", None)
+    # Varlen takes the packed tokens [S, H, D] as its leaves: a [1, S, H, D] leaf indexed per call
+    # would add a zero-filled gradient copy of q, k and v to every timed backward.
+    kernel = Kernel(call=lambda q, k, v: forward(q, k, v, with_lse), out_only=lambda q, k, v: forward(q, k, v, {})[0],
+                    layout="bshd" if documents == 1 else "thd", refusal_is_unsupported=True, compiles=p.kernel == "fa4",
+                    extra_bytes=16 * p.heads_q * p.seqlen * 4,
+                    env={"backend": f"{name}.{entry}", "package_version": version})
+    kernel.phases["mask_mode"] = (f"{documents} documents (cu_seqlens), " if documents > 1 else "") + \
+        ("causal" if options.get("causal") else f"window {options['window_size']}" if "window_size" in options else "full")
+    return kernel
+
+
+FA4_TILE = 128  # FA4's tile on Hopper at d <= 128, and the block size of its block-sparse tensors
+
+
+def fa4_on_tile_grid(p: Problem, grid: Tuple[Any, Any, Any]) -> bool:
+    """Whether every block edge of the table is on FA4's tile grid (whole tiles need no mask_mod)."""
+    np = _np()
+    return all(int(e) % FA4_TILE == 0 or int(e) == p.seqlen for e in np.concatenate(grid[:2]))
+
+
+def fa4_block_lists(p: Problem, torch: Any, device: Any, full: Any, partial: Any) -> Any:
+    """FA4's block-sparse tensors from [H, rows, cols] tables of whole and cut tiles (H = 1: one
+    table for every head): per row of tiles, the columns of each kind, packed left."""
+    np, sparsity = _np(), need("flash_attn.cute.block_sparsity")
+
+    def packed(table: Any) -> Tuple[Any, Any]:
+        order = np.argsort(~table, axis=-1, kind="stable").astype(np.int32)
+        to = lambda a: torch.from_numpy(np.ascontiguousarray(a)[None]).to(device)  # noqa: E731
+        return to(table.sum(-1).astype(np.int32)), to(order)
+    (mask_cnt, mask_idx), (full_cnt, full_idx) = packed(partial), packed(full)
+    return sparsity.BlockSparseTensorsTorch(mask_block_cnt=mask_cnt, mask_block_idx=mask_idx,
+                                            full_block_cnt=full_cnt, full_block_idx=full_idx,
+                                            block_size=(FA4_TILE, FA4_TILE))
+
+
+def fa4_kernel(p: Problem, module: Any, options: Dict[str, Any], entry: str, mask_mode: str) -> Kernel:
+    """FA4's flash_attn_func with `options`: `call` returns the LSE (checked), `out_only` does not
+    (timed); the backward gets the transposed block lists (block_sparse_tensors_bwd) where the
+    options have them."""
+    options = dict(options, softmax_scale=p.scale)
+
+    def forward(q: Any, k: Any, v: Any, return_lse: bool) -> Tuple[Any, Any]:
+        return split_result(module.flash_attn_func(q, k, v, return_lse=return_lse, **options))
+    return Kernel(call=lambda q, k, v: forward(q, k, v, True), out_only=lambda q, k, v: forward(q, k, v, False)[0],
+                  layout="bshd", refusal_is_unsupported=True, compiles=True,
+                  extra_bytes=16 * p.heads_q * p.seqlen * 4,
+                  env={"backend": f"flash_attn.cute.flash_attn_func ({entry})",
+                       "package_version": _package_version(module, "flash-attn-4", "fa4")},
+                  phases={"mask_mode": mask_mode})
+
+
+def fa4_block_sparse(p: Problem, torch: Any, device: Any, module: Any, grid: Tuple[Any, Any, Any]) -> Kernel:
+    """FA4 on a block-sparse table of whole tiles: every kept tile is whole (full_block_idx), so
+    no mask_mod."""
+    np = _np()
+    rows, cols, kept = grid
+    starts = np.arange(-(-p.seqlen // FA4_TILE)) * FA4_TILE  # the uniform grid, in the table's blocks
+    r, c = np.searchsorted(rows, starts, side="right") - 1, np.searchsorted(cols, starts, side="right") - 1
+    shared = p.shared_mask() is not None
+    per_head = [0] if shared else [p.mask_index(h) for h in range(p.heads_q)]
+    dense = kept[per_head][:, r][:, :, c]  # [H or 1, q tiles, kv tiles] on the uniform grid
+    none = np.zeros_like(dense)
+    options = {"block_sparse_tensors": fa4_block_lists(p, torch, device, dense, none)}
+    if p.backward:
+        flipped = np.swapaxes(dense, 1, 2)
+        options["block_sparse_tensors_bwd"] = fa4_block_lists(p, torch, device, flipped, np.zeros_like(flipped))
+    return fa4_kernel(p, module, options, "block_sparse_tensors",
+                      f"{int(dense.sum())} of {dense.size} {FA4_TILE}-token tiles, "
+                      f"{'one table for every head' if shared else 'a table per query head'}")
+
+
+def tile_kinds(pairs: Any, s: int) -> Tuple[Any, Any]:
+    """[q tiles, kv tiles] booleans (whole, cut) of a mask given as two key intervals a row: a tile
+    is whole when every row of it sees all of its keys, cut when some row sees some but not all."""
+    np = _np()
+    tiles = -(-s // FA4_TILE)
+    edges = np.minimum(np.arange(tiles + 1) * FA4_TILE, s)
+    seen = np.zeros((s, tiles), np.int64)
+    for lo, hi in ((pairs[0], pairs[1]), (pairs[2], pairs[3])):
+        seen += np.clip(np.minimum(hi[:, None], edges[1:]) - np.maximum(lo[:, None], edges[:-1]), 0, None)
+    pad = tiles * FA4_TILE - s  # rows past the end: neither stop a tile from being whole nor cut it
+    whole = np.vstack([seen == edges[1:] - edges[:-1], np.ones((pad, tiles), bool)])
+    some = np.vstack([seen > 0, np.zeros((pad, tiles), bool)])
+    whole = whole.reshape(tiles, FA4_TILE, tiles).all(1)
+    return whole, some.reshape(tiles, FA4_TILE, tiles).any(1) & ~whole
+
+
+_FA4_MASK_MOD: List[Any] = []
+
+
+def fa4_interval_mask_mod() -> Any:
+    """A CuTe mask_mod keeping the keys in two intervals of the row, read from aux tensors
+    [1, H, S] (lo0, hi0, lo1, hi1), as FA4's document-mask example reads document ids. One
+    function object per process: FA4 keys its compile cache on the function."""
+    if not _FA4_MASK_MOD:
+        cutlass, cute = need("cutlass"), need("cutlass.cute")
+        to_ssa = need("flash_attn.cute.utils").scalar_to_ssa
+
+        @cute.jit
+        def within_two_intervals(batch: Any, head: Any, q_idx: Any, kv_idx: Any, seqlen_info: Any,
+                                 aux_tensors: Any) -> Any:
+            lo0 = to_ssa(aux_tensors[0][batch[0], head[0], q_idx[0]], cutlass.Int32)
+            hi0 = to_ssa(aux_tensors[1][batch[0], head[0], q_idx[0]], cutlass.Int32)
+            lo1 = to_ssa(aux_tensors[2][batch[0], head[0], q_idx[0]], cutlass.Int32)
+            hi1 = to_ssa(aux_tensors[3][batch[0], head[0], q_idx[0]], cutlass.Int32)
+            return ((kv_idx >= lo0) & (kv_idx < hi0)) | ((kv_idx >= lo1) & (kv_idx < hi1))
+        _FA4_MASK_MOD.append(within_two_intervals)
+    return _FA4_MASK_MOD[0]
+
+
+def fa4_intervals(p: Problem, torch: Any, device: Any, module: Any, not_varlen: str) -> Kernel:
+    """FA4 on any mask of at most two key intervals a row (every static mask of the paper) through
+    its mask_mod, with block-sparse tensors from the same intervals: FA4 skips the empty tiles,
+    runs whole ones without the mask_mod and applies it only on the tiles the mask cuts."""
+    np = _np()
+    per_head = [p.mask_index(h) for h in range(p.heads_q)]
+    pairs = {i: row_interval_pairs(p.masks[i]) for i in sorted(set(per_head))}
+    if any(x is None for x in pairs.values()):
+        raise Unsupported(f"{not_varlen}; nor does the mask keep at most two key intervals a row, which the "
+                          "bridge's mask_mod for FA4 reads (nor is it a table of whole 128-token blocks)")
+    shared = len(pairs) == 1
+    # The aux tensors are per query head (FA4 passes the query head's index), [1, H, S] each.
+    aux_np = np.stack([pairs[i] for i in per_head], axis=1)[:, None]
+    aux = []
+    for bound in torch.from_numpy(aux_np.astype(np.int32)).to(device):
+        bound = bound.contiguous()
+        bound.__leading_dim__ = 2
+        aux.append(bound)
+    kinds = {i: tile_kinds(x, p.seqlen) for i, x in pairs.items()}
+    order = list(pairs) if shared else per_head
+    whole, cut = (np.stack([kinds[i][j] for i in order]) for j in (0, 1))
+    options = {"mask_mod": fa4_interval_mask_mod(), "aux_tensors": aux,
+               "block_sparse_tensors": fa4_block_lists(p, torch, device, whole, cut)}
+    if p.backward:
+        options["block_sparse_tensors_bwd"] = fa4_block_lists(p, torch, device, np.swapaxes(whole, 1, 2),
+                                                              np.swapaxes(cut, 1, 2))
+    return fa4_kernel(p, module, options, "mask_mod, aux_tensors, block_sparse_tensors",
+                      f"mask_mod reading two key intervals a row; of {whole.size} {FA4_TILE}-token tiles "
+                      f"{int(whole.sum())} whole, {int(cut.sum())} cut, "
+                      f"{'one table for every head' if shared else 'a table per query head'}")

@@ -1,0 +1,140 @@
+"""The numpy backend: attention on the CPU, forward and backward, any mask."""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from .checks import base_environment, check_or_write, numpy_inputs
+from .encodings import dense_mask
+from .harness import run_harness
+from .problem import Problem
+from .support import Unsupported, _np
+
+
+NUMPY_MASK_CACHE_BYTES = 1 << 30
+
+
+# ---------------------------------------------------------------------------------------------
+# The numpy CPU backend and the runner for numpy kernels
+
+@dataclass
+class NumpyKernel:
+    forward: Callable              # (q, k, v) -> (out, lse or None); arrays [H, S, D] float32
+    backward: Optional[Callable]   # (q, k, v, out, lse, do) -> (dq, dk, dv)
+    no_backward: str = ""
+    setup: Optional[Callable] = None
+    lse_note: Optional[str] = None
+    env: dict = field(default_factory=dict)
+    phases: dict = field(default_factory=dict)
+
+
+def numpy_attention(p: Problem) -> NumpyKernel:
+    """Plain numpy attention, one head's S x S scores at a time, float32 accumulation."""
+    np = _np()
+    blocked: Dict[int, Any] = {}
+    distinct = sorted({p.mask_index(h) for h in range(p.heads_q)})
+    cache = len(distinct) * p.seqlen * p.seqlen <= NUMPY_MASK_CACHE_BYTES
+    kernel = NumpyKernel(forward=None, backward=None,
+                         env={"backend": "numpy (float32, one head's scores at a time)"})
+
+    def setup() -> None:
+        start = time.perf_counter()
+        if cache:
+            for index in distinct:
+                blocked[index] = ~dense_mask(p.masks[index])
+        kernel.phases["mask_build_s"] = time.perf_counter() - start
+        kernel.phases["mask_bytes"] = sum(b.nbytes for b in blocked.values())
+
+    def blocked_of(h: int) -> Any:
+        index = p.mask_index(h)
+        return blocked[index] if index in blocked else ~dense_mask(p.masks[index])
+
+    def scores(q: Any, k: Any, h: int) -> Tuple[Any, Any]:
+        s = q[h] @ k[h // p.group].T
+        s *= np.float32(p.scale)
+        mask = blocked_of(h)
+        s[mask] = -np.inf
+        return s, mask
+
+    def forward(q: Any, k: Any, v: Any) -> Tuple[Any, Any]:
+        out = np.zeros_like(q)
+        lse = np.empty(q.shape[:2], np.float32)
+        for h in range(p.heads_q):
+            s, _ = scores(q, k, h)
+            top = s.max(axis=1)
+            top = np.where(np.isfinite(top), top, np.float32(0))
+            s -= top[:, None]
+            np.exp(s, out=s)
+            total = s.sum(axis=1)
+            safe = np.where(total > 0, total, np.float32(1))
+            out[h] = (s @ v[h // p.group]) / safe[:, None]
+            with np.errstate(divide="ignore"):
+                lse[h] = np.where(total > 0, top + np.log(safe), -np.inf)
+        return out, lse
+
+    def backward(q: Any, k: Any, v: Any, out: Any, lse: Any, do: Any) -> Tuple[Any, Any, Any]:
+        dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+        for h in range(p.heads_q):
+            g = h // p.group
+            s, _ = scores(q, k, h)
+            s -= np.where(np.isfinite(lse[h]), lse[h], np.float32(0))[:, None]
+            probs = np.exp(s, out=s)  # blocked cells were -inf: exactly 0
+            dv[g] += probs.T @ do[h]
+            delta = (do[h] * out[h]).sum(axis=1)
+            ds = probs * ((do[h] @ v[g].T) - delta[:, None])
+            ds *= np.float32(p.scale)
+            dq[h] = ds @ k[g]
+            dk[g] += ds.T @ q[h]
+        return dq, dk, dv
+
+    kernel.forward, kernel.backward, kernel.setup = forward, backward, setup
+    return kernel
+
+
+def run_numpy(p: Problem, kernel: NumpyKernel) -> dict:
+    import tracemalloc
+    _np()  # unsupported, with the reason, when numpy is missing
+    if p.backward and kernel.backward is None:
+        raise Unsupported(kernel.no_backward or f"{p.kernel} has no backward")
+    phases, notes = kernel.phases, []
+    start = time.perf_counter()
+    inputs = numpy_inputs(p)
+    phases["inputs_s"] = time.perf_counter() - start
+    if kernel.setup:
+        kernel.setup()
+    q, k, v, do = inputs["q"], inputs["k"], inputs["v"], inputs.get("do")
+    start = time.perf_counter()
+    out, lse = kernel.forward(q, k, v)
+    phases["first_call_s"] = time.perf_counter() - start
+    grads = kernel.backward(q, k, v, out, lse, do) if p.backward else (None, None, None)
+    tensors = dict(inputs, out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2])
+    correctness = check_or_write(p, tensors, kernel.lse_note, notes)
+    del tensors, grads
+    steps = {"fwd": lambda: kernel.forward(q, k, v),
+             "bwd": lambda: kernel.backward(q, k, v, out, lse, do),
+             "fwd_bwd": lambda: kernel.backward(q, k, v, *kernel.forward(q, k, v), do)}
+    step = steps[p.direction]
+    held = sum(x.nbytes for x in (q, k, v, do, out, lse) if x is not None)
+    tracemalloc.start()
+    step()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    memory = {"peak_bytes": held + peak, "above_inputs_bytes": peak,
+              "method": "tracemalloc peak around one call (numpy's allocations), plus the inputs "
+                        "and saved outputs it was given"}
+
+    def rep() -> float:
+        begin = time.perf_counter()
+        step()
+        return time.perf_counter() - begin
+
+    timing = run_harness(rep, p.harness)
+    env = dict(base_environment(), device="cpu", device_name=platform.processor() or platform.machine())
+    env.update(kernel.env)
+    if notes:
+        env["notes"] = notes
+    return dict(status="ok", reason=None, memory=memory, correctness=correctness, phases=phases,
+                environment=env, **timing)

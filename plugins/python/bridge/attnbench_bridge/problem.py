@@ -1,0 +1,159 @@
+"""One benchmark request as the bridge reads it: the kernel, direction, shape, mask set and harness
+settings.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Tuple
+
+from .encodings import row_intervals
+from .support import ELEMENT_BYTES, BadRequest, _np
+
+
+KERNELS = ("numpy", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "flex",
+           "fa2", "fa3", "fa4", "cudnn", "flashinfer", "flashmask", "module")
+DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
+LAYOUTS = ("bshd", "bhsd")  # how inputs are stored; see to_layout
+GQA_MODES = ("native", "expand")  # how SDPA gets grouped K and V; see sdpa_adapter
+SLICE_KINDS = ("full", "causal", "inv_causal", "bi_causal")
+HARNESS_DEFAULTS = {"warmup_reps": 3, "warmup_s": 0.1, "min_reps": 10, "max_reps": 200,
+                    "max_time_s": 5.0, "target_rel_ci": 0.01}
+
+
+# ---------------------------------------------------------------------------------------------
+# The request
+
+@dataclass
+class Problem:
+    kernel: str
+    direction: str
+    heads_q: int
+    heads_kv: int
+    seqlen: int
+    head_dim: int
+    dtype: str
+    mask_set: dict
+    seed: int
+    inputs_dir: Optional[str]
+    outputs_dir: Optional[str]
+    check_rows: int
+    harness: dict
+    device: str
+    module: Optional[str]
+    layout: str = "bshd"
+    gqa: str = "native"
+    _intervals: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def backward(self) -> bool:
+        return self.direction != "fwd"
+
+    @property
+    def pattern(self) -> str:
+        return str(self.mask_set.get("pattern", "this mask"))
+
+    @property
+    def masks(self) -> List[dict]:
+        return self.mask_set["masks"]
+
+    def mask_index(self, head: int) -> int:
+        scope = self.mask_set["scope"]
+        index = 0 if scope == "shared" else head // self.group if scope == "per_kv_group" else head
+        return min(index, len(self.masks) - 1)
+
+    def shared_mask(self) -> Optional[dict]:
+        """The one mask every head uses, when there is one (identical masks count as one)."""
+        first = self.masks[0]
+        if self.mask_set["scope"] == "shared" or all(m == first for m in self.masks[1:]):
+            return first
+        return None
+
+    def intervals(self, index: int) -> Tuple[Any, Any, Any]:
+        if index not in self._intervals:
+            self._intervals[index] = row_intervals(self.masks[index])
+        return self._intervals[index]
+
+    def empty_rows(self) -> Any:
+        """[heads_q, S] booleans: rows with no allowed key."""
+        np = _np()
+        return np.stack([self.intervals(self.mask_index(h))[2] == 0 for h in range(self.heads_q)])
+
+
+def _int(params: dict, key: str, where: str = "params") -> int:
+    value = params.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise BadRequest(f"{where}.{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def parse_problem(params: Any) -> Problem:
+    if not isinstance(params, dict):
+        raise BadRequest("params must be a JSON object")
+    kernel = params.get("kernel")
+    if kernel not in KERNELS:
+        raise BadRequest(f"unknown kernel {kernel!r}; known kernels: {', '.join(KERNELS)}")
+    direction = params.get("direction", "fwd")
+    if direction not in DIRECTIONS:
+        raise BadRequest(f"direction must be one of {', '.join(DIRECTIONS)}, got {direction!r}")
+    dtype = params.get("dtype", "bf16")
+    if dtype not in ELEMENT_BYTES:
+        raise BadRequest(f"dtype must be bf16, fp16 or f32, got {dtype!r}")
+    shape = params.get("shape")
+    if not isinstance(shape, dict):
+        raise BadRequest("params.shape must be an object with heads_q, heads_kv, seqlen, head_dim")
+    hq, hkv = _int(shape, "heads_q", "shape"), _int(shape, "heads_kv", "shape")
+    seqlen, head_dim = _int(shape, "seqlen", "shape"), _int(shape, "head_dim", "shape")
+    if hq % hkv:
+        raise BadRequest(f"heads_q ({hq}) must be a multiple of heads_kv ({hkv})")
+    harness = dict(HARNESS_DEFAULTS)
+    harness.update({k: v for k, v in (params.get("harness") or {}).items() if k in HARNESS_DEFAULTS})
+    harness["min_reps"] = max(1, int(harness["min_reps"]))
+    harness["max_reps"] = max(int(harness["max_reps"]), harness["min_reps"])
+    device = "cpu" if kernel == "numpy" else params.get("device") or "cuda"
+    if device not in ("cuda", "cpu"):
+        raise BadRequest(f"device must be cuda or cpu, got {device!r}")
+    layout = params.get("layout") or "bshd"
+    if layout not in LAYOUTS:
+        raise BadRequest(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    gqa = params.get("gqa") or "native"
+    if gqa not in GQA_MODES:
+        raise BadRequest(f"gqa must be one of {', '.join(GQA_MODES)}, got {gqa!r}")
+    if kernel == "module" and not params.get("module"):
+        raise BadRequest("kernel module needs params.module, the path of the kernel's .py file")
+    problem = Problem(kernel, direction, hq, hkv, seqlen, head_dim, dtype, params.get("mask"),
+                      int(params.get("seed") if params.get("seed") is not None else 42),
+                      params.get("inputs_dir"), params.get("outputs_dir"),
+                      int(params.get("check_rows") or 64), harness,
+                      device, params.get("module"), layout, gqa)
+    validate_mask_set(problem)
+    return problem
+
+
+def validate_mask_set(p: Problem) -> None:
+    mask_set = p.mask_set
+    if not isinstance(mask_set, dict) or not isinstance(mask_set.get("masks"), list):
+        raise BadRequest("params.mask must be a mask set object with a masks list")
+    expected = {"shared": 1, "per_kv_group": p.heads_kv, "per_head": p.heads_q}.get(mask_set.get("scope"))
+    if expected is None:
+        raise BadRequest(f"mask scope must be shared, per_kv_group or per_head, got {mask_set.get('scope')!r}")
+    if len(mask_set["masks"]) != expected:
+        raise BadRequest(f"the mask set has {len(mask_set['masks'])} masks ({mask_set['scope']}) "
+                         f"but {p.heads_q} heads_q / {p.heads_kv} heads_kv need {expected}")
+    for index, mask in enumerate(mask_set["masks"]):
+        if mask.get("seqlen_q") != p.seqlen or mask.get("seqlen_k") != p.seqlen:
+            raise BadRequest(f"mask {index} is {mask.get('seqlen_q')}x{mask.get('seqlen_k')} "
+                             f"but the shape's seqlen is {p.seqlen}")
+        for sl in mask.get("slices", []):
+            (q0, q1), (k0, k1) = sl["q"], sl["k"]
+            if sl.get("kind") not in SLICE_KINDS or not (0 <= q0 <= q1 <= p.seqlen and 0 <= k0 <= k1 <= p.seqlen):
+                raise BadRequest(f"mask {index} has an invalid slice {sl!r}")

@@ -1,0 +1,89 @@
+"""The JSON-lines protocol on stdin and stdout (see the package's docstring)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+import traceback
+from typing import Any, Tuple
+
+from .dispatch import backends, benchmark
+from .harness import release_memory
+from .support import BadRequest, first_line, log
+
+
+PROTOCOL = 1
+
+
+OPS = {"backends": backends, "benchmark": benchmark}
+
+
+def plain(value: Any) -> Any:
+    """JSON-ready copy: numpy scalars to Python, non-finite floats to null."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)) and getattr(value, "ndim", 1) == 0:
+        value = value.item()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    return str(value)
+
+
+def handle(line: str) -> Tuple[dict, bool]:
+    """The response to one request line, and whether to stop afterwards."""
+    try:
+        request = json.loads(line)
+    except ValueError as error:
+        return {"id": None, "ok": False, "error": f"malformed request: the line is not JSON ({error})"}, False
+    if not isinstance(request, dict):
+        return {"id": None, "ok": False, "error": "malformed request: expected a JSON object with id and op"}, False
+    rid, op = request.get("id"), request.get("op")
+    if op == "shutdown":
+        return {"id": rid, "ok": True, "result": None}, True
+    if op not in OPS:
+        return {"id": rid, "ok": False,
+                "error": f"unknown op {op!r}; the bridge knows backends, benchmark and shutdown"}, False
+    params = request.get("params") or {}
+    try:
+        return {"id": rid, "ok": True, "result": OPS[op](params)}, False
+    except BadRequest as error:
+        reply = {"id": rid, "ok": False, "error": f"bad {op} request: {error}"}
+    except (Exception, SystemExit) as error:
+        trace = traceback.format_exc()
+        log(trace)
+        who = params.get("kernel", op) if isinstance(params, dict) else op
+        reply = {"id": rid, "ok": False, "error": f"{who} raised {type(error).__name__}: {first_line(error)}",
+                 "traceback": trace}
+    release_memory()
+    return reply, False
+
+
+def serve() -> int:
+    sys.stdout.flush()
+    protocol = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)  # anything written to fd 1 from now on (C libraries included) lands on stderr
+    sys.stdout = sys.stderr
+
+    def send(message: dict) -> None:
+        protocol.write(json.dumps(plain(message), allow_nan=False, separators=(",", ":")) + "\n")
+        protocol.flush()
+
+    send({"type": "hello", "protocol": PROTOCOL, "python": platform.python_version(),
+          "executable": sys.executable, "pid": os.getpid()})
+    while True:
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        if not line.strip():
+            continue
+        reply, stop = handle(line)
+        send(reply)
+        if stop:
+            return 0
