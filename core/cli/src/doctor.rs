@@ -89,7 +89,7 @@ print(json.dumps({"python": sys.executable, "version": sys.version.split()[0], "
 "#;
 
 fn python_backends() {
-    let python = std::env::var("ATTNBENCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let python = attnbench_sdk::environment::python_interpreter("");
     let output = std::process::Command::new(&python)
         .args(["-c", PYTHON_BACKENDS])
         .stderr(std::process::Stdio::null())

@@ -130,3 +130,24 @@ mod tests {
         assert!(gpu_names(&[], None).is_empty());
     }
 }
+
+/// The Python interpreter attnbench runs: `param` (a stage's `python` parameter) when set, then
+/// `ATTNBENCH_PYTHON`, then the `python3` in the folder of the running `attnbench` (a virtual
+/// environment attnbench was pip-installed into has it there), then `python3` on the PATH.
+pub fn python_interpreter(param: &str) -> String {
+    if !param.is_empty() {
+        return param.to_string();
+    }
+    if let Some(python) = std::env::var("ATTNBENCH_PYTHON")
+        .ok()
+        .filter(|p| !p.is_empty())
+    {
+        return python;
+    }
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.join("python3")))
+        .filter(|python| python.is_file())
+        .map(|python| python.display().to_string())
+        .unwrap_or_else(|| "python3".into())
+}

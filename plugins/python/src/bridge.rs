@@ -73,17 +73,6 @@ pub enum Reply {
     Died(String),
 }
 
-/// The interpreter a stage's `python` parameter, `ATTNBENCH_PYTHON` or the PATH names.
-pub fn interpreter(param: &str) -> String {
-    if !param.is_empty() {
-        return param.to_string();
-    }
-    std::env::var("ATTNBENCH_PYTHON")
-        .ok()
-        .filter(|p| !p.is_empty())
-        .unwrap_or_else(|| "python3".into())
-}
-
 /// Writes the worker's source into a folder made for this worker alone. `mkdir` under a random
 /// name with mode 0700 means nobody else can have put a file there first or swap it afterwards:
 /// a fixed name in a shared temp folder would run whatever another user of the machine planted.

@@ -84,7 +84,7 @@ impl Plugin for Python {
             .stage(
                 StageSpec::new("backends")
                     .doc("Which kernels the interpreter can run, with versions or the reason they cannot.")
-                    .param(ParamSpec::new("python", ParamType::String).default("").doc("The interpreter; empty: ATTNBENCH_PYTHON, then python3."))
+                    .param(ParamSpec::new("python", ParamType::String).default("").doc("The interpreter; empty: ATTNBENCH_PYTHON, then the python3 beside the attnbench binary (a virtual environment it was installed into), then python3 on the PATH."))
                     .isolation(Isolation::Worker)
                     .cache_scope(CacheScope::Machine),
             )
@@ -94,7 +94,7 @@ impl Plugin for Python {
                         .doc("Times one Python kernel on one mask (from a masks/generate node), checked against the reference first.")
                         .param(ParamSpec::new("kernel", ParamType::one_of(&KERNELS)).default("numpy").doc("`numpy` runs on the CPU; `module` runs the `attention` function of the file given as `module`."))
                         .param(ParamSpec::new("module", ParamType::File).default("").doc("For kernel `module`: a Python file defining `attention(q, k, v, mask, scale)` (README: third-party kernels)."))
-                        .param(ParamSpec::new("python", ParamType::String).default("").doc("The interpreter; empty: ATTNBENCH_PYTHON, then python3."))
+                        .param(ParamSpec::new("python", ParamType::String).default("").doc("The interpreter; empty: ATTNBENCH_PYTHON, then the python3 beside the attnbench binary (a virtual environment it was installed into), then python3 on the PATH."))
                         .param(ParamSpec::new("device", ParamType::one_of(&["cuda", "cpu"])).default("cuda").doc("Where torch kernels run (`numpy` always runs on the CPU)."))
                         .param(ParamSpec::new("layout", ParamType::one_of(&["bshd", "bhsd"])).default("bshd").doc("How Q, K, V and dO are stored: `bshd` ([1, S, H, D], as a model's projections produce them and as LongCA-bench creates them; kernels taking [1, H, S, D] get a transposed view) or `bhsd` (contiguous [1, H, S, D]). Some backends' speed depends on it (cuDNN's does)."))
                         .param(ParamSpec::new("direction", ParamType::one_of(&Direction::NAMES)).default("fwd").doc("`bwd` is timed alone: the forward runs once, outside the timed region."))
@@ -132,7 +132,7 @@ struct BackendsParams {
 
 fn backends(request: &StageRequest) -> Result<Value, PluginError> {
     let p: BackendsParams = request.params()?;
-    let python = bridge::interpreter(&p.python);
+    let python = attnbench_sdk::environment::python_interpreter(&p.python);
     let (reply, hello) = with_bridge(&python, "backends", Value::Null)?;
     let backends = match reply {
         Reply::Ok(value) => value,
@@ -254,7 +254,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         "layout": p.layout,
         "gqa": p.gqa,
     });
-    let python = bridge::interpreter(&p.python);
+    let python = attnbench_sdk::environment::python_interpreter(&p.python);
     host.debug(&format!("running {kernel} in `{python}`"));
     let (reply, hello) = with_bridge(&python, "benchmark", params)?;
     measurement
