@@ -113,24 +113,6 @@ impl Environment {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn gpus_and_driver_are_read_from_the_drivers_files() {
-        let version = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  (dvs-builder@U22-I3-AE18-23-3)  Thu Oct  2 2025\nGCC version:  gcc version 12.2.0\n";
-        assert_eq!(driver_version(version).as_deref(), Some("580.159.04"));
-        let information =
-            "Model: \t\t NVIDIA H200\nIRQ:   \t\t 150\nGPU UUID: \t GPU-0\n".to_string();
-        assert_eq!(
-            gpu_names(&[information.clone(), information], Some("580.159.04")),
-            vec!["NVIDIA H200 (driver 580.159.04)"; 2]
-        );
-        assert!(gpu_names(&[], None).is_empty());
-    }
-}
-
 /// The Python interpreter attnbench runs: `param` (a stage's `python` parameter) when set, then
 /// `ATTNBENCH_PYTHON`, then the `python3` in the folder of the running `attnbench` (a virtual
 /// environment attnbench was pip-installed into has it there), then `python3` on the PATH.
@@ -150,4 +132,22 @@ pub fn python_interpreter(param: &str) -> String {
         .filter(|python| python.is_file())
         .map(|python| python.display().to_string())
         .unwrap_or_else(|| "python3".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpus_and_driver_are_read_from_the_drivers_files() {
+        let version = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  (dvs-builder@U22-I3-AE18-23-3)  Thu Oct  2 2025\nGCC version:  gcc version 12.2.0\n";
+        assert_eq!(driver_version(version).as_deref(), Some("580.159.04"));
+        let information =
+            "Model: \t\t NVIDIA H200\nIRQ:   \t\t 150\nGPU UUID: \t GPU-0\n".to_string();
+        assert_eq!(
+            gpu_names(&[information.clone(), information], Some("580.159.04")),
+            vec!["NVIDIA H200 (driver 580.159.04)"; 2]
+        );
+        assert!(gpu_names(&[], None).is_empty());
+    }
 }
