@@ -33,9 +33,6 @@ def relative_error(actual: Any, reference: Any) -> float:
     return worst if largest == 0 else worst / largest
 
 
-# ---------------------------------------------------------------------------------------------
-# Inputs, outputs and the correctness check
-
 def _tensor_shapes(p: Problem) -> Dict[str, Tuple[int, int, int]]:
     return {"q": (p.heads_q, p.seqlen, p.head_dim), "k": (p.heads_kv, p.seqlen, p.head_dim),
             "v": (p.heads_kv, p.seqlen, p.head_dim), "do": (p.heads_q, p.seqlen, p.head_dim)}

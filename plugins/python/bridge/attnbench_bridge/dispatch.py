@@ -39,9 +39,6 @@ TORCH_ADAPTERS = {"sdpa-math": sdpa_adapter, "sdpa-flash": sdpa_adapter, "sdpa-e
                   "flashmask": flashmask_adapter}
 
 
-# ---------------------------------------------------------------------------------------------
-# Operations
-
 def outcome(status: str, reason: str, p: Problem) -> dict:
     env = base_environment()
     torch = sys.modules.get("torch")

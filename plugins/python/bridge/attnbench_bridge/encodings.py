@@ -9,8 +9,7 @@ from typing import Any, List, Optional, Tuple
 from .support import _np
 
 
-# ---------------------------------------------------------------------------------------------
-# The mask IR: a mask is the union of slices; every encoding a kernel takes is derived here.
+# A mask is the union of its slices; every encoding a kernel takes is derived here from them.
 
 def _local_bounds(np: Any, kind: str, i: Any, lk: int, d: int) -> Tuple[Any, Any]:
     """Allowed local keys [lo, hi) of local rows `i` of one slice (lo not yet clipped at 0)."""

@@ -19,9 +19,6 @@ from .problem import Problem
 from .support import ELEMENT_BYTES, GIB, OutOfMemory, Unsupported, first_line, log, need
 
 
-# ---------------------------------------------------------------------------------------------
-# Statistics, the timing protocol, the error metric
-
 def median_rel_ci(samples: List[float]) -> float:
     """Half-width of the median's distribution-free 95% CI, relative to the median."""
     n = len(samples)
@@ -61,9 +58,6 @@ def run_harness(rep: Callable[[], float], h: dict) -> dict:
             continue
         return {"samples": samples, "rel_ci": rel_ci, "stopped": stopped}
 
-
-# ---------------------------------------------------------------------------------------------
-# The runner for torch kernels
 
 @dataclass
 class Kernel:

@@ -17,9 +17,6 @@ from .support import Unsupported, _np
 NUMPY_MASK_CACHE_BYTES = 1 << 30
 
 
-# ---------------------------------------------------------------------------------------------
-# The numpy CPU backend and the runner for numpy kernels
-
 @dataclass
 class NumpyKernel:
     forward: Callable              # (q, k, v) -> (out, lse or None); arrays [H, S, D] float32

@@ -22,9 +22,6 @@ HARNESS_DEFAULTS = {"warmup_reps": 3, "warmup_s": 0.1, "min_reps": 10, "max_reps
                     "max_time_s": 5.0, "target_rel_ci": 0.01}
 
 
-# ---------------------------------------------------------------------------------------------
-# The request
-
 @dataclass
 class Problem:
     kernel: str

@@ -14,9 +14,6 @@ from .problem import Problem
 from .support import ELEMENT_BYTES, GIB, Unsupported, _np, first_line, log, parameters_of
 
 
-# ---------------------------------------------------------------------------------------------
-# Adapters: torch SDPA, FlexAttention, FlashAttention 2/3/4, FlashInfer, FlashMask, user modules
-
 SDPA_BACKENDS = {"sdpa-math": "MATH", "sdpa-flash": "FLASH_ATTENTION",
                  "sdpa-efficient": "EFFICIENT_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION"}
 
