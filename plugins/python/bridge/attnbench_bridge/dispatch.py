@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .checks import base_environment
 from .cudnn import cudnn_adapter
@@ -24,12 +24,11 @@ def harness_rep(p: Problem) -> Any:
     """The harness's timed repetition of p's torch kernel, after its first calls, unchecked: for
     timing it side by side with another loop in one process (scripts/peer-plain.py)."""
     torch = need("torch")
-    probe(p.kernel)  # "flash_attn not importable" says more than "no CUDA" would
-    device, kernel = ready_kernel(p, torch, TORCH_ADAPTERS[p.kernel])
+    device, kernel = ready_kernel(p, torch, torch_adapter(p))
     with kernel.context():
         native = native_inputs(p, torch, device, kernel)
         out, _, _ = first_calls(p, torch, device, kernel, native["q"], native["k"], native["v"], native.get("do"))
-        yield make_rep(torch, device, kernel, timed_step(p, kernel, native, out if p.direction == "bwd" else None))
+        yield make_rep(torch, device, kernel, timed_step(p, kernel, native, out))
 
 
 TORCH_ADAPTERS = {"sdpa-math": sdpa_adapter, "sdpa-flash": sdpa_adapter, "sdpa-efficient": sdpa_adapter,
@@ -37,6 +36,13 @@ TORCH_ADAPTERS = {"sdpa-math": sdpa_adapter, "sdpa-flash": sdpa_adapter, "sdpa-e
                   "fa3": flash_adapter, "fa4": flash_adapter, "cudnn": cudnn_adapter,
                   "flashinfer": flashinfer_adapter,
                   "flashmask": flashmask_adapter}
+
+
+def torch_adapter(p: Problem) -> Callable:
+    """The adapter of p's torch kernel, once its package is known to import: "flash_attn not
+    importable" says more than the "no CUDA" the adapter might find first."""
+    probe(p.kernel)
+    return TORCH_ADAPTERS[p.kernel]
 
 
 def outcome(status: str, reason: str, p: Problem) -> dict:
@@ -61,8 +67,7 @@ def benchmark(params: Any) -> dict:
         elif p.kernel == "module":
             result = run_module(p)
         else:
-            probe(p.kernel)  # "flash_attn not importable" says more than "no CUDA" would
-            result = run_torch(p, TORCH_ADAPTERS[p.kernel])
+            result = run_torch(p, torch_adapter(p))
     except Unsupported as error:
         result = outcome("unsupported", str(error), p)
     except OutOfMemory as error:

@@ -101,7 +101,7 @@ def fa4_on_tile_grid(p: Problem, grid: Tuple[Any, Any, Any]) -> bool:
     return all(int(e) % FA4_TILE == 0 or int(e) == p.seqlen for e in np.concatenate(grid[:2]))
 
 
-def fa4_block_lists(p: Problem, torch: Any, device: Any, full: Any, partial: Any) -> Any:
+def fa4_block_lists(torch: Any, device: Any, whole: Any, cut: Any) -> Any:
     """FA4's block-sparse tensors from [H, rows, cols] tables of whole and cut tiles (H = 1: one
     table for every head): per row of tiles, the columns of each kind, packed left."""
     np, sparsity = _np(), need("flash_attn.cute.block_sparsity")
@@ -110,10 +110,21 @@ def fa4_block_lists(p: Problem, torch: Any, device: Any, full: Any, partial: Any
         order = np.argsort(~table, axis=-1, kind="stable").astype(np.int32)
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a)[None]).to(device)  # noqa: E731
         return to(table.sum(-1).astype(np.int32)), to(order)
-    (mask_cnt, mask_idx), (full_cnt, full_idx) = packed(partial), packed(full)
+    (mask_cnt, mask_idx), (full_cnt, full_idx) = packed(cut), packed(whole)
     return sparsity.BlockSparseTensorsTorch(mask_block_cnt=mask_cnt, mask_block_idx=mask_idx,
                                             full_block_cnt=full_cnt, full_block_idx=full_idx,
                                             block_size=(FA4_TILE, FA4_TILE))
+
+
+def fa4_sparsity_options(p: Problem, torch: Any, device: Any, whole: Any, cut: Any) -> Dict[str, Any]:
+    """The forward's block lists and, for a backward, the transposed ones (per key tile, its query
+    tiles) that FA4 asks for as block_sparse_tensors_bwd."""
+    np = _np()
+    options = {"block_sparse_tensors": fa4_block_lists(torch, device, whole, cut)}
+    if p.backward:
+        options["block_sparse_tensors_bwd"] = fa4_block_lists(torch, device, np.swapaxes(whole, 1, 2),
+                                                              np.swapaxes(cut, 1, 2))
+    return options
 
 
 def fa4_kernel(p: Problem, module: Any, options: Dict[str, Any], entry: str, mask_mode: str) -> Kernel:
@@ -142,11 +153,7 @@ def fa4_block_sparse(p: Problem, torch: Any, device: Any, module: Any, grid: Tup
     shared = p.shared_mask() is not None
     per_head = [0] if shared else [p.mask_index(h) for h in range(p.heads_q)]
     dense = kept[per_head][:, r][:, :, c]  # [H or 1, q tiles, kv tiles] on the uniform grid
-    none = np.zeros_like(dense)
-    options = {"block_sparse_tensors": fa4_block_lists(p, torch, device, dense, none)}
-    if p.backward:
-        flipped = np.swapaxes(dense, 1, 2)
-        options["block_sparse_tensors_bwd"] = fa4_block_lists(p, torch, device, flipped, np.zeros_like(flipped))
+    options = fa4_sparsity_options(p, torch, device, dense, np.zeros_like(dense))
     return fa4_kernel(p, module, options, "block_sparse_tensors",
                       f"{int(dense.sum())} of {dense.size} {FA4_TILE}-token tiles, "
                       f"{'one table for every head' if shared else 'a table per query head'}")
@@ -213,10 +220,7 @@ def fa4_intervals(p: Problem, torch: Any, device: Any, module: Any, not_varlen: 
     order = list(pairs) if shared else per_head
     whole, cut = (np.stack([kinds[i][j] for i in order]) for j in (0, 1))
     options = {"mask_mod": fa4_interval_mask_mod(), "aux_tensors": aux,
-               "block_sparse_tensors": fa4_block_lists(p, torch, device, whole, cut)}
-    if p.backward:
-        options["block_sparse_tensors_bwd"] = fa4_block_lists(p, torch, device, np.swapaxes(whole, 1, 2),
-                                                              np.swapaxes(cut, 1, 2))
+               **fa4_sparsity_options(p, torch, device, whole, cut)}
     return fa4_kernel(p, module, options, "mask_mod, aux_tensors, block_sparse_tensors",
                       f"mask_mod reading two key intervals a row; of {whole.size} {FA4_TILE}-token tiles "
                       f"{int(whole.sum())} whole, {int(cut.sum())} cut, "

@@ -280,9 +280,9 @@ def native_inputs(p: Problem, torch: Any, device: Any, kernel: Kernel) -> Dict[s
 
 def timed_step(p: Problem, kernel: Kernel, native: Dict[str, Any], first_out: Any) -> Callable[[], None]:
     """What one timed repetition runs: the forward, the backward of one forward, or both. The
-    forward is the one a model calls, without the LSE where the kernel has that (`out_only`): a
-    graph with the LSE as an output hands its backward a zero LSE gradient, which FA4 and flex then
-    process, up to 13% of a document backward. The LSE is checked from the first call."""
+    forward is the one a model calls, without the LSE where the kernel has that (`out_only`); the
+    LSE is checked from the first call. A kernel without `out_only` times its backward on the
+    first call's graph (`first_out`)."""
     q, k, v, do = native["q"], native["k"], native["v"], native.get("do")
     forward = kernel.out_only or (lambda q, k, v: kernel.call(q, k, v)[0])
     if p.direction == "fwd":
@@ -319,8 +319,7 @@ def measure_torch(p: Problem, torch: Any, device: Any, kernel: Kernel) -> dict:
                 tensors[n] = tensors[n].float().reshape(p.heads_kv, p.group, p.seqlen, p.head_dim).sum(1)
     correctness = check_or_write(p, tensors, kernel.lse_note, notes)
     del tensors, lse, grads, heads_lse
-    # only the backward-alone step reuses the first forward's graph
-    step = timed_step(p, kernel, native, out if p.direction == "bwd" else None)
+    step = timed_step(p, kernel, native, out)
     del out
 
     memory = None
@@ -352,6 +351,22 @@ def peak_memory(torch: Any, device: Any, step: Callable) -> dict:
             "method": "torch.cuda.max_memory_allocated around one call"}
 
 
+def event_rep(torch: Any, device: Any, step: Callable) -> Callable[[], float]:
+    """One timed repetition on a CUDA device (seconds): a flush of twice the L2, then `step`
+    between CUDA events. scripts/peer-plain.py times the peers' plain loops with it too."""
+    flush = torch.empty(l2_flush_bytes(torch, device), dtype=torch.uint8, device=device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def rep() -> float:
+        flush.zero_()  # evicts the inputs from L2, outside the timed region
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / 1e3
+    return rep
+
+
 def make_rep(torch: Any, device: Any, kernel: Kernel, step: Callable) -> Callable[[], float]:
     if device.type != "cuda":
         def cpu_rep() -> float:
@@ -359,16 +374,9 @@ def make_rep(torch: Any, device: Any, kernel: Kernel, step: Callable) -> Callabl
             step()
             return time.perf_counter() - begin
         return cpu_rep
+    if kernel.sync is None:
+        return event_rep(torch, device, step)
     flush = torch.empty(l2_flush_bytes(torch, device), dtype=torch.uint8, device=device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def event_rep() -> float:
-        flush.zero_()  # evicts the inputs from L2, outside the timed region
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / 1e3
 
     def wall_rep() -> float:  # for kernels on another framework's stream
         flush.zero_()
@@ -377,8 +385,7 @@ def make_rep(torch: Any, device: Any, kernel: Kernel, step: Callable) -> Callabl
         step()
         synchronize(torch, device, kernel)
         return time.perf_counter() - begin
-
-    return event_rep if kernel.sync is None else wall_rep
+    return wall_rep
 
 
 def is_oom(error: BaseException) -> bool:
