@@ -256,3 +256,28 @@ impl Drop for Bridge {
         let _ = self.child.wait();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// A module added to the package but not to [`super::FILES`] would be missing from every
+    /// installed worker: an ImportError on the GPU machine, not a build error here.
+    #[test]
+    fn every_file_of_the_package_is_embedded() {
+        let package =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("bridge/attnbench_bridge");
+        let mut on_disk: Vec<String> = std::fs::read_dir(&package)
+            .unwrap()
+            .filter_map(|entry| entry.ok()?.file_name().into_string().ok())
+            .filter(|name| name.ends_with(".py"))
+            .map(|name| format!("attnbench_bridge/{name}"))
+            .collect();
+        on_disk.sort();
+        let mut embedded: Vec<String> = super::FILES
+            .iter()
+            .map(|(name, _)| name.to_string())
+            .filter(|name| name.starts_with("attnbench_bridge/"))
+            .collect();
+        embedded.sort();
+        assert_eq!(embedded, on_disk);
+    }
+}
