@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Each Python peer called the way its own documentation writes it, beside attnbench's harness.
 
-    scripts/peer-plain.py [CACHE_DIR] [RUN_ID] [--reps N] [--rounds R] [--kernels flex,fa4,cudnn,flashinfer] [--seqlen S] [--lse]
-    (defaults: $ATTNBENCH_CACHE or ./artifacts, the latest run, 20 reps, 5 rounds, every kernel listed)
+    scripts/peer-plain.py [CACHE_DIR] [RUN_ID] [--reps N] [--rounds R] [--kernels flex,fa4,cudnn,flashinfer]
+        [--seqlen S] [--masks causal,...] [--direction fwd|bwd] [--storage bhsd|bshd] [--harness-storage auto|bshd|bhsd] [--lse]
+    (defaults: $ATTNBENCH_CACHE or ./artifacts, the latest run, 20 reps, 5 rounds, every kernel, mask and direction)
 
 For every measurement of those kernels in the run whose mask has a closed form here (full,
 causal, the document masks, the sliding windows, the prefix LMs), this builds the mask from the
@@ -52,6 +53,10 @@ def arguments():
     parser.add_argument("--seqlen", type=int, action="append", help="only the cells of this length (repeatable)")
     parser.add_argument("--storage", choices=("bhsd", "bshd"), default="bhsd",
                         help="flex: contiguous [1, H, S, D] (its documentation's) or a view of [1, S, H, D]")
+    parser.add_argument("--harness-storage", choices=("auto", "bshd", "bhsd"), default="auto",
+                        help="the harness's `layout` (auto: each kernel's documented one, contiguous [1, H, S, D] for flex)")
+    parser.add_argument("--masks", help="comma-separated patterns: only these cells")
+    parser.add_argument("--direction", choices=("fwd", "bwd"), help="only the cells of this direction")
     parser.add_argument("--lse", action="store_true", help="flex: also return the LSE, as attnbench's harness asks")
     args = parser.parse_args()
     unknown = set(args.kernels.split(",")) - set(PEERS)
@@ -339,28 +344,32 @@ def plain_cudnn(m, mask_set, args, cache):
 PLAIN = {"flex": plain_flex, "fa4": plain_fa4, "cudnn": plain_cudnn, "flashinfer": plain_flashinfer}
 
 
-def harness_problem(m, mask_set):
+def harness_problem(m, mask_set, storage):
     """The cell's problem as the python plugin hands it to the bridge (seeded inputs, no check)."""
     shape = m["shape"]
     return bridge.parse_problem({
-        "kernel": m["kernel"], "direction": m["direction"], "dtype": shape["dtype"], "mask": mask_set,
+        "kernel": m["kernel"], "direction": m["direction"], "dtype": shape["dtype"], "mask": mask_set, "layout": storage,
         "shape": {"heads_q": shape["heads_q"], "heads_kv": shape["heads_kv"], "seqlen": mask_set["seqlen"],
                   "head_dim": shape["head_dim"]}, "device": "cuda"})
 
 
-def cells(record, wanted, lengths):
-    """(node id, measurement, mask set) of the run's ok measurements of the wanted kernels (and lengths)."""
+def cells(record, wanted, args):
+    """(node id, measurement, mask set) of the run's ok measurements of the wanted kernels (and
+    lengths, patterns, direction)."""
+    patterns = set(args.masks.split(",")) if args.masks else None
     nodes = {n["id"]: n for n in record["nodes"]}
     for node in record["nodes"]:
         path = node.get("artifact") and os.path.join(node["artifact"], "measurement.json")
         if not path or not os.path.exists(path):
             continue
         m = json.load(open(path))
-        if m.get("kernel") not in wanted or m.get("status") != "ok":
+        if m.get("kernel") not in wanted or m.get("status") != "ok" or \
+                (args.direction and m["direction"] != args.direction):
             continue
         masks = [nodes[i] for i in node["inputs"] if nodes[i]["uses"] == "masks/generate"]
         mask_set = json.load(open(os.path.join(masks[0]["artifact"], "mask.json")))
-        if not lengths or mask_set["seqlen"] in lengths:
+        if (not args.seqlen or mask_set["seqlen"] in args.seqlen) and \
+                (patterns is None or mask_set["pattern"] in patterns):
             yield node["id"], m, mask_set
 
 
@@ -369,7 +378,7 @@ def main():
     cache = {}
     print("cell\tattnbench TFLOP/s\tharness here\tplain here\tdifference here\tratio over rounds"
           "\tSM MHz\tmask_mode (attnbench)\tplain form")
-    for cell, m, mask_set in cells(record, set(args.kernels.split(",")), args.seqlen):
+    for cell, m, mask_set in cells(record, set(args.kernels.split(",")), args):
         ours = m["tflops"]["p50"]
         mode = ((m.get("environment") or {}).get("phases") or {}).get("mask_mode", "")
         tflops = lambda ms: m["flops"] / (ms / 1e3) / 1e12  # noqa: E731
@@ -380,7 +389,7 @@ def main():
                 continue
             forward, backward, what = built
             plain = plain_rep(m, forward, backward)
-            with bridge.harness_rep(harness_problem(m, mask_set)) as harness:
+            with bridge.harness_rep(harness_problem(m, mask_set, args.harness_storage)) as harness:
                 here, theirs, (low, high), clocks = side_by_side(harness, plain, args.reps, args.rounds)
         except Exception as error:  # a peer refusing its own plain call is a finding too
             print(f"{cell}\t{ours:.1f}\t\t\t\t\t\t{mode}\tfailed: {type(error).__name__}: {error}")

@@ -113,7 +113,7 @@ fn kernel_variants_are_named_apart_and_merge_into_separate_cells() {
   bench:
     uses: python/benchmark
     needs: [masks]
-    matrix: {{layout: [bshd, bhsd], gqa: [native, expand]}}
+    matrix: {{layout: [auto, bhsd], gqa: [native, expand]}}
     with: {{kernel: numpy, python: "{python}", dtype: f32, heads_q: 4, heads_kv: 2, head_dim: 16, min_reps: 3, max_time_s: 0.2}}
 "#
         ),
@@ -125,13 +125,13 @@ fn kernel_variants_are_named_apart_and_merge_into_separate_cells() {
             .unwrap()
             .to_string()
     };
-    assert_eq!(named("bench[layout=bshd,gqa=native]"), "numpy");
+    assert_eq!(named("bench[layout=auto,gqa=native]"), "numpy");
     assert_eq!(named("bench[layout=bhsd,gqa=native]"), "numpy layout=bhsd");
     assert_eq!(
         named("bench[layout=bhsd,gqa=expand]"),
         "numpy layout=bhsd gqa=expand"
     );
-    let expand = measurement(&record, "bench[layout=bshd,gqa=expand]");
+    let expand = measurement(&record, "bench[layout=auto,gqa=expand]");
     assert_eq!(expand["status"], "unsupported", "{expand}");
     assert!(
         expand["reason"]

@@ -357,7 +357,7 @@ def test_protocol(bridge, python):
     check("mask count mismatch -> ok:false", reply.get("ok") is False and "masks" in reply.get("error", ""), json.dumps(reply))
     reply = bridge.request("benchmark", case.params("numpy", mask_sets(case.s)["causal"], layout="hsd"))
     check("unknown layout -> ok:false naming the choices", reply.get("ok") is False
-          and "layout must be one of bshd, bhsd" in reply.get("error", ""), json.dumps(reply))
+          and "layout must be one of auto, bshd, bhsd" in reply.get("error", ""), json.dumps(reply))
     reply = bridge.request("benchmark", case.params("numpy", mask_sets(case.s)["causal"], gqa="repeat"))
     check("unknown gqa mode -> ok:false naming the choices", reply.get("ok") is False
           and "gqa must be one of native, expand" in reply.get("error", ""), json.dumps(reply))

@@ -96,7 +96,7 @@ impl Plugin for Python {
                         .param(ParamSpec::new("module", ParamType::File).default("").doc("For kernel `module`: a Python file defining `attention(q, k, v, mask, scale)` (README: third-party kernels)."))
                         .param(ParamSpec::new("python", ParamType::String).default("").doc("The interpreter; empty: ATTNBENCH_PYTHON, then the python3 beside the attnbench binary (a virtual environment it was installed into), then python3 on the PATH."))
                         .param(ParamSpec::new("device", ParamType::one_of(&["cuda", "cpu"])).default("cuda").doc("Where torch kernels run (`numpy` always runs on the CPU)."))
-                        .param(ParamSpec::new("layout", ParamType::one_of(&["bshd", "bhsd"])).default("bshd").doc("How Q, K, V and dO are stored: `bshd` ([1, S, H, D], as a model's projections produce them and as LongCA-bench creates them; kernels taking [1, H, S, D] get a transposed view) or `bhsd` (contiguous [1, H, S, D]). Some backends' speed depends on it (cuDNN's does)."))
+                        .param(ParamSpec::new("layout", ParamType::one_of(&["auto", "bshd", "bhsd"])).default("auto").doc("How Q, K, V and dO are stored: `bshd` ([1, S, H, D], as a model's projections produce them and as LongCA-bench creates them; kernels taking [1, H, S, D] get a transposed view), `bhsd` (contiguous [1, H, S, D]), or `auto`: the layout each kernel's documentation passes (contiguous [1, H, S, D] for flex, [1, S, H, D] storage for the others). Some backends' speed depends on it (flex's backward and cuDNN's do)."))
                         .param(ParamSpec::new("direction", ParamType::one_of(&Direction::NAMES)).default("fwd").doc("`bwd` is timed alone: the forward runs once, outside the timed region."))
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
                         .param(ParamSpec::new("heads_kv", ParamType::Int).default(8))
@@ -199,7 +199,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
     };
     // Settings that change what a kernel measures name it, so a sweep over them keeps each
     // variant's cells apart in tables and merged reports; the defaults keep the plain name.
-    let kernel = [("layout", &p.layout, "bshd"), ("gqa", &p.gqa, "native")]
+    let kernel = [("layout", &p.layout, "auto"), ("gqa", &p.gqa, "native")]
         .into_iter()
         .filter(|(_, value, default)| value.as_str() != *default)
         .fold(kernel, |name, (key, value, _)| {

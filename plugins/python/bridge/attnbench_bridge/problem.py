@@ -15,7 +15,7 @@ from .support import ELEMENT_BYTES, BadRequest, _np
 KERNELS = ("numpy", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "flex",
            "fa2", "fa3", "fa4", "cudnn", "flashinfer", "flashmask", "module")
 DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
-LAYOUTS = ("bshd", "bhsd")  # how inputs are stored; see to_layout
+LAYOUTS = ("auto", "bshd", "bhsd")  # how inputs are stored; see to_layout and documented_layout
 GQA_MODES = ("native", "expand")  # how SDPA gets grouped K and V; see sdpa_adapter
 SLICE_KINDS = ("full", "causal", "inv_causal", "bi_causal")
 HARNESS_DEFAULTS = {"warmup_reps": 3, "warmup_s": 0.1, "min_reps": 10, "max_reps": 200,
@@ -93,6 +93,14 @@ def _int(params: dict, key: str, where: str = "params") -> int:
     return value
 
 
+def documented_layout(kernel: str) -> str:
+    """The storage `layout: auto` picks: FlexAttention's documentation passes contiguous
+    [B, H, S, D] tensors, and its backward is slower on transposed views of [B, S, H, D]; every
+    other kernel gets [1, S, H, D] storage, as a model's projections produce it (the kernels that
+    take [S, H, D] or [1, S, H, D] get it contiguous either way)."""
+    return "bhsd" if kernel == "flex" else "bshd"
+
+
 def parse_problem(params: Any) -> Problem:
     if not isinstance(params, dict):
         raise BadRequest("params must be a JSON object")
@@ -119,9 +127,11 @@ def parse_problem(params: Any) -> Problem:
     device = "cpu" if kernel == "numpy" else params.get("device") or "cuda"
     if device not in ("cuda", "cpu"):
         raise BadRequest(f"device must be cuda or cpu, got {device!r}")
-    layout = params.get("layout") or "bshd"
+    layout = params.get("layout") or "auto"
     if layout not in LAYOUTS:
         raise BadRequest(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if layout == "auto":
+        layout = documented_layout(kernel)
     gqa = params.get("gqa") or "native"
     if gqa not in GQA_MODES:
         raise BadRequest(f"gqa must be one of {', '.join(GQA_MODES)}, got {gqa!r}")
