@@ -101,6 +101,27 @@ fn every_fault_is_recorded_and_independent_nodes_finish() {
         error_of("malformed")
     );
     assert!(error_of("hangs").contains("1.5s"), "{}", error_of("hangs"));
+    // A stage's own failure carries its kind across the ABI; the host's failures around a stage
+    // (a crash, a malformed result) have none.
+    let failure_of = |id: &str| {
+        record["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|n| n["id"] == id)
+            .unwrap()["failure"]
+            .as_str()
+            .map(str::to_string)
+    };
+    for (node, kind) in [
+        ("panics-in-process", Some("panicked")),
+        ("panics-in-worker", Some("panicked")),
+        ("fails", Some("failed")),
+        ("segfaults", None),
+        ("malformed", None),
+    ] {
+        assert_eq!(failure_of(node).as_deref(), kind, "failure kind of {node}");
+    }
     assert!(
         error_of("after-crash").contains("segfaults"),
         "{}",

@@ -74,9 +74,39 @@ fn a_plugin_of_another_abi_major_is_refused_in_one_sentence() {
         &output,
         &[
             "built for plugin ABI 2.0.0",
-            "this attnbench speaks ABI 1.1.0",
+            "this attnbench speaks ABI 1.2.0",
             "rebuild the plugin",
         ],
+    );
+}
+
+#[test]
+fn a_plugin_of_an_older_abi_minor_loads_runs_and_passes_the_conformance_suite() {
+    // ABI 1.1 sent a failure's message alone; the host still loads such a plugin and runs it.
+    let sandbox = Sandbox::new();
+    let plugins = sandbox.path().join("plugins");
+    std::fs::create_dir_all(&plugins).unwrap();
+    let older = build_example_plugin(&["abi-1-1"], &plugins, "libexample_kernel.so");
+    sandbox.write(
+        "kernel.yaml",
+        "name: kernel\nstages:\n  attention:\n    uses: example-kernel/attention\n    with: {seqlen: 128, reps: 2}\n",
+    );
+    let run = sandbox
+        .command(&["run", "kernel.yaml"])
+        .env("ATTNBENCH_PLUGIN_PATH", &plugins)
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{}", stderr(&run));
+    let record = sandbox.last_record();
+    assert_eq!(record["plugins"][0]["abi"], "1.1.0", "{record}");
+    assert_eq!(record["nodes"][0]["status"], "ok", "{record}");
+
+    let checked = sandbox.run(&["plugins", "check", older.to_str().unwrap()]);
+    assert!(
+        checked.status.success(),
+        "{}{}",
+        stdout(&checked),
+        stderr(&checked)
     );
 }
 
@@ -127,7 +157,7 @@ fn plugin_info_shows_the_manifest() {
     );
     let json = sandbox.run(&["plugins", "info", "testkit", "--json"]);
     let manifest: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
-    assert_eq!(manifest["abi"], "1.1.0");
+    assert_eq!(manifest["abi"], "1.2.0");
     let unknown = sandbox.run(&["plugins", "info", "testkid"]);
     assert!(
         stderr(&unknown).contains("did you mean `testkit`?"),

@@ -21,10 +21,25 @@ use abi_stable::{
 pub const ROOT_MODULE_SYMBOL: &str = "_1as_0lib_1header_0root_bmodule_bloader";
 
 /// The ABI version this crate describes, as `major.minor.patch`.
-#[cfg(not(feature = "foreign-abi-major"))]
+#[cfg(not(any(feature = "foreign-abi-major", feature = "abi-1-1")))]
 pub const ABI_VERSION: &str = env!("CARGO_PKG_VERSION");
 #[cfg(feature = "foreign-abi-major")]
 pub const ABI_VERSION: &str = "2.0.0";
+/// A plugin as built before ABI 1.2 (no typed failures), for the host's compatibility tests.
+#[cfg(all(feature = "abi-1-1", not(feature = "foreign-abi-major")))]
+pub const ABI_VERSION: &str = "1.1.0";
+
+/// The version abi_stable compares when a library is loaded. abi_stable accepts a library whose
+/// minor is at least the loader's; attnbench hosts also load plugins of older minors (their
+/// missing entry points read as absent), so libraries declare minor 0 of their major since
+/// ABI 1.2, and plugins built before it, which declared their own minor, still pass. The full
+/// version a plugin was built for is its manifest's `abi`.
+#[cfg(not(any(feature = "foreign-abi-major", feature = "abi-1-1")))]
+const LOADED_VERSION: &str = "1.0.0";
+#[cfg(feature = "foreign-abi-major")]
+const LOADED_VERSION: &str = "2.0.0";
+#[cfg(all(feature = "abi-1-1", not(feature = "foreign-abi-major")))]
+const LOADED_VERSION: &str = "1.1.0";
 
 /// Severity of a message a plugin sends to the host's log.
 #[repr(u8)]
@@ -148,7 +163,8 @@ pub struct PluginMod {
     /// The plugin's manifest as a JSON document (see `attnbench_sdk::PluginManifest`).
     pub manifest: extern "C" fn() -> RString,
     /// Runs one node of `stage`. `request` is a JSON `StageRequest`; the result is the node's
-    /// result JSON, or an error message.
+    /// result JSON, or its failure: since ABI 1.2 a JSON object `{"failure": KIND, "message":
+    /// TEXT}` (`attnbench_sdk::StageFailure`), before it the message alone.
     #[sabi(last_prefix_field)]
     pub run: extern "C" fn(
         stage: RStr<'_>,
@@ -167,7 +183,7 @@ impl RootModule for PluginModRef {
     declare_root_module_statics! {PluginModRef}
     const BASE_NAME: &'static str = "attnbench_plugin";
     const NAME: &'static str = "attnbench_plugin";
-    const VERSION_STRINGS: VersionStrings = VersionStrings::new(ABI_VERSION);
+    const VERSION_STRINGS: VersionStrings = VersionStrings::new(LOADED_VERSION);
 }
 
 /// The major part of [`ABI_VERSION`].
@@ -194,6 +210,12 @@ mod tests {
     #[test]
     fn abi_major_is_parsed_from_the_version() {
         assert_eq!(abi_major(), 1);
+    }
+
+    #[test]
+    fn libraries_declare_minor_zero_of_the_abi_major() {
+        assert_eq!(LOADED_VERSION.split('.').next(), Some("1"));
+        assert!(LOADED_VERSION.ends_with(".0.0"));
     }
 
     #[test]

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use attnbench_sdk::measure::{MeasureStatus, Measurement};
 use attnbench_sdk::reference::{self, HeadMasks, Inputs, Shape, OUTPUT_TENSORS};
-use attnbench_sdk::{InputArtifact, ParamType, StageRequest, StageSpec};
+use attnbench_sdk::{
+    types_failures, FailureKind, InputArtifact, ParamType, StageFailure, StageRequest, StageSpec,
+};
 use serde::Serialize;
 use serde_json::{json, Map, Value};
 
@@ -87,7 +89,7 @@ impl Runner {
         &mut self,
         stage: &str,
         request: &StageRequest,
-    ) -> Result<Result<Value, String>, String> {
+    ) -> Result<Result<Value, StageFailure>, String> {
         let mut worker = match self.worker.take() {
             Some(worker) => worker,
             None => Worker::spawn(&self.exe, &self.library, &self.env)
@@ -99,7 +101,9 @@ impl Runner {
             WorkerOutcome::Finished(outcome) => {
                 self.worker = Some(worker);
                 Ok(outcome.and_then(|text| {
-                    serde_json::from_str(&text).map_err(|err| format!("malformed result: {err}"))
+                    serde_json::from_str(&text).map_err(|err| {
+                        StageFailure::new(FailureKind::Failed, format!("malformed result: {err}"))
+                    })
                 }))
             }
             WorkerOutcome::Crashed(reason) => Err(reason),
@@ -191,7 +195,13 @@ pub fn check(
         };
         report.record(
             format!("{}: rejects bad parameters", spec.name),
-            bad_parameters(&mut runner, spec, &inputs, scratch.path()),
+            bad_parameters(
+                &mut runner,
+                spec,
+                &inputs,
+                scratch.path(),
+                types_failures(&plugin.manifest.abi),
+            ),
         );
         if spec.is_kernel() {
             let missing: Vec<&str> = attnbench_sdk::KERNEL_PARAMS
@@ -296,12 +306,14 @@ fn wrong_value(ty: &ParamType) -> Option<Value> {
     })
 }
 
-/// Each parameter in turn gets a value of the wrong type: the stage must answer with an error.
+/// Each parameter in turn gets a value of the wrong type: the stage must answer with an error,
+/// typed as a parameter error where the plugin types its failures.
 fn bad_parameters(
     runner: &mut Runner,
     spec: &StageSpec,
     inputs: &[InputArtifact],
     scratch: &Path,
+    typed: bool,
 ) -> Result<String, String> {
     let defaults = spec.resolve_params(&Map::new()).unwrap_or_default();
     let mut tried = 0;
@@ -319,14 +331,23 @@ fn bad_parameters(
             &format!("bad-{}", param.name),
         )?;
         match runner.run(&spec.name, &request) {
-            Ok(Err(message)) if message.starts_with("plugin panicked") => {
+            Ok(Err(failure)) if failure.kind == FailureKind::Panicked => {
                 return Err(format!(
-                    "`{}` = {bad}: it panicked instead of returning an error ({message})",
+                    "`{}` = {bad}: it panicked instead of returning an error ({failure})",
                     param.name
                 ))
             }
-            Ok(Err(message)) if message.trim().is_empty() => {
+            Ok(Err(failure)) if failure.message.trim().is_empty() => {
                 return Err(format!("`{}` = {bad}: an empty error message", param.name))
+            }
+            // A plugin of ABI 1.2 or later says what kind of failure it is; one that checks its
+            // parameters must call a wrong one a parameter error.
+            Ok(Err(failure)) if failure.kind != FailureKind::Params && typed => {
+                return Err(format!(
+                    "`{}` = {bad}: refused as a `{}` failure, not a `params` one ({failure})",
+                    param.name,
+                    failure.kind.name()
+                ))
             }
             Ok(Err(_)) => tried += 1,
             Ok(Ok(_)) => return Err(format!("`{}` = {bad} was accepted", param.name)),

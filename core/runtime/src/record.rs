@@ -63,6 +63,9 @@ pub struct NodeRecord {
     pub duration_s: f64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// The kind of a stage's own failure (`params`, `io`, `panicked`, `failed`, …), beside `error`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<String>,
     /// Something worth knowing that did not fail the node (e.g. a corrupted entry was recomputed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,

@@ -1,5 +1,7 @@
 use std::path::Path;
 
+use crate::FailureKind;
+
 /// Why a stage could not produce its result. The message reaches the user as the node's error.
 #[derive(Debug, thiserror::Error)]
 pub enum PluginError {
@@ -18,6 +20,16 @@ pub enum PluginError {
 }
 
 impl PluginError {
+    /// The kind the host receives beside the message.
+    pub fn kind(&self) -> FailureKind {
+        match self {
+            PluginError::Params(_) => FailureKind::Params,
+            PluginError::UnknownStage { .. } => FailureKind::UnknownStage,
+            PluginError::Io { .. } => FailureKind::Io,
+            PluginError::Failed(_) => FailureKind::Failed,
+        }
+    }
+
     pub fn failed(message: impl Into<String>) -> Self {
         PluginError::Failed(message.into())
     }

@@ -6,7 +6,7 @@ use attnbench_abi::abi_stable::std_types::{RErr, ROk, RResult, RStr, RString};
 use attnbench_abi::{AttentionCall, HostServices, PluginMod, PluginModRef};
 use serde_json::Value;
 
-use crate::{Host, PluginError, PluginManifest, StageRequest};
+use crate::{FailureKind, Host, PluginError, PluginManifest, StageFailure, StageRequest};
 
 /// A plugin: a manifest and a `run` for each of its stages. Export it with [`crate::export_plugin!`].
 pub trait Plugin {
@@ -92,6 +92,27 @@ extern "C" fn run_entry<P: Plugin>(
     request: RStr<'_>,
     host: &HostServices,
 ) -> RResult<RString, RString> {
+    match run_stage::<P>(stage, request, host) {
+        Ok(result) => ROk(result.into()),
+        Err(failure) => RErr(wire(&failure).into()),
+    }
+}
+
+/// A failure as this ABI sends it: typed since 1.2; the message alone when the SDK is built as
+/// ABI 1.1 for the host's compatibility tests.
+fn wire(failure: &StageFailure) -> String {
+    if cfg!(feature = "abi-1-1") {
+        failure.message.clone()
+    } else {
+        failure.to_wire()
+    }
+}
+
+fn run_stage<P: Plugin>(
+    stage: RStr<'_>,
+    request: RStr<'_>,
+    host: &HostServices,
+) -> Result<String, StageFailure> {
     capture_panics();
     let outcome = catch_unwind(AssertUnwindSafe(|| {
         let request: StageRequest = serde_json::from_str(request.as_str()).map_err(|err| {
@@ -116,13 +137,16 @@ extern "C" fn run_entry<P: Plugin>(
         P::run(stage.as_str(), request, &Host::new(host))
     }));
     match outcome {
-        Ok(Ok(result)) => ROk(result.to_string().into()),
-        Ok(Err(err)) => RErr(err.to_string().into()),
+        Ok(Ok(result)) => Ok(result.to_string()),
+        Ok(Err(err)) => Err(StageFailure::new(err.kind(), err.to_string())),
         Err(panic) => {
             let described = LAST_PANIC
                 .with(|last| last.borrow_mut().take())
                 .unwrap_or_else(|| panic_message(&*panic));
-            RErr(format!("plugin panicked: {described}").into())
+            Err(StageFailure::new(
+                FailureKind::Panicked,
+                format!("plugin panicked: {described}"),
+            ))
         }
     }
 }

@@ -21,6 +21,7 @@ pub mod attention;
 pub mod environment;
 mod error;
 mod export;
+mod failure;
 pub mod histogram;
 mod host;
 pub mod libraries;
@@ -38,6 +39,7 @@ pub use artifact::{file_name_part, write_atomically, write_json};
 pub use attnbench_abi as abi;
 pub use error::PluginError;
 pub use export::Plugin;
+pub use failure::{types_failures, FailureKind, StageFailure};
 pub use host::Host;
 pub use manifest::{
     kinds, CacheScope, Isolation, ParamSpec, ParamType, PluginManifest, StageSpec, KERNEL_PARAMS,

@@ -10,6 +10,8 @@ use std::time::{Duration, Instant};
 
 use attnbench_abi::LogLevel;
 
+use attnbench_sdk::StageFailure;
+
 use crate::host::plugin::Plugin;
 use crate::host::services::{trace_plugin_log, ServiceSink};
 use crate::host::worker::STOP_GRACE;
@@ -47,7 +49,7 @@ impl<P: Fn(u64, u64, &str)> ServiceSink for NodeSink<P> {
 
 enum FromStage {
     Progress(u64, u64, String),
-    Done(Result<String, String>),
+    Done(Result<String, StageFailure>),
 }
 
 /// Runs an in-process stage on its own thread and waits for it. Once the run is stopped the
@@ -86,7 +88,7 @@ pub fn run_detached(
     loop {
         match receiver.recv_timeout(Duration::from_millis(100)) {
             Ok(FromStage::Progress(done, total, message)) => on_progress(done, total, &message),
-            Ok(FromStage::Done(result)) => return result.map_err(NodeFailure::Error),
+            Ok(FromStage::Done(result)) => return result.map_err(NodeFailure::Stage),
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 if stop.requested()
                     && stopped_at.get_or_insert_with(Instant::now).elapsed() >= STOP_GRACE

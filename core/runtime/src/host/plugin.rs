@@ -15,7 +15,7 @@ use std::sync::{Arc, OnceLock};
 use attnbench_abi::abi_stable::library::{lib_header_from_path, LibraryError};
 use attnbench_abi::abi_stable::std_types::{RResult, RStr};
 use attnbench_abi::{PluginModRef, ABI_VERSION};
-use attnbench_sdk::{PluginManifest, StageSpec};
+use attnbench_sdk::{FailureKind, PluginManifest, StageFailure, StageSpec};
 
 use crate::host::services::{services_for, ServiceSink};
 
@@ -32,7 +32,7 @@ pub enum LoadError {
     NotAPlugin(PathBuf),
     #[error("{path} was built for plugin ABI {found} but this attnbench speaks ABI {ABI_VERSION}; rebuild the plugin against an attnbench-sdk of ABI major {major}", major = attnbench_abi::abi_major())]
     OtherMajor { path: PathBuf, found: String },
-    #[error("{path} was built for plugin ABI {found}, whose interface layout differs from this attnbench's ABI {ABI_VERSION}; rebuild the plugin against the attnbench-sdk this attnbench ships")]
+    #[error("{path} was built for plugin ABI major {found}, but its interface layout differs from this attnbench's ABI {ABI_VERSION}; rebuild the plugin against the attnbench-sdk this attnbench ships")]
     Layout { path: PathBuf, found: String },
     #[error("{path} failed to initialise: {reason}")]
     Init { path: PathBuf, reason: String },
@@ -122,14 +122,16 @@ impl Plugin {
             .clone()
     }
 
-    /// Runs one node in this process. `Ok` carries the result JSON text, `Err` the plugin's message.
+    /// Runs one node in this process: the result JSON text, or the stage's typed failure.
     pub fn run(
         &self,
         stage: &str,
         request_json: &str,
         sink: &impl ServiceSink,
-    ) -> Result<String, String> {
-        let module = self.module()?;
+    ) -> Result<String, StageFailure> {
+        let module = self
+            .module()
+            .map_err(|message| StageFailure::new(FailureKind::Failed, message))?;
         let services = services_for(sink);
         match (module.run())(
             RStr::from_str(stage),
@@ -137,7 +139,10 @@ impl Plugin {
             &services,
         ) {
             RResult::ROk(text) => Ok(text.into_string()),
-            RResult::RErr(text) => Err(text.into_string()),
+            RResult::RErr(text) => Err(StageFailure::from_wire(
+                &self.manifest.abi,
+                text.into_string(),
+            )),
         }
     }
 
@@ -185,7 +190,7 @@ fn open_library(path: &Path) -> Result<(PluginModRef, String), LoadError> {
             LibraryError::AbiInstability(_) | LibraryError::IncompatibleVersionNumber { .. } => {
                 LoadError::Layout {
                     path: path.to_path_buf(),
-                    found: found.clone(),
+                    found: found.split('.').next().unwrap_or_default().to_string(),
                 }
             }
             other => classify(path, other),
@@ -380,13 +385,15 @@ impl Plugin {
             plugins: Default::default(),
         };
         let request = serde_json::to_string(&request).map_err(|err| err.to_string())?;
-        let text = self.run(
-            stage,
-            &request,
-            &StandaloneSink {
-                plugin: &self.manifest.name,
-            },
-        )?;
+        let text = self
+            .run(
+                stage,
+                &request,
+                &StandaloneSink {
+                    plugin: &self.manifest.name,
+                },
+            )
+            .map_err(|failure| failure.message)?;
         serde_json::from_str(&text).map_err(|err| format!("malformed result: {err}"))
     }
 }

@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use attnbench_abi::LogLevel;
+use attnbench_sdk::{FailureKind, StageFailure};
 use serde::{Deserialize, Serialize};
 
 use crate::host::plugin::Plugin;
@@ -54,6 +55,9 @@ enum FromWorker {
     Done {
         ok: bool,
         output: String,
+        /// The failure's kind when `ok` is false.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        failure: Option<FailureKind>,
     },
 }
 
@@ -104,17 +108,22 @@ pub fn serve(plugin_path: &Path) -> std::io::Result<()> {
                 channel.send(&FromWorker::Done {
                     ok: false,
                     output: format!("worker received a malformed message: {err}"),
+                    failure: Some(FailureKind::Failed),
                 });
                 continue;
             }
         };
         let outcome = plugin.run(&stage, &request, &channel);
-        let (ok, output) = match outcome {
-            Ok(result) => (true, result),
-            Err(err) => (false, err),
+        let (ok, output, failure) = match outcome {
+            Ok(result) => (true, result, None),
+            Err(err) => (false, err.message, Some(err.kind)),
         };
         eprintln!("{STDERR_MARK}");
-        channel.send(&FromWorker::Done { ok, output });
+        channel.send(&FromWorker::Done {
+            ok,
+            output,
+            failure,
+        });
     }
     Ok(())
 }
@@ -160,8 +169,8 @@ impl ServiceSink for Protocol {
 /// How a node sent to a worker ended.
 #[derive(Debug)]
 pub enum WorkerOutcome {
-    /// The plugin returned: its result JSON, or its error message.
-    Finished(Result<String, String>),
+    /// The plugin returned: its result JSON, or its typed failure.
+    Finished(Result<String, StageFailure>),
     /// The worker died; the reason names the signal or exit status and quotes its stderr.
     Crashed(String),
     TimedOut,
@@ -321,10 +330,21 @@ impl Worker {
                     total,
                     message,
                 }) => sink.progress(done, total, &message),
-                Ok(FromWorker::Done { ok, output }) => {
+                Ok(FromWorker::Done {
+                    ok,
+                    output,
+                    failure,
+                }) => {
                     // Everything the node wrote to stderr precedes the mark.
                     let _ = self.stderr_marks.recv_timeout(Duration::from_secs(1));
-                    break WorkerOutcome::Finished(if ok { Ok(output) } else { Err(output) });
+                    break WorkerOutcome::Finished(if ok {
+                        Ok(output)
+                    } else {
+                        Err(StageFailure::new(
+                            failure.unwrap_or(FailureKind::Failed),
+                            output,
+                        ))
+                    });
                 }
                 Ok(other) => {
                     break WorkerOutcome::Crashed(format!(

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use attnbench_sdk::{InputArtifact, Isolation, StageRequest};
+use attnbench_sdk::{FailureKind, InputArtifact, Isolation, StageFailure, StageRequest};
 use serde_json::Value;
 
 use super::{Event, Observer, Shared};
@@ -21,8 +21,10 @@ use crate::record::{node_file_name, NodeRecord, Status};
 /// Why a node produced no artifact: the status its record gets, with what happened.
 #[derive(Debug)]
 pub(crate) enum NodeFailure {
-    /// The stage, or the host around it, returned an error.
+    /// The host around the stage failed (the cache, a thread, a malformed result).
     Error(String),
+    /// The stage returned a failure of its own.
+    Stage(StageFailure),
     /// The node's worker process or thread died.
     Crashed(String),
     /// It ran past its stage's `timeout:`; its worker was killed.
@@ -34,15 +36,24 @@ pub(crate) enum NodeFailure {
 impl NodeFailure {
     pub fn status(&self) -> Status {
         match self {
-            NodeFailure::Error(_) => Status::Error,
+            NodeFailure::Error(_) | NodeFailure::Stage(_) => Status::Error,
             NodeFailure::Crashed(_) => Status::Crashed,
             NodeFailure::Timeout(_) => Status::Timeout,
             NodeFailure::Interrupted(_) => Status::Interrupted,
         }
     }
 
+    /// The failure's kind, for the stage's own failures.
+    fn kind(&self) -> Option<FailureKind> {
+        match self {
+            NodeFailure::Stage(failure) => Some(failure.kind),
+            _ => None,
+        }
+    }
+
     fn into_message(self) -> String {
         match self {
+            NodeFailure::Stage(failure) => failure.message,
             NodeFailure::Error(m)
             | NodeFailure::Crashed(m)
             | NodeFailure::Timeout(m)
@@ -167,6 +178,7 @@ pub(super) fn bare_record(
         key_parts: parts,
         duration_s: 0.0,
         error,
+        failure: None,
         note: None,
         log: None,
         artifact: None,
@@ -284,6 +296,7 @@ pub(super) fn run_node(shared: &Shared, task: Task) -> Finished {
 
 fn failed(index: usize, mut record: NodeRecord, failure: NodeFailure) -> Finished {
     record.status = failure.status();
+    record.failure = failure.kind().map(|kind| kind.name().to_string());
     record.error = Some(failure.into_message());
     Finished {
         node: index,
@@ -364,7 +377,7 @@ fn compute(
             ) {
                 WorkerOutcome::Finished(outcome) => {
                     shared.pool.release(worker);
-                    outcome.map_err(NodeFailure::Error)?
+                    outcome.map_err(NodeFailure::Stage)?
                 }
                 WorkerOutcome::Crashed(reason) => return Err(NodeFailure::Crashed(reason)),
                 WorkerOutcome::TimedOut => {
