@@ -1,9 +1,10 @@
 //! The FFI-stable interface between the attnbench host and its plugins.
 //!
 //! Kept deliberately tiny: JSON strings cross the boundary, so the interface itself rarely needs
-//! to change. abi_stable checks the layout of everything here when a plugin is loaded. New entry
-//! points are added after the last prefix field of [`PluginMod`] (a minor version bump); anything
-//! else is a new major, and a host refuses plugins of another major.
+//! to change. abi_stable checks the layout of everything here when a library is loaded, and it
+//! refuses a library whose root module has fewer fields than the host's: a new entry point would
+//! lock out every plugin built before it. So a minor version changes what travels in the JSON
+//! (ABI 1.2: typed failures), and anything else is a new major, which a host refuses.
 
 use std::ffi::c_void;
 
