@@ -118,6 +118,31 @@ fn a_corpus_is_downloaded_counted_and_feeds_the_masks() {
 }
 
 #[test]
+fn downloads_are_kept_in_the_cache_the_run_was_given() {
+    // The cache folder reaches the plugin from the host, so `--cache` places the downloads as
+    // well as the artifacts, with no environment variable set.
+    let (shard, _) = corpus();
+    let server = HttpServer::start(
+        HashMap::from([("shard.jsonl.zst".to_string(), shard.clone())]),
+        HashSet::new(),
+    );
+    let sandbox = Sandbox::new();
+    let p = pipeline(&sandbox, &server.url("shard.jsonl.zst"), &sha256(&shard));
+    let output = sandbox
+        .command(&["run", &p, "--cache", "elsewhere"])
+        .env_remove("ATTNBENCH_CACHE")
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", stderr(&output));
+    let kept = data_files(&sandbox.path().join("elsewhere").join("downloads"));
+    assert_eq!(kept.len(), 1, "the verified shard: {kept:?}");
+    assert!(
+        !sandbox.path().join("artifacts").exists(),
+        "nothing in the default cache"
+    );
+}
+
+#[test]
 fn a_download_cut_in_the_middle_resumes_with_a_range_request() {
     let (shard, _) = corpus();
     let server = HttpServer::start(

@@ -1,6 +1,6 @@
 //! What the CLI tells the runtime about this machine for its worker processes: the GPU libraries
-//! found here, linked under their plain names for the workers, and the folder plugins keep their
-//! own caches in (compiled kernels) beside the artifacts. The runtime itself knows neither.
+//! found here, linked under their plain names for the workers. The runtime itself does not know
+//! them. (Plugins get the cache folder from the host, in each request.)
 
 use std::path::Path;
 use std::sync::Arc;
@@ -13,11 +13,7 @@ use attnbench_runtime::host::worker::WorkerEnv;
 /// starts.
 pub fn run_env(cache_root: &Path) -> WorkerEnv {
     let root = cache_root.to_path_buf();
-    Arc::new(move || {
-        let mut env = attnbench_gpu_libs::worker_env(&root.join("cuda-libs"));
-        env.push(("ATTNBENCH_CACHE".into(), root.display().to_string()));
-        env
-    })
+    Arc::new(move || attnbench_gpu_libs::worker_env(&root.join("cuda-libs")))
 }
 
 /// Why stages that need a GPU cannot run here, when they cannot.

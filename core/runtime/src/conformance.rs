@@ -291,6 +291,8 @@ fn request(
         output_dir,
         inputs: inputs.to_vec(),
         plugins: Default::default(),
+        // The check's own scratch, so that what a plugin keeps between nodes stays out of caches.
+        cache_dir: Some(scratch.join("cache")),
     })
 }
 

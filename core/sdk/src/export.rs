@@ -134,7 +134,8 @@ fn run_stage<P: Plugin>(
                 })?;
         spec.resolve_params(&request.params)
             .map_err(PluginError::Params)?;
-        P::run(stage.as_str(), request, &Host::new(host))
+        let cache_dir = request.cache_dir.clone();
+        P::run(stage.as_str(), request, &Host::new(host, cache_dir))
     }));
     match outcome {
         Ok(Ok(result)) => Ok(result.to_string()),

@@ -1,14 +1,27 @@
+use std::path::{Path, PathBuf};
+
 use attnbench_abi::abi_stable::std_types::RStr;
 use attnbench_abi::{HostServices, LogLevel};
 
 /// The host's services as a plugin sees them during one `run` call.
 pub struct Host<'a> {
     services: &'a HostServices,
+    cache_dir: Option<PathBuf>,
 }
 
 impl<'a> Host<'a> {
-    pub fn new(services: &'a HostServices) -> Self {
-        Host { services }
+    pub fn new(services: &'a HostServices, cache_dir: Option<PathBuf>) -> Self {
+        Host {
+            services,
+            cache_dir,
+        }
+    }
+
+    /// The host's cache folder, where a plugin keeps what outlives a node (downloads, compiled
+    /// kernels) in a subfolder named for it; `None` when the host keeps no cache (a host before
+    /// ABI 1.2, or a one-off call).
+    pub fn cache_dir(&self) -> Option<&Path> {
+        self.cache_dir.as_deref()
     }
 
     pub fn log(&self, level: LogLevel, message: &str) {

@@ -22,6 +22,9 @@ pub struct StageRequest {
     /// [`crate::attention::Backend::open`] takes.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub plugins: std::collections::BTreeMap<String, PathBuf>,
+    /// The host's cache folder (ABI 1.2): plugins read it as [`crate::Host::cache_dir`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_dir: Option<PathBuf>,
 }
 
 /// A finished upstream node, as its dependents see it.

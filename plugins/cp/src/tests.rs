@@ -235,6 +235,7 @@ fn the_model_takes_nvlink_from_a_links_record() {
             output_dir: dir.clone(),
             inputs: vec![input],
             plugins: Default::default(),
+            cache_dir: None,
         }
     };
     let (gbs, us) = crate::measured_link(&links_node(2)).unwrap().unwrap();
@@ -304,6 +305,7 @@ fn the_model_sets_measured_gpu_cells_beside_its_predictions() {
             cell("causal", "nccl", (2e-3, 1.5e-3)),
         ],
         plugins: Default::default(),
+        cache_dir: None,
     };
     let params: crate::ModelParams = serde_json::from_value(json!({
         "mask": "full", "direction": "fwd", "tokens_per_gpu": 48, "heads_q": 4, "heads_kv": 2,

@@ -85,6 +85,9 @@ pub struct Gpu {
     pub blas: CudaBlas,
     pub memory: Arc<MemoryTracker>,
     flush: CudaSlice<u8>,
+    /// Where compiled PTX is kept between processes: `nvrtc/` in the host's cache folder, set by
+    /// each stage that gets one; without it kernels are compiled once per process.
+    pub ptx_cache: Option<std::path::PathBuf>,
 }
 
 impl Gpu {
@@ -108,6 +111,7 @@ impl Gpu {
             blas,
             memory: Arc::default(),
             flush,
+            ptx_cache: None,
         })
     }
 
@@ -154,8 +158,8 @@ impl Gpu {
         )
     }
 
-    /// CUDA C compiled by NVRTC for this device and loaded; the PTX is cached on disk
-    /// (`$ATTNBENCH_CACHE/nvrtc/<key>.ptx`, key: source, architecture, NVRTC version).
+    /// CUDA C compiled by NVRTC for this device and loaded; the PTX is cached on disk in
+    /// [`Gpu::ptx_cache`] (`<key>.ptx`, key: source, architecture, NVRTC version).
     pub fn compile(
         &self,
         what: &'static str,
@@ -169,13 +173,14 @@ impl Gpu {
         };
         let key =
             blake3::hash(format!("{source}\n{arch}\n{}", nvrtc_version()).as_bytes()).to_hex();
-        let root = std::env::var_os("ATTNBENCH_CACHE")
-            .map(std::path::PathBuf::from)
-            .unwrap_or_else(|| "artifacts".into());
-        let path = root.join("nvrtc").join(format!("{key}.ptx"));
-        let ptx = match std::fs::read_to_string(&path) {
-            Ok(text) => cudarc::nvrtc::Ptx::from_src(text),
-            Err(_) => {
+        let path = self
+            .ptx_cache
+            .as_ref()
+            .map(|dir| dir.join(format!("{key}.ptx")));
+        let cached = path.as_ref().and_then(|p| std::fs::read_to_string(p).ok());
+        let ptx = match cached {
+            Some(text) => cudarc::nvrtc::Ptx::from_src(text),
+            None => {
                 let options = cudarc::nvrtc::CompileOptions {
                     arch: Some(arch),
                     ..Default::default()
@@ -183,12 +188,12 @@ impl Gpu {
                 let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, options).map_err(|err| {
                     PluginError::failed(format!("NVRTC could not compile {what} for {arch}: {err}"))
                 })?;
-                if let Some(dir) = path.parent() {
+                if let Some((path, dir)) = path.as_ref().and_then(|p| Some((p, p.parent()?))) {
                     // A cache that cannot be written only costs a compile next time.
                     let _ = std::fs::create_dir_all(dir).and_then(|_| {
                         let partial = path.with_extension("partial");
                         std::fs::write(&partial, ptx.to_src())
-                            .and_then(|_| std::fs::rename(&partial, &path))
+                            .and_then(|_| std::fs::rename(&partial, path))
                     });
                 }
                 ptx

@@ -137,6 +137,14 @@ impl Plugin for Cuda {
     }
 
     fn run(stage: &str, request: StageRequest, host: &Host) -> Result<Value, PluginError> {
+        if let Some(dir) = host.cache_dir() {
+            // Compiled kernels outlive the worker in the host's cache. A GPU that does not open
+            // here fails the stage below, with its reason.
+            let _ = with_gpu(|state| {
+                state.gpu.ptx_cache = Some(dir.join("nvrtc"));
+                Ok(())
+            });
+        }
         match stage {
             "devices" => with_gpu(|state| {
                 let count = cudarc::driver::CudaContext::device_count().unwrap_or(0);

@@ -58,7 +58,7 @@ impl Plugin for Datasets {
                     ))
                     .param(ParamSpec::new("retries", ParamType::Int).default(4).doc("Download attempts after the first, resuming where the last stopped."))
                     .param(ParamSpec::new("downloads", ParamType::String).default("").doc(
-                        "Where shards are kept between runs (default: $ATTNBENCH_CACHE/downloads, else artifacts/downloads).",
+                        "Where shards are kept between runs (default: `downloads/` in attnbench's cache folder, else artifacts/downloads).",
                     ))
                     .param(ParamSpec::new("max_bytes", ParamType::Size).default("4G").doc(
                         "Refuse a shard larger than this (announced or sent); a shard's own `max_bytes:` in the manifest overrides it.",
@@ -121,11 +121,11 @@ impl Plugin for Datasets {
     }
 }
 
-fn downloads_dir(params: &Params) -> PathBuf {
+fn downloads_dir(params: &Params, host: &Host) -> PathBuf {
     if !params.downloads.is_empty() {
         return PathBuf::from(&params.downloads);
     }
-    std::env::var_os("ATTNBENCH_CACHE")
+    host.cache_dir()
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("artifacts"))
         .join("downloads")
@@ -146,7 +146,7 @@ fn from_manifest(
             )));
         }
     }
-    let dir = downloads_dir(params);
+    let dir = downloads_dir(params, host);
     let fetch_shard = |shard: &manifest::Shard| {
         let rules = Rules {
             sha256: shard.sha256.as_deref(),

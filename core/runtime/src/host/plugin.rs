@@ -383,6 +383,7 @@ impl Plugin {
             output_dir: output_dir.to_path_buf(),
             inputs,
             plugins: Default::default(),
+            cache_dir: None,
         };
         let request = serde_json::to_string(&request).map_err(|err| err.to_string())?;
         let text = self

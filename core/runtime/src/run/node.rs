@@ -328,6 +328,7 @@ fn compute(
         plugins: backends_of(plan, index)
             .map(|plugin| (plugin.manifest.name.clone(), plugin.path.clone()))
             .collect(),
+        cache_dir: Some(shared.cache.root.clone()),
     };
     let request_json =
         serde_json::to_string(&request).map_err(|err| NodeFailure::Error(err.to_string()))?;

@@ -220,7 +220,8 @@ fn a_library_rebuilt_after_its_manifest_was_read_is_not_run_under_the_old_hash()
         .run("stage", "{}", &crate::host::services::Silent)
         .unwrap_err();
     assert!(
-        err.message.contains("libfake.so changed since attnbench read its manifest"),
+        err.message
+            .contains("libfake.so changed since attnbench read its manifest"),
         "{err}"
     );
 }
