@@ -64,17 +64,17 @@ fn every_fault_is_recorded_and_independent_nodes_finish() {
     }
 
     let record = sandbox.last_record();
-    let error_of = |id: &str| {
+    let field_of = |id: &str, field: &str| {
         record["nodes"]
             .as_array()
             .unwrap()
             .iter()
             .find(|n| n["id"] == id)
-            .unwrap()["error"]
+            .unwrap()[field]
             .as_str()
-            .unwrap_or_default()
-            .to_string()
+            .map(str::to_string)
     };
+    let error_of = |id: &str| field_of(id, "error").unwrap_or_default();
     assert!(
         error_of("segfaults").contains("SIGSEGV"),
         "{}",
@@ -103,16 +103,6 @@ fn every_fault_is_recorded_and_independent_nodes_finish() {
     assert!(error_of("hangs").contains("1.5s"), "{}", error_of("hangs"));
     // A stage's own failure carries its kind across the ABI; the host's failures around a stage
     // (a crash, a malformed result) have none.
-    let failure_of = |id: &str| {
-        record["nodes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|n| n["id"] == id)
-            .unwrap()["failure"]
-            .as_str()
-            .map(str::to_string)
-    };
     for (node, kind) in [
         ("panics-in-process", Some("panicked")),
         ("panics-in-worker", Some("panicked")),
@@ -120,7 +110,11 @@ fn every_fault_is_recorded_and_independent_nodes_finish() {
         ("segfaults", None),
         ("malformed", None),
     ] {
-        assert_eq!(failure_of(node).as_deref(), kind, "failure kind of {node}");
+        assert_eq!(
+            field_of(node, "failure").as_deref(),
+            kind,
+            "failure kind of {node}"
+        );
     }
     assert!(
         error_of("after-crash").contains("segfaults"),

@@ -17,12 +17,29 @@ fn one_sentence(output: &std::process::Output, fragments: &[&str]) {
     }
 }
 
+/// Runs `pipeline` (written as kernel.yaml) with the plugins of `plugins/` and returns its record.
+fn run_with_plugins(sandbox: &Sandbox, pipeline: &str) -> serde_json::Value {
+    sandbox.write("kernel.yaml", pipeline);
+    let run = sandbox
+        .command(&["run", "kernel.yaml"])
+        .env("ATTNBENCH_PLUGIN_PATH", sandbox.path().join("plugins"))
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{}", stderr(&run));
+    sandbox.last_record()
+}
+
+/// The example plugin built with `features` into the sandbox's `plugins/`.
+fn example_plugin(sandbox: &Sandbox, features: &[&str]) -> std::path::PathBuf {
+    let plugins = sandbox.path().join("plugins");
+    std::fs::create_dir_all(&plugins).unwrap();
+    build_example_plugin(features, &plugins, "libexample_kernel.so")
+}
+
 #[test]
 fn a_third_party_plugin_built_outside_the_workspace_runs_in_a_pipeline() {
     let sandbox = Sandbox::new();
-    let plugins = sandbox.path().join("plugins");
-    std::fs::create_dir_all(&plugins).unwrap();
-    build_example_plugin(&[], &plugins, "libexample_kernel.so");
+    example_plugin(&sandbox, &[]);
 
     let listed = sandbox.run(&["plugins", "list", "--plugin-dir", "plugins"]);
     assert!(
@@ -31,17 +48,10 @@ fn a_third_party_plugin_built_outside_the_workspace_runs_in_a_pipeline() {
         stdout(&listed)
     );
 
-    sandbox.write(
-        "kernel.yaml",
+    let record = run_with_plugins(
+        &sandbox,
         "name: kernel\nseed: 5\nstages:\n  attention:\n    uses: example-kernel/attention\n    matrix: {seqlen: [128, 256], causal: [false, true]}\n    with: {reps: 2}\n",
     );
-    let run = sandbox
-        .command(&["run", "kernel.yaml"])
-        .env("ATTNBENCH_PLUGIN_PATH", &plugins)
-        .output()
-        .unwrap();
-    assert!(run.status.success(), "{}", stderr(&run));
-    let record = sandbox.last_record();
     let nodes = record["nodes"].as_array().unwrap();
     assert_eq!(nodes.len(), 4);
     for node in nodes {
@@ -84,20 +94,11 @@ fn a_plugin_of_another_abi_major_is_refused_in_one_sentence() {
 fn a_plugin_of_an_older_abi_minor_loads_runs_and_passes_the_conformance_suite() {
     // ABI 1.1 sent a failure's message alone; the host still loads such a plugin and runs it.
     let sandbox = Sandbox::new();
-    let plugins = sandbox.path().join("plugins");
-    std::fs::create_dir_all(&plugins).unwrap();
-    let older = build_example_plugin(&["abi-1-1"], &plugins, "libexample_kernel.so");
-    sandbox.write(
-        "kernel.yaml",
+    let older = example_plugin(&sandbox, &["abi-1-1"]);
+    let record = run_with_plugins(
+        &sandbox,
         "name: kernel\nstages:\n  attention:\n    uses: example-kernel/attention\n    with: {seqlen: 128, reps: 2}\n",
     );
-    let run = sandbox
-        .command(&["run", "kernel.yaml"])
-        .env("ATTNBENCH_PLUGIN_PATH", &plugins)
-        .output()
-        .unwrap();
-    assert!(run.status.success(), "{}", stderr(&run));
-    let record = sandbox.last_record();
     assert_eq!(record["plugins"][0]["abi"], "1.1.0", "{record}");
     assert_eq!(record["nodes"][0]["status"], "ok", "{record}");
 
