@@ -70,7 +70,7 @@ pub struct Shape {
     pub heads_q: u64,
     pub heads_kv: u64,
     pub head_dim: u64,
-    pub dtype: String,
+    pub dtype: crate::reference::Element,
 }
 
 /// Seconds at the 20th, 50th and 80th percentiles, the minimum, the mean and the count.
@@ -434,7 +434,7 @@ pub struct KernelParams {
     pub heads_q: usize,
     pub heads_kv: usize,
     pub head_dim: usize,
-    pub dtype: String,
+    pub dtype: crate::reference::Element,
     pub outputs: bool,
     #[serde(flatten)]
     pub harness: HarnessParams,
@@ -462,7 +462,7 @@ impl KernelParams {
             heads_q: self.heads_q as u64,
             heads_kv: self.heads_kv as u64,
             head_dim: self.head_dim as u64,
-            dtype: self.dtype.clone(),
+            dtype: self.dtype,
         }
     }
 }

@@ -118,10 +118,10 @@ fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, String> {
     problem.check_world(info)?;
     let setup = problem.setup;
     let layout = setup.layout;
-    let (element, input) = match problem.dtype.as_str() {
-        "bf16" => (Element::Bf16, DType::Bf16),
-        "fp16" => (Element::F16, DType::F16),
-        other => return Err(format!("dtype `{other}`: GPU ranks take bf16 or fp16")),
+    let (element, input) = match problem.dtype {
+        Element::Bf16 => (Element::Bf16, DType::Bf16),
+        Element::F16 => (Element::F16, DType::F16),
+        Element::F32 => return Err("dtype `f32`: GPU ranks take bf16 or fp16".into()),
     };
     let shape = problem.shape();
     crate::threads::check(&setup, &shape)?;

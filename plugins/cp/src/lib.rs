@@ -145,7 +145,7 @@ struct Params {
     heads_q: usize,
     heads_kv: usize,
     head_dim: usize,
-    dtype: String,
+    dtype: Element,
     outputs: bool,
     #[serde(flatten)]
     harness: attnbench_sdk::measure::HarnessParams,
@@ -217,7 +217,7 @@ fn rank_problem(
         heads_q: p.heads_q,
         heads_kv: p.heads_kv,
         head_dim: p.head_dim,
-        dtype: p.dtype.clone(),
+        dtype: p.dtype,
         seed,
         backward: p.direction.backward(),
         mask: set.clone(),
@@ -264,8 +264,7 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
         shape.seqlen,
     )
     .map_err(PluginError::Params)?;
-    let element = Element::parse(&p.dtype)
-        .ok_or_else(|| PluginError::Params(format!("dtype `{}`", p.dtype)))?;
+    let element = p.dtype;
     let harness = p.harness.apply(default_harness());
     let mut measurement = Measurement::for_kernel(
         &format!("cp-{}", method.name()),
@@ -276,7 +275,7 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
             heads_q: p.heads_q as u64,
             heads_kv: p.heads_kv as u64,
             head_dim: p.head_dim as u64,
-            dtype: p.dtype.clone(),
+            dtype: p.dtype,
         },
         p.direction,
         harness.clone(),
@@ -564,7 +563,7 @@ pub(crate) struct ModelParams {
     heads_q: u64,
     heads_kv: u64,
     head_dim: u64,
-    dtype: String,
+    dtype: Element,
     kernel_tflops: f64,
     worlds: Vec<usize>,
     gpus_per_node: usize,
@@ -577,8 +576,7 @@ pub(crate) struct ModelParams {
 
 fn model_stage(request: &StageRequest) -> Result<Value, PluginError> {
     let p: ModelParams = request.params()?;
-    let element = Element::parse(&p.dtype)
-        .ok_or_else(|| PluginError::Params(format!("dtype `{}`", p.dtype)))?;
+    let element = p.dtype;
     let backward = p.direction == Direction::Bwd;
     let kernel_tflops = match (p.kernel_tflops, backward) {
         (t, _) if t > 0.0 => t,
@@ -723,7 +721,7 @@ fn against_measurements(
             continue;
         };
         let kernels_s = seconds(slowest, "kernels_s");
-        let element = Element::parse(&m.shape.dtype).ok_or_else(|| unreadable("shape.dtype"))?;
+        let element = m.shape.dtype;
         let workload = model::Workload {
             sizes: volume::Sizes {
                 tokens: m.mask.seqlen / world as u64,

@@ -28,7 +28,7 @@ pub struct RankProblem {
     pub heads_q: usize,
     pub heads_kv: usize,
     pub head_dim: usize,
-    pub dtype: String,
+    pub dtype: Element,
     pub seed: u64,
     pub backward: bool,
     pub mask: MaskSet,
@@ -109,9 +109,7 @@ pub fn open_attention(path: &Path, kernel: &str) -> Result<Backend, String> {
 
 impl RankProblem {
     fn inputs(&self) -> Result<Inputs, String> {
-        let element =
-            Element::parse(&self.dtype).ok_or_else(|| format!("dtype `{}`", self.dtype))?;
-        Ok(Inputs::random_as(&self.shape(), self.seed, element))
+        Ok(Inputs::random_as(&self.shape(), self.seed, self.dtype))
     }
 }
 

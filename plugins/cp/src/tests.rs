@@ -4,7 +4,7 @@
 use attnbench_mask_catalogue::{generate, Params as MaskParams};
 use attnbench_sdk::histogram::{Bucket, Histogram};
 use attnbench_sdk::mask::MaskSet;
-use attnbench_sdk::reference::{self, relative_error, HeadMasks, Inputs, Shape};
+use attnbench_sdk::reference::{self, relative_error, Element, HeadMasks, Inputs, Shape};
 
 use crate::methods::{Method, Setup};
 use crate::volume::{self, Sizes};
@@ -267,7 +267,7 @@ fn the_model_sets_measured_gpu_cells_beside_its_predictions() {
             heads_q: 4,
             heads_kv: 2,
             head_dim: 8,
-            dtype: "bf16".into(),
+            dtype: Element::Bf16,
         };
         let mut m = Measurement::for_kernel(
             "cp-ring_p2p",
@@ -350,7 +350,7 @@ fn a_gpu_job_file_is_flat_and_reads_back() {
             heads_q: 8,
             heads_kv: 2,
             head_dim: 128,
-            dtype: "bf16".into(),
+            dtype: Element::Bf16,
             seed: 5,
             backward: true,
             mask: mask("causal_document"),

@@ -141,7 +141,7 @@ fn benchmark(
         )));
     }
     let masks = HeadMasks::new(set, &shape);
-    let inputs = Inputs::random(&shape, seed, params.common.dtype == "bf16");
+    let inputs = Inputs::random_as(&shape, seed, params.common.dtype);
     let run_forward = || match params.kernel.as_str() {
         // The naive kernel is the single-threaded textbook one (its measurement says threads: 1).
         "naive" => naive::forward_with_threads(&shape, &masks, &inputs, 1),

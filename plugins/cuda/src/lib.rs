@@ -277,12 +277,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
     )
     .map_err(PluginError::Params)?;
     let shape = p.common.shape(set.seqlen as usize);
-    let element = Element::parse(&p.common.dtype).ok_or_else(|| {
-        PluginError::Params(format!(
-            "dtype `{}`: expected bf16, fp16 or f32",
-            p.common.dtype
-        ))
-    })?;
+    let element = p.common.dtype;
     let harness = p.common.harness.apply(default_harness());
     let measured_shape = p.common.measured_shape();
     let kernel = match (

@@ -180,12 +180,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         p.common.head_dim as u64,
     )
     .map_err(PluginError::Params)?;
-    let element = Element::parse(&p.common.dtype).ok_or_else(|| {
-        PluginError::Params(format!(
-            "dtype `{}`: expected bf16, fp16 or f32",
-            p.common.dtype
-        ))
-    })?;
+    let element = p.common.dtype;
     let shape = p.common.shape(set.seqlen as usize);
     let harness = p.common.harness.apply(default_harness());
     let kernel = if p.kernel == "module" {

@@ -71,7 +71,7 @@ pub fn from_measurement(node: &str, m: Measurement) -> Row {
         heads_q: m.shape.heads_q,
         heads_kv: m.shape.heads_kv,
         head_dim: m.shape.head_dim,
-        dtype: m.shape.dtype,
+        dtype: m.shape.dtype.to_string(),
         status: status_name(m.status),
         reason: m.reason,
         flops: Some(m.flops),

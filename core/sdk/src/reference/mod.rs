@@ -77,23 +77,31 @@ pub struct Grads {
 /// PyTorch's backends): 10 mantissa bits, so about 1e-3 of the largest value.
 pub const TF32_TOLERANCE: f64 = 2e-3;
 
+impl std::fmt::Display for Element {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// How a kernel stores its inputs. Inputs drawn for an element type are exactly representable in
-/// it, so a kernel and the f64 reference see the same numbers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// it, so a kernel and the f64 reference see the same numbers. A stage's `dtype` parameter and a
+/// measurement's `shape.dtype` spell it `f32`, `bf16` or `fp16`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Element {
+    #[serde(rename = "f32")]
     F32,
+    #[serde(rename = "bf16")]
     Bf16,
+    #[serde(rename = "fp16")]
     F16,
 }
 
 impl Element {
-    /// From a stage's `dtype` parameter: `f32`, `bf16` or `fp16`.
-    pub fn parse(dtype: &str) -> Option<Element> {
-        match dtype {
-            "f32" => Some(Element::F32),
-            "bf16" => Some(Element::Bf16),
-            "fp16" => Some(Element::F16),
-            _ => None,
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Element::F32 => "f32",
+            Element::Bf16 => "bf16",
+            Element::F16 => "fp16",
         }
     }
 
