@@ -350,7 +350,8 @@ def test_protocol(bridge, python):
     check("bad heads -> ok:false", reply.get("ok") is False and "multiple" in reply.get("error", ""), json.dumps(reply))
     bad = case.params("no-such-kernel", mask_sets(case.s)["causal"])
     reply = bridge.request("benchmark", bad)
-    check("unknown kernel -> ok:false", reply.get("ok") is False and "unknown kernel" in reply.get("error", ""), json.dumps(reply))
+    check("unknown kernel -> ok:false, a params failure", reply.get("ok") is False
+          and "unknown kernel" in reply.get("error", "") and reply.get("kind") == "params", json.dumps(reply))
     bad = case.params("numpy", mask_sets(case.s)["per_kv_group"])
     bad["shape"] = dict(bad["shape"], heads_kv=4)
     reply = bridge.request("benchmark", bad)

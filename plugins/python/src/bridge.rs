@@ -69,6 +69,8 @@ pub enum Reply {
     Ok(Value),
     /// The worker raised: its one-sentence error (the traceback went to the log).
     Failed(String),
+    /// The worker refused the request's parameters (the bridge's `BadRequest`): what is wrong.
+    BadParams(String),
     /// The worker is gone: how it ended and its last stderr lines.
     Died(String),
 }
@@ -198,14 +200,16 @@ impl Bridge {
             ));
         }
         if reply["ok"] == true {
-            Reply::Ok(reply["result"].clone())
+            return Reply::Ok(reply["result"].clone());
+        }
+        let error = reply["error"]
+            .as_str()
+            .unwrap_or("the Python worker failed without saying why")
+            .to_string();
+        if reply["kind"] == "params" {
+            Reply::BadParams(error)
         } else {
-            Reply::Failed(
-                reply["error"]
-                    .as_str()
-                    .unwrap_or("the Python worker failed without saying why")
-                    .to_string(),
-            )
+            Reply::Failed(error)
         }
     }
 

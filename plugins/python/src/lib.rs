@@ -136,6 +136,7 @@ fn backends(request: &StageRequest) -> Result<Value, PluginError> {
     let (reply, hello) = with_bridge(&python, "backends", Value::Null)?;
     let backends = match reply {
         Reply::Ok(value) => value,
+        Reply::BadParams(message) => return Err(PluginError::Params(message)),
         Reply::Failed(message) | Reply::Died(message) => return Err(PluginError::failed(message)),
     };
     let result = json!({"python": hello, "backends": backends});
@@ -258,6 +259,10 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
     measurement.environment.insert("python".into(), hello);
     let result = match reply {
         Reply::Ok(result) => result,
+        Reply::BadParams(message) => {
+            let _ = std::fs::remove_dir_all(&exchange);
+            return Err(PluginError::Params(format!("{kernel}: {message}")));
+        }
         Reply::Failed(message) => {
             let _ = std::fs::remove_dir_all(&exchange);
             return Err(PluginError::failed(format!("{kernel}: {message}")));

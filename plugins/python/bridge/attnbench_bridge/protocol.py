@@ -54,7 +54,7 @@ def handle(line: str) -> Tuple[dict, bool]:
     try:
         return {"id": rid, "ok": True, "result": OPS[op](params)}, False
     except BadRequest as error:
-        reply = {"id": rid, "ok": False, "error": f"bad {op} request: {error}"}
+        reply = {"id": rid, "ok": False, "error": f"bad {op} request: {error}", "kind": "params"}
     except (Exception, SystemExit) as error:
         trace = traceback.format_exc()
         log(trace)
