@@ -15,6 +15,9 @@ pub enum PluginError {
         #[source]
         source: std::io::Error,
     },
+    /// The device could not hold what the stage needed: a kernel records such a node as `oom`.
+    #[error("{0}")]
+    OutOfMemory(String),
     #[error("{0}")]
     Failed(String),
 }
@@ -26,6 +29,7 @@ impl PluginError {
             PluginError::Params(_) => FailureKind::Params,
             PluginError::UnknownStage { .. } => FailureKind::UnknownStage,
             PluginError::Io { .. } => FailureKind::Io,
+            PluginError::OutOfMemory(_) => FailureKind::OutOfMemory,
             PluginError::Failed(_) => FailureKind::Failed,
         }
     }

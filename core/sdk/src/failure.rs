@@ -16,6 +16,8 @@ pub enum FailureKind {
     Io,
     /// The stage panicked; the message says where.
     Panicked,
+    /// The device could not hold what the stage needed.
+    OutOfMemory,
     /// Anything else the stage reports.
     #[serde(other)]
     Failed,
@@ -29,6 +31,7 @@ impl FailureKind {
             FailureKind::UnknownStage => "unknown_stage",
             FailureKind::Io => "io",
             FailureKind::Panicked => "panicked",
+            FailureKind::OutOfMemory => "out_of_memory",
         }
     }
 }

@@ -18,10 +18,6 @@ pub fn require_library(stem: &str, what: &str) -> Result<(), PluginError> {
     attnbench_sdk::libraries::require(stem, what).map_err(PluginError::failed)
 }
 
-/// The start of the message of an allocation the device could not satisfy: such a node is
-/// recorded as `oom`, not as an error.
-pub const OUT_OF_MEMORY: &str = "out of device memory";
-
 /// Bytes held now and at most since the last [`MemoryTracker::reset_peak`], over every [`Buffer`].
 #[derive(Default)]
 pub struct MemoryTracker {
@@ -123,8 +119,8 @@ impl Gpu {
     ) -> Result<Buffer<T>, PluginError> {
         let slice = made.map_err(|err| {
             if err.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-                PluginError::failed(format!(
-                    "{OUT_OF_MEMORY} for {what} ({:.2} GiB)",
+                PluginError::OutOfMemory(format!(
+                    "out of device memory for {what} ({:.2} GiB)",
                     bytes as f64 / (1u64 << 30) as f64
                 ))
             } else {

@@ -377,9 +377,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
             _ => unreachable!("the kernel was compiled above"),
         };
         let mut problem = match uploaded {
-            Err(PluginError::Failed(message)) if message.starts_with(gpu::OUT_OF_MEMORY) => {
-                return out_of_memory(measurement, message);
-            }
+            Err(PluginError::OutOfMemory(message)) => return out_of_memory(measurement, message),
             other => other?,
         };
         if let Problem::Flash(flash) = &problem {
