@@ -346,9 +346,8 @@ fn bad_parameters(
             // parameters must call a wrong one a parameter error.
             Ok(Err(failure)) if failure.kind != FailureKind::Params && typed => {
                 return Err(format!(
-                    "`{}` = {bad}: refused as a `{}` failure, not a `params` one ({failure})",
-                    param.name,
-                    failure.kind.name()
+                    "`{}` = {bad}: refused as a {:?} failure, not a Params one ({failure})",
+                    param.name, failure.kind
                 ))
             }
             Ok(Err(_)) => tried += 1,

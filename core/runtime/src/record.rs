@@ -65,7 +65,7 @@ pub struct NodeRecord {
     pub error: Option<String>,
     /// The kind of a stage's own failure (`params`, `io`, `panicked`, `failed`, …), beside `error`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub failure: Option<String>,
+    pub failure: Option<attnbench_sdk::FailureKind>,
     /// Something worth knowing that did not fail the node (e.g. a corrupted entry was recomputed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,

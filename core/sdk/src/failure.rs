@@ -23,19 +23,6 @@ pub enum FailureKind {
     Failed,
 }
 
-impl FailureKind {
-    pub fn name(self) -> &'static str {
-        match self {
-            FailureKind::Failed => "failed",
-            FailureKind::Params => "params",
-            FailureKind::UnknownStage => "unknown_stage",
-            FailureKind::Io => "io",
-            FailureKind::Panicked => "panicked",
-            FailureKind::OutOfMemory => "out_of_memory",
-        }
-    }
-}
-
 /// A stage's failure.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
 #[error("{message}")]

@@ -296,7 +296,7 @@ pub(super) fn run_node(shared: &Shared, task: Task) -> Finished {
 
 fn failed(index: usize, mut record: NodeRecord, failure: NodeFailure) -> Finished {
     record.status = failure.status();
-    record.failure = failure.kind().map(|kind| kind.name().to_string());
+    record.failure = failure.kind();
     record.error = Some(failure.into_message());
     Finished {
         node: index,
