@@ -701,6 +701,14 @@ def test_encodings():
                 k = np.arange(s)[None, :]
                 decoded = ((k >= pairs[0][:, None]) & (k < pairs[1][:, None])) | ((k >= pairs[2][:, None]) & (k < pairs[3][:, None]))
                 check(f"encodings {label}: two intervals a row decode back", (decoded == want).all())
+            most = bridge.most_intervals(mask)
+            table = bridge.row_interval_list(mask, max(most, 1))
+            k = np.arange(s)[None, :]
+            decoded = np.zeros_like(want)
+            for lo, hi in zip(table[0::2], table[1::2]):
+                decoded |= (k >= lo[:, None]) & (k < hi[:, None])
+            check(f"encodings {label}: {most} intervals a row decode back", most == max(runs) and (decoded == want).all())
+            check(f"encodings {label}: fewer intervals a row refused", most == 0 or bridge.row_interval_list(mask, most - 1) is None)
             encoding, why = bridge.varlen_encoding(mask)
             if encoding is not None:
                 cu, left, right = encoding["cu_seqlens"], encoding["left"], encoding["right"]
@@ -763,18 +771,41 @@ def test_encodings():
 
 
 def test_tile_kinds(bridge):
-    """FA4's whole and cut tiles from two intervals a row, against the dense mask, with a tail tile."""
+    """FA4's whole and cut tiles from key intervals and from block tables, against the dense mask,
+    with a tail tile."""
     s = 2 * bridge.FA4_TILE + 44
+    t = bridge.FA4_TILE
+
+    def reference_kinds(dense):
+        tiles = [[dense[i:i + t, j:j + t] for j in range(0, s, t)] for i in range(0, s, t)]
+        return (np.array([[x.all() for x in r] for r in tiles]),
+                np.array([[x.any() and not x.all() for x in r] for r in tiles]))
+    rng = np.random.default_rng(11)
+    tables = []
+    for size in (48, 64, 200):  # off the tile grid, on it, and blocks larger than a tile
+        edges = sorted(set(list(range(0, s, size)) + [s]))
+        tables.append({"seqlen_q": s, "seqlen_k": s, "slices": [
+            {"q": [a, b], "k": [c, d], "kind": "full"}
+            for a, b in zip(edges[:-1], edges[1:]) for c, d in zip(edges[:-1], edges[1:]) if rng.random() < 0.5]})
+    grid, why = bridge.block_grid(tables)
+    whole, cut = bridge.block_tile_kinds(grid, s)
+    for index, mask in enumerate(tables):
+        want_whole, want_cut = reference_kinds(dense_reference(mask))
+        check(f"tile kinds of block table {index}: whole and cut tiles",
+              (whole[index] == want_whole).all() and (cut[index] == want_cut).all())
+        most = bridge.most_intervals(mask)
+        w, c = bridge.tile_kinds(bridge.row_interval_list(mask, most), s)
+        check(f"tile kinds of block table {index}: from its {most} intervals a row too",
+              (w == want_whole).all() and (c == want_cut).all())
     for name, mset in mask_sets(s).items():
         mask = mset["masks"][0]
         pairs = bridge.row_interval_pairs(mask)
         if pairs is None:
             continue
         whole, cut = bridge.tile_kinds(pairs, s)
-        dense, t = dense_reference(mask), bridge.FA4_TILE
-        tiles = [[dense[i:i + t, j:j + t] for j in range(0, s, t)] for i in range(0, s, t)]
-        check(f"tile kinds {name}: whole tiles", (whole == np.array([[x.all() for x in r] for r in tiles])).all())
-        check(f"tile kinds {name}: cut tiles", (cut == np.array([[x.any() and not x.all() for x in r] for r in tiles])).all())
+        want_whole, want_cut = reference_kinds(dense_reference(mask))
+        check(f"tile kinds {name}: whole tiles", (whole == want_whole).all())
+        check(f"tile kinds {name}: cut tiles", (cut == want_cut).all())
 
 
 def test_lifecycle(python):

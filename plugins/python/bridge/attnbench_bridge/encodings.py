@@ -66,21 +66,33 @@ def row_intervals(mask: dict) -> Tuple[Any, Any, Any]:
     return lo_rows, hi_rows, np.bincount(rows, minlength=sq)
 
 
-def row_interval_pairs(mask: dict) -> Optional[Any]:
-    """Per row, its allowed keys as two intervals: [4, S] int64 of lo0, hi0, lo1, hi1 (an unused
-    interval is [0, 0)), or None when some row has more than two. Every static mask of the
-    paper has at most two a row (share_question: the question and the own answer; a global
-    window: the global tokens and the window), so a mask_mod reading these is exact for all."""
+def row_interval_list(mask: dict, most: int) -> Optional[Any]:
+    """Per row, its allowed keys as `most` intervals: [2·most, S] int64 of lo0, hi0, lo1, hi1, …
+    (an unused interval is [0, 0)), or None when some row has more than `most`."""
     np = _np()
     rows, lo, hi = merged_intervals(mask)
     count = np.bincount(rows, minlength=mask["seqlen_q"])
-    if (count > 2).any():
+    if (count > most).any():
         return None
-    pairs = np.zeros((4, mask["seqlen_q"]), np.int64)
-    first = np.append(True, rows[1:] != rows[:-1]) if len(rows) else np.zeros(0, bool)
-    pairs[0, rows[first]], pairs[1, rows[first]] = lo[first], hi[first]
-    pairs[2, rows[~first]], pairs[3, rows[~first]] = lo[~first], hi[~first]
-    return pairs
+    table = np.zeros((2 * most, mask["seqlen_q"]), np.int64)
+    rank = np.arange(len(rows)) - np.searchsorted(rows, rows, side="left")  # the interval's place in its row
+    table[2 * rank, rows], table[2 * rank + 1, rows] = lo, hi
+    return table
+
+
+def row_interval_pairs(mask: dict) -> Optional[Any]:
+    """Per row, its allowed keys as two intervals ([4, S], as `row_interval_list`), or None when
+    some row has more. Every static mask of the paper has at most two a row (share_question: the
+    question and the own answer; a global window: the global tokens and the window), so a
+    mask_mod reading these is exact for all."""
+    return row_interval_list(mask, 2)
+
+
+def most_intervals(mask: dict) -> int:
+    """The largest number of disjoint key intervals of any row."""
+    np = _np()
+    rows, _, _ = merged_intervals(mask)
+    return int(np.bincount(rows).max()) if len(rows) else 0
 
 
 def row_keys(mask: dict, q: int) -> List[Tuple[int, int]]:

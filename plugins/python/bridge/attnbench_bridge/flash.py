@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Dict, List, Tuple
 
-from .encodings import block_grid, row_interval_pairs, varlen_encoding
+from .encodings import block_grid, most_intervals, row_interval_list, varlen_encoding
 from .harness import Kernel, require_cuda, require_half, split_result
 from .problem import Problem
 from .support import Unsupported, _np, _package_version, need, parameters_of
@@ -50,10 +50,7 @@ def flash_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
         try:
             plan = flash_plan(p, supports)
         except Unsupported as why:
-            grid, _ = block_grid(p.masks)
-            if grid is not None and fa4_on_tile_grid(p, grid):
-                return fa4_block_sparse(p, torch, device, module, grid)
-            return fa4_intervals(p, torch, device, module, str(why))
+            return fa4_masked(p, torch, device, module, str(why))
     else:
         plan = flash_plan(p, supports)
     unbounded = None if p.kernel == "fa4" else -1  # FA4 writes an open window side as None
@@ -93,12 +90,6 @@ def flash_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
 
 
 FA4_TILE = 128  # FA4's tile on Hopper at d <= 128, and the block size of its block-sparse tensors
-
-
-def fa4_on_tile_grid(p: Problem, grid: Tuple[Any, Any, Any]) -> bool:
-    """Whether every block edge of the table is on FA4's tile grid (whole tiles need no mask_mod)."""
-    np = _np()
-    return all(int(e) % FA4_TILE == 0 or int(e) == p.seqlen for e in np.concatenate(grid[:2]))
 
 
 def fa4_block_lists(torch: Any, device: Any, whole: Any, cut: Any) -> Any:
@@ -143,30 +134,15 @@ def fa4_kernel(p: Problem, module: Any, options: Dict[str, Any], entry: str, mas
                   phases={"mask_mode": mask_mode})
 
 
-def fa4_block_sparse(p: Problem, torch: Any, device: Any, module: Any, grid: Tuple[Any, Any, Any]) -> Kernel:
-    """FA4 on a block-sparse table of whole tiles: every kept tile is whole (full_block_idx), so
-    no mask_mod."""
-    np = _np()
-    rows, cols, kept = grid
-    starts = np.arange(-(-p.seqlen // FA4_TILE)) * FA4_TILE  # the uniform grid, in the table's blocks
-    r, c = np.searchsorted(rows, starts, side="right") - 1, np.searchsorted(cols, starts, side="right") - 1
-    shared = p.shared_mask() is not None
-    per_head = [0] if shared else [p.mask_index(h) for h in range(p.heads_q)]
-    dense = kept[per_head][:, r][:, :, c]  # [H or 1, q tiles, kv tiles] on the uniform grid
-    options = fa4_sparsity_options(p, torch, device, dense, np.zeros_like(dense))
-    return fa4_kernel(p, module, options, "block_sparse_tensors",
-                      f"{int(dense.sum())} of {dense.size} {FA4_TILE}-token tiles, "
-                      f"{'one table for every head' if shared else 'a table per query head'}")
-
-
-def tile_kinds(pairs: Any, s: int) -> Tuple[Any, Any]:
-    """[q tiles, kv tiles] booleans (whole, cut) of a mask given as two key intervals a row: a tile
-    is whole when every row of it sees all of its keys, cut when some row sees some but not all."""
+def tile_kinds(intervals: Any, s: int) -> Tuple[Any, Any]:
+    """[q tiles, kv tiles] booleans (whole, cut) of a mask given as key intervals a row ([2·n, S],
+    as `row_interval_list`): a tile is whole when every row of it sees all of its keys, cut when
+    some row sees some but not all."""
     np = _np()
     tiles = -(-s // FA4_TILE)
     edges = np.minimum(np.arange(tiles + 1) * FA4_TILE, s)
     seen = np.zeros((s, tiles), np.int64)
-    for lo, hi in ((pairs[0], pairs[1]), (pairs[2], pairs[3])):
+    for lo, hi in zip(intervals[0::2], intervals[1::2]):
         seen += np.clip(np.minimum(hi[:, None], edges[1:]) - np.maximum(lo[:, None], edges[:-1]), 0, None)
     pad = tiles * FA4_TILE - s  # rows past the end: neither stop a tile from being whole nor cut it
     whole = np.vstack([seen == edges[1:] - edges[:-1], np.ones((pad, tiles), bool)])
@@ -175,53 +151,112 @@ def tile_kinds(pairs: Any, s: int) -> Tuple[Any, Any]:
     return whole, some.reshape(tiles, FA4_TILE, tiles).any(1) & ~whole
 
 
-_FA4_MASK_MOD: List[Any] = []
+def block_tile_kinds(grid: Tuple[Any, Any, Any], s: int) -> Tuple[Any, Any]:
+    """[mask, q tiles, kv tiles] booleans (whole, cut) of block tables on any grid (kept blocks of
+    any sizes): a tile is whole when every block it overlaps is kept, cut when some are. Counted
+    on the tables' prefix sums, so a 48K table costs no more than its tiles."""
+    np = _np()
+    rows, cols, kept = grid
+    edges = np.minimum(np.arange(-(-s // FA4_TILE) + 1) * FA4_TILE, s)
+    # The blocks tile i overlaps are r0[i] .. r1[i] - 1 (likewise for columns).
+    r0, r1 = np.searchsorted(rows, edges[:-1], side="right") - 1, np.searchsorted(rows, edges[1:], side="left")
+    c0, c1 = np.searchsorted(cols, edges[:-1], side="right") - 1, np.searchsorted(cols, edges[1:], side="left")
+    prefix = np.zeros((kept.shape[0], kept.shape[1] + 1, kept.shape[2] + 1), np.int64)
+    prefix[:, 1:, 1:] = kept.cumsum(1).cumsum(2)
+    count = (prefix[:, r1][:, :, c1] - prefix[:, r0][:, :, c1]
+             - prefix[:, r1][:, :, c0] + prefix[:, r0][:, :, c0])
+    whole = count == (r1 - r0)[:, None] * (c1 - c0)[None, :]
+    return whole, (count > 0) & ~whole
 
 
-def fa4_interval_mask_mod() -> Any:
-    """A CuTe mask_mod keeping the keys in two intervals of the row, read from aux tensors
-    [1, H, S] (lo0, hi0, lo1, hi1), as FA4's document-mask example reads document ids. One
-    function object per process: FA4 keys its compile cache on the function."""
-    if not _FA4_MASK_MOD:
+# Rows of more key intervals than this make the mask_mod's per-element loop too long to be FA4 at
+# its best; such masks are `unsupported`.
+FA4_MOST_INTERVALS = 64
+_FA4_MASK_MODS: Dict[int, Any] = {}
+
+
+def fa4_interval_mask_mod(count: int) -> Any:
+    """A CuTe mask_mod keeping the keys in `count` intervals of the row, read from aux tensors as
+    FA4's document-mask example reads document ids: for two, four tensors [1, H, S] (lo0, hi0, lo1,
+    hi1); for more, one [1, H, S, 2·count]. One function object per count and process: FA4 keys
+    its compile cache on the function."""
+    if count not in _FA4_MASK_MODS:
         cutlass, cute = need("cutlass"), need("cutlass.cute")
         to_ssa = need("flash_attn.cute.utils").scalar_to_ssa
-
-        @cute.jit
-        def within_two_intervals(batch: Any, head: Any, q_idx: Any, kv_idx: Any, seqlen_info: Any,
+        if count == 2:
+            @cute.jit
+            def within_intervals(batch: Any, head: Any, q_idx: Any, kv_idx: Any, seqlen_info: Any,
                                  aux_tensors: Any) -> Any:
-            lo0 = to_ssa(aux_tensors[0][batch[0], head[0], q_idx[0]], cutlass.Int32)
-            hi0 = to_ssa(aux_tensors[1][batch[0], head[0], q_idx[0]], cutlass.Int32)
-            lo1 = to_ssa(aux_tensors[2][batch[0], head[0], q_idx[0]], cutlass.Int32)
-            hi1 = to_ssa(aux_tensors[3][batch[0], head[0], q_idx[0]], cutlass.Int32)
-            return ((kv_idx >= lo0) & (kv_idx < hi0)) | ((kv_idx >= lo1) & (kv_idx < hi1))
-        _FA4_MASK_MOD.append(within_two_intervals)
-    return _FA4_MASK_MOD[0]
+                lo0 = to_ssa(aux_tensors[0][batch[0], head[0], q_idx[0]], cutlass.Int32)
+                hi0 = to_ssa(aux_tensors[1][batch[0], head[0], q_idx[0]], cutlass.Int32)
+                lo1 = to_ssa(aux_tensors[2][batch[0], head[0], q_idx[0]], cutlass.Int32)
+                hi1 = to_ssa(aux_tensors[3][batch[0], head[0], q_idx[0]], cutlass.Int32)
+                return ((kv_idx >= lo0) & (kv_idx < hi0)) | ((kv_idx >= lo1) & (kv_idx < hi1))
+        else:
+            @cute.jit
+            def within_intervals(batch: Any, head: Any, q_idx: Any, kv_idx: Any, seqlen_info: Any,
+                                 aux_tensors: Any) -> Any:
+                bounds = aux_tensors[0]
+                lo = to_ssa(bounds[batch[0], head[0], q_idx[0], 0], cutlass.Int32)
+                hi = to_ssa(bounds[batch[0], head[0], q_idx[0], 1], cutlass.Int32)
+                keep = (kv_idx >= lo) & (kv_idx < hi)
+                for j in cutlass.range_constexpr(1, count):
+                    lo = to_ssa(bounds[batch[0], head[0], q_idx[0], 2 * j], cutlass.Int32)
+                    hi = to_ssa(bounds[batch[0], head[0], q_idx[0], 2 * j + 1], cutlass.Int32)
+                    keep = keep | ((kv_idx >= lo) & (kv_idx < hi))
+                return keep
+        _FA4_MASK_MODS[count] = within_intervals
+    return _FA4_MASK_MODS[count]
 
 
-def fa4_intervals(p: Problem, torch: Any, device: Any, module: Any, not_varlen: str) -> Kernel:
-    """FA4 on any mask of at most two key intervals a row (every static mask of the paper) through
-    its mask_mod, with block-sparse tensors from the same intervals: FA4 skips the empty tiles,
-    runs whole ones without the mask_mod and applies it only on the tiles the mask cuts."""
+def fa4_interval_options(torch: Any, device: Any, per_head: List[Any], count: int) -> Dict[str, Any]:
+    """The mask_mod of `count` intervals a row and its aux tensors, from each query head's interval
+    table ([2·count, S]; FA4 passes the query head's index)."""
+    np = _np()
+    bounds = np.stack(per_head).astype(np.int32)  # [H, 2·count, S]
+    if count == 2:
+        tensors = [torch.from_numpy(np.ascontiguousarray(bounds[:, j])[None]).to(device) for j in range(4)]
+        leading = 2
+    else:
+        tensors = [torch.from_numpy(np.ascontiguousarray(bounds.transpose(0, 2, 1))[None]).to(device)]
+        leading = 3
+    for tensor in tensors:
+        tensor.__leading_dim__ = leading
+    return {"mask_mod": fa4_interval_mask_mod(count), "aux_tensors": tensors}
+
+
+def fa4_masked(p: Problem, torch: Any, device: Any, module: Any, not_varlen: str) -> Kernel:
+    """FA4 on any other mask: block-sparse tensors of whole and cut 128-token tiles (FA4 skips the
+    empty ones and runs whole ones as they are), and on the cut tiles, where there are any, a
+    mask_mod reading each row's key intervals. Every static mask of the paper has at most two a
+    row; block tables off FA4's tile grid (variable blocks, 64-token blocks) have more."""
     np = _np()
     per_head = [p.mask_index(h) for h in range(p.heads_q)]
-    pairs = {i: row_interval_pairs(p.masks[i]) for i in sorted(set(per_head))}
-    if any(x is None for x in pairs.values()):
-        raise Unsupported(f"{not_varlen}; nor does the mask keep at most two key intervals a row, which the "
-                          "bridge's mask_mod for FA4 reads (nor is it a table of whole 128-token blocks)")
-    shared = len(pairs) == 1
-    # The aux tensors are per query head (FA4 passes the query head's index), [1, H, S] each.
-    aux_np = np.stack([pairs[i] for i in per_head], axis=1)[:, None]
-    aux = []
-    for bound in torch.from_numpy(aux_np.astype(np.int32)).to(device):
-        bound = bound.contiguous()
-        bound.__leading_dim__ = 2
-        aux.append(bound)
-    kinds = {i: tile_kinds(x, p.seqlen) for i, x in pairs.items()}
-    order = list(pairs) if shared else per_head
-    whole, cut = (np.stack([kinds[i][j] for i in order]) for j in (0, 1))
-    options = {"mask_mod": fa4_interval_mask_mod(), "aux_tensors": aux,
-               **fa4_sparsity_options(p, torch, device, whole, cut)}
-    return fa4_kernel(p, module, options, "mask_mod, aux_tensors, block_sparse_tensors",
-                      f"mask_mod reading two key intervals a row; of {whole.size} {FA4_TILE}-token tiles "
-                      f"{int(whole.sum())} whole, {int(cut.sum())} cut, "
-                      f"{'one table for every head' if shared else 'a table per query head'}")
+    distinct = sorted(set(per_head))
+    most = max(most_intervals(p.masks[i]) for i in distinct)
+    count = 2 if most <= 2 else 1 << (most - 1).bit_length()  # one compiled kernel per power of two
+    tables = {i: row_interval_list(p.masks[i], count) for i in distinct} if count <= FA4_MOST_INTERVALS else {}
+    grid, _ = block_grid([p.masks[i] for i in distinct])
+    if grid is not None:
+        whole, cut = block_tile_kinds(grid, p.seqlen)
+    elif tables:
+        kinds = [tile_kinds(tables[i], p.seqlen) for i in distinct]
+        whole, cut = (np.stack([k[j] for k in kinds]) for j in (0, 1))
+    else:
+        raise Unsupported(f"{not_varlen}; nor is it a table of blocks, and rows have up to {most} key "
+                          f"intervals, more than the {FA4_MOST_INTERVALS} the bridge's mask_mod for FA4 reads")
+    if len(distinct) > 1:  # a table per query head
+        order = [distinct.index(i) for i in per_head]
+        whole, cut = whole[order], cut[order]
+    options = fa4_sparsity_options(p, torch, device, whole, cut)
+    if cut.any():
+        if not tables:
+            raise Unsupported(f"{not_varlen}; its blocks cut FA4's {FA4_TILE}-token tiles, and rows have up to "
+                              f"{most} key intervals, more than the {FA4_MOST_INTERVALS} the bridge's mask_mod "
+                              "for FA4 reads")
+        options.update(fa4_interval_options(torch, device, [tables[i] for i in per_head], count))
+    entry = "mask_mod, aux_tensors, block_sparse_tensors" if cut.any() else "block_sparse_tensors"
+    cut_by = f"mask_mod reading {count} key intervals a row on the cut tiles; " if cut.any() else "no mask_mod; "
+    return fa4_kernel(p, module, options, entry,
+                      f"{cut_by}of {whole.size} {FA4_TILE}-token tiles {int(whole.sum())} whole, {int(cut.sum())} cut, "
+                      f"{'one table for every head' if len(distinct) == 1 else 'a table per query head'}")
