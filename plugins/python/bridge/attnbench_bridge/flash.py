@@ -235,25 +235,28 @@ def fa4_masked(p: Problem, torch: Any, device: Any, module: Any, not_varlen: str
     distinct = sorted(set(per_head))
     most = max(most_intervals(p.masks[i]) for i in distinct)
     count = 2 if most <= 2 else 1 << (most - 1).bit_length()  # one compiled kernel per power of two
-    tables = {i: row_interval_list(p.masks[i], count) for i in distinct} if count <= FA4_MOST_INTERVALS else {}
+    too_many = (f"rows have up to {most} key intervals, more than the {FA4_MOST_INTERVALS} the bridge's "
+                "mask_mod for FA4 reads")
+    # Each mask's rows as `count` intervals, built only where something reads them.
+    interval_tables = lambda: {i: row_interval_list(p.masks[i], count) for i in distinct}  # noqa: E731
+    tables = None
     grid, _ = block_grid([p.masks[i] for i in distinct])
     if grid is not None:
         whole, cut = block_tile_kinds(grid, p.seqlen)
-    elif tables:
+    elif count <= FA4_MOST_INTERVALS:
+        tables = interval_tables()
         kinds = [tile_kinds(tables[i], p.seqlen) for i in distinct]
         whole, cut = (np.stack([k[j] for k in kinds]) for j in (0, 1))
     else:
-        raise Unsupported(f"{not_varlen}; nor is it a table of blocks, and rows have up to {most} key "
-                          f"intervals, more than the {FA4_MOST_INTERVALS} the bridge's mask_mod for FA4 reads")
+        raise Unsupported(f"{not_varlen}; nor is it a table of blocks, and {too_many}")
+    if cut.any() and count > FA4_MOST_INTERVALS:
+        raise Unsupported(f"{not_varlen}; its blocks cut FA4's {FA4_TILE}-token tiles, and {too_many}")
     if len(distinct) > 1:  # a table per query head
         order = [distinct.index(i) for i in per_head]
         whole, cut = whole[order], cut[order]
     options = fa4_sparsity_options(p, torch, device, whole, cut)
     if cut.any():
-        if not tables:
-            raise Unsupported(f"{not_varlen}; its blocks cut FA4's {FA4_TILE}-token tiles, and rows have up to "
-                              f"{most} key intervals, more than the {FA4_MOST_INTERVALS} the bridge's mask_mod "
-                              "for FA4 reads")
+        tables = tables or interval_tables()
         options.update(fa4_interval_options(torch, device, [tables[i] for i in per_head], count))
     entry = "mask_mod, aux_tensors, block_sparse_tensors" if cut.any() else "block_sparse_tensors"
     cut_by = f"mask_mod reading {count} key intervals a row on the cut tiles; " if cut.any() else "no mask_mod; "
