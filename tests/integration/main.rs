@@ -14,5 +14,6 @@ mod python;
 mod quickstart;
 mod report;
 mod scheduling;
+mod slurm;
 mod sparse;
 mod validation;

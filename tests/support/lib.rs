@@ -4,6 +4,7 @@
 //! The tests use what `cargo build --workspace` produced (the README's test command builds first).
 
 pub mod http;
+pub mod slurm;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

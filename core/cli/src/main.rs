@@ -76,6 +76,10 @@ enum Command {
         /// resume in the next.
         #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
         time_budget: Option<std::time::Duration>,
+        /// Where worker-isolated nodes run: here, or as Slurm jobs [default: the pipeline's
+        /// `executor:`, else the config file's, else local].
+        #[arg(long, value_enum)]
+        executor: Option<ExecutorArg>,
     },
     /// List the nodes of a pipeline and whether each is cached or will run.
     Plan {
@@ -129,7 +133,26 @@ enum Command {
         #[arg(long)]
         manifest: bool,
     },
+    /// Run one node of a Slurm job array (started by `run --executor slurm`; not for direct use).
+    #[command(hide = true)]
+    SlurmTask {
+        /// The wave's task file.
+        tasks: PathBuf,
+        /// The task to run [default: $SLURM_ARRAY_TASK_ID].
+        #[arg(long)]
+        index: Option<usize>,
+    },
 }
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ExecutorArg {
+    Local,
+    Slurm,
+}
+
+/// Nodes in flight at once under Slurm when `--jobs` is not given: the cluster, not this
+/// machine, runs them.
+const SLURM_JOBS: usize = 256;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -203,12 +226,17 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             attnbench_runtime::host::worker::serve(&plugin).context("worker")?;
             Ok(ExitCode::SUCCESS)
         }
+        Command::SlurmTask { tasks, index } => {
+            attnbench_runtime::slurm::task::run_task(&tasks, index).map_err(anyhow::Error::msg)?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Run {
             pipeline,
             jobs,
             force,
             dry_run,
             time_budget,
+            executor,
         } => {
             let registry = Registry::discover(&cli.plugin_dirs);
             let plan = load_plan(&pipeline, &registry)?;
@@ -217,11 +245,13 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
                 print_plan(&plan, &cache, false);
                 return Ok(ExitCode::SUCCESS);
             }
+            let slurm = slurm_settings(&plan, executor)?;
             let options = RunOptions {
-                jobs: jobs.unwrap_or_else(|| {
-                    std::thread::available_parallelism()
+                jobs: jobs.unwrap_or_else(|| match slurm {
+                    Some(_) => SLURM_JOBS,
+                    None => std::thread::available_parallelism()
                         .map(|n| n.get())
-                        .unwrap_or(1)
+                        .unwrap_or(1),
                 }),
                 force,
                 worker_exe: std::env::current_exe()
@@ -230,6 +260,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
                 time_budget,
                 stop: StopToken::new(),
                 worker_env: workers::run_env(&cache.root),
+                slurm,
             };
             attnbench_runtime::stop::install_handler(options.stop.clone())
                 .context("cannot install the stop-signal handler")?;
@@ -266,6 +297,26 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Compare(args) => compare_cmd::run(args),
         Command::Doctor => doctor::run(&cli.plugin_dirs, &open_cache(&cli.cache)?),
     }
+}
+
+/// Slurm's settings when the run's nodes go to Slurm: `--executor` over the pipeline's
+/// `executor:` over the user's config file.
+fn slurm_settings(
+    plan: &Plan,
+    flag: Option<ExecutorArg>,
+) -> anyhow::Result<Option<attnbench_runtime::slurm::config::SlurmSettings>> {
+    use attnbench_runtime::slurm::config::{user_section, ExecutorKind};
+    let section = plan
+        .pipeline
+        .executor
+        .clone()
+        .over(user_section().map_err(anyhow::Error::msg)?);
+    let kind = match flag {
+        Some(ExecutorArg::Local) => ExecutorKind::Local,
+        Some(ExecutorArg::Slurm) => ExecutorKind::Slurm,
+        None => section.kind.unwrap_or_default(),
+    };
+    Ok((kind == ExecutorKind::Slurm).then(|| section.slurm()))
 }
 
 fn print_plan(plan: &Plan, cache: &Cache, summary_only: bool) {

@@ -8,5 +8,6 @@ pub mod pipeline;
 pub mod plan;
 pub mod record;
 pub mod run;
+pub mod slurm;
 pub mod spans;
 pub mod stop;

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::cache::KeyParts;
+use crate::slurm::config::ExecutorKind;
 use attnbench_sdk::environment::Environment;
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -73,6 +74,20 @@ pub struct NodeRecord {
     pub log: Option<PathBuf>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub artifact: Option<PathBuf>,
+    /// The Slurm job that computed the node, under `--executor slurm`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slurm: Option<SlurmRecord>,
+}
+
+/// Which Slurm job ran a node, where, how it ended and where its own output went.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct SlurmRecord {
+    /// `ARRAY_INDEX`, as `squeue`, `sacct` and `scancel` name it.
+    pub job: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    pub state: String,
+    pub job_log: PathBuf,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -92,6 +107,9 @@ pub struct RunRecord {
     pub seed: u64,
     pub argv: Vec<String>,
     pub jobs: usize,
+    /// Where the nodes ran.
+    #[serde(default)]
+    pub executor: ExecutorKind,
     pub started: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finished: Option<String>,

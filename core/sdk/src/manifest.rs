@@ -148,6 +148,10 @@ pub struct StageSpec {
     /// for another, it answers `unsupported` with a reason; `attnbench plugins check` holds it to both.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub masks: Vec<String>,
+    /// The integer parameter that says how many processes a node starts (a CP stage's `world`):
+    /// under Slurm, the job's task count, one per GPU where the stage needs GPUs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tasks_from: Option<String>,
 }
 
 impl StageSpec {
@@ -164,6 +168,7 @@ impl StageSpec {
             exclusive: false,
             needs_gpu: false,
             masks: Vec::new(),
+            tasks_from: None,
         }
     }
 
@@ -198,6 +203,12 @@ impl StageSpec {
     /// Marks the stage's nodes as needing the machine to themselves (benchmarks).
     pub fn exclusive(mut self) -> Self {
         self.exclusive = true;
+        self
+    }
+
+    /// Names the integer parameter that gives a node's process count (see [`StageSpec::tasks_from`]).
+    pub fn tasks_from(mut self, param: impl Into<String>) -> Self {
+        self.tasks_from = Some(param.into());
         self
     }
 

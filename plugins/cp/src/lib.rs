@@ -64,6 +64,7 @@ impl Plugin for Cp {
                 default_harness().declare(
                     StageSpec::new("threads")
                         .doc("Runs one method with its ranks as threads on CPU tensors: exact outputs, counted bytes.")
+                        .tasks_from("world")
                         .param(ParamSpec::new("method", ParamType::one_of(&Method::ALL.map(Method::name))).default("ring_p2p"))
                         .param(ParamSpec::new("world", ParamType::Int).default(4).doc("Ranks."))
                         .param(ParamSpec::new("ulysses", ParamType::Int).default(0).doc("Ulysses group size for usp and loongtrain (0: the largest divisor U of world with U² ≤ world)."))
@@ -379,6 +380,7 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
         json!({
             "method": method.name(), "world": ranks, "ulysses": setup.layout.ulysses, "ring": setup.layout.ring,
             "windows": setup.windows, "placement": p.placement, "backend": p.backend, "attention": p.attention,
+            "launcher": launcher_of(&p.backend),
             "throughput": "per rank: global FLOPs / ranks / slowest rank's time",
             "bytes_sent_forward": counted(&first.sent_forward), "formula_forward": formula_fwd,
             "bytes_sent_backward": counted(&first.sent_backward), "formula_backward": formula_bwd,
@@ -386,6 +388,14 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
         }),
     );
     measurement.write(&request.output_dir)
+}
+
+/// Who started the ranks: the worker's threads, or processes started here or by `srun`.
+fn launcher_of(backend: &str) -> &'static str {
+    match backend {
+        "threads" => "threads",
+        _ => processes::Launch::from_env().name(),
+    }
 }
 
 /// A GPU rank's medians over repetitions: the pass, its blocks' kernels, its busy NCCL streams,
@@ -539,6 +549,7 @@ impl GpuRun<'_> {
             json!({
                 "method": setup.method.name(), "world": n, "ulysses": setup.layout.ulysses, "ring": setup.layout.ring,
                 "windows": setup.windows, "placement": p.placement, "backend": p.backend, "attention": p.attention,
+                "launcher": processes::Launch::from_env().name(),
                 "devices": results.iter().map(|r| r.device.clone()).collect::<Vec<_>>(),
                 "throughput": "per GPU: global FLOPs / ranks / the slowest rank's time of each repetition",
                 "bytes_sent_forward": results.iter().map(|r| r.sent.0).collect::<Vec<_>>(), "formula_forward": formula_fwd,

@@ -227,13 +227,45 @@ pub fn run(job: &Job, path: &Path, timeout: Duration) -> Result<Outcome, String>
     Ok(threads::assemble(&shape, results, problem.backward))
 }
 
-/// Runs `n` rank processes of the job at `path` on this machine (torchrun-style variables, GPU
-/// `LOCAL_RANK` each) until all have finished, or one has failed, or `timeout`; their logs go
-/// into `dir`, `rank-<r>.log`.
+/// Who starts the rank processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Launch {
+    /// This process, on this machine.
+    Local,
+    /// `srun`, inside the Slurm job that runs the node (`attnbench run --executor slurm` sets
+    /// `ATTNBENCH_RANK_LAUNCHER=srun` in its jobs): one task per rank, over the job's nodes.
+    Srun,
+}
+
+impl Launch {
+    pub fn from_env() -> Launch {
+        let srun = std::env::var("ATTNBENCH_RANK_LAUNCHER").is_ok_and(|v| v == "srun")
+            && std::env::var_os("SLURM_JOB_ID").is_some();
+        if srun {
+            Launch::Srun
+        } else {
+            Launch::Local
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Launch::Local => "local",
+            Launch::Srun => "srun",
+        }
+    }
+}
+
+/// Runs `n` rank processes of the job at `path` until all have finished, or one has failed, or
+/// `timeout`; their logs go into `dir`, `rank-<r>.log`. Locally they get torchrun-style
+/// variables (GPU `LOCAL_RANK` each); under `srun`, Slurm's own.
 pub fn start_ranks(path: &Path, n: usize, dir: &Path, timeout: Duration) -> Result<(), String> {
     std::fs::create_dir_all(dir).map_err(|err| format!("{}: {err}", dir.display()))?;
     let port = free_port()?;
     let binary = rank_binary();
+    if Launch::from_env() == Launch::Srun {
+        return srun_ranks(&binary, path, n, dir, port, timeout);
+    }
     let mut children: Vec<(Child, PathBuf)> = Vec::new();
     for rank in 0..n {
         let log = dir.join(format!("rank-{rank}.log"));
@@ -306,4 +338,61 @@ pub fn start_ranks(path: &Path, n: usize, dir: &Path, timeout: Duration) -> Resu
         return Err(failure);
     }
     Ok(())
+}
+
+/// The ranks as the tasks of one `srun` step in the node's Slurm job. The rendezvous is the
+/// job's first node (where this batch step runs) at `port`; the local launcher's variables are
+/// removed so that the ranks read Slurm's.
+fn srun_ranks(
+    binary: &Path,
+    path: &Path,
+    n: usize,
+    dir: &Path,
+    port: u16,
+    timeout: Duration,
+) -> Result<(), String> {
+    let rank_logs = dir.join("rank-%t.log");
+    let srun_log = dir.join("srun.log");
+    let stderr =
+        std::fs::File::create(&srun_log).map_err(|err| format!("{}: {err}", srun_log.display()))?;
+    let mut child = Command::new("srun")
+        .arg(format!("--ntasks={n}"))
+        .arg("--kill-on-bad-exit=1")
+        .arg(format!("--output={}", rank_logs.display()))
+        .arg(binary)
+        .arg(path)
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .env_remove("LOCAL_RANK")
+        .env_remove("MASTER_ADDR")
+        .env("MASTER_PORT", port.to_string())
+        .stdout(Stdio::null())
+        .stderr(stderr)
+        .spawn()
+        .map_err(|err| format!("cannot start srun: {err}"))?;
+    let deadline = Instant::now() + timeout;
+    let status = loop {
+        if let Some(status) = child.try_wait().map_err(|err| err.to_string())? {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!(
+                "srun's {n} ranks did not finish within {} s",
+                timeout.as_secs()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    if status.success() {
+        return Ok(());
+    }
+    let said = std::fs::read_to_string(&srun_log).unwrap_or_default();
+    let last: Vec<&str> = said.lines().rev().take(3).collect();
+    Err(format!(
+        "srun --ntasks={n} {status}: {} (rank logs: {})",
+        last.into_iter().rev().collect::<Vec<_>>().join(" | "),
+        rank_logs.display()
+    ))
 }

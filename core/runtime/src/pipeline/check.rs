@@ -13,6 +13,7 @@ use super::resolve::{resolve_backends, resolve_files};
 use super::stage::check_stage;
 use super::{limits, Pipeline, Stage, TOP_KEYS};
 use crate::diagnostic::suggestion;
+use crate::slurm::config::ExecutorSection;
 
 pub(super) fn check(checker: &mut Checker, file: &Path, document: &Value) -> Option<Pipeline> {
     let Some(top) = document.as_object() else {
@@ -45,6 +46,21 @@ pub(super) fn check(checker: &mut Checker, file: &Path, document: &Value) -> Opt
                 None,
             );
             0
+        }),
+    };
+    let executor = match top.get("executor") {
+        None | Some(Value::Null) => ExecutorSection::default(),
+        Some(value) => ExecutorSection::from_value(value).unwrap_or_else(|err| {
+            checker.at_value(
+                &["executor"],
+                format!("`executor`: {err}"),
+                Some(
+                    "write `executor: slurm`, or a mapping of kind, partition, account, qos, \
+                     extra, gpus_per_node, start_within and poll"
+                        .into(),
+                ),
+            );
+            ExecutorSection::default()
         }),
     };
     let empty = Map::new();
@@ -167,6 +183,7 @@ pub(super) fn check(checker: &mut Checker, file: &Path, document: &Value) -> Opt
         stages: sorted,
         file_digests,
         backends,
+        executor,
     })
 }
 

@@ -26,7 +26,14 @@ mod stage;
 
 pub use limits::{MAX_FILE_BYTES, MAX_NODES, MAX_PIPELINE_BYTES, MAX_TIMEOUT, MIN_TIMEOUT};
 
-const TOP_KEYS: [&str; 5] = ["name", "description", "seed", "defaults", "stages"];
+const TOP_KEYS: [&str; 6] = [
+    "name",
+    "description",
+    "seed",
+    "defaults",
+    "executor",
+    "stages",
+];
 const STAGE_KEYS: [&str; 6] = ["uses", "with", "needs", "matrix", "timeout", "description"];
 
 #[derive(Debug, thiserror::Error)]
@@ -62,6 +69,9 @@ pub struct Pipeline {
     pub file_digests: BTreeMap<String, String>,
     /// The plugins that `backend` parameters name, by plugin name.
     pub backends: BTreeMap<String, Arc<Plugin>>,
+    /// Where the nodes run, as the pipeline says (the user's config file and `--executor`
+    /// complete it).
+    pub executor: crate::slurm::config::ExecutorSection,
 }
 
 #[derive(Debug)]

@@ -5,6 +5,7 @@
 mod checkpoint;
 mod frontier;
 mod node;
+mod on_slurm;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -13,13 +14,15 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use attnbench_sdk::environment::Environment;
-use attnbench_sdk::InputArtifact;
+use attnbench_sdk::{InputArtifact, Isolation};
 
 use crate::cache::{Cache, CacheError, InputDigest};
 use crate::diagnostic::suggestion;
 use crate::host::worker::{WorkerEnv, WorkerPool};
 use crate::plan::Plan;
 use crate::record::{new_run_id, NodeRecord, PluginRecord, RunRecord, Status};
+use crate::slurm::config::{ExecutorKind, SlurmSettings};
+use crate::slurm::{SlurmError, SlurmQueue};
 use crate::stop::StopToken;
 use checkpoint::Checkpoint;
 use frontier::Frontier;
@@ -32,6 +35,8 @@ pub enum RunError {
     Cache(#[from] CacheError),
     #[error("--force {pattern}: no node or stage of that name; {hint}")]
     UnknownForce { pattern: String, hint: String },
+    #[error(transparent)]
+    Slurm(#[from] SlurmError),
     #[error("cannot write the run record in {path}: {source}")]
     Record {
         path: PathBuf,
@@ -53,6 +58,8 @@ pub struct RunOptions {
     pub stop: StopToken,
     /// What worker processes' environments get beyond the host's (GPU libraries, caches).
     pub worker_env: WorkerEnv,
+    /// Slurm's settings when worker-isolated nodes run as Slurm jobs; `None` runs them here.
+    pub slurm: Option<SlurmSettings>,
 }
 
 /// What the scheduler reports while it runs; the CLI draws it.
@@ -86,6 +93,17 @@ struct Shared<'a> {
     /// When the time budget ends, if there is one.
     deadline: Option<Instant>,
     stop: StopToken,
+    slurm: Option<SlurmQueue>,
+}
+
+impl Shared<'_> {
+    /// The Slurm queue, when `stage`'s nodes run as Slurm jobs (worker-isolated stages do).
+    fn queue_for(&self, stage: &crate::pipeline::Stage) -> Option<&SlurmQueue> {
+        match node::stage_isolation(stage) {
+            Isolation::Worker => self.slurm.as_ref(),
+            Isolation::InProcess => None,
+        }
+    }
 }
 
 pub struct RunSummary {
@@ -121,6 +139,18 @@ pub fn execute(
     let _store = cache.lock_store(false)?;
     let id = new_run_id();
     let dir = cache.runs_dir().join(&id);
+    // Slurm's commands are checked before anything of the run exists.
+    let pool = WorkerPool::new(options.worker_exe.clone(), Arc::clone(&options.worker_env));
+    let slurm = match &options.slurm {
+        Some(settings) => Some(SlurmQueue::start(
+            settings.clone(),
+            dir.join("slurm"),
+            options.worker_exe.clone(),
+            pool.env().to_vec(),
+            options.stop.clone(),
+        )?),
+        None => None,
+    };
     let logs_dir = dir.join("logs");
     std::fs::create_dir_all(&logs_dir).map_err(|source| RunError::Record {
         path: logs_dir.clone(),
@@ -134,6 +164,10 @@ pub fn execute(
         seed: plan.pipeline.seed,
         argv: options.argv.clone(),
         jobs: options.jobs,
+        executor: match options.slurm {
+            Some(_) => ExecutorKind::Slurm,
+            None => ExecutorKind::Local,
+        },
         started: now(),
         finished: None,
         environment: environment.clone(),
@@ -149,7 +183,7 @@ pub fn execute(
     let shared = Shared {
         plan,
         cache,
-        pool: WorkerPool::new(options.worker_exe.clone(), Arc::clone(&options.worker_env)),
+        pool,
         fingerprint: crate::cache::environment_fingerprint(&environment),
         forced,
         logs_dir,
@@ -159,9 +193,13 @@ pub fn execute(
             .time_budget
             .and_then(|budget| Instant::now().checked_add(budget)),
         stop: options.stop.clone(),
+        slurm,
     };
     let mut checkpoint = Checkpoint::new(&record, &dir);
     let records = schedule(&shared, options.jobs.max(1), &mut checkpoint);
+    if let Some(queue) = &shared.slurm {
+        queue.close();
+    }
     for node in &records {
         *record.counts.entry(node.status).or_insert(0) += 1;
     }
@@ -227,7 +265,9 @@ fn schedule(shared: &Shared, jobs: usize, checkpoint: &mut Checkpoint) -> Vec<No
                     frontier.skipped(index);
                     continue;
                 }
-                if !frontier.try_start(index, plan.stage_of(node).spec.exclusive) {
+                let stage = plan.stage_of(node);
+                let exclusive = stage.spec.exclusive && shared.queue_for(stage).is_none();
+                if !frontier.try_start(index, exclusive) {
                     continue;
                 }
                 let (inputs, digests): (Vec<InputArtifact>, Vec<InputDigest>) = node

@@ -9,14 +9,16 @@ use std::time::Instant;
 use attnbench_sdk::{FailureKind, InputArtifact, Isolation, StageFailure, StageRequest};
 use serde_json::Value;
 
-use super::{Event, Observer, Shared};
+use super::{on_slurm, Event, Observer, Shared};
 use crate::cache::{CacheError, Entry, InputDigest, KeyParts, Lookup};
 use crate::host::machine_lock::{self, MachineLockError};
 use crate::host::node_sink::NodeSink;
 use crate::host::worker::WorkerOutcome;
 use crate::key::{backends_of, key_parts};
+use crate::pipeline::Stage;
 use crate::plan::Plan;
 use crate::record::{node_file_name, NodeRecord, Status};
+use crate::slurm::task::TaskSpec;
 
 /// Why a node produced no artifact: the status its record gets, with what happened.
 #[derive(Debug)]
@@ -31,6 +33,8 @@ pub(crate) enum NodeFailure {
     Timeout(String),
     /// The run was stopped and the node was not done within the grace.
     Interrupted(String),
+    /// It never started: its Slurm job was refused, or did not start within its limit.
+    NotStarted(String),
 }
 
 impl NodeFailure {
@@ -40,6 +44,7 @@ impl NodeFailure {
             NodeFailure::Crashed(_) => Status::Crashed,
             NodeFailure::Timeout(_) => Status::Timeout,
             NodeFailure::Interrupted(_) => Status::Interrupted,
+            NodeFailure::NotStarted(_) => Status::Skipped,
         }
     }
 
@@ -57,7 +62,8 @@ impl NodeFailure {
             NodeFailure::Error(m)
             | NodeFailure::Crashed(m)
             | NodeFailure::Timeout(m)
-            | NodeFailure::Interrupted(m) => m,
+            | NodeFailure::Interrupted(m)
+            | NodeFailure::NotStarted(m) => m,
         }
     }
 }
@@ -182,6 +188,7 @@ pub(super) fn bare_record(
         note: None,
         log: None,
         artifact: None,
+        slurm: None,
     }
 }
 
@@ -251,7 +258,11 @@ pub(super) fn run_node(shared: &Shared, task: Task) -> Finished {
             };
         }
     }
-    let exclusive = plan.stage_of(&plan.nodes[index]).spec.exclusive;
+    // A Slurm job gets its node to itself from Slurm (`--exclusive`), not from this machine.
+    let exclusive = plan.stage_of(&plan.nodes[index]).spec.exclusive
+        && shared
+            .queue_for(plan.stage_of(&plan.nodes[index]))
+            .is_none();
     let waiting = || {
         tracing::info!(
             "{}: waiting for another run on this cache to finish its measurement",
@@ -336,7 +347,7 @@ fn compute(
         .logs_dir
         .join(format!("{}.log", node_file_name(&node.id)));
     let log = File::create(&log_path).ok();
-    record.log = Some(log_path);
+    record.log = Some(log_path.clone());
     let sink = NodeSink {
         node: node.id.clone(),
         plugin: stage.plugin.manifest.name.clone(),
@@ -346,13 +357,29 @@ fn compute(
             progress(shared.observer, &node.id, done, total, message)
         },
     };
-    // A limit can only be held by killing what runs past it, so a stage with a `timeout:` runs
-    // in a worker process even when it would run in process.
-    let isolation = match stage.timeout {
-        Some(_) => Isolation::Worker,
-        None => stage.spec.isolation,
-    };
-    let result_text = match isolation {
+    let result_text = match stage_isolation(stage) {
+        Isolation::Worker if shared.queue_for(stage).is_some() => {
+            let queue = shared.queue_for(stage).expect("checked by the guard");
+            let spec = TaskSpec {
+                node: node.id.clone(),
+                plugin: stage.plugin.path.clone(),
+                stage: stage.spec.name.clone(),
+                request: request_json,
+                log: log_path.clone(),
+                outcome: queue
+                    .dir()
+                    .join(format!("{}.outcome.json", node_file_name(&node.id))),
+            };
+            let resources = on_slurm::resources(stage, &node.params, &queue.settings);
+            on_slurm::run_as_job(
+                queue,
+                spec,
+                &stage.name,
+                resources,
+                || shared.stop.requested(),
+                &mut record.slurm,
+            )?
+        }
         Isolation::InProcess => crate::host::node_sink::run_detached(
             Arc::clone(&stage.plugin),
             stage.spec.name.clone(),
@@ -417,6 +444,15 @@ fn compute(
         .cache
         .commit(staging, parts, &node.id, &stage.uses, &result, duration)
         .map_err(NodeFailure::from)
+}
+
+/// Where a stage's nodes run. A limit can only be held by killing what runs past it, so a stage
+/// with a `timeout:` runs in a worker process even when it would run in process.
+pub(super) fn stage_isolation(stage: &Stage) -> Isolation {
+    match stage.timeout {
+        Some(_) => Isolation::Worker,
+        None => stage.spec.isolation,
+    }
 }
 
 fn brief(value: &Value) -> String {
