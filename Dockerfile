@@ -16,15 +16,30 @@
 # SDPA, FlexAttention and the FlashAttention family, derive an image that pip-installs torch (and
 # those packages) and set ATTNBENCH_PYTHON to its interpreter.
 #
-# The builder stage runs scripts/stage-install.sh, the same script CI runs, so these steps are
-# exercised on every change even where no Docker engine is available.
+# The builder stage runs scripts/stage-install.sh, the same script CI runs outside containers.
+#
+# Where no registry is reachable (CI), scripts/container-build.sh builds these same stages with
+# podman from a Debian base made by mmdebstrap: the build arguments below name the images, and the
+# machine's own Rust toolchain and target folder are mounted into the build at their own paths.
 
-FROM rust:1-bookworm AS builder
-WORKDIR /src
+ARG BUILDER=rust:1-bookworm
+ARG BASE=debian:bookworm-slim
+ARG GPU_BASE=nvidia/cuda:13.0.0-runtime-ubuntu24.04
+
+FROM ${BUILDER} AS builder
+# Where the toolchain's binaries are (the rust image's, or a mounted one) and where the source
+# goes; a mounted target folder is only reused when the source sits at the path it was built at.
+ARG TOOLCHAIN_BIN=/usr/local/cargo/bin
+ARG SRC=/src
+ENV PATH=${TOOLCHAIN_BIN}:$PATH
+# The dependency layer: a C toolchain for the crates that build C (the rust image has one).
+RUN command -v cc >/dev/null || (apt-get update && apt-get install -y --no-install-recommends \
+      gcc libc6-dev ca-certificates && rm -rf /var/lib/apt/lists/*)
+WORKDIR ${SRC}
 COPY . .
 RUN scripts/stage-install.sh /opt/attnbench
 
-FROM debian:bookworm-slim AS cpu
+FROM ${BASE} AS cpu
 RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates python3 python3-numpy \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=builder /opt/attnbench /opt/attnbench
@@ -34,7 +49,7 @@ ENV PATH=/opt/attnbench/bin:$PATH \
 WORKDIR /work
 CMD ["attnbench", "run", "/opt/attnbench/pipelines/quickstart.yaml"]
 
-FROM nvidia/cuda:13.0.0-runtime-ubuntu24.04 AS gpu
+FROM ${GPU_BASE} AS gpu
 RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates python3 python3-numpy \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=builder /opt/attnbench /opt/attnbench
