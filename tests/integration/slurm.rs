@@ -38,11 +38,7 @@ stages:
 fn refusals_are_recorded_in_one_sentence(cluster: &SlurmCluster) {
     let sandbox = Sandbox::new();
     let path = sandbox.write("refused.yaml", REFUSED);
-    let run = sandbox
-        .command(&["run", path.to_str().unwrap(), "-q"])
-        .env("SLURM_CONF", cluster.conf())
-        .output()
-        .unwrap();
+    let run = cluster.run(&sandbox, &["run", path.to_str().unwrap(), "-q"]);
     assert!(!run.status.success());
     let record = sandbox.last_record();
     assert_eq!(node(&record, "here")["status"], "ok");
@@ -55,11 +51,7 @@ fn refusals_are_recorded_in_one_sentence(cluster: &SlurmCluster) {
     );
 
     let path = sandbox.write("never-starts.yaml", NEVER_STARTS);
-    let run = sandbox
-        .command(&["run", path.to_str().unwrap(), "-q"])
-        .env("SLURM_CONF", cluster.conf())
-        .output()
-        .unwrap();
+    let run = cluster.run(&sandbox, &["run", path.to_str().unwrap(), "-q"]);
     assert!(!run.status.success());
     let later = node(&sandbox.last_record(), "later").clone();
     assert_eq!(later["status"], "skipped", "{later}");
@@ -132,11 +124,7 @@ fn same_results_and_keys_as_a_local_run(cluster: &SlurmCluster) {
     let run = local.run(&args);
     assert!(run.status.success(), "{}", stderr(&run));
     let slurm = Sandbox::new();
-    let run = slurm
-        .command(&[&args[..], &["--executor", "slurm"]].concat())
-        .env("SLURM_CONF", cluster.conf())
-        .output()
-        .unwrap();
+    let run = cluster.run(&slurm, &[&args[..], &["--executor", "slurm"]].concat());
     assert!(run.status.success(), "{}", stderr(&run));
     let (local, slurm) = (local.last_record(), slurm.last_record());
     assert_eq!(slurm["executor"], "slurm");
@@ -191,9 +179,8 @@ fn a_cancelled_job_is_recorded_and_the_rerun_completes(cluster: &SlurmCluster) {
     let sandbox = Sandbox::new();
     let pipeline = sandbox.write("cancelled.yaml", SLOW);
     let path = pipeline.to_str().unwrap();
-    let mut run = sandbox
-        .command(&["run", path, "-q", "--executor", "slurm"])
-        .env("SLURM_CONF", cluster.conf())
+    let mut run = cluster
+        .attnbench(&sandbox, &["run", path, "-q", "--executor", "slurm"])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -219,11 +206,7 @@ fn a_cancelled_job_is_recorded_and_the_rerun_completes(cluster: &SlurmCluster) {
     for quick in ["quick[value=1]", "quick[value=2]"] {
         assert_eq!(node(&record, quick)["status"], "ok");
     }
-    let rerun = sandbox
-        .command(&["run", path, "-q", "--executor", "slurm"])
-        .env("SLURM_CONF", cluster.conf())
-        .output()
-        .unwrap();
+    let rerun = cluster.run(&sandbox, &["run", path, "-q", "--executor", "slurm"]);
     assert!(rerun.status.success(), "{}", stderr(&rerun));
     let statuses = sandbox.statuses();
     assert_eq!(statuses["slow"], "ok");
@@ -234,8 +217,9 @@ fn a_cancelled_job_is_recorded_and_the_rerun_completes(cluster: &SlurmCluster) {
 fn cp_ranks_start_under_srun(cluster: &SlurmCluster) {
     let sandbox = Sandbox::new();
     let pipeline = workspace_root().join("pipelines/context-parallel-cpu.yaml");
-    let run = sandbox
-        .command(&[
+    let run = cluster.run(
+        &sandbox,
+        &[
             "run",
             pipeline.to_str().unwrap(),
             "-q",
@@ -257,10 +241,8 @@ fn cp_ranks_start_under_srun(cluster: &SlurmCluster) {
             "stages.cp.with.min_reps=1",
             "--set",
             "stages.cp.with.warmup_reps=0",
-        ])
-        .env("SLURM_CONF", cluster.conf())
-        .output()
-        .unwrap();
+        ],
+    );
     assert!(run.status.success(), "{}", stderr(&run));
     let record = sandbox.last_record();
     let cells = measurements(&record, "cp[");

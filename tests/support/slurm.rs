@@ -110,6 +110,20 @@ impl SlurmCluster {
         command
     }
 
+    /// `attnbench ARGS` in `sandbox`, on this cluster.
+    pub fn attnbench(&self, sandbox: &crate::Sandbox, args: &[&str]) -> Command {
+        let mut command = sandbox.command(args);
+        command.env("SLURM_CONF", self.conf());
+        command
+    }
+
+    /// `attnbench ARGS` in `sandbox`, on this cluster, run to its end.
+    pub fn run(&self, sandbox: &crate::Sandbox, args: &[&str]) -> Output {
+        self.attnbench(sandbox, args)
+            .output()
+            .expect("attnbench starts")
+    }
+
     /// `squeue`'s job ids in `state` of jobs named `name`.
     pub fn jobs(&self, name: &str, state: &str) -> Vec<String> {
         let out = self
