@@ -50,6 +50,32 @@ fn refusals_are_recorded_in_one_sentence(cluster: &SlurmCluster) {
         "{error}"
     );
 
+    // The same partition from the user's config file, under a pipeline that names no executor.
+    let config = sandbox.write(
+        "config.yaml",
+        "executor: {kind: slurm, partition: nowhere, account: lab}\n",
+    );
+    let plain = sandbox.write(
+        "plain.yaml",
+        &REFUSED.replace("executor: {kind: slurm, partition: nowhere}\n", ""),
+    );
+    let run = cluster
+        .attnbench(&sandbox, &["run", plain.to_str().unwrap(), "-q"])
+        .env("ATTNBENCH_CONFIG", &config)
+        .output()
+        .unwrap();
+    assert!(!run.status.success());
+    let record = sandbox.last_record();
+    assert_eq!(record["executor"], "slurm");
+    let error = node(&record, "quick[value=1]")["error"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        error.starts_with("sbatch refused the job:") && error.contains("partition"),
+        "the config file's partition reached sbatch: {error}"
+    );
+
     let path = sandbox.write("never-starts.yaml", NEVER_STARTS);
     let run = cluster.run(&sandbox, &["run", path.to_str().unwrap(), "-q"]);
     assert!(!run.status.success());
