@@ -14,6 +14,60 @@ fn slurm_runs_nodes_as_jobs_records_a_cancelled_one_and_starts_cp_ranks_with_sru
     a_cancelled_job_is_recorded_and_the_rerun_completes(&cluster);
     cp_ranks_start_under_srun(&cluster);
     refusals_are_recorded_in_one_sentence(&cluster);
+    a_stopped_run_cancels_its_jobs(&cluster);
+}
+
+/// SIGTERM to the coordinator cancels its jobs; the record says the run was stopped.
+fn a_stopped_run_cancels_its_jobs(cluster: &SlurmCluster) {
+    let sandbox = Sandbox::new();
+    let pipeline = sandbox.write("stopped.yaml", SLOW);
+    let mut run = cluster
+        .attnbench(
+            &sandbox,
+            &[
+                "run",
+                pipeline.to_str().unwrap(),
+                "-q",
+                "--executor",
+                "slurm",
+            ],
+        )
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    running_job(cluster, "attnbench-slow");
+    let term = std::process::Command::new("kill")
+        .args(["-TERM", &run.id().to_string()])
+        .output()
+        .unwrap();
+    assert!(term.status.success());
+    assert!(!run.wait().unwrap().success());
+    let slow = node(&sandbox.last_record(), "slow").clone();
+    assert_eq!(slow["status"], "interrupted", "{slow}");
+    let error = slow["error"].as_str().unwrap();
+    assert!(
+        error.contains("the run was stopped and Slurm job"),
+        "{error}"
+    );
+    for state in ["RUNNING", "PENDING"] {
+        assert!(
+            cluster.jobs("attnbench-slow", state).is_empty(),
+            "no job left {state}"
+        );
+    }
+}
+
+/// The id of a running job named `name`, once there is one.
+fn running_job(cluster: &SlurmCluster, name: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(job) = cluster.jobs(name, "RUNNING").pop() {
+            return job;
+        }
+        assert!(Instant::now() < deadline, "no job {name} ever ran");
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 const REFUSED: &str = r#"
@@ -211,14 +265,7 @@ fn a_cancelled_job_is_recorded_and_the_rerun_completes(cluster: &SlurmCluster) {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let job = loop {
-        if let Some(job) = cluster.jobs("attnbench-slow", "RUNNING").pop() {
-            break job;
-        }
-        assert!(Instant::now() < deadline, "the slow node's job never ran");
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let job = running_job(cluster, "attnbench-slow");
     let cancel = cluster.command("scancel").arg(&job).output().unwrap();
     assert!(cancel.status.success());
     let status = run.wait().unwrap();

@@ -270,7 +270,6 @@ impl Queue {
         if self.stop.requested() {
             for request in requests {
                 let _ = request.reply.send(not_submitted(
-                    JobState::Cancelled,
                     "the run was stopped before the job was submitted".into(),
                 ));
             }
@@ -311,9 +310,7 @@ impl Queue {
             }
             Err(reason) => {
                 for request in requests {
-                    let _ = request
-                        .reply
-                        .send(not_submitted(JobState::Pending, reason.clone()));
+                    let _ = request.reply.send(not_submitted(reason.clone()));
                 }
             }
         }
@@ -380,11 +377,11 @@ impl Queue {
     }
 }
 
-/// The answer for a node whose job was never submitted.
-fn not_submitted(state: JobState, detail: String) -> JobEnd {
+/// The answer for a node whose job was never submitted: it did not start.
+fn not_submitted(detail: String) -> JobEnd {
     JobEnd {
         job: String::new(),
-        state,
+        state: JobState::Pending,
         detail,
         host: None,
         outcome: None,
