@@ -80,6 +80,30 @@ stages:
   here: {uses: testkit/echo}
 "#;
 
+const ON_A_GPU: &str = r#"
+name: on-a-gpu
+executor: slurm
+stages:
+  masks:
+    uses: masks/generate
+    matrix: {mask: [causal], seqlen: [64]}
+  torch:
+    uses: python/benchmark
+    needs: [masks]
+    with: {kernel: sdpa-math, device: cuda}
+"#;
+
+/// The folder of wave `wave` of the run `record` describes.
+fn wave_dir(record: &Value, wave: &str) -> std::path::PathBuf {
+    let log = record["nodes"][0]["log"].as_str().expect("a node log");
+    std::path::Path::new(log)
+        .parent()
+        .and_then(|logs| logs.parent())
+        .expect("the run's folder")
+        .join("slurm")
+        .join(wave)
+}
+
 const NEVER_STARTS: &str = r#"
 name: never-starts
 executor: {kind: slurm, extra: [--begin=now+1hour], start_within: 3s, poll: 500ms}
@@ -129,6 +153,16 @@ fn refusals_are_recorded_in_one_sentence(cluster: &SlurmCluster) {
         error.starts_with("sbatch refused the job:") && error.contains("partition"),
         "the config file's partition reached sbatch: {error}"
     );
+
+    // A stage that runs on a GPU for `device: cuda` asks for one, which this cluster has not.
+    let path = sandbox.write("gpu.yaml", ON_A_GPU);
+    let run = cluster.run(&sandbox, &["run", path.to_str().unwrap(), "-q"]);
+    assert!(!run.status.success());
+    let record = sandbox.last_record();
+    let gpu = node(&record, "torch[mask=causal,seqlen=64]");
+    assert_eq!(gpu["status"], "skipped", "{gpu}");
+    let args = std::fs::read_to_string(wave_dir(&record, "wave-0").join("sbatch.args")).unwrap();
+    assert!(args.lines().any(|a| a == "--gpus-per-node=1"), "{args}");
 
     let path = sandbox.write("never-starts.yaml", NEVER_STARTS);
     let run = cluster.run(&sandbox, &["run", path.to_str().unwrap(), "-q"]);

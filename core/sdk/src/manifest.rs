@@ -152,6 +152,17 @@ pub struct StageSpec {
     /// under Slurm, the job's task count, one per GPU where the stage needs GPUs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tasks_from: Option<String>,
+    /// The nodes whose parameter has this value run on GPUs (`device: cuda`), when the stage
+    /// does not always need one: a scheduler such as Slurm asks for GPUs for those nodes alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_when: Option<ParamIs>,
+}
+
+/// A parameter's value, as a condition on a node.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ParamIs {
+    pub param: String,
+    pub value: String,
 }
 
 impl StageSpec {
@@ -169,6 +180,7 @@ impl StageSpec {
             needs_gpu: false,
             masks: Vec::new(),
             tasks_from: None,
+            gpu_when: None,
         }
     }
 
@@ -209,6 +221,15 @@ impl StageSpec {
     /// Names the integer parameter that gives a node's process count (see [`StageSpec::tasks_from`]).
     pub fn tasks_from(mut self, param: impl Into<String>) -> Self {
         self.tasks_from = Some(param.into());
+        self
+    }
+
+    /// The nodes whose `param` is `value` run on GPUs (see [`StageSpec::gpu_when`]).
+    pub fn gpu_when(mut self, param: &str, value: &str) -> Self {
+        self.gpu_when = Some(ParamIs {
+            param: param.into(),
+            value: value.into(),
+        });
         self
     }
 

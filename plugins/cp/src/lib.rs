@@ -65,6 +65,7 @@ impl Plugin for Cp {
                     StageSpec::new("threads")
                         .doc("Runs one method with its ranks as threads on CPU tensors: exact outputs, counted bytes.")
                         .tasks_from("world")
+                        .gpu_when("backend", "nccl")
                         .param(ParamSpec::new("method", ParamType::one_of(&Method::ALL.map(Method::name))).default("ring_p2p"))
                         .param(ParamSpec::new("world", ParamType::Int).default(4).doc("Ranks."))
                         .param(ParamSpec::new("ulysses", ParamType::Int).default(0).doc("Ulysses group size for usp and loongtrain (0: the largest divisor U of world with U² ≤ world)."))

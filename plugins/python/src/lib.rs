@@ -92,6 +92,7 @@ impl Plugin for Python {
                 default_harness().declare(
                     StageSpec::new("benchmark")
                         .doc("Times one Python kernel on one mask (from a masks/generate node), checked against the reference first.")
+                        .gpu_when("device", "cuda")
                         .param(ParamSpec::new("kernel", ParamType::one_of(&KERNELS)).default("numpy").doc("`numpy` runs on the CPU; `module` runs the `attention` function of the file given as `module`."))
                         .param(ParamSpec::new("module", ParamType::File).default("").doc("For kernel `module`: a Python file defining `attention(q, k, v, mask, scale)` (README: third-party kernels)."))
                         .param(ParamSpec::new("python", ParamType::String).default("").doc("The interpreter; empty: ATTNBENCH_PYTHON, then the python3 beside the attnbench binary (a virtual environment it was installed into), then python3 on the PATH."))

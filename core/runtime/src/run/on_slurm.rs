@@ -28,7 +28,11 @@ pub(super) fn resources(stage: &Stage, params: &Params, settings: &SlurmSettings
         .and_then(Value::as_u64)
         .unwrap_or(1)
         .max(1) as usize;
-    let (nodes, gpus_per_node) = if stage.spec.needs_gpu {
+    let on_gpus = stage.spec.needs_gpu
+        || stage.spec.gpu_when.as_ref().is_some_and(|when| {
+            params.get(&when.param).and_then(Value::as_str) == Some(when.value.as_str())
+        });
+    let (nodes, gpus_per_node) = if on_gpus {
         let per_node = settings.gpus_per_node;
         (tasks.div_ceil(per_node), tasks.min(per_node))
     } else {

@@ -284,6 +284,8 @@ impl Queue {
                 &format!("attnbench-{}", requests[0].stage),
                 &dir.join("job-%A_%a.log"),
             );
+            // What was asked of Slurm, beside the script, for whoever reads the wave's folder.
+            let _ = std::fs::write(dir.join("sbatch.args"), args.join("\n") + "\n");
             commands::submit(&args, &script)
         });
         match submitted {
