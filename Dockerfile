@@ -33,14 +33,17 @@ ARG TOOLCHAIN_BIN=/usr/local/cargo/bin
 ARG SRC=/src
 ENV PATH=${TOOLCHAIN_BIN}:$PATH
 # The dependency layer: a C toolchain for the crates that build C (the rust image has one).
-RUN command -v cc >/dev/null || (apt-get update && apt-get install -y --no-install-recommends \
-      gcc libc6-dev ca-certificates && rm -rf /var/lib/apt/lists/*)
+# `--error-on=any`: without it apt-get update succeeds offline and the install fails obscurely.
+RUN command -v cc >/dev/null || { { apt-get update --error-on=any || { echo "attnbench image: apt-get could not reach the package mirror; build on a machine that reaches it (or pass --build-arg http_proxy=...)" >&2; exit 1; }; } \
+      && apt-get install -y --no-install-recommends gcc libc6-dev ca-certificates \
+      && rm -rf /var/lib/apt/lists/*; }
 WORKDIR ${SRC}
 COPY . .
 RUN scripts/stage-install.sh /opt/attnbench
 
 FROM ${BASE} AS cpu
-RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates python3 python3-numpy \
+RUN { apt-get update --error-on=any || { echo "attnbench image: apt-get could not reach the package mirror; build on a machine that reaches it (or pass --build-arg http_proxy=...)" >&2; exit 1; }; } \
+    && apt-get install -y --no-install-recommends ca-certificates python3 python3-numpy \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=builder /opt/attnbench /opt/attnbench
 ENV PATH=/opt/attnbench/bin:$PATH \
@@ -50,7 +53,8 @@ WORKDIR /work
 CMD ["attnbench", "run", "/opt/attnbench/pipelines/quickstart.yaml"]
 
 FROM ${GPU_BASE} AS gpu
-RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates python3 python3-numpy \
+RUN { apt-get update --error-on=any || { echo "attnbench image: apt-get could not reach the package mirror; build on a machine that reaches it (or pass --build-arg http_proxy=...)" >&2; exit 1; }; } \
+    && apt-get install -y --no-install-recommends ca-certificates python3 python3-numpy \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=builder /opt/attnbench /opt/attnbench
 ENV PATH=/opt/attnbench/bin:$PATH \
