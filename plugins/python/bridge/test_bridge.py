@@ -793,6 +793,10 @@ def test_tile_kinds(bridge):
         want_whole, want_cut = reference_kinds(dense_reference(mask))
         check(f"tile kinds of block table {index}: whole and cut tiles",
               (whole[index] == want_whole).all() and (cut[index] == want_cut).all())
+        table, block_of = bridge.block_lookup(grid, [index], s)
+        looked_up = table[0][block_of[0][:, None], block_of[1][None, :]] == 1
+        check(f"block table {index}: the mask_mod's lookup gives the mask",
+              (looked_up == dense_reference(mask)).all())
         most = bridge.most_intervals(mask)
         w, c = bridge.tile_kinds(bridge.row_interval_list(mask, most), s)
         check(f"tile kinds of block table {index}: from its {most} intervals a row too",

@@ -1,5 +1,5 @@
 """The FlashAttention family: FA2 and FA3 (documents and windows), FA4 (also block-sparse tensors
-and a mask_mod of two key intervals a row).
+and a mask_mod on the tiles a mask cuts).
 """
 
 from __future__ import annotations
@@ -169,8 +169,9 @@ def block_tile_kinds(grid: Tuple[Any, Any, Any], s: int) -> Tuple[Any, Any]:
     return whole, (count > 0) & ~whole
 
 
-# Rows of more key intervals than this make the mask_mod's per-element loop too long to be FA4 at
-# its best; such masks are `unsupported`. Measured on the H200 (2026-12-02, 48K, variable blocks
+# Masks that are not block tables reach FA4's cut tiles as key intervals a row; rows of more than
+# this make the mask_mod's per-element loop too long to be FA4 at its best (`unsupported`). Block
+# tables are looked up instead, whatever their number of intervals. Measured on the H200 (2026-12-02, 48K, variable blocks
 # of 512 tokens on average): 32 intervals ran at 47–395 TFLOP/s forward; the 64-interval kernel of
 # density 0.5 had not finished its first measurement after six minutes.
 FA4_MOST_INTERVALS = 32
@@ -227,11 +228,57 @@ def fa4_interval_options(torch: Any, device: Any, per_head: List[Any], count: in
     return {"mask_mod": fa4_interval_mask_mod(count), "aux_tensors": tensors}
 
 
+_FA4_BLOCK_MASK_MOD: List[Any] = []
+
+
+def fa4_block_mask_mod() -> Any:
+    """A CuTe mask_mod for block tables: each element's row and column block from one [2, S]
+    position-to-block map, then that block's bit in the [1, H, row blocks, column blocks] table.
+    Two loads an element whatever the number of blocks a row keeps, where intervals would need
+    a loop over them, and one compiled kernel for every table (FA4 keys its cache on the
+    function object, so there is one per process)."""
+    if not _FA4_BLOCK_MASK_MOD:
+        cutlass, cute = need("cutlass"), need("cutlass.cute")
+        to_ssa = need("flash_attn.cute.utils").scalar_to_ssa
+
+        @cute.jit
+        def within_kept_block(batch: Any, head: Any, q_idx: Any, kv_idx: Any, seqlen_info: Any,
+                              aux_tensors: Any) -> Any:
+            kept, block_of = aux_tensors[0], aux_tensors[1]
+            row = to_ssa(block_of[0, q_idx[0]], cutlass.Int32)
+            col = to_ssa(block_of[1, kv_idx[0]], cutlass.Int32)
+            return to_ssa(kept[batch[0], head[0], row[0], col[0]], cutlass.Int32) != 0
+        _FA4_BLOCK_MASK_MOD.append(within_kept_block)
+    return _FA4_BLOCK_MASK_MOD[0]
+
+
+def block_lookup(grid: Tuple[Any, Any, Any], per_head: List[int], s: int) -> Tuple[Any, Any]:
+    """Block tables as the mask_mod reads them: int32 [heads, row blocks, column blocks] (kept
+    is 1) and [2, S], the row block and the column block of each position."""
+    np = _np()
+    rows, cols, kept = grid
+    positions = np.arange(s)
+    block_of = np.stack([np.searchsorted(rows, positions, side="right") - 1,
+                         np.searchsorted(cols, positions, side="right") - 1]).astype(np.int32)
+    return np.ascontiguousarray(kept[per_head].astype(np.int32)), block_of
+
+
+def fa4_block_options(torch: Any, device: Any, grid: Tuple[Any, Any, Any], per_head: List[int],
+                      s: int) -> Dict[str, Any]:
+    """The block-table mask_mod and its aux tensors: the table of each query head (`per_head`
+    indexes the grid's masks) and the position-to-block map of rows and columns."""
+    table, block_of = block_lookup(grid, per_head, s)
+    tensors = [torch.from_numpy(table[None]).to(device), torch.from_numpy(block_of).to(device)]
+    tensors[0].__leading_dim__, tensors[1].__leading_dim__ = 3, 1
+    return {"mask_mod": fa4_block_mask_mod(), "aux_tensors": tensors}
+
+
 def fa4_masked(p: Problem, torch: Any, device: Any, module: Any, not_varlen: str) -> Kernel:
     """FA4 on any other mask: block-sparse tensors of whole and cut 128-token tiles (FA4 skips the
     empty ones and runs whole ones as they are), and on the cut tiles, where there are any, a
-    mask_mod reading each row's key intervals. Every static mask of the paper has at most two a
-    row; block tables off FA4's tile grid (variable blocks, 64-token blocks) have more."""
+    mask_mod: block tables (variable blocks, 64-token blocks, off FA4's tile grid) look each
+    element's block up, other masks read each row's key intervals (every static mask of the paper
+    has at most two a row)."""
     np = _np()
     per_head = [p.mask_index(h) for h in range(p.heads_q)]
     distinct = sorted(set(per_head))
@@ -251,17 +298,20 @@ def fa4_masked(p: Problem, torch: Any, device: Any, module: Any, not_varlen: str
         whole, cut = (np.stack([k[j] for k in kinds]) for j in (0, 1))
     else:
         raise Unsupported(f"{not_varlen}; nor is it a table of blocks, and {too_many}")
-    if cut.any() and count > FA4_MOST_INTERVALS:
-        raise Unsupported(f"{not_varlen}; its blocks cut FA4's {FA4_TILE}-token tiles, and {too_many}")
     if len(distinct) > 1:  # a table per query head
         order = [distinct.index(i) for i in per_head]
         whole, cut = whole[order], cut[order]
     options = fa4_sparsity_options(p, torch, device, whole, cut)
-    if cut.any():
+    if cut.any() and grid is not None:
+        options.update(fa4_block_options(torch, device, grid, [distinct.index(i) for i in per_head], p.seqlen))
+        cut_by = "mask_mod looking up each element's block in the table on the cut tiles; "
+    elif cut.any():
         tables = tables or interval_tables()
         options.update(fa4_interval_options(torch, device, [tables[i] for i in per_head], count))
+        cut_by = f"mask_mod reading {count} key intervals a row on the cut tiles; "
+    else:
+        cut_by = "no mask_mod; "
     entry = "mask_mod, aux_tensors, block_sparse_tensors" if cut.any() else "block_sparse_tensors"
-    cut_by = f"mask_mod reading {count} key intervals a row on the cut tiles; " if cut.any() else "no mask_mod; "
     return fa4_kernel(p, module, options, entry,
                       f"{cut_by}of {whole.size} {FA4_TILE}-token tiles {int(whole.sum())} whole, {int(cut.sum())} cut, "
                       f"{'one table for every head' if len(distinct) == 1 else 'a table per query head'}")
