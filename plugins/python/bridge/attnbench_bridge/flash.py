@@ -171,9 +171,10 @@ def block_tile_kinds(grid: Tuple[Any, Any, Any], s: int) -> Tuple[Any, Any]:
 
 # Masks that are not block tables reach FA4's cut tiles as key intervals a row; rows of more than
 # this make the mask_mod's per-element loop too long to be FA4 at its best (`unsupported`). Block
-# tables are looked up instead, whatever their number of intervals. Measured on the H200 (2026-12-02, 48K, variable blocks
-# of 512 tokens on average): 32 intervals ran at 47–395 TFLOP/s forward; the 64-interval kernel of
-# density 0.5 had not finished its first measurement after six minutes.
+# tables are looked up instead, whatever their number of intervals. Measured on the H200
+# (2026-12-02, 48K, variable blocks of 512 tokens on average): 32 intervals ran at 47–395 TFLOP/s
+# forward; the 64-interval kernel of density 0.5 had not finished its first measurement after six
+# minutes.
 FA4_MOST_INTERVALS = 32
 _FA4_MASK_MODS: Dict[int, Any] = {}
 
@@ -298,12 +299,12 @@ def fa4_masked(p: Problem, torch: Any, device: Any, module: Any, not_varlen: str
         whole, cut = (np.stack([k[j] for k in kinds]) for j in (0, 1))
     else:
         raise Unsupported(f"{not_varlen}; nor is it a table of blocks, and {too_many}")
+    order = [distinct.index(i) for i in per_head]  # each query head's index among the distinct masks
     if len(distinct) > 1:  # a table per query head
-        order = [distinct.index(i) for i in per_head]
         whole, cut = whole[order], cut[order]
     options = fa4_sparsity_options(p, torch, device, whole, cut)
     if cut.any() and grid is not None:
-        options.update(fa4_block_options(torch, device, grid, [distinct.index(i) for i in per_head], p.seqlen))
+        options.update(fa4_block_options(torch, device, grid, order, p.seqlen))
         cut_by = "mask_mod looking up each element's block in the table on the cut tiles; "
     elif cut.any():
         tables = tables or interval_tables()
