@@ -729,6 +729,30 @@ def test_encodings():
                 check(f"encodings {label}: flashmask columns decode back", (decoded == want).all())
             else:
                 check(f"encodings {label}: flashmask refused with a reason ({why})", bool(why))
+    # Random unions of slices of every kind, overlapping, empty and crossing each other's bands:
+    # the row groups behind the interval encodings against the dense mask.
+    rng = np.random.default_rng(3)
+    kinds = ("full", "causal", "inv_causal", "bi_causal")
+    for trial in range(40):
+        slices = []
+        for _ in range(int(rng.integers(1, 9))):
+            q0, q1 = sorted(int(x) for x in rng.integers(0, s + 1, 2))
+            k0, k1 = sorted(int(x) for x in rng.integers(0, s + 1, 2))
+            slices.append(sl(q0, q1, k0, k1, kinds[int(rng.integers(0, 4)) if trial % 2 else 0]))
+        mask = {"seqlen_q": s, "seqlen_k": s, "slices": slices}
+        want = dense_reference(mask)
+        runs = np.array([(np.diff(np.concatenate([[0], r.astype(int), [0]])) == 1).sum() for r in want])
+        lo, hi, count = bridge.row_intervals(mask)
+        nonempty = runs > 0
+        hull = all(want[q, lo[q]] and want[q, hi[q] - 1] and not want[q, :lo[q]].any() and not want[q, hi[q]:].any()
+                   for q in np.nonzero(nonempty)[0])
+        most = bridge.most_intervals(mask)
+        table = bridge.row_interval_list(mask, max(most, 1))
+        decoded = np.zeros_like(want)
+        for a, b in zip(table[0::2], table[1::2]):
+            decoded |= (np.arange(s)[None, :] >= a[:, None]) & (np.arange(s)[None, :] < b[:, None])
+        check(f"encodings: random slices {trial} ({len(slices)}): counts, hulls and intervals decode back",
+              (count == runs).all() and hull and most == runs.max() and (decoded == want).all())
     def expand(grid, index):
         rows, cols, kept = grid
         dense = np.zeros((rows[-1], cols[-1]), bool)
@@ -788,7 +812,7 @@ def test_tile_kinds(bridge):
             {"q": [a, b], "k": [c, d], "kind": "full"}
             for a, b in zip(edges[:-1], edges[1:]) for c, d in zip(edges[:-1], edges[1:]) if rng.random() < 0.5]})
     grid, why = bridge.block_grid(tables)
-    whole, cut = bridge.block_tile_kinds(grid, s)
+    whole, cut = bridge.grid_tile_kinds(grid, s, t)
     for index, mask in enumerate(tables):
         want_whole, want_cut = reference_kinds(dense_reference(mask))
         check(f"tile kinds of block table {index}: whole and cut tiles",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Dict, List, Tuple
 
-from .encodings import block_grid, most_intervals, row_interval_list, varlen_encoding
+from .encodings import block_grid, blocks_of, grid_tile_kinds, most_intervals, row_interval_list, varlen_encoding
 from .harness import Kernel, require_cuda, require_half, split_result
 from .problem import Problem
 from .support import Unsupported, _np, _package_version, need, parameters_of
@@ -151,24 +151,6 @@ def tile_kinds(intervals: Any, s: int) -> Tuple[Any, Any]:
     return whole, some.reshape(tiles, FA4_TILE, tiles).any(1) & ~whole
 
 
-def block_tile_kinds(grid: Tuple[Any, Any, Any], s: int) -> Tuple[Any, Any]:
-    """[mask, q tiles, kv tiles] booleans (whole, cut) of block tables on any grid (kept blocks of
-    any sizes): a tile is whole when every block it overlaps is kept, cut when some are. Counted
-    on the tables' prefix sums, so a 48K table costs no more than its tiles."""
-    np = _np()
-    rows, cols, kept = grid
-    edges = np.minimum(np.arange(-(-s // FA4_TILE) + 1) * FA4_TILE, s)
-    # The blocks tile i overlaps are r0[i] .. r1[i] - 1 (likewise for columns).
-    r0, r1 = np.searchsorted(rows, edges[:-1], side="right") - 1, np.searchsorted(rows, edges[1:], side="left")
-    c0, c1 = np.searchsorted(cols, edges[:-1], side="right") - 1, np.searchsorted(cols, edges[1:], side="left")
-    prefix = np.zeros((kept.shape[0], kept.shape[1] + 1, kept.shape[2] + 1), np.int64)
-    prefix[:, 1:, 1:] = kept.cumsum(1).cumsum(2)
-    count = (prefix[:, r1][:, :, c1] - prefix[:, r0][:, :, c1]
-             - prefix[:, r1][:, :, c0] + prefix[:, r0][:, :, c0])
-    whole = count == (r1 - r0)[:, None] * (c1 - c0)[None, :]
-    return whole, (count > 0) & ~whole
-
-
 # Masks that are not block tables reach FA4's cut tiles as key intervals a row; rows of more than
 # this make the mask_mod's per-element loop too long to be FA4 at its best (`unsupported`). Block
 # tables are looked up instead, whatever their number of intervals. Measured on the H200
@@ -259,8 +241,7 @@ def block_lookup(grid: Tuple[Any, Any, Any], per_head: List[int], s: int) -> Tup
     np = _np()
     rows, cols, kept = grid
     positions = np.arange(s)
-    block_of = np.stack([np.searchsorted(rows, positions, side="right") - 1,
-                         np.searchsorted(cols, positions, side="right") - 1]).astype(np.int32)
+    block_of = np.stack([blocks_of(rows, positions), blocks_of(cols, positions)]).astype(np.int32)
     return np.ascontiguousarray(kept[per_head].astype(np.int32)), block_of
 
 
@@ -283,22 +264,18 @@ def fa4_masked(p: Problem, torch: Any, device: Any, module: Any, not_varlen: str
     np = _np()
     per_head = [p.mask_index(h) for h in range(p.heads_q)]
     distinct = sorted(set(per_head))
-    most = max(most_intervals(p.masks[i]) for i in distinct)
-    count = 2 if most <= 2 else 1 << (most - 1).bit_length()  # one compiled kernel per power of two
-    too_many = (f"rows have up to {most} key intervals, more than the {FA4_MOST_INTERVALS} the bridge's "
-                "mask_mod for FA4 reads")
-    # Each mask's rows as `count` intervals, built only where something reads them.
-    interval_tables = lambda: {i: row_interval_list(p.masks[i], count) for i in distinct}  # noqa: E731
-    tables = None
     grid, _ = block_grid([p.masks[i] for i in distinct])
     if grid is not None:
-        whole, cut = block_tile_kinds(grid, p.seqlen)
-    elif count <= FA4_MOST_INTERVALS:
-        tables = interval_tables()
+        whole, cut = grid_tile_kinds(grid, p.seqlen, FA4_TILE)
+    else:
+        most = max(most_intervals(p.masks[i]) for i in distinct)
+        count = 2 if most <= 2 else 1 << (most - 1).bit_length()  # one compiled kernel per power of two
+        if count > FA4_MOST_INTERVALS:
+            raise Unsupported(f"{not_varlen}; nor is it a table of blocks, and rows have up to {most} key "
+                              f"intervals, more than the {FA4_MOST_INTERVALS} the bridge's mask_mod for FA4 reads")
+        tables = {i: row_interval_list(p.masks[i], count) for i in distinct}
         kinds = [tile_kinds(tables[i], p.seqlen) for i in distinct]
         whole, cut = (np.stack([k[j] for k in kinds]) for j in (0, 1))
-    else:
-        raise Unsupported(f"{not_varlen}; nor is it a table of blocks, and {too_many}")
     order = [distinct.index(i) for i in per_head]  # each query head's index among the distinct masks
     if len(distinct) > 1:  # a table per query head
         whole, cut = whole[order], cut[order]
@@ -307,7 +284,6 @@ def fa4_masked(p: Problem, torch: Any, device: Any, module: Any, not_varlen: str
         options.update(fa4_block_options(torch, device, grid, order, p.seqlen))
         cut_by = "mask_mod looking up each element's block in the table on the cut tiles; "
     elif cut.any():
-        tables = tables or interval_tables()
         options.update(fa4_interval_options(torch, device, [tables[i] for i in per_head], count))
         cut_by = f"mask_mod reading {count} key intervals a row on the cut tiles; "
     else:

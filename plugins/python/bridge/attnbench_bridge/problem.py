@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
-from .encodings import row_intervals
+from .encodings import SLICE_KINDS, row_intervals
 from .support import ELEMENT_BYTES, BadRequest, _np
 
 
@@ -17,7 +17,6 @@ KERNELS = ("numpy", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "
 DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
 LAYOUTS = ("auto", "bshd", "bhsd")  # how inputs are stored; see to_layout and documented_layout
 GQA_MODES = ("native", "expand")  # how SDPA gets grouped K and V; see sdpa_adapter
-SLICE_KINDS = ("full", "causal", "inv_causal", "bi_causal")
 HARNESS_DEFAULTS = {"warmup_reps": 3, "warmup_s": 0.1, "min_reps": 10, "max_reps": 200,
                     "max_time_s": 5.0, "target_rel_ci": 0.01}
 

@@ -8,7 +8,7 @@ import importlib
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .encodings import block_grid, classify, dense_mask, row_interval_pairs, varlen_encoding
+from .encodings import block_grid, blocks_of, classify, dense_mask, grid_tile_kinds, row_interval_pairs, varlen_encoding
 from .harness import Kernel, split_result, synchronize
 from .problem import Problem
 from .support import ELEMENT_BYTES, GIB, Unsupported, _np, first_line, log, parameters_of
@@ -288,17 +288,7 @@ def flex_block_table(p: Problem, torch: Any, device: Any, flex: Any, grid: Tuple
     rows, cols, kept = grid
     s, tile = p.seqlen, FLEX_TILE
     n = -(-s // tile)
-    edges = np.minimum(np.arange(n + 1) * tile, s)
-    # Each tile's range of grid cells: [first, end) by rows and by columns.
-    r0, r1 = np.searchsorted(rows, edges[:-1], side="right") - 1, np.searchsorted(rows, edges[1:], side="left")
-    c0, c1 = np.searchsorted(cols, edges[:-1], side="right") - 1, np.searchsorted(cols, edges[1:], side="left")
-    # Kept cells per tile from 2-D prefix sums, against the cells it touches.
-    prefix = np.zeros((kept.shape[0], kept.shape[1] + 1, kept.shape[2] + 1), np.int64)
-    prefix[:, 1:, 1:] = kept.cumsum(1).cumsum(2)
-    i0, i1, j0, j1 = r0[:, None], r1[:, None], c0[None, :], c1[None, :]
-    count = prefix[:, i1, j1] - prefix[:, i0, j1] - prefix[:, i1, j0] + prefix[:, i0, j0]
-    full = count == (i1 - i0) * (j1 - j0)
-    partial = (count > 0) & ~full
+    full, partial = grid_tile_kinds(grid, s, tile)
     heads = [p.mask_index(h) for h in range(p.heads_q)] if len(kept) > 1 else [0]
 
     def as_lists(chosen: Any) -> Tuple[Any, Any]:
@@ -309,10 +299,8 @@ def flex_block_table(p: Problem, torch: Any, device: Any, flex: Any, grid: Tuple
     (counts, indices), (full_counts, full_indices) = as_lists(partial), as_lists(full)
     # Positions past the sequence (the last tile's padding) map to the last cell: flex masks them.
     positions = np.arange(n * tile)
-    row_cell = torch.from_numpy((np.searchsorted(rows, positions, side="right") - 1).clip(0, len(rows) - 2)
-                                .astype(np.int32)).to(device)
-    col_cell = torch.from_numpy((np.searchsorted(cols, positions, side="right") - 1).clip(0, len(cols) - 2)
-                                .astype(np.int32)).to(device)
+    row_cell = torch.from_numpy(blocks_of(rows, positions).astype(np.int32)).to(device)
+    col_cell = torch.from_numpy(blocks_of(cols, positions).astype(np.int32)).to(device)
     table = torch.from_numpy(kept).to(device)
     if len(kept) == 1:
         table0 = table[0]
@@ -339,8 +327,7 @@ def flex_block_mask(p: Problem, torch: Any, device: Any, flex: Any, grid: Tuple[
     np = _np()
     rows, cols, kept = grid
     n = p.seqlen // block
-    row_cell = np.searchsorted(rows, np.arange(n) * block, side="right") - 1
-    col_cell = np.searchsorted(cols, np.arange(n) * block, side="right") - 1
+    row_cell, col_cell = blocks_of(rows, np.arange(n) * block), blocks_of(cols, np.arange(n) * block)
     per_block = kept[:, row_cell][:, :, col_cell]  # [mask, q block, kv block]
     # One pattern for every head (H = 1 broadcasts), or each query head's own.
     heads = [p.mask_index(h) for h in range(p.heads_q)] if len(kept) > 1 else [0]
