@@ -6,7 +6,8 @@
     (defaults: $ATTNBENCH_CACHE or ./artifacts, the latest run, 20 reps, 5 rounds, every kernel, mask and direction)
 
 For every measurement of those kernels in the run whose mask has a closed form here (full,
-causal, the document masks, the sliding windows, the prefix LMs), this builds the mask from the
+causal, the document masks, the sliding windows, the prefix LMs; for flex also uniform
+block-sparse tables, as LongCA-bench's flex adapter reads them), this builds the mask from the
 pattern's own parameters and documents (not from attnbench's encodings) and calls the peer the
 way its documentation does: flex with `create_block_mask` and a `mask_mod` (checked against the
 mask on sampled rows); FA4 with `causal` / `window_size` and `flash_attn_varlen_func` for
@@ -58,6 +59,8 @@ def arguments():
     parser.add_argument("--masks", help="comma-separated patterns: only these cells")
     parser.add_argument("--direction", choices=("fwd", "bwd"), help="only the cells of this direction")
     parser.add_argument("--lse", action="store_true", help="flex: also return the LSE, as attnbench's harness asks")
+    parser.add_argument("--flex-block", type=int, default=128, choices=(16, 32, 64, 128),
+                        help="flex on block-sparse cells: the BlockMask's block size (below 128 with tiles of that size)")
     args = parser.parse_args()
     unknown = set(args.kernels.split(",")) - set(PEERS)
     if unknown:
@@ -189,18 +192,50 @@ def with_inputs(call, inputs):
     return forward
 
 
+def block_table_mod(mask_set, device):
+    """(mask_mod, description) of a uniform block-sparse pattern as LongCA-bench's flex adapter
+    writes it: each element's bit in a [heads, S/B, S/B] table of kept blocks, read here straight
+    from the IR's rectangles of whole blocks (not from attnbench's encodings)."""
+    block, s = int(mask_set["params"]["sparse_block"]), mask_set["seqlen"]
+    n = -(-s // block)
+    table = np.zeros((len(mask_set["masks"]), n, n), dtype=bool)
+    for index, mask in enumerate(mask_set["masks"]):
+        for sl in mask["slices"]:
+            (q0, q1), (k0, k1) = sl["q"], sl["k"]
+            table[index, q0 // block:-(-q1 // block), k0 // block:-(-k1 // block)] = True
+    table = torch.from_numpy(table).to(device)
+    group = mask_set["params"]["heads_q"] // max(1, len(mask_set["masks"]))
+    if len(mask_set["masks"]) == 1:
+        table0 = table[0]
+        mask_mod = lambda b, h, q, kv: table0[q // block, kv // block]  # noqa: E731
+    else:
+        mask_mod = lambda b, h, q, kv: table[h // group, q // block, kv // block]  # noqa: E731
+    return mask_mod, f"block table of {block}-token blocks, {len(mask_set['masks'])} patterns ({group} heads each)"
+
+
 def plain_flex(m, mask_set, args, cache):
     shape, s = m["shape"], mask_set["seqlen"]
-    mask_mod, what = mask_mod_of(mask_set, torch.device("cuda"))
+    sparse = mask_set["pattern"] == "block_sparse_uniform"
+    mask_mod, what = block_table_mod(mask_set, torch.device("cuda")) if sparse else \
+        mask_mod_of(mask_set, torch.device("cuda"))
     if what is None:
         return None, f"no closed form here for {mask_set['pattern']}"
-    if mask_mod is not None:
+    if mask_mod is not None and not sparse:
         why = matches(mask_mod, mask_set["masks"][0], torch.device("cuda"))
         if why:
             return None, f"the closed form is not this mask: {why}"
-    key = (mask_set["pattern"], s, json.dumps(mask_set.get("documents")))
+    # A block mask as fine as the sparse blocks needs flex's tiles no larger (its documented
+    # kernel_options); the default keeps flex's own 128 and its tuned tiles.
+    block = args.flex_block if sparse else 128
+    options = {} if block >= 128 else {name: block for name in ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1",
+                                                                "BLOCK_M2", "BLOCK_N2")}
+    if sparse:
+        what += f", BlockMask of {block}" + (f", kernel_options {options}" if options else "")
+    key = (mask_set["pattern"], s, json.dumps(mask_set.get("documents")), json.dumps(mask_set["params"]), block)
     if key not in cache:
-        cache[key] = flex.create_block_mask(mask_mod, None, None, s, s, device="cuda") if mask_mod else None
+        heads = None if not sparse or len(mask_set["masks"]) == 1 else shape["heads_q"]
+        cache[key] = flex.create_block_mask(mask_mod, None, heads, s, s, device="cuda", BLOCK_SIZE=block) \
+            if mask_mod else None
     block_mask = cache[key]
     # One compile per cell, as a fresh process would have: past dynamo's recompile limit flex
     # falls back to its unfused eager path (and its S × S scores).
@@ -210,7 +245,7 @@ def plain_flex(m, mask_set, args, cache):
 
     def call(q, k, v):
         result = compiled(q, k, v, block_mask=block_mask, scale=1 / math.sqrt(shape["head_dim"]),
-                          enable_gqa=shape["heads_q"] != shape["heads_kv"], **extra)
+                          enable_gqa=shape["heads_q"] != shape["heads_kv"], kernel_options=options or None, **extra)
         return result[0] if args.lse else result
     inputs = make_inputs(m, "bhsd", s) if args.storage == "bhsd" else \
         tuple(x.transpose(1, 2) for x in make_inputs(m, "bshd", s))  # as the harness's bshd storage
