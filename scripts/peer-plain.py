@@ -2,7 +2,8 @@
 """Each Python peer called the way its own documentation writes it, beside attnbench's harness.
 
     scripts/peer-plain.py [CACHE_DIR] [RUN_ID] [--reps N] [--rounds R] [--kernels flex,fa4,cudnn,flashinfer]
-        [--seqlen S] [--masks causal,...] [--direction fwd|bwd] [--storage bhsd|bshd] [--harness-storage auto|bshd|bhsd] [--lse]
+        [--seqlen S] [--masks causal,...] [--direction fwd|bwd] [--match REGEX] [--storage bhsd|bshd]
+        [--harness-storage auto|bshd|bhsd] [--lse] [--flex-block 128|64|32|16]
     (defaults: $ATTNBENCH_CACHE or ./artifacts, the latest run, 20 reps, 5 rounds, every kernel, mask and direction)
 
 For every measurement of those kernels in the run whose mask has a closed form here (full,
@@ -26,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 
@@ -58,6 +60,7 @@ def arguments():
                         help="the harness's `layout` (auto: each kernel's documented one, contiguous [1, H, S, D] for flex)")
     parser.add_argument("--masks", help="comma-separated patterns: only these cells")
     parser.add_argument("--direction", choices=("fwd", "bwd"), help="only the cells of this direction")
+    parser.add_argument("--match", help="only the cells whose node id matches this regular expression")
     parser.add_argument("--lse", action="store_true", help="flex: also return the LSE, as attnbench's harness asks")
     parser.add_argument("--flex-block", type=int, default=128, choices=(16, 32, 64, 128),
                         help="flex on block-sparse cells: the BlockMask's block size (below 128 with tiles of that size)")
@@ -399,7 +402,8 @@ def cells(record, wanted, args):
             continue
         m = json.load(open(path))
         if m.get("kernel") not in wanted or m.get("status") != "ok" or \
-                (args.direction and m["direction"] != args.direction):
+                (args.direction and m["direction"] != args.direction) or \
+                (args.match and not re.search(args.match, node["id"])):
             continue
         masks = [nodes[i] for i in node["inputs"] if nodes[i]["uses"] == "masks/generate"]
         mask_set = json.load(open(os.path.join(masks[0]["artifact"], "mask.json")))
