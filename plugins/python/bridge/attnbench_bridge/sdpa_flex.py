@@ -301,7 +301,12 @@ def flex_block_table(p: Problem, torch: Any, device: Any, flex: Any, grid: Tuple
     positions = np.arange(n * tile)
     row_cell = torch.from_numpy(blocks_of(rows, positions).astype(np.int32)).to(device)
     col_cell = torch.from_numpy(blocks_of(cols, positions).astype(np.int32)).to(device)
-    table = torch.from_numpy(kept).to(device)
+    # The table padded to powers of two, cells past the grid never read: its shape is part of
+    # what flex compiles, and on the H200 a flex cell's first call took 2.1-2.3 s on variable
+    # blocks, each mask another shape, against 0.3 s on uniform ones, whose shapes repeat.
+    padded = np.zeros((len(kept),) + tuple(1 << max(0, int(size - 1).bit_length()) for size in kept.shape[1:]), bool)
+    padded[:, :kept.shape[1], :kept.shape[2]] = kept
+    table = torch.from_numpy(padded).to(device)
     if len(kept) == 1:
         table0 = table[0]
         mask_mod = lambda b, h, q, kv: table0[row_cell[q], col_cell[kv]]  # noqa: E731
