@@ -63,6 +63,20 @@ fn unknown_parameter_suggests_the_nearest() {
 }
 
 #[test]
+fn unknown_default_lists_each_parameter_once() {
+    let text = refused(
+        "defaults: {dtype: bf16}\nstages:\n  a:\n    uses: testkit/echo\n  b:\n    uses: testkit/echo\n",
+        &[],
+    );
+    assert!(
+        text.contains("p.yaml:1:12: default `dtype` is a parameter of none of the stages"),
+        "{text}"
+    );
+    let hint = text.lines().find(|l| l.contains("hint:")).expect("a hint");
+    assert_eq!(hint.matches("sleep_ms").count(), 1, "{hint}");
+}
+
+#[test]
 fn wrong_type() {
     let text = refused(
         "stages:\n  a:\n    uses: testkit/echo\n    with: {sleep_ms: soon}\n",

@@ -16,7 +16,14 @@ pub fn suggestion<'a>(
     candidates: impl IntoIterator<Item = &'a str>,
     what: &str,
 ) -> String {
-    let candidates: Vec<&str> = candidates.into_iter().collect();
+    // Each name once, in first-seen order: stages of one plugin share most of their parameters.
+    let mut unique: Vec<&str> = Vec::new();
+    for candidate in candidates {
+        if !unique.contains(&candidate) {
+            unique.push(candidate);
+        }
+    }
+    let candidates = unique;
     match nearest(word, candidates.iter().copied()) {
         Some(best) => format!("did you mean `{best}`?"),
         None if candidates.is_empty() => format!("there are no {what}"),
@@ -37,6 +44,10 @@ mod tests {
         assert_eq!(
             suggestion("zzz", names, "parameters"),
             "parameters: kernel, direction, seqlen"
+        );
+        assert_eq!(
+            suggestion("zzz", ["seqlen", "kernel", "seqlen"], "parameters"),
+            "parameters: seqlen, kernel"
         );
     }
 }
