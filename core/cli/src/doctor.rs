@@ -27,7 +27,7 @@ pub fn run(plugin_dirs: &[PathBuf], cache: &Cache) -> Result<ExitCode> {
         environment.kernel,
         environment.logical_cpus,
         human_bytes(environment.memory_bytes),
-        attnbench_runtime::cache::environment_fingerprint(&environment)
+        attnbench_runtime::key::environment_fingerprint(&environment)
     );
     println!("cpu: {}", environment.cpu);
 

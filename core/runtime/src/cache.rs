@@ -28,6 +28,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::key::KeyParts;
+
 #[derive(Debug, thiserror::Error)]
 pub enum CacheError {
     #[error("cache {path}: {source}")]
@@ -43,72 +45,6 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CacheError + '_ {
     move |source| CacheError::Io {
         path: path.to_path_buf(),
         source,
-    }
-}
-
-/// What a node's key is made of; stored with the entry so `explain` can say what changed.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct KeyParts {
-    pub plugin: String,
-    pub plugin_version: String,
-    pub library_hash: String,
-    pub stage: String,
-    /// Canonical (sorted) parameters.
-    pub params: Value,
-    pub seed: u64,
-    pub inputs: Vec<InputDigest>,
-    /// Content digests of the files that `file` parameters name (path → blake3).
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub files: BTreeMap<String, String>,
-    /// Library hashes of the plugins whose in-process backends `backend` parameters name.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub backends: BTreeMap<String, String>,
-    /// The environment fingerprint, for `machine`-scoped stages only.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub environment: Option<String>,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct InputDigest {
-    pub node: String,
-    pub digest: String,
-}
-
-impl KeyParts {
-    /// blake3 of the parts' JSON: fields in declaration order, `params` already canonical
-    /// (plan nodes sort their parameters; values are canonicalised when validated).
-    pub fn key(&self) -> String {
-        let mut hasher = blake3::Hasher::new();
-        // Writing JSON into a hasher cannot fail.
-        let _ = serde_json::to_writer(&mut hasher, self);
-        hasher.finalize().to_hex().to_string()
-    }
-}
-
-/// What makes measurements comparable: the hardware and system, not attnbench's own version
-/// (a new attnbench with the same plugin libraries measures the same thing).
-pub fn environment_fingerprint(environment: &attnbench_sdk::environment::Environment) -> String {
-    let mut identity = serde_json::json!({
-        "os": environment.os, "arch": environment.arch, "kernel": environment.kernel, "cpu": environment.cpu,
-        "logical_cpus": environment.logical_cpus, "memory_bytes": environment.memory_bytes,
-    });
-    // Only where there are GPUs, so that CPU machines keep their fingerprints.
-    if !environment.gpus.is_empty() {
-        identity["gpus"] = serde_json::json!(environment.gpus);
-    }
-    blake3::hash(identity.to_string().as_bytes()).to_hex()[..16].to_string()
-}
-
-/// `value` with every object's keys sorted, so equal values serialise to equal bytes.
-pub fn canonical(value: &Value) -> Value {
-    match value {
-        Value::Object(map) => {
-            let sorted: BTreeMap<&String, Value> =
-                map.iter().map(|(k, v)| (k, canonical(v))).collect();
-            Value::Object(sorted.into_iter().map(|(k, v)| (k.clone(), v)).collect())
-        }
-        Value::Array(items) => Value::Array(items.iter().map(canonical).collect()),
-        other => other.clone(),
     }
 }
 

@@ -4,9 +4,10 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use crate::cache::{Cache, EntryMeta, InputDigest, KeyParts};
+use crate::cache::{Cache, EntryMeta};
 use crate::diagnostic::nearest;
 use crate::key::key_parts;
+use crate::key::{environment_fingerprint, InputDigest, KeyParts};
 use crate::plan::Plan;
 use crate::record::{run_dirs, RunRecord};
 use attnbench_sdk::environment::Environment;
@@ -32,7 +33,7 @@ impl NodeState {
 
 /// The state of every node, reading only entry metadata (`run` verifies digests when it reads).
 pub fn node_states(plan: &Plan, cache: &Cache) -> Vec<NodeState> {
-    let fingerprint = crate::cache::environment_fingerprint(&Environment::detect());
+    let fingerprint = environment_fingerprint(&Environment::detect());
     let existing = cache.keys();
     let mut states: Vec<NodeState> = Vec::with_capacity(plan.nodes.len());
     for (index, node) in plan.nodes.iter().enumerate() {
@@ -123,7 +124,7 @@ pub fn explain(plan: &Plan, cache: &Cache, node: &str) -> Result<String, String>
                     plan,
                     index,
                     Vec::new(),
-                    &crate::cache::environment_fingerprint(&Environment::detect()),
+                    &environment_fingerprint(&Environment::detect()),
                 );
                 let own: Vec<String> = differences(old, &current)
                     .into_iter()
@@ -144,7 +145,7 @@ pub fn explain(plan: &Plan, cache: &Cache, node: &str) -> Result<String, String>
                 .inputs
                 .iter()
                 .filter_map(|&input| match &states[input] {
-                    NodeState::Cached { meta } => Some(crate::cache::InputDigest {
+                    NodeState::Cached { meta } => Some(InputDigest {
                         node: plan.nodes[input].id.clone(),
                         digest: meta.output_digest.clone(),
                     }),
@@ -155,7 +156,7 @@ pub fn explain(plan: &Plan, cache: &Cache, node: &str) -> Result<String, String>
                 plan,
                 index,
                 inputs,
-                &crate::cache::environment_fingerprint(&Environment::detect()),
+                &environment_fingerprint(&Environment::detect()),
             );
             match &previous {
                 None => lines.push("  it has not run before in this cache".into()),

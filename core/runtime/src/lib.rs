@@ -9,5 +9,4 @@ pub mod plan;
 pub mod record;
 pub mod run;
 pub mod slurm;
-pub mod spans;
 pub mod stop;

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::cache::KeyParts;
+use crate::key::KeyParts;
 use crate::slurm::config::ExecutorKind;
 use attnbench_sdk::environment::Environment;
 

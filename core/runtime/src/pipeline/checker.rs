@@ -6,9 +6,9 @@ use std::path::PathBuf;
 
 use serde_json::{Map, Value};
 
+use super::spans::SpanIndex;
 use crate::diagnostic::{suggestion, Diagnostic, Origin};
 use crate::host::plugin::Registry;
-use crate::spans::SpanIndex;
 
 pub(super) struct Checker<'a> {
     pub file: PathBuf,

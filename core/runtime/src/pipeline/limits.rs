@@ -10,8 +10,8 @@ use std::time::Duration;
 use attnbench_sdk::{ParamSpec, ParamType};
 use serde_json::{Map, Value};
 
+use super::spans::SpanIndex;
 use crate::diagnostic::{Diagnostic, Origin};
-use crate::spans::SpanIndex;
 
 /// Nodes one plan may have. Planning costs about 1 µs and 1 KB per node, so a million is a second
 /// and a gigabyte; running that many even at a second each takes eleven days. A matrix beyond

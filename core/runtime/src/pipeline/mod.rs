@@ -13,15 +13,16 @@ use serde_json::{Map, Value};
 
 use crate::diagnostic::{Diagnostic, Origin};
 use crate::host::plugin::{Plugin, Registry};
-use crate::spans::SpanIndex;
 use checker::Checker;
 use overrides::{apply_override, strip_location};
+use spans::SpanIndex;
 
 mod check;
 mod checker;
 pub(crate) mod limits;
 mod overrides;
 mod resolve;
+pub(crate) mod spans;
 mod stage;
 
 pub use limits::{MAX_FILE_BYTES, MAX_NODES, MAX_PIPELINE_BYTES, MAX_TIMEOUT, MIN_TIMEOUT};

@@ -3,8 +3,8 @@
 
 use serde_json::{Map, Value};
 
+use super::spans::SpanIndex;
 use crate::diagnostic::{Diagnostic, Origin};
-use crate::spans::SpanIndex;
 
 pub(super) fn strip_location(message: &str) -> String {
     match message.find(" at line ") {

@@ -6,8 +6,8 @@ use serde_json::{Map, Value};
 use super::check::{check_needs, check_timeout};
 use super::checker::Checker;
 use super::{limits, Stage, STAGE_KEYS};
-use crate::cache::canonical;
 use crate::diagnostic::suggestion;
+use crate::key::canonical;
 
 pub(super) fn check_stage(
     checker: &mut Checker,

@@ -16,9 +16,10 @@ use std::time::{Duration, Instant};
 use attnbench_sdk::environment::Environment;
 use attnbench_sdk::{InputArtifact, Isolation};
 
-use crate::cache::{Cache, CacheError, InputDigest};
+use crate::cache::{Cache, CacheError};
 use crate::diagnostic::suggestion;
 use crate::host::worker::{WorkerEnv, WorkerPool};
+use crate::key::InputDigest;
 use crate::plan::Plan;
 use crate::record::{new_run_id, NodeRecord, PluginRecord, RunRecord, Status};
 use crate::slurm::config::{ExecutorKind, SlurmSettings};
@@ -184,7 +185,7 @@ pub fn execute(
         plan,
         cache,
         pool,
-        fingerprint: crate::cache::environment_fingerprint(&environment),
+        fingerprint: crate::key::environment_fingerprint(&environment),
         forced,
         logs_dir,
         observer,

@@ -10,11 +10,12 @@ use attnbench_sdk::{FailureKind, InputArtifact, Isolation, StageFailure, StageRe
 use serde_json::Value;
 
 use super::{on_slurm, Event, Observer, Shared};
-use crate::cache::{CacheError, Entry, InputDigest, KeyParts, Lookup};
+use crate::cache::{CacheError, Entry, Lookup};
 use crate::host::machine_lock::{self, MachineLockError};
 use crate::host::node_sink::NodeSink;
 use crate::host::worker::WorkerOutcome;
 use crate::key::{backends_of, key_parts};
+use crate::key::{InputDigest, KeyParts};
 use crate::pipeline::Stage;
 use crate::plan::Plan;
 use crate::record::{node_file_name, NodeRecord, Status};
