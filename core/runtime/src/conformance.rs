@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use attnbench_sdk::measure::{MeasureStatus, Measurement};
-use attnbench_sdk::reference::{self, HeadMasks, Inputs, Shape, OUTPUT_TENSORS};
+use attnbench_sdk::reference::{self, Arithmetic, HeadMasks, Inputs, Shape, OUTPUT_TENSORS};
 use attnbench_sdk::{
     types_failures, FailureKind, InputArtifact, ParamType, StageFailure, StageRequest, StageSpec,
 };
@@ -27,8 +27,8 @@ const SHAPE: Shape = Shape {
 };
 const SEED: u64 = 1234;
 const TIMEOUT: Duration = Duration::from_secs(120);
-/// Relative error allowed against the f64 reference (f32 inputs).
-const TOLERANCE: f64 = 2e-3;
+/// Relative error allowed against the f64 reference: f32 inputs, products perhaps in TF32.
+const TOLERANCE: f64 = Arithmetic::Tf32.tolerance();
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Check {

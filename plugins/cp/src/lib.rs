@@ -24,7 +24,7 @@ use attnbench_sdk::measure::{
     Direction, Harness, Measurement, Quantiles, Shape as MeasuredShape, Throughput,
 };
 use attnbench_sdk::reference::{
-    self, CheckMode, Element, Forward, Grads, HeadMasks, Inputs, Shape,
+    self, Arithmetic, CheckMode, Element, Forward, Grads, HeadMasks, Inputs, Shape,
 };
 use attnbench_sdk::{
     write_json, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError,
@@ -51,10 +51,6 @@ pub(crate) fn default_harness() -> Harness {
         target_rel_ci: 0.05,
     }
 }
-
-/// Relative error allowed against the f64 reference: the methods compute in f64, so only the
-/// outputs' rounding to f32 remains.
-const TOLERANCE: f64 = 1e-5;
 
 impl Plugin for Cp {
     fn manifest() -> PluginManifest {
@@ -333,7 +329,7 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
         &forward,
         grads.as_ref(),
         CheckMode::Full,
-        TOLERANCE,
+        Arithmetic::F64.tolerance(),
     ));
     let sizes = volume::Sizes {
         tokens: (shape.seqlen / setup.layout.world()) as u64,

@@ -16,7 +16,7 @@ use attnbench_sdk::{
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use attnbench_sdk::reference::{self as naive, CheckMode};
+use attnbench_sdk::reference::{self as naive, Arithmetic, CheckMode};
 use problem::{Forward, Grads, HeadMasks, Inputs, Shape};
 
 struct Cpu;
@@ -39,9 +39,6 @@ fn default_harness() -> Harness {
         ..Harness::default()
     }
 }
-
-/// Relative error allowed against the f64 reference (f32 arithmetic, inputs shared).
-const TOLERANCE: f64 = 2e-3;
 
 impl Plugin for Cpu {
     fn manifest() -> PluginManifest {
@@ -202,7 +199,15 @@ fn check(
     } else {
         CheckMode::Sampled { rows: 64 }
     };
-    naive::check(shape, masks, inputs, forward, grads, mode, TOLERANCE)
+    naive::check(
+        shape,
+        masks,
+        inputs,
+        forward,
+        grads,
+        mode,
+        Arithmetic::F32.tolerance(),
+    )
 }
 
 /// Bytes the kernel's buffers occupy at their peak: inputs, outputs and scratch.

@@ -163,7 +163,7 @@ struct BenchParams {
 /// f32 kernels may run their products in TF32.
 fn tolerance(element: Element) -> f64 {
     match element {
-        Element::F32 => attnbench_sdk::reference::TF32_TOLERANCE,
+        Element::F32 => attnbench_sdk::reference::Arithmetic::Tf32.tolerance(),
         _ => element.tolerance(),
     }
 }

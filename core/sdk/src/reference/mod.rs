@@ -73,9 +73,34 @@ pub struct Grads {
     pub dv: Vec<f32>,
 }
 
-/// The f32 bound for kernels whose matrix products may run in TF32 (a library's choice, such as
-/// PyTorch's backends): 10 mantissa bits, so about 1e-3 of the largest value.
-pub const TF32_TOLERANCE: f64 = 2e-3;
+/// How a kernel computes what is checked against the f64 reference; [`Arithmetic::tolerance`]
+/// is the one table of the relative errors (the largest |actual − reference| over the largest
+/// |reference|) every check allows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arithmetic {
+    /// f64 throughout (the CP methods): only the outputs' rounding to f32 remains.
+    F64,
+    /// f32 products and accumulation on inputs of any type (the CPU kernels).
+    F32,
+    /// f32 accumulation with matrix products that may run in TF32, a library's choice (PyTorch's
+    /// backends) or a third-party kernel's: 10 mantissa bits, about 1e-3 of the largest value.
+    Tf32,
+    /// f32 accumulation with P and dS rounded to the inputs' type before their products, as GPU
+    /// kernels on 16-bit inputs do (on f32 inputs, the same as `F32`).
+    RoundedTo(Element),
+}
+
+impl Arithmetic {
+    pub const fn tolerance(self) -> f64 {
+        match self {
+            Arithmetic::F64 => 1e-5,
+            Arithmetic::F32 | Arithmetic::RoundedTo(Element::F32) => 1e-4,
+            Arithmetic::Tf32 => 2e-3,
+            Arithmetic::RoundedTo(Element::F16) => 5e-3,
+            Arithmetic::RoundedTo(Element::Bf16) => 2e-2,
+        }
+    }
+}
 
 impl std::fmt::Display for Element {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -105,16 +130,10 @@ impl Element {
         }
     }
 
-    /// The relative error a kernel storing this type is allowed against the f64 reference (the
-    /// largest |actual − reference| over the largest |reference|), the one table every kernel
-    /// plugin checks with: f32 accumulation, with P and dS rounded to the inputs' type before
-    /// their products; f32 kernels whose products may run in TF32 get [`TF32_TOLERANCE`].
+    /// The relative error a GPU kernel storing this type is allowed against the f64 reference:
+    /// [`Arithmetic::RoundedTo`] this type.
     pub fn tolerance(self) -> f64 {
-        match self {
-            Element::F32 => 1e-4,
-            Element::F16 => 5e-3,
-            Element::Bf16 => 2e-2,
-        }
+        Arithmetic::RoundedTo(self).tolerance()
     }
 
     pub fn bytes(self) -> usize {
