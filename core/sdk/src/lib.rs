@@ -16,6 +16,9 @@
 //! Every entry point the macro exports catches panics, so a bug in a plugin becomes an error
 //! result for one node instead of undefined behaviour across the FFI boundary.
 
+// The name `named_enum!`'s serde derives use, inside this crate too.
+extern crate self as attnbench_sdk;
+
 mod artifact;
 pub mod attention;
 pub mod environment;
@@ -28,6 +31,7 @@ pub mod libraries;
 mod manifest;
 pub mod mask;
 pub mod measure;
+mod names;
 pub mod nvml;
 pub mod reference;
 mod request;

@@ -30,37 +30,16 @@ pub struct MaskInfo {
     pub params: Map<String, Value>,
 }
 
-/// What a kernel measurement times: the forward, the backward alone (after one forward outside
-/// the timed region), or both.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Direction {
-    Fwd,
-    Bwd,
-    FwdBwd,
+crate::named_enum! {
+    /// What a kernel measurement times: the forward, the backward alone (after one forward
+    /// outside the timed region), or both.
+    pub enum Direction { Fwd = "fwd", Bwd = "bwd", FwdBwd = "fwd_bwd" }
 }
 
 impl Direction {
-    /// Every direction as a stage's `direction` parameter spells it, in this order.
-    pub const NAMES: [&'static str; 3] = ["fwd", "bwd", "fwd_bwd"];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Direction::Fwd => "fwd",
-            Direction::Bwd => "bwd",
-            Direction::FwdBwd => "fwd_bwd",
-        }
-    }
-
     /// Whether it runs a backward pass (and so needs dO and gives gradients).
     pub fn backward(self) -> bool {
         self != Direction::Fwd
-    }
-}
-
-impl std::fmt::Display for Direction {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
     }
 }
 

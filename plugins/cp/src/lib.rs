@@ -69,7 +69,7 @@ impl Plugin for Cp {
                         .param(ParamSpec::new("placement", ParamType::one_of(&["ring_inner", "ulysses_inner"])).default("ring_inner").doc("Which group is made of consecutive ranks."))
                         .param(ParamSpec::new("backend", ParamType::one_of(&["threads", "processes", "nccl"])).default("threads").doc("`threads`: ranks as threads of the worker; `processes`: one `attnbench-cp-rank` process per rank, joined over TCP on loopback (as srun/mpirun/torchrun would start them across machines); `nccl`: one such process per GPU, tensors on the GPUs (bf16/fp16 inputs, f32 results), NCCL between them, blocks on `attention`'s device backend (e.g. cuda/flash), outputs checked on 16 rows of every head."))
                         .param(ParamSpec::new("attention", ParamType::Backend).default("builtin").doc("The local attention of every block: `builtin` (f64, in this plugin) or a kernel plugin's in-process backend, e.g. `cpu/reference`."))
-                        .param(ParamSpec::new("direction", ParamType::one_of(&Direction::NAMES)).default("fwd"))
+                        .param(ParamSpec::new("direction", ParamType::one_of(Direction::NAMES)).default("fwd"))
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(8))
                         .param(ParamSpec::new("heads_kv", ParamType::Int).default(4))
                         .param(ParamSpec::new("head_dim", ParamType::Int).default(16))

@@ -21,11 +21,21 @@ use problem::{Forward, Grads, HeadMasks, Inputs, Shape};
 
 struct Cpu;
 
+attnbench_sdk::named_enum! {
+    /// The cpu plugin's kernels.
+    enum Kernel { Tiled = "tiled", Naive = "naive" }
+}
+
+attnbench_sdk::named_enum! {
+    /// How much of the output is compared with the reference.
+    enum Check { Auto = "auto", Full = "full", Sampled = "sampled", Off = "off" }
+}
+
 #[derive(Deserialize)]
 struct Params {
-    kernel: String,
+    kernel: Kernel,
     threads: usize,
-    check: String,
+    check: Check,
     full_check_max_seqlen: usize,
     max_scores_bytes: u64,
     #[serde(flatten)]
@@ -48,14 +58,14 @@ impl Plugin for Cpu {
                 default_harness()
                     .declare(StageSpec::new("benchmark"))
                     .doc("Times one kernel on one mask (from a masks/generate node) and checks its output.")
-                    .param(ParamSpec::new("kernel", ParamType::one_of(&["tiled", "naive"])).default("tiled").doc("`tiled` (online softmax, threads) or `naive` (f64, materialised scores)."))
-                    .param(ParamSpec::new("direction", ParamType::one_of(&Direction::NAMES)).default("fwd").doc("`bwd` is timed alone, after one forward outside the timing."))
+                    .param(ParamSpec::new("kernel", ParamType::one_of(Kernel::NAMES)).default("tiled").doc("`tiled` (online softmax, threads) or `naive` (f64, materialised scores)."))
+                    .param(ParamSpec::new("direction", ParamType::one_of(Direction::NAMES)).default("fwd").doc("`bwd` is timed alone, after one forward outside the timing."))
                     .param(ParamSpec::new("heads_q", ParamType::Int).default(64).doc("Query heads."))
                     .param(ParamSpec::new("heads_kv", ParamType::Int).default(8).doc("Key/value heads (GQA when fewer than heads_q)."))
                     .param(ParamSpec::new("head_dim", ParamType::Int).default(128).doc("Head dimension."))
                     .param(ParamSpec::new("dtype", ParamType::one_of(&["f32", "bf16"])).default("f32").doc("Input precision (bf16 rounds the inputs; arithmetic is f32, or f64 for naive)."))
                     .param(ParamSpec::new("threads", ParamType::Int).default(0).doc("Threads for the tiled kernel (0 = one per CPU)."))
-                    .param(ParamSpec::new("check", ParamType::one_of(&["auto", "full", "sampled", "off"])).default("auto").doc(
+                    .param(ParamSpec::new("check", ParamType::one_of(Check::NAMES)).default("auto").doc(
                         "Correctness: `full` compares every output with the naive kernel, `sampled` 64 rows per head with an independent per-row reference; `auto` is full up to full_check_max_seqlen.",
                     ))
                     .param(ParamSpec::new("full_check_max_seqlen", ParamType::Size).default(1024).doc("Longest sequence `auto` checks in full."))
@@ -126,10 +136,14 @@ fn benchmark(
     );
     measurement.environment.insert(
         "threads".into(),
-        json!(if params.kernel == "tiled" { threads } else { 1 }),
+        json!(if params.kernel == Kernel::Tiled {
+            threads
+        } else {
+            1
+        }),
     );
     let flops = measurement.flops;
-    if params.kernel == "naive" && naive::score_bytes(&shape) > params.max_scores_bytes {
+    if params.kernel == Kernel::Naive && naive::score_bytes(&shape) > params.max_scores_bytes {
         return Ok(measurement.unsupported(format!(
             "the naive kernel materialises a {0}×{0} f64 score matrix ({1:.1} GiB), above max_scores_bytes ({2:.1} GiB)",
             shape.seqlen,
@@ -139,21 +153,21 @@ fn benchmark(
     }
     let masks = HeadMasks::new(set, &shape);
     let inputs = Inputs::random_as(&shape, seed, params.common.dtype);
-    let run_forward = || match params.kernel.as_str() {
+    let run_forward = || match params.kernel {
         // The naive kernel is the single-threaded textbook one (its measurement says threads: 1).
-        "naive" => naive::forward_with_threads(&shape, &masks, &inputs, 1),
-        _ => tiled::forward(&shape, &masks, &inputs, threads),
+        Kernel::Naive => naive::forward_with_threads(&shape, &masks, &inputs, 1),
+        Kernel::Tiled => tiled::forward(&shape, &masks, &inputs, threads),
     };
-    let run_backward = |forward: &Forward| match params.kernel.as_str() {
-        "naive" => naive::backward_with_threads(&shape, &masks, &inputs, forward, 1),
-        _ => tiled::backward(&shape, &masks, &inputs, forward, threads),
+    let run_backward = |forward: &Forward| match params.kernel {
+        Kernel::Naive => naive::backward_with_threads(&shape, &masks, &inputs, forward, 1),
+        Kernel::Tiled => tiled::backward(&shape, &masks, &inputs, forward, threads),
     };
     let backward_needed = params.common.backward();
 
     // Checked before it is timed.
     let forward = run_forward();
     let grads = backward_needed.then(|| run_backward(&forward));
-    if params.check != "off" {
+    if params.check != Check::Off {
         host.debug("checking the output against the reference");
         measurement.correctness = Some(check(
             params,
@@ -189,10 +203,12 @@ fn check(
     forward: &Forward,
     grads: Option<&Grads>,
 ) -> Correctness {
-    let full = match params.check.as_str() {
-        "full" => true,
-        "sampled" => false,
-        _ => shape.seqlen <= params.full_check_max_seqlen && params.kernel != "naive",
+    let full = match params.check {
+        Check::Full => true,
+        Check::Sampled | Check::Off => false,
+        Check::Auto => {
+            shape.seqlen <= params.full_check_max_seqlen && params.kernel != Kernel::Naive
+        }
     };
     let mode = if full {
         CheckMode::Full
@@ -219,9 +235,9 @@ fn memory(params: &Params, shape: &Shape, threads: usize) -> Memory {
     let backward = params.common.backward();
     let inputs = q + 2 * kv + if backward { 2 * q + lse } else { 0 };
     let outputs = if backward { q + 2 * kv } else { q + lse };
-    let scratch = match params.kernel.as_str() {
-        "naive" => naive::score_bytes(shape) + if backward { q + 2 * kv } else { 0 },
-        _ => threads as u64 * tiled::workspace_bytes_per_thread(),
+    let scratch = match params.kernel {
+        Kernel::Naive => naive::score_bytes(shape) + if backward { q + 2 * kv } else { 0 },
+        Kernel::Tiled => threads as u64 * tiled::workspace_bytes_per_thread(),
     };
     Memory {
         peak_bytes: inputs + outputs + scratch,

@@ -531,14 +531,11 @@ struct HopperFunctions {
     fused_tma: CudaFunction,
 }
 
-/// Which tensor-core instructions the kernels use: mma.sync (any GPU from sm_80), wgmma (Hopper,
-/// head_dim 128; the forward, the split backward, the fused one where the masks keep 128-row
-/// tiles), or wgmma where it runs and mma.sync elsewhere.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Instructions {
-    Auto,
-    Mma,
-    Wgmma,
+attnbench_sdk::named_enum! {
+    /// Which tensor-core instructions the kernels use: mma.sync (any GPU from sm_80), wgmma
+    /// (Hopper, head_dim 128; the forward, the split backward, the fused one where the masks keep
+    /// 128-row tiles), or wgmma where it runs and mma.sync elsewhere.
+    pub enum Instructions { Auto = "auto", Mma = "mma", Wgmma = "wgmma" }
 }
 
 impl Instructions {
@@ -993,11 +990,9 @@ enum KernelInput {
     Map(TensorMap),
 }
 
-/// How the backward pass computes dQ (see the module's documentation).
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum Backward {
-    Split,
-    Fused,
+attnbench_sdk::named_enum! {
+    /// How the backward pass computes dQ (see the module's documentation).
+    pub enum Backward { Split = "split", Fused = "fused" }
 }
 
 /// What only the backward pass needs.

@@ -84,10 +84,10 @@ impl Plugin for Cuda {
                 default_harness().declare(
                     StageSpec::new("benchmark")
                         .doc("Times one kernel on one mask (from a masks/generate node), checked against the reference first.")
-                        .param(ParamSpec::new("kernel", ParamType::one_of(&["naive", "flash"])).default("naive").doc("`naive`: cuBLAS GEMMs around a masked softmax, S×S scores per head (the GPU reference). `flash`: tiled tensor-core kernel driven by the mask IR (forward and backward; bf16/fp16; head_dim 64 or 128)."))
-                        .param(ParamSpec::new("instructions", ParamType::one_of(&["auto", "mma", "wgmma"])).default("auto").doc("`flash`'s tensor-core instructions: `mma` (mma.sync, any GPU from sm_80), `wgmma` (Hopper's warpgroup MMA reading its operands from shared memory, tiles loaded by TMA in warp-specialised kernels; head_dim 128; the forward, pipelined so each tile's softmax overlaps the previous tile's P·V; the split backward; the fused one where the masks' blocks keep 128-row tiles), or `auto`, wgmma where it runs. What ran is the record's `environment.flash_forward` and `flash_backward`; chosen by name, it is also in the kernel's name (`cuda-flash-mma`, `cuda-flash-wgmma`)."))
-                        .param(ParamSpec::new("backward", ParamType::one_of(&["split", "fused"])).default("split").doc("`flash`'s backward: `split` (deterministic) computes dK and dV per key tile and dQ per query tile in a second kernel, which recomputes S and dP; `fused` adds dQ from the key-tile kernel with atomics (two of seven products saved; the order of the sums, so the last bits, vary run to run). Recorded as kernel `cuda-flash-fused`; `environment.flash_backward` says whether it ran on wgmma or mma.sync."))
-                        .param(ParamSpec::new("direction", ParamType::one_of(&Direction::NAMES)).default("fwd").doc("`bwd` is timed alone: the forward runs once, outside the timed region."))
+                        .param(ParamSpec::new("kernel", ParamType::one_of(Kernel::NAMES)).default("naive").doc("`naive`: cuBLAS GEMMs around a masked softmax, S×S scores per head (the GPU reference). `flash`: tiled tensor-core kernel driven by the mask IR (forward and backward; bf16/fp16; head_dim 64 or 128)."))
+                        .param(ParamSpec::new("instructions", ParamType::one_of(flash::Instructions::NAMES)).default("auto").doc("`flash`'s tensor-core instructions: `mma` (mma.sync, any GPU from sm_80), `wgmma` (Hopper's warpgroup MMA reading its operands from shared memory, tiles loaded by TMA in warp-specialised kernels; head_dim 128; the forward, pipelined so each tile's softmax overlaps the previous tile's P·V; the split backward; the fused one where the masks' blocks keep 128-row tiles), or `auto`, wgmma where it runs. What ran is the record's `environment.flash_forward` and `flash_backward`; chosen by name, it is also in the kernel's name (`cuda-flash-mma`, `cuda-flash-wgmma`)."))
+                        .param(ParamSpec::new("backward", ParamType::one_of(flash::Backward::NAMES)).default("split").doc("`flash`'s backward: `split` (deterministic) computes dK and dV per key tile and dQ per query tile in a second kernel, which recomputes S and dP; `fused` adds dQ from the key-tile kernel with atomics (two of seven products saved; the order of the sums, so the last bits, vary run to run). Recorded as kernel `cuda-flash-fused`; `environment.flash_backward` says whether it ran on wgmma or mma.sync."))
+                        .param(ParamSpec::new("direction", ParamType::one_of(Direction::NAMES)).default("fwd").doc("`bwd` is timed alone: the forward runs once, outside the timed region."))
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
                         .param(ParamSpec::new("heads_kv", ParamType::Int).default(8))
                         .param(ParamSpec::new("head_dim", ParamType::Int).default(128))
@@ -253,12 +253,17 @@ fn gemm(request: &StageRequest) -> Result<Value, PluginError> {
     })
 }
 
+attnbench_sdk::named_enum! {
+    /// The cuda plugin's kernels.
+    enum Kernel { Naive = "naive", Flash = "flash" }
+}
+
 #[derive(Deserialize)]
 struct BenchParams {
-    kernel: String,
+    kernel: Kernel,
     check_max_seqlen: usize,
-    backward: String,
-    instructions: String,
+    backward: flash::Backward,
+    instructions: flash::Instructions,
     #[serde(flatten)]
     common: attnbench_sdk::measure::KernelParams,
 }
@@ -280,13 +285,11 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
     let element = p.common.dtype;
     let harness = p.common.harness.apply(default_harness());
     let measured_shape = p.common.measured_shape();
-    let kernel = match (
-        p.kernel.as_str(),
-        p.backward.as_str(),
-        p.instructions.as_str(),
-    ) {
-        ("flash", "fused", _) => "cuda-flash-fused".to_string(),
-        ("flash", _, chosen @ ("mma" | "wgmma")) => format!("cuda-flash-{chosen}"),
+    let kernel = match (p.kernel, p.backward, p.instructions) {
+        (Kernel::Flash, flash::Backward::Fused, _) => "cuda-flash-fused".to_string(),
+        (Kernel::Flash, _, chosen @ (flash::Instructions::Mma | flash::Instructions::Wgmma)) => {
+            format!("cuda-flash-{chosen}")
+        }
         (name, _, _) => format!("cuda-{name}"),
     };
     let plugin = ("cuda", env!("CARGO_PKG_VERSION"));
@@ -309,7 +312,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         {
             measurement.environment.insert(key, value);
         }
-        let flash = p.kernel == "flash";
+        let flash = p.kernel == Kernel::Flash;
         if let Some(reason) = flash.then(|| flash::unsupported(&shape, element)).flatten() {
             return measurement.unsupported(reason).write(&request.output_dir);
         }
@@ -360,14 +363,8 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
                 gpu, kernels, shape, element, &masks, &inputs, backward,
             )
             .map(|mut problem| {
-                if p.backward == "fused" {
-                    problem.backward = flash::Backward::Fused;
-                }
-                problem.instructions = match p.instructions.as_str() {
-                    "mma" => flash::Instructions::Mma,
-                    "wgmma" => flash::Instructions::Wgmma,
-                    _ => flash::Instructions::Auto,
-                };
+                problem.backward = p.backward;
+                problem.instructions = p.instructions;
                 Problem::Flash(Box::new(problem))
             }),
             (_, Some(kernels)) => {

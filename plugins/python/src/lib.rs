@@ -96,15 +96,15 @@ impl Plugin for Python {
                         .param(ParamSpec::new("kernel", ParamType::one_of(&KERNELS)).default("numpy").doc("`numpy` runs on the CPU; `module` runs the `attention` function of the file given as `module`."))
                         .param(ParamSpec::new("module", ParamType::File).default("").doc("For kernel `module`: a Python file defining `attention(q, k, v, mask, scale)` (README: third-party kernels)."))
                         .param(ParamSpec::new("python", ParamType::String).default("").doc("The interpreter; empty: ATTNBENCH_PYTHON, then the python3 beside the attnbench binary (a virtual environment it was installed into), then python3 on the PATH."))
-                        .param(ParamSpec::new("device", ParamType::one_of(&["cuda", "cpu"])).default("cuda").doc("Where torch kernels run (`numpy` always runs on the CPU)."))
-                        .param(ParamSpec::new("layout", ParamType::one_of(&["auto", "bshd", "bhsd"])).default("auto").doc("How Q, K, V and dO are stored: `bshd` ([1, S, H, D], as a model's projections produce them and as LongCA-bench creates them; kernels taking [1, H, S, D] get a transposed view), `bhsd` (contiguous [1, H, S, D]), or `auto`: the layout each kernel's documentation passes (contiguous [1, H, S, D] for flex, [1, S, H, D] storage for the others). Some backends' speed depends on it (flex's backward and cuDNN's do)."))
-                        .param(ParamSpec::new("direction", ParamType::one_of(&Direction::NAMES)).default("fwd").doc("`bwd` is timed alone: the forward runs once, outside the timed region."))
+                        .param(ParamSpec::new("device", ParamType::one_of(Device::NAMES)).default("cuda").doc("Where torch kernels run (`numpy` always runs on the CPU)."))
+                        .param(ParamSpec::new("layout", ParamType::one_of(Layout::NAMES)).default("auto").doc("How Q, K, V and dO are stored: `bshd` ([1, S, H, D], as a model's projections produce them and as LongCA-bench creates them; kernels taking [1, H, S, D] get a transposed view), `bhsd` (contiguous [1, H, S, D]), or `auto`: the layout each kernel's documentation passes (contiguous [1, H, S, D] for flex, [1, S, H, D] storage for the others). Some backends' speed depends on it (flex's backward and cuDNN's do)."))
+                        .param(ParamSpec::new("direction", ParamType::one_of(Direction::NAMES)).default("fwd").doc("`bwd` is timed alone: the forward runs once, outside the timed region."))
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
                         .param(ParamSpec::new("heads_kv", ParamType::Int).default(8))
                         .param(ParamSpec::new("head_dim", ParamType::Int).default(128))
                         .param(ParamSpec::new("dtype", ParamType::one_of(&["bf16", "fp16", "f32"])).default("bf16"))
                         .param(ParamSpec::new("outputs", ParamType::Bool).default(false).doc("Also write out.f32, lse.f32 (and dq/dk/dv.f32) when the inputs are the SDK's (up to check_max_seqlen)."))
-                        .param(ParamSpec::new("gqa", ParamType::one_of(&["native", "expand"])).default("native").doc("How the SDPA kernels get grouped K and V: `native` passes the KV heads with enable_gqa; `expand` repeats them to every query head once, before the timed region, as a model that keeps them expanded would. Other kernels take `native` only."))
+                        .param(ParamSpec::new("gqa", ParamType::one_of(Gqa::NAMES)).default("native").doc("How the SDPA kernels get grouped K and V: `native` passes the KV heads with enable_gqa; `expand` repeats them to every query head once, before the timed region, as a model that keeps them expanded would. Other kernels take `native` only."))
                         .param(ParamSpec::new("check_max_seqlen", ParamType::Size).default("2k").doc("Up to this length the inputs are the SDK's and every output is checked against the f64 reference; beyond it the worker checks `check_rows` rows of every head."))
                         .param(ParamSpec::new("check_rows", ParamType::Int).default(16).doc("Rows of every head checked beyond check_max_seqlen.")),
                 )
@@ -145,14 +145,29 @@ fn backends(request: &StageRequest) -> Result<Value, PluginError> {
     Ok(result)
 }
 
+attnbench_sdk::named_enum! {
+    /// Where torch kernels run.
+    enum Device { Cuda = "cuda", Cpu = "cpu" }
+}
+
+attnbench_sdk::named_enum! {
+    /// How Q, K, V and dO are stored (the bridge's `to_layout`).
+    enum Layout { Auto = "auto", Bshd = "bshd", Bhsd = "bhsd" }
+}
+
+attnbench_sdk::named_enum! {
+    /// How the SDPA kernels get grouped K and V.
+    enum Gqa { Native = "native", Expand = "expand" }
+}
+
 #[derive(Deserialize)]
 struct BenchParams {
     kernel: String,
     module: String,
     python: String,
-    device: String,
-    layout: String,
-    gqa: String,
+    device: Device,
+    layout: Layout,
+    gqa: Gqa,
     check_max_seqlen: usize,
     check_rows: usize,
     #[serde(flatten)]
@@ -196,9 +211,13 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
     };
     // Settings that change what a kernel measures name it, so a sweep over them keeps each
     // variant's cells apart in tables and merged reports; the defaults keep the plain name.
-    let kernel = [("layout", &p.layout, "auto"), ("gqa", &p.gqa, "native")]
+    let settings = [
+        ("layout", p.layout.as_str(), p.layout == Layout::Auto),
+        ("gqa", p.gqa.as_str(), p.gqa == Gqa::Native),
+    ];
+    let kernel = settings
         .into_iter()
-        .filter(|(_, value, default)| value.as_str() != *default)
+        .filter(|(_, _, default)| !default)
         .fold(kernel, |name, (key, value, _)| {
             format!("{name} {key}={value}")
         });
@@ -211,7 +230,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         p.common.direction,
         harness.clone(),
     );
-    let on_gpu = p.device == "cuda" && p.kernel != "numpy";
+    let on_gpu = p.device == Device::Cuda && p.kernel != "numpy";
 
     // Up to check_max_seqlen the worker reads the SDK's inputs and writes every output.
     let full_check = shape.seqlen <= p.check_max_seqlen;

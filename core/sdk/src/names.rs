@@ -1,0 +1,46 @@
+//! Closed sets of names, as stage parameters spell them.
+
+/// An enum whose variants are the names a stage parameter takes: serde in those spellings,
+/// `NAMES` for the manifest's `ParamType::one_of` (so the manifest and the code cannot disagree),
+/// `as_str` and `Display`. A misspelt name never reaches the plugin: the pipeline checker refuses
+/// it against `NAMES` first, and serde would refuse it next. Needs only this crate, under its
+/// own name (`attnbench_sdk`).
+///
+/// ```
+/// attnbench_sdk::named_enum! {
+///     /// How the check runs.
+///     pub enum Check { Full = "full", Sampled = "sampled" }
+/// }
+/// assert_eq!(Check::NAMES, ["full", "sampled"]);
+/// assert_eq!(Check::Sampled.to_string(), "sampled");
+/// ```
+#[macro_export]
+macro_rules! named_enum {
+    ($(#[$meta:meta])* $vis:vis enum $name:ident {
+        $($(#[$variant_meta:meta])* $variant:ident = $text:literal),+ $(,)?
+    }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, $crate::serde::Serialize, $crate::serde::Deserialize)]
+        #[serde(crate = "attnbench_sdk::serde")]
+        $vis enum $name {
+            $($(#[$variant_meta])* #[serde(rename = $text)] $variant),+
+        }
+
+        impl $name {
+            /// Every name, in declaration order.
+            pub const NAMES: &'static [&'static str] = &[$($text),+];
+
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($name::$variant => $text),+
+                }
+            }
+        }
+
+        impl ::std::fmt::Display for $name {
+            fn fmt(&self, f: &mut ::std::fmt::Formatter<'_>) -> ::std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+    };
+}
