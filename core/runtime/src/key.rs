@@ -131,12 +131,13 @@ pub fn canonical(value: &Value) -> Value {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use attnbench_sdk::environment::Environment;
     use serde_json::json;
 
-    fn parts(seqlen: u64) -> KeyParts {
+    /// Key parts of a small made-up node, for the key's and the store's tests.
+    pub(crate) fn parts(seqlen: u64) -> KeyParts {
         KeyParts {
             plugin: "p".into(),
             plugin_version: "1".into(),

@@ -1,23 +1,8 @@
 //! The store itself: commits, lookups, corruption and concurrent replacement.
 
 use super::*;
-use crate::key::canonical;
+use crate::key::tests::parts;
 use serde_json::json;
-
-fn parts(seqlen: u64) -> KeyParts {
-    KeyParts {
-        plugin: "p".into(),
-        plugin_version: "1".into(),
-        library_hash: "h".into(),
-        stage: "s".into(),
-        params: canonical(&json!({"seqlen": seqlen, "kernel": "k"})),
-        seed: 0,
-        inputs: vec![],
-        files: BTreeMap::new(),
-        backends: BTreeMap::new(),
-        environment: None,
-    }
-}
 
 #[test]
 fn commit_then_lookup_and_detect_corruption() {
