@@ -2,7 +2,7 @@
 
 /// An enum whose variants are the names a stage parameter takes: serde in those spellings,
 /// `NAMES` for the manifest's `ParamType::one_of` (so the manifest and the code cannot disagree),
-/// `as_str` and `Display`. A misspelt name never reaches the plugin: the pipeline checker refuses
+/// `ALL`, `as_str`, `from_name` and `Display`. A misspelt name never reaches the plugin: the pipeline checker refuses
 /// it against `NAMES` first, and serde would refuse it next. Needs only this crate, under its
 /// own name (`attnbench_sdk`).
 ///
@@ -13,6 +13,8 @@
 /// }
 /// assert_eq!(Check::NAMES, ["full", "sampled"]);
 /// assert_eq!(Check::Sampled.to_string(), "sampled");
+/// assert_eq!(Check::from_name("full"), Some(Check::Full));
+/// assert_eq!(Check::ALL.len(), 2);
 /// ```
 #[macro_export]
 macro_rules! named_enum {
@@ -29,11 +31,18 @@ macro_rules! named_enum {
         impl $name {
             /// Every name, in declaration order.
             pub const NAMES: &'static [&'static str] = &[$($text),+];
+            /// Every variant, in declaration order.
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
 
             pub fn as_str(self) -> &'static str {
                 match self {
                     $($name::$variant => $text),+
                 }
+            }
+
+            /// The variant a name spells (as a record stores it), if any.
+            pub fn from_name(name: &str) -> Option<$name> {
+                Self::ALL.iter().copied().find(|variant| variant.as_str() == name)
             }
         }
 

@@ -7,25 +7,14 @@
 //! Unlike LongCA-bench, chunks are cut from the whole sequence, not per document: the mask (any
 //! mask of the IR) decides which pairs are computed, so documents need no padding.
 
-/// Which of the two groups is made of consecutive world ranks (the fast, intra-node, dimension
-/// when ranks are numbered node by node).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Placement {
-    /// Ring groups are consecutive ranks: world rank = u·R + r.
-    RingInner,
-    /// Ulysses groups are consecutive ranks: world rank = r·U + u.
-    UlyssesInner,
-}
-
-impl Placement {
-    /// The placement a `placement` parameter names (`ring_inner` or `ulysses_inner`).
-    pub fn named(name: &str) -> Option<Placement> {
-        match name {
-            "ring_inner" => Some(Placement::RingInner),
-            "ulysses_inner" => Some(Placement::UlyssesInner),
-            _ => None,
-        }
+attnbench_sdk::named_enum! {
+    /// Which of the two groups is made of consecutive world ranks (the fast, intra-node,
+    /// dimension when ranks are numbered node by node).
+    pub enum Placement {
+        /// Ring groups are consecutive ranks: world rank = u·R + r.
+        RingInner = "ring_inner",
+        /// Ulysses groups are consecutive ranks: world rank = r·U + u.
+        UlyssesInner = "ulysses_inner",
     }
 }
 

@@ -62,12 +62,12 @@ impl Plugin for Cp {
                         .doc("Runs one method with its ranks as threads on CPU tensors: exact outputs, counted bytes.")
                         .tasks_from("world")
                         .gpu_when("backend", "nccl")
-                        .param(ParamSpec::new("method", ParamType::one_of(&Method::ALL.map(Method::name))).default("ring_p2p"))
+                        .param(ParamSpec::new("method", ParamType::one_of(Method::NAMES)).default("ring_p2p"))
                         .param(ParamSpec::new("world", ParamType::Int).default(4).doc("Ranks."))
                         .param(ParamSpec::new("ulysses", ParamType::Int).default(0).doc("Ulysses group size for usp and loongtrain (0: the largest divisor U of world with U² ≤ world)."))
                         .param(ParamSpec::new("windows", ParamType::Int).default(0).doc("LoongTrain's ring windows (0: the largest divisor m of the ring size R with m² ≤ R, as LongCA-bench)."))
-                        .param(ParamSpec::new("placement", ParamType::one_of(&["ring_inner", "ulysses_inner"])).default("ring_inner").doc("Which group is made of consecutive ranks."))
-                        .param(ParamSpec::new("backend", ParamType::one_of(&["threads", "processes", "nccl"])).default("threads").doc("`threads`: ranks as threads of the worker; `processes`: one `attnbench-cp-rank` process per rank, joined over TCP on loopback (as srun/mpirun/torchrun would start them across machines); `nccl`: one such process per GPU, tensors on the GPUs (bf16/fp16 inputs, f32 results), NCCL between them, blocks on `attention`'s device backend (e.g. cuda/flash), outputs checked on 16 rows of every head."))
+                        .param(ParamSpec::new("placement", ParamType::one_of(Placement::NAMES)).default("ring_inner").doc("Which group is made of consecutive ranks."))
+                        .param(ParamSpec::new("backend", ParamType::one_of(Backend::NAMES)).default("threads").doc("`threads`: ranks as threads of the worker; `processes`: one `attnbench-cp-rank` process per rank, joined over TCP on loopback (as srun/mpirun/torchrun would start them across machines); `nccl`: one such process per GPU, tensors on the GPUs (bf16/fp16 inputs, f32 results), NCCL between them, blocks on `attention`'s device backend (e.g. cuda/flash), outputs checked on 16 rows of every head."))
                         .param(ParamSpec::new("attention", ParamType::Backend).default("builtin").doc("The local attention of every block: `builtin` (f64, in this plugin) or a kernel plugin's in-process backend, e.g. `cpu/reference`."))
                         .param(ParamSpec::new("direction", ParamType::one_of(Direction::NAMES)).default("fwd"))
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(8))
@@ -97,7 +97,7 @@ impl Plugin for Cp {
             .stage(
                 StageSpec::new("model")
                     .doc("Predicts each method's per-GPU TFLOP/s at every world size from a kernel's throughput, the links and the traffic formulas.")
-                    .param(ParamSpec::new("mask", ParamType::one_of(&["full", "causal"])).default("causal"))
+                    .param(ParamSpec::new("mask", ParamType::one_of(ModelMask::NAMES)).default("causal"))
                     .param(ParamSpec::new("direction", ParamType::one_of(&["fwd", "bwd"])).default("fwd"))
                     .param(ParamSpec::new("tokens_per_gpu", ParamType::Size).default("8k"))
                     .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
@@ -111,7 +111,7 @@ impl Plugin for Cp {
                     .param(ParamSpec::new("infiniband_gbs", ParamType::Float).default(48.0).doc("InfiniBand bandwidth per GPU, GB/s."))
                     .param(ParamSpec::new("nvlink_latency_us", ParamType::Float).default(5.0))
                     .param(ParamSpec::new("infiniband_latency_us", ParamType::Float).default(10.0))
-                    .param(ParamSpec::new("placement", ParamType::one_of(&["ulysses_inner", "ring_inner"])).default("ulysses_inner").doc("Which group is made of consecutive ranks (on one node first)."))
+                    .param(ParamSpec::new("placement", ParamType::one_of(Placement::NAMES)).default("ulysses_inner").doc("Which group is made of consecutive ranks (on one node first)."))
                     .output("predictions")
                     .cache_scope(CacheScope::Pure),
             )
@@ -130,14 +130,24 @@ impl Plugin for Cp {
     }
 }
 
+attnbench_sdk::named_enum! {
+    /// Where `cp/threads` runs its ranks.
+    enum Backend { Threads = "threads", Processes = "processes", Nccl = "nccl" }
+}
+
+attnbench_sdk::named_enum! {
+    /// The masks the cost model takes.
+    pub(crate) enum ModelMask { Full = "full", Causal = "causal" }
+}
+
 #[derive(Deserialize)]
 struct Params {
-    method: String,
+    method: Method,
     world: usize,
     ulysses: usize,
     windows: usize,
-    placement: String,
-    backend: String,
+    placement: Placement,
+    backend: Backend,
     attention: String,
     direction: Direction,
     heads_q: usize,
@@ -243,10 +253,7 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
     let set = request.mask_set()?;
     set.check_heads(p.heads_q as u64, p.heads_kv as u64, p.head_dim as u64)
         .map_err(PluginError::Params)?;
-    let method = Method::parse(&p.method)
-        .ok_or_else(|| PluginError::Params(format!("unknown method `{}`", p.method)))?;
-    let placement = Placement::named(&p.placement)
-        .ok_or_else(|| PluginError::Params(format!("placement `{}`", p.placement)))?;
+    let (method, placement) = (p.method, p.placement);
     let shape = Shape {
         heads_q: p.heads_q,
         heads_kv: p.heads_kv,
@@ -265,7 +272,7 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
     let element = p.dtype;
     let harness = p.harness.apply(default_harness());
     let mut measurement = Measurement::for_kernel(
-        &format!("cp-{}", method.name()),
+        &format!("cp-{method}"),
         ("cp", env!("CARGO_PKG_VERSION")),
         &set,
         MeasuredShape {
@@ -281,7 +288,7 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
     let inputs = Inputs::random_as(&shape, request.seed, element);
     let backward = p.direction.backward();
     let attention = attention_library(request, &p.attention)?;
-    if p.backend == "nccl" {
+    if p.backend == Backend::Nccl {
         let run = GpuRun {
             p: &p,
             set: &set,
@@ -307,9 +314,11 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
     // started on a cluster (srun … attnbench-cp-rank job.json).
     write_json(&request.output_dir, "job.json", &job)?;
     let job_file = request.output_dir.join("job.json");
-    let execute = || match p.backend.as_str() {
-        "processes" => processes::run(&job, &job_file, std::time::Duration::from_secs(600)),
-        _ => threads::run(setup, &shape, &set, &inputs, backward, opened.as_ref()),
+    let execute = || match p.backend {
+        Backend::Processes => processes::run(&job, &job_file, std::time::Duration::from_secs(600)),
+        Backend::Threads | Backend::Nccl => {
+            threads::run(setup, &shape, &set, &inputs, backward, opened.as_ref())
+        }
     };
     let first = execute().map_err(PluginError::failed)?;
     host.debug("checking the gathered outputs against the single-device reference");
@@ -375,9 +384,9 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
     measurement.environment.insert(
         "context_parallel".into(),
         json!({
-            "method": method.name(), "world": ranks, "ulysses": setup.layout.ulysses, "ring": setup.layout.ring,
+            "method": method, "world": ranks, "ulysses": setup.layout.ulysses, "ring": setup.layout.ring,
             "windows": setup.windows, "placement": p.placement, "backend": p.backend, "attention": p.attention,
-            "launcher": launcher_of(&p.backend),
+            "launcher": launcher_of(p.backend),
             "throughput": "per rank: global FLOPs / ranks / slowest rank's time",
             "bytes_sent_forward": counted(&first.sent_forward), "formula_forward": formula_fwd,
             "bytes_sent_backward": counted(&first.sent_backward), "formula_backward": formula_bwd,
@@ -388,10 +397,10 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
 }
 
 /// Who started the ranks: the worker's threads, or processes started here or by `srun`.
-fn launcher_of(backend: &str) -> &'static str {
+fn launcher_of(backend: Backend) -> &'static str {
     match backend {
-        "threads" => "threads",
-        _ => processes::Launch::from_env().name(),
+        Backend::Threads => "threads",
+        Backend::Processes | Backend::Nccl => processes::Launch::from_env().name(),
     }
 }
 
@@ -544,7 +553,7 @@ impl GpuRun<'_> {
         measurement.environment.insert(
             "context_parallel".into(),
             json!({
-                "method": setup.method.name(), "world": n, "ulysses": setup.layout.ulysses, "ring": setup.layout.ring,
+                "method": setup.method, "world": n, "ulysses": setup.layout.ulysses, "ring": setup.layout.ring,
                 "windows": setup.windows, "placement": p.placement, "backend": p.backend, "attention": p.attention,
                 "launcher": processes::Launch::from_env().name(),
                 "devices": results.iter().map(|r| r.device.clone()).collect::<Vec<_>>(),
@@ -565,7 +574,7 @@ impl GpuRun<'_> {
 
 #[derive(Deserialize)]
 pub(crate) struct ModelParams {
-    mask: String,
+    mask: ModelMask,
     direction: Direction,
     tokens_per_gpu: u64,
     heads_q: u64,
@@ -579,7 +588,7 @@ pub(crate) struct ModelParams {
     infiniband_gbs: f64,
     nvlink_latency_us: f64,
     infiniband_latency_us: f64,
-    placement: String,
+    placement: Placement,
 }
 
 fn model_stage(request: &StageRequest) -> Result<Value, PluginError> {
@@ -624,12 +633,11 @@ fn model_stage(request: &StageRequest) -> Result<Value, PluginError> {
             head_dim: p.head_dim,
             element: element.bytes() as u64,
         },
-        causal: p.mask == "causal",
+        causal: p.mask == ModelMask::Causal,
         backward,
         kernel_flops: kernel_tflops * 1e12,
     };
-    let placement = Placement::named(&p.placement)
-        .ok_or_else(|| PluginError::Params(format!("placement `{}`", p.placement)))?;
+    let placement = p.placement;
     let points = Method::ALL
         .iter()
         .flat_map(|&method| p.worlds.iter().map(move |&world| (method, world)))
@@ -678,7 +686,10 @@ fn against_measurements(
         let Some(cp) = m.environment.get("context_parallel") else {
             continue;
         };
-        if cp["backend"] != "nccl" || m.mask.pattern != p.mask || m.direction != p.direction {
+        if cp["backend"] != "nccl"
+            || m.mask.pattern != p.mask.as_str()
+            || m.direction != p.direction
+        {
             continue;
         }
         let unreadable = |what: &str| {
@@ -695,11 +706,11 @@ fn against_measurements(
         };
         let method = cp["method"]
             .as_str()
-            .and_then(Method::parse)
+            .and_then(Method::from_name)
             .ok_or_else(|| unreadable("method"))?;
         let placement = cp["placement"]
             .as_str()
-            .and_then(Placement::named)
+            .and_then(Placement::from_name)
             .ok_or_else(|| unreadable("placement"))?;
         let setup = Setup {
             method,
@@ -738,13 +749,13 @@ fn against_measurements(
                 head_dim: m.shape.head_dim,
                 element: element.bytes() as u64,
             },
-            causal: p.mask == "causal",
+            causal: p.mask == ModelMask::Causal,
             backward: p.direction == Direction::Bwd,
             kernel_flops: m.flops as f64 / world as f64 / kernels_s.max(1e-12),
         };
         comparisons.push(attnbench_sdk::measure::Comparison {
-            method: method.name().into(),
-            mask: p.mask.clone(),
+            method: method.to_string(),
+            mask: p.mask.to_string(),
             direction: p.direction.to_string(),
             world: world as u64,
             tokens_per_gpu: workload.sizes.tokens,

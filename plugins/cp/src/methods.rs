@@ -12,37 +12,14 @@ use crate::comm::Communicator;
 use crate::layout::Layout;
 use crate::local::{Partial, Problem, Store, Tokens};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Method {
-    Ulysses,
-    RingP2p,
-    RingAllGather,
-    Usp,
-    LoongTrain,
-}
-
-impl Method {
-    pub const ALL: [Method; 5] = [
-        Method::Ulysses,
-        Method::RingP2p,
-        Method::RingAllGather,
-        Method::Usp,
-        Method::LoongTrain,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Method::Ulysses => "ulysses",
-            Method::RingP2p => "ring_p2p",
-            Method::RingAllGather => "ring_allgather",
-            Method::Usp => "usp",
-            Method::LoongTrain => "loongtrain",
-        }
-    }
-
-    pub fn parse(name: &str) -> Option<Method> {
-        Method::ALL.into_iter().find(|m| m.name() == name)
+attnbench_sdk::named_enum! {
+    /// The five context-parallel methods, as the `method` parameter and records name them.
+    pub enum Method {
+        Ulysses = "ulysses",
+        RingP2p = "ring_p2p",
+        RingAllGather = "ring_allgather",
+        Usp = "usp",
+        LoongTrain = "loongtrain",
     }
 }
 

@@ -142,7 +142,7 @@ pub fn predict_setup(setup: &Setup, machine: &Machine, workload: &Workload) -> P
     let seqlen = s.tokens as usize * world;
     let mask = if workload.causal { "causal" } else { "full" };
     let mut prediction = Prediction {
-        method: method.name().into(),
+        method: method.to_string(),
         mask: mask.into(),
         direction: if workload.backward { "bwd" } else { "fwd" }.into(),
         world: world as u64,
@@ -250,7 +250,7 @@ mod tests {
             gpus_per_node: 1024,
             ..h200_cluster()
         };
-        for method in Method::ALL {
+        for &method in Method::ALL {
             for (causal, backward) in [(false, false), (true, false), (true, true)] {
                 let workload = paper_workload(causal, backward);
                 for world in [8, 16, 64, 256] {

@@ -103,7 +103,7 @@ fn every_method_is_exact_on_per_head_masks() {
         };
         let set = generate(&params, &histogram, 5).unwrap();
         assert_eq!(set.masks.len(), shape.heads_q, "one mask per query head");
-        for method in Method::ALL {
+        for &method in Method::ALL {
             let setup = setup(method, world, 0, 0, Placement::RingInner, SEQLEN).unwrap();
             check(setup, "block_sparse_uniform per head", &set);
         }
@@ -124,7 +124,7 @@ fn every_method_is_exact_and_sends_its_formula_at_2_3_4_and_8_ranks() {
     .map(|p| (p, mask(p)))
     .collect();
     for world in [2, 3, 4, 8] {
-        for method in Method::ALL {
+        for &method in Method::ALL {
             let setup = setup(method, world, 0, 0, Placement::RingInner, SEQLEN).unwrap();
             for (pattern, set) in &masks {
                 check(setup, pattern, set);
@@ -583,7 +583,7 @@ fn the_methods_keep_inputs_and_results_apart_as_a_gpu_store_must() {
     for world in [2, 4] {
         let shape = shape_for(world);
         let inputs = Inputs::random(&shape, 9, true);
-        for method in Method::ALL {
+        for &method in Method::ALL {
             let setup = setup(method, world, 0, 0, Placement::RingInner, SEQLEN).unwrap();
             let expected = threads::run(setup, &shape, &set, &inputs, true, None).unwrap();
             let layout = setup.layout;
