@@ -37,13 +37,15 @@ template <> __device__ __forceinline__ void mma<2>(float* c, const u32* a, const
 }
 
 // What one row of a mask allows (its keys), or one column (its queries), as a partial tile tests
-// it: the first [start, end) interval in registers — the only one of most catalogue masks' rows,
-// so most tests are two comparisons and no load — and where the rest lie in the mask's interval
-// array. The rest are scanned linearly: rows of the catalogue's masks hold a few at most, and a
-// binary search cost the forward kernel registers it spilled (block-sparse rows with hundreds of
-// intervals would want one).
+// it: the interval [start, end) under a cursor, in registers, and the row's intervals after it,
+// [next, last) in the mask's interval array. A partial tile first moves the cursor past the
+// intervals that end before its first key (`seek`), and a thread's tiles come in increasing order
+// over a head, so a row of hundreds of intervals (variable block-sparse masks) is walked once per
+// head rather than scanned for every key; a key then costs two comparisons, or a load or two
+// where the tile crosses an interval's end. The element loops only read (`holds`), which keeps
+// the cursor's state out of their unrolled code.
 struct Allowed {
-    unsigned start = 0, end = 0, rest = 0, rest_count = 0;
+    unsigned start = 0, end = 0, next = 0, last = 0;
 
     __device__ Allowed() = default;
     // Row (or column) r of a mask's `table` (where each row's intervals start in `intervals`);
@@ -54,29 +56,43 @@ struct Allowed {
         if (count == 0) return;
         start = intervals[2 * begin];
         end = intervals[2 * begin + 1];
-        rest = begin + 1;
-        rest_count = count - 1;
+        next = begin + 1;
+        last = begin + count;
     }
 
+    // Moves the cursor to the first interval that ends after `first`, the tile's first key; it
+    // must not be below the first key of a tile sought before.
+    __device__ __forceinline__ void seek(unsigned first, const unsigned* intervals) {
+        while (first >= end && next < last) {
+            start = intervals[2 * next];
+            end = intervals[2 * next + 1];
+            ++next;
+        }
+    }
+
+    // Whether key k, at or past the sought tile's first key, is allowed (the intervals are sorted
+    // and disjoint: the scan stops at the first that starts past k).
     __device__ __forceinline__ bool holds(unsigned k, const unsigned* intervals) const {
-        if (k >= start && k < end) return true;
-        for (unsigned i = 0; i < rest_count; ++i)
-            if (k >= intervals[2 * (rest + i)] && k < intervals[2 * (rest + i) + 1]) return true;
+        if (k < end) return k >= start;
+        for (unsigned i = next; i < last; ++i) {
+            if (k < intervals[2 * i]) return false;
+            if (k < intervals[2 * i + 1]) return true;
+        }
         return false;
     }
 };
 
 // The columns of this thread's two keys (key0 and key0 + 8) in a key-tile kernel: the queries a
-// partial step allows them, read again only where a step's head has another mask than the last.
+// partial step allows them, read again for every head, where the walk's query tiles start over.
 struct KeyColumns {
     Allowed queries[2];
-    int mask = -1;
+    int head = -1;
 
-    __device__ __forceinline__ void follow(int step_mask, const unsigned* column_start, const unsigned* column_intervals, int key0,
-                                           int seqlen) {
-        if (step_mask == mask) return;
-        mask = step_mask;
-        const unsigned* table = column_start + (size_t)mask * (seqlen + 1);
+    __device__ __forceinline__ void follow(int step_head, int step_mask, const unsigned* column_start, const unsigned* column_intervals,
+                                           int key0, int seqlen) {
+        if (step_head == head) return;
+        head = step_head;
+        const unsigned* table = column_start + (size_t)step_mask * (seqlen + 1);
         #pragma unroll
         for (int slot = 0; slot < 2; ++slot) queries[slot] = Allowed(table, key0 + slot * 8, seqlen, column_intervals);
     }
@@ -242,6 +258,10 @@ __device__ void flash_forward(FORWARD_PARAMS) {
         // Mask what the tile does not allow (and keys past the end). Scores stay unscaled: the
         // scale into the log2 domain joins the exponent below (one FFMA per score).
         if (partial || k0 + BN > seqlen) {
+            if (partial) {
+                #pragma unroll
+                for (int slot = 0; slot < 2 * FWD_M; ++slot) keys[slot].seek(k0, intervals);
+            }
             #pragma unroll
             for (int mb = 0; mb < FWD_M; ++mb)
                 #pragma unroll
@@ -592,10 +612,11 @@ __device__ __forceinline__ u16* hopper_tiles() {
 // rows must be scaled by and `moved` whether any row of the warp needs it.
 template <int KEYS>
 __device__ __forceinline__ void online_softmax(float* s, float* m, float* l, float* shrink, bool* moved, bool partial, int k0, int seqlen,
-                                               const Allowed* keys, const unsigned* intervals, float scale_log2) {
+                                               Allowed* keys, const unsigned* intervals, float scale_log2) {
     const int t = threadIdx.x & 3;
     const float minus_inf = __int_as_float(0xff800000);
     if (partial || k0 + KEYS > seqlen) {
+        if (partial) { keys[0].seek(k0, intervals); keys[1].seek(k0, intervals); }
         #pragma unroll
         for (int c = 0; c < KEYS / 8; ++c)
             #pragma unroll
@@ -923,7 +944,7 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
     const int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
     const float minus_inf = __int_as_float(0xff800000), log2e = 1.4426950408889634f;
     const unsigned* table_rows = row_start + (size_t)mask * (seqlen + 1);
-    const Allowed keys0(table_rows, r0, seqlen, intervals), keys1(table_rows, r1, seqlen, intervals);
+    Allowed keys0(table_rows, r0, seqlen, intervals), keys1(table_rows, r1, seqlen, intervals);
     const float lse0 = r0 < seqlen ? lse[(size_t)head * seqlen + r0] * log2e : minus_inf;
     const float lse1 = r1 < seqlen ? lse[(size_t)head * seqlen + r1] * log2e : minus_inf;
     const float d0 = r0 < seqlen ? delta[(size_t)head * seqlen + r0] : 0.0f;
@@ -988,6 +1009,7 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
                 }
             }
         } else {
+            if (partial) { keys0.seek(k0, intervals); keys1.seek(k0, intervals); }
             #pragma unroll
             for (int n = 0; n < BN / 8; ++n) {
                 #pragma unroll
@@ -1166,7 +1188,7 @@ __device__ void flash_backward_dkdv(KEY_TILE_PARAMS) {
         const int step_head = walk.head;
         const bool partial = walk.entry() >> 31;
         const int q0 = walk.row0();
-        columns.follow(mask_of_head[step_head], column_start, column_intervals, key0, seqlen);
+        columns.follow(step_head, mask_of_head[step_head], column_start, column_intervals, key0, seqlen);
         walk.advance();
         // The other buffer was last read two steps ago, behind the barrier that ended that step.
         issue(stage ^ 1);
@@ -1197,6 +1219,7 @@ __device__ void flash_backward_dkdv(KEY_TILE_PARAMS) {
                 }
             }
         } else {
+            if (partial) { columns.queries[0].seek(q0, column_intervals); columns.queries[1].seek(q0, column_intervals); }
             #pragma unroll
             for (int n = 0; n < BQ / 8; ++n) {
                 #pragma unroll
@@ -1357,7 +1380,7 @@ struct QueryRows {
 // together, P and dS = P∘(dP − D) while dP lands, then dQ += dS·K issued and committed, not
 // waited for.
 template <int E>
-__device__ __forceinline__ void query_tile_step(float* acc, const QueryRows& rows, const u16* sk, const u16* sv, bool partial, int k0,
+__device__ __forceinline__ void query_tile_step(float* acc, QueryRows& rows, const u16* sk, const u16* sv, bool partial, int k0,
                                                 bool inside, int seqlen, const unsigned* intervals, float scale_log2) {
     const int t = threadIdx.x & 3;
     const float minus_inf = __int_as_float(0xff800000);
@@ -1375,6 +1398,7 @@ __device__ __forceinline__ void query_tile_step(float* acc, const QueryRows& row
         #pragma unroll
         for (int i = 0; i < BN / 2; ++i) s[i] = fast_exp2(fmaf(s[i], scale_log2, -rows.lse[(i >> 1) & 1]));
     } else {
+        if (partial) { rows.keys[0].seek(k0, intervals); rows.keys[1].seek(k0, intervals); }
         #pragma unroll
         for (int i = 0; i < BN / 2; ++i) {
             const int slot = (i >> 1) & 1, key = k0 + (i >> 2) * 8 + t * 2 + (i & 1);
@@ -1404,7 +1428,7 @@ __device__ void flash_backward_dq_hopper(const u16* __restrict__ q, const u16* _
     const int q_tiles = (seqlen + ROWS - 1) / ROWS, q_tile = blockIdx.y;
     const int q0 = q_tile * ROWS, row0 = q0 + (threadIdx.x >> 5) * 16 + ((threadIdx.x & 31) >> 2);
     const size_t head_rows = (size_t)head * seqlen;
-    const QueryRows rows(q + head_rows * D, d_out + head_rows * D, lse + head_rows, delta + head_rows,
+    QueryRows rows(q + head_rows * D, d_out + head_rows * D, lse + head_rows, delta + head_rows,
                          row_start + (size_t)mask * (seqlen + 1), intervals, row0, seqlen);
     const u16* kh = k + ((size_t)kv_head * seqlen) * D;
     const u16* vh = v + ((size_t)kv_head * seqlen) * D;
@@ -1477,7 +1501,7 @@ __device__ void flash_backward_dq_tma(const TensorMap* k_map, const TensorMap* v
     const int warp = (threadIdx.x >> 5) - 4;
     const int row0 = q0 + warp * 16 + ((threadIdx.x & 31) >> 2);
     const size_t head_rows = (size_t)head * seqlen;
-    const QueryRows rows(q + head_rows * D, d_out + head_rows * D, lse + head_rows, delta + head_rows,
+    QueryRows rows(q + head_rows * D, d_out + head_rows * D, lse + head_rows, delta + head_rows,
                          row_start + (size_t)mask * (seqlen + 1), intervals, row0, seqlen);
     float acc[D / 2];
     #pragma unroll
@@ -1506,7 +1530,7 @@ template <int E, int KEYS>
 __device__ __forceinline__ void key_tile_step(float* dk_acc, float* dv_acc, u32 (*ds)[4], const u16* k_rows, const u16* v_rows,
                                               const u16* sq, const u16* sdo, const float* s_lse, const float* s_delta,
                                               bool partial, int q0, int k0, int key0, int seqlen,
-                                              const KeyColumns& columns, const unsigned* column_intervals, float scale_log2) {
+                                              KeyColumns& columns, const unsigned* column_intervals, float scale_log2) {
     constexpr int ROWS = BM;
     const int t = threadIdx.x & 3;
     const float minus_inf = __int_as_float(0xff800000);
@@ -1530,6 +1554,7 @@ __device__ __forceinline__ void key_tile_step(float* dk_acc, float* dv_acc, u32 
                 st[4 * c + i] = fast_exp2(fmaf(st[4 * c + i], scale_log2, -((i & 1) ? pair.y : pair.x)));
         }
     } else {
+        if (partial) { columns.queries[0].seek(q0, column_intervals); columns.queries[1].seek(q0, column_intervals); }
         #pragma unroll
         for (int i = 0; i < ROWS / 2; ++i) {
             const int column = (i >> 2) * 8 + t * 2 + (i & 1), row_q = q0 + column;
@@ -1595,7 +1620,7 @@ __device__ void flash_backward_dkdv_hopper(KEY_TILE_PARAMS) {
     for (int stage = 0; !walk.done(); stage ^= 1) {
         const bool partial = walk.entry() >> 31;
         const int q0 = walk.row0();
-        columns.follow(mask_of_head[walk.head], column_start, column_intervals, key0, seqlen);
+        columns.follow(walk.head, mask_of_head[walk.head], column_start, column_intervals, key0, seqlen);
         walk.advance();
         wait_copies<0>();  // this step's Q, dO and row statistics (and, on the first step, K and V)
         shared_writes_to_async_proxy();
@@ -1696,7 +1721,7 @@ __device__ void flash_backward_key_tma(KEY_TMA_PARAMS) {
         const int stage = j % STAGES;
         const bool partial = walk.entry() >> 31;
         const int head = walk.head, q0 = walk.row0();
-        columns.follow(mask_of_head[head], column_start, column_intervals, key0, seqlen);
+        columns.follow(head, mask_of_head[head], column_start, column_intervals, key0, seqlen);
         walk.advance();
         barrier_wait(&full[stage], (j / STAGES) & 1);
         const u16* sq = stage_tiles(stage);
