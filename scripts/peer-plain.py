@@ -7,8 +7,10 @@
     (defaults: $ATTNBENCH_CACHE or ./artifacts, the latest run, 20 reps, 5 rounds, every kernel, mask and direction)
 
 For every measurement of those kernels in the run whose mask has a closed form here (full,
-causal, the document masks, the sliding windows, the prefix LMs; for flex also uniform
-block-sparse tables, as LongCA-bench's flex adapter reads them), this builds the mask from the
+causal, the document masks, the sliding windows, the prefix LMs; and the block-sparse tables,
+read from the IR's rectangles: flex through a table lookup as LongCA-bench's adapter writes it,
+FA4's block-sparsity tensors where the blocks are whole tiles, FlashInfer's BSR and variable
+block-sparse wrappers), this builds the mask from the
 pattern's own parameters and documents (not from attnbench's encodings) and calls the peer the
 way its documentation does: flex with `create_block_mask` and a `mask_mod` (checked against the
 mask on sampled rows); FA4 with `causal` / `window_size` and `flash_attn_varlen_func` for
@@ -195,30 +197,89 @@ def with_inputs(call, inputs):
     return forward
 
 
-def block_table_mod(mask_set, device):
-    """(mask_mod, description) of a uniform block-sparse pattern as LongCA-bench's flex adapter
-    writes it: each element's bit in a [heads, S/B, S/B] table of kept blocks, read here straight
-    from the IR's rectangles of whole blocks (not from attnbench's encodings)."""
-    block, s = int(mask_set["params"]["sparse_block"]), mask_set["seqlen"]
-    n = -(-s // block)
-    table = np.zeros((len(mask_set["masks"]), n, n), dtype=bool)
-    for index, mask in enumerate(mask_set["masks"]):
-        for sl in mask["slices"]:
-            (q0, q1), (k0, k1) = sl["q"], sl["k"]
-            table[index, q0 // block:-(-q1 // block), k0 // block:-(-k1 // block)] = True
-    table = torch.from_numpy(table).to(device)
-    group = mask_set["params"]["heads_q"] // max(1, len(mask_set["masks"]))
-    if len(mask_set["masks"]) == 1:
-        table0 = table[0]
-        mask_mod = lambda b, h, q, kv: table0[q // block, kv // block]  # noqa: E731
+SPARSE = ("block_sparse_uniform", "block_sparse_variable")
+
+
+def kept_blocks(mask_set):
+    """(row edges, column edges, [patterns, rows, cols] table of kept blocks) of a block-sparse
+    pattern, read straight from the IR's rectangles (not from attnbench's encodings): uniform
+    blocks on their own grid, variable ones on the edges the rectangles start and end at."""
+    s, masks = mask_set["seqlen"], mask_set["masks"]
+    if mask_set["pattern"] == "block_sparse_uniform":
+        block = int(mask_set["params"]["sparse_block"])
+        rows = cols = np.minimum(np.arange(0, s + block, block), s)
     else:
-        mask_mod = lambda b, h, q, kv: table[h // group, q // block, kv // block]  # noqa: E731
-    return mask_mod, f"block table of {block}-token blocks, {len(mask_set['masks'])} patterns ({group} heads each)"
+        rows = np.unique([0, s] + [b for mask in masks for sl in mask["slices"] for b in sl["q"]])
+        cols = np.unique([0, s] + [b for mask in masks for sl in mask["slices"] for b in sl["k"]])
+    table = np.zeros((len(masks), len(rows) - 1, len(cols) - 1), dtype=bool)
+    for index, mask in enumerate(masks):
+        for sl in mask["slices"]:
+            (q0, q1), (k0, k1) = np.searchsorted(rows, sl["q"]), np.searchsorted(cols, sl["k"])
+            table[index, q0:q1, k0:k1] = True
+    return rows, cols, table
+
+
+def per_query_head(table, heads_q):
+    """The patterns' table indexed by query head (one pattern: one table for every head)."""
+    return table if len(table) == 1 else table[np.arange(heads_q) // (heads_q // len(table))]
+
+
+def sparse_mismatch(forward, layout, mask_set, m, rows=16, tolerance=2e-2):
+    """Why the plain call's output differs, on sampled query rows, from attention computed here in
+    f32 over the kept-block table (None when it agrees): a plain form that indexes its blocks
+    wrongly must not be timed as the peer."""
+    shape, s = m["shape"], mask_set["seqlen"]
+    hsd = lambda x: (x[0] if x.dim() == 4 else x) if layout == "bhsd" else (x[0] if x.dim() == 4 else x).transpose(0, 1)  # noqa: E731
+    with torch.no_grad():
+        out = hsd(forward()).float()
+    q, k, v = (hsd(x).float() for x in forward.inputs)
+    row_edges, col_edges, table = kept_blocks(mask_set)
+    table = per_query_head(table, shape["heads_q"])
+    picked = np.unique(np.random.default_rng(1).integers(0, s, rows))
+    row_block = np.searchsorted(row_edges, picked, side="right") - 1
+    col_block = np.searchsorted(col_edges, np.arange(s), side="right") - 1
+    group = shape["heads_q"] // shape["heads_kv"]
+    for h in range(shape["heads_q"]):
+        allowed = torch.from_numpy(table[h % len(table)][row_block][:, col_block]).cuda()
+        scores = (q[h, picked] @ k[h // group].T / math.sqrt(shape["head_dim"])).masked_fill(~allowed, -math.inf)
+        want = torch.nan_to_num(torch.softmax(scores, -1)) @ v[h // group]
+        error = (want - out[h, picked]).abs().max().item()
+        if not error <= tolerance:
+            return f"the plain call's output is off the kept-block table by {error:.3g} (head {h}): not timed"
+    return None
+
+
+def checked(forward, layout, mask_set, m, what):
+    """The plain form of a block-sparse cell as peer-plain returns it, or its mismatch."""
+    why = sparse_mismatch(forward, layout, mask_set, m)
+    return (None, why) if why else (forward, None, what)
+
+
+def block_table_mod(mask_set, device):
+    """(mask_mod, description) of a block-sparse pattern as LongCA-bench's flex adapter writes it:
+    each element's bit in a [heads, rows, cols] table of kept blocks, its block found through a
+    token → block vector."""
+    rows, cols, table = kept_blocks(mask_set)
+    s = mask_set["seqlen"]
+    if mask_set["pattern"] == "block_sparse_uniform":
+        block = int(rows[1])
+        row_of = col_of = lambda x: x // block  # noqa: E731
+    else:
+        of = lambda edges: torch.from_numpy(np.searchsorted(edges, np.arange(s), side="right") - 1).to(device)  # noqa: E731
+        row_table, col_table = of(rows), of(cols)
+        row_of, col_of = (lambda q: row_table[q]), (lambda kv: col_table[kv])
+    table = torch.from_numpy(per_query_head(table, mask_set["params"]["heads_q"])).to(device)
+    if len(table) == 1:
+        table0 = table[0]
+        mask_mod = lambda b, h, q, kv: table0[row_of(q), col_of(kv)]  # noqa: E731
+    else:
+        mask_mod = lambda b, h, q, kv: table[h, row_of(q), col_of(kv)]  # noqa: E731
+    return mask_mod, f"block table of {len(rows) - 1}×{len(cols) - 1} blocks, {len(mask_set['masks'])} patterns"
 
 
 def plain_flex(m, mask_set, args, cache):
     shape, s = m["shape"], mask_set["seqlen"]
-    sparse = mask_set["pattern"] == "block_sparse_uniform"
+    sparse = mask_set["pattern"] in SPARSE
     mask_mod, what = block_table_mod(mask_set, torch.device("cuda")) if sparse else \
         mask_mod_of(mask_set, torch.device("cuda"))
     if what is None:
@@ -229,7 +290,7 @@ def plain_flex(m, mask_set, args, cache):
             return None, f"the closed form is not this mask: {why}"
     # A block mask as fine as the sparse blocks needs flex's tiles no larger (its documented
     # kernel_options); the default keeps flex's own 128 and its tuned tiles.
-    block = args.flex_block if sparse else 128
+    block = args.flex_block if mask_set["pattern"] == "block_sparse_uniform" else 128
     options = {} if block >= 128 else {name: block for name in ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1",
                                                                 "BLOCK_M2", "BLOCK_N2")}
     if sparse:
@@ -252,11 +313,44 @@ def plain_flex(m, mask_set, args, cache):
         return result[0] if args.lse else result
     inputs = make_inputs(m, "bhsd", s) if args.storage == "bhsd" else \
         tuple(x.transpose(1, 2) for x in make_inputs(m, "bshd", s))  # as the harness's bshd storage
-    return with_inputs(call, inputs), None, what + f", {args.storage} storage"
+    forward, what = with_inputs(call, inputs), what + f", {args.storage} storage"
+    return checked(forward, "bhsd", mask_set, m, what) if sparse else (forward, None, what)
+
+
+FA4_TILE = 128  # FA4's tile on Hopper at d <= 128, and the block size of its block-sparse tensors
+
+
+def plain_fa4_sparse(m, mask_set):
+    """FA4's block sparsity as its `block_sparsity` module takes it: per row of 128-token tiles the
+    count and the indices of its kept tiles, all whole when the blocks are multiples of the tile."""
+    from flash_attn.cute import flash_attn_func
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+    rows, _, table = kept_blocks(mask_set)
+    block = int(rows[1]) if mask_set["pattern"] == "block_sparse_uniform" else 0
+    if block % FA4_TILE or not block:
+        return None, f"blocks off FA4's {FA4_TILE}-token tiles need a CuTe mask_mod on the cut tiles: no plain form here"
+    r, tiles = block // FA4_TILE, -(-mask_set["seqlen"] // FA4_TILE)
+    table = per_query_head(table, m["shape"]["heads_q"]).repeat(r, axis=1).repeat(r, axis=2)[:, :tiles, :tiles]
+
+    def lists(kept):
+        kept = torch.from_numpy(np.ascontiguousarray(kept)).cuda()[None]
+        count = kept.sum(-1, dtype=torch.int32)
+        index = torch.sort(kept.to(torch.int8), dim=-1, descending=True, stable=True).indices.to(torch.int32)
+        return BlockSparseTensorsTorch(mask_block_cnt=torch.zeros_like(count), mask_block_idx=torch.zeros_like(index),
+                                       full_block_cnt=count, full_block_idx=index.contiguous(),
+                                       block_size=(FA4_TILE, FA4_TILE))
+    options = {"block_sparse_tensors": lists(table)}
+    if m["direction"] != "fwd":
+        options["block_sparse_tensors_bwd"] = lists(table.swapaxes(1, 2))
+    what = f"{int(table.sum())} whole {FA4_TILE}-token tiles of {table.size}, {len(table)} tables, no mask_mod"
+    forward = with_inputs(lambda q, k, v: flash_attn_func(q, k, v, **options)[0], make_inputs(m, "bshd", mask_set["seqlen"]))
+    return checked(forward, "bshd", mask_set, m, what)
 
 
 def plain_fa4(m, mask_set, args, cache):
     from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    if mask_set["pattern"] in SPARSE:
+        return plain_fa4_sparse(m, mask_set)
     form = window_of(mask_set)
     if form is None:
         return None, f"no closed form here for {mask_set['pattern']}"
@@ -272,8 +366,37 @@ def plain_fa4(m, mask_set, args, cache):
                        make_inputs(m, "thd", mask_set["seqlen"])), None, what
 
 
+def plain_flashinfer_sparse(m, mask_set):
+    """FlashInfer's block-sparse wrappers as its documentation writes them: one pattern on a uniform
+    grid as a BSR matrix (BlockSparseAttentionWrapper, R = C = the block), otherwise a pattern per
+    KV head (VariableBlockSparseAttentionWrapper: block_mask_map and the blocks' sizes)."""
+    import flashinfer
+    shape, s = m["shape"], mask_set["seqlen"]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[shape["dtype"]]
+    rows, cols, table = kept_blocks(mask_set)
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    heads = (shape["heads_q"], shape["heads_kv"], shape["head_dim"])
+    if len(table) == 1 and mask_set["pattern"] == "block_sparse_uniform" and s % int(rows[1]) == 0:
+        block, kept = int(rows[1]), torch.from_numpy(table[0]).cuda()
+        indptr = torch.cat([kept.new_zeros(1, dtype=torch.int64), kept.sum(-1).cumsum(0)]).to(torch.int32)
+        indices = kept.nonzero()[:, 1].to(torch.int32).contiguous()  # row-major: each row's columns ascending
+        wrapper = flashinfer.BlockSparseAttentionWrapper(workspace)
+        wrapper.plan(indptr, indices, s, s, block, block, *heads, q_data_type=dtype)
+        return checked(with_inputs(wrapper.run, make_inputs(m, "thd", s)), "thd", mask_set, m,
+                       f"BSR of {block}×{block} blocks, {int(kept.sum())} kept, BlockSparseAttentionWrapper")
+    if len(table) != shape["heads_kv"]:
+        return None, f"{len(table)} patterns for {shape['heads_kv']} KV heads: FlashInfer takes one per KV head"
+    sizes = lambda edges: torch.from_numpy(np.diff(edges).astype(np.int32)).cuda()[None].repeat(len(table), 1)  # noqa: E731
+    wrapper = flashinfer.VariableBlockSparseAttentionWrapper(workspace)
+    wrapper.plan(torch.from_numpy(table).cuda(), sizes(rows), sizes(cols), *heads, q_data_type=dtype)
+    return checked(with_inputs(lambda q, k, v: wrapper.run(q[0], k[0], v[0]), make_inputs(m, "bhsd", s)), "bhsd",
+                   mask_set, m, f"{table.shape[1]}×{table.shape[2]} blocks a KV head, VariableBlockSparseAttentionWrapper")
+
+
 def plain_flashinfer(m, mask_set, args, cache):
     import flashinfer
+    if mask_set["pattern"] in SPARSE:
+        return plain_flashinfer_sparse(m, mask_set)
     form = window_of(mask_set)
     if form is None or form[2] > 0:
         return None, f"no FlashInfer form here for {mask_set['pattern']}"
