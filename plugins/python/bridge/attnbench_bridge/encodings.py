@@ -4,6 +4,7 @@ window (varlen), block grids, FlashMask columns.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, List, NamedTuple, Optional, Tuple
 
 from .support import _np
@@ -50,7 +51,29 @@ class RowGroups(NamedTuple):
         return _np().repeat(values, self.end - self.start, axis=-1)
 
 
+# The row groups of the masks seen last, by identity: one problem's encodings (row intervals,
+# interval lists, the most intervals a row has) all start from them, and a 48K block table's
+# take a tenth of a second each. The mask is kept beside its groups, so an id is never reused
+# while cached.
+_ROW_GROUPS: "OrderedDict[int, Tuple[dict, RowGroups]]" = OrderedDict()
+_ROW_GROUPS_KEPT = 16
+
+
 def row_groups(mask: dict) -> RowGroups:
+    """row_groups_of(mask), computed once for the masks seen last (a mask is not changed after
+    it is parsed)."""
+    cached = _ROW_GROUPS.get(id(mask))
+    if cached is not None and cached[0] is mask:
+        _ROW_GROUPS.move_to_end(id(mask))
+        return cached[1]
+    groups = row_groups_of(mask)
+    _ROW_GROUPS[id(mask)] = (mask, groups)
+    while len(_ROW_GROUPS) > _ROW_GROUPS_KEPT:
+        _ROW_GROUPS.popitem(last=False)
+    return groups
+
+
+def row_groups_of(mask: dict) -> RowGroups:
     """The mask's rows in groups (RowGroups). Between two consecutive slice edges lies a band of
     rows; where only full slices cross a band its rows see the same keys and the band is one group,
     elsewhere each row is its own. So a block table costs its blocks, not its rows (a 48K table of
