@@ -99,8 +99,8 @@ pub fn unsupported(shape: &Shape, element: Element) -> Option<String> {
 #[derive(Debug, PartialEq)]
 struct Tables {
     /// The forward's query rows per tile: 128, or 64 when the masks' blocks split 128-row tiles
-    /// (block-sparse masks on 64-token blocks: every 128 × 64 tile partial, every row scanning
-    /// hundreds of key intervals, against none at 64 rows).
+    /// (block-sparse masks on 64-token blocks: every 128 × 64 tile partial, every row testing
+    /// its key intervals, against none at 64 rows).
     forward_rows: u64,
     forward_tile_start: Vec<u32>,
     forward_tiles: Vec<u32>,
@@ -170,7 +170,7 @@ impl MaskTiles {
 
 /// The forward's query tile for a mask set: 128 rows, unless their partial tiles cover more
 /// than twice the rows that 64-row tiles' do and more than a quarter of what 128-row tiles visit
-/// (a partial tile scans each row's key intervals; a full one does not).
+/// (a partial tile tests each row's key intervals; a full one does not).
 fn forward_rows(masks: &[MaskTiles]) -> u64 {
     let partial = |blocks: &BlockMask| blocks.full.iter().filter(|full| !**full).count() as u64;
     let (wide, wide_visited, narrow) = masks.iter().fold((0, 0, 0), |(w, v, n), mask| {
