@@ -132,13 +132,17 @@ def event_rep(call):
     return lambda: rep() * 1e3
 
 
+def torch_dtype(shape):
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[shape["dtype"]]
+
+
 def make_inputs(m, layout, s):
     """Random q, k, v as the peer takes them: "bhsd" [1, H, S, D], "bshd" [1, S, H, D] or "thd" [S, H, D],
     drawn as the harness draws its own (uniform in [-1, 1)): the same distribution, so that a
     difference is not the data's (a GPU's clocks under its power limit, and any kernel that skips
     work by value, see the values)."""
     shape = m["shape"]
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[shape["dtype"]]
+    dtype = torch_dtype(shape)
 
     def one(heads):
         dims = {"bhsd": (1, heads, s), "bshd": (1, s, heads), "thd": (s, heads)}[layout]
@@ -224,20 +228,23 @@ def per_query_head(table, heads_q):
     return table if len(table) == 1 else table[np.arange(heads_q) // (heads_q // len(table))]
 
 
-def sparse_mismatch(forward, layout, mask_set, m, rows=16, tolerance=2e-2):
+def sparse_mismatch(forward, layout, grid, m, rows=16, tolerance=2e-2):
     """Why the plain call's output differs, on sampled query rows, from attention computed here in
-    f32 over the kept-block table (None when it agrees): a plain form that indexes its blocks
-    wrongly must not be timed as the peer."""
-    shape, s = m["shape"], mask_set["seqlen"]
-    hsd = lambda x: (x[0] if x.dim() == 4 else x) if layout == "bhsd" else (x[0] if x.dim() == 4 else x).transpose(0, 1)  # noqa: E731
+    f32 over the kept-block table `grid` (kept_blocks; None when it agrees): a plain form that
+    indexes its blocks wrongly must not be timed as the peer."""
+    shape = m["shape"]
+
+    def heads_first(x):  # [H, S, D] of a [1, H, S, D] / [H, S, D] (bhsd) or [1, S, H, D] / [S, H, D] tensor
+        x = x[0] if x.dim() == 4 else x
+        return x if layout == "bhsd" else x.transpose(0, 1)
     with torch.no_grad():
-        out = hsd(forward()).float()
-    q, k, v = (hsd(x).float() for x in forward.inputs)
-    row_edges, col_edges, table = kept_blocks(mask_set)
+        out = heads_first(forward()).float()
+    q, k, v = (heads_first(x).float() for x in forward.inputs)
+    row_edges, col_edges, table = grid
+    s = int(row_edges[-1])
     table = per_query_head(table, shape["heads_q"])
     picked = np.unique(np.random.default_rng(1).integers(0, s, rows))
-    row_block = np.searchsorted(row_edges, picked, side="right") - 1
-    col_block = np.searchsorted(col_edges, np.arange(s), side="right") - 1
+    row_block, col_block = bridge.blocks_of(row_edges, picked), bridge.blocks_of(col_edges, np.arange(s))
     group = shape["heads_q"] // shape["heads_kv"]
     for h in range(shape["heads_q"]):
         allowed = torch.from_numpy(table[h % len(table)][row_block][:, col_block]).cuda()
@@ -249,24 +256,23 @@ def sparse_mismatch(forward, layout, mask_set, m, rows=16, tolerance=2e-2):
     return None
 
 
-def checked(forward, layout, mask_set, m, what):
+def checked(forward, layout, grid, m, what):
     """The plain form of a block-sparse cell as peer-plain returns it, or its mismatch."""
-    why = sparse_mismatch(forward, layout, mask_set, m)
+    why = sparse_mismatch(forward, layout, grid, m)
     return (None, why) if why else (forward, None, what)
 
 
-def block_table_mod(mask_set, device):
+def block_table_mod(grid, mask_set, device):
     """(mask_mod, description) of a block-sparse pattern as LongCA-bench's flex adapter writes it:
-    each element's bit in a [heads, rows, cols] table of kept blocks, its block found through a
-    token → block vector."""
-    rows, cols, table = kept_blocks(mask_set)
+    each element's bit in a [heads, rows, cols] table of kept blocks (`grid`, kept_blocks), its
+    block found through a token → block vector."""
+    rows, cols, table = grid
     s = mask_set["seqlen"]
     if mask_set["pattern"] == "block_sparse_uniform":
         block = int(rows[1])
         row_of = col_of = lambda x: x // block  # noqa: E731
     else:
-        of = lambda edges: torch.from_numpy(np.searchsorted(edges, np.arange(s), side="right") - 1).to(device)  # noqa: E731
-        row_table, col_table = of(rows), of(cols)
+        row_table, col_table = (torch.from_numpy(bridge.blocks_of(edges, np.arange(s))).to(device) for edges in (rows, cols))
         row_of, col_of = (lambda q: row_table[q]), (lambda kv: col_table[kv])
     table = torch.from_numpy(per_query_head(table, mask_set["params"]["heads_q"])).to(device)
     if len(table) == 1:
@@ -280,7 +286,8 @@ def block_table_mod(mask_set, device):
 def plain_flex(m, mask_set, args, cache):
     shape, s = m["shape"], mask_set["seqlen"]
     sparse = mask_set["pattern"] in SPARSE
-    mask_mod, what = block_table_mod(mask_set, torch.device("cuda")) if sparse else \
+    grid = kept_blocks(mask_set) if sparse else None
+    mask_mod, what = block_table_mod(grid, mask_set, torch.device("cuda")) if sparse else \
         mask_mod_of(mask_set, torch.device("cuda"))
     if what is None:
         return None, f"no closed form here for {mask_set['pattern']}"
@@ -314,10 +321,10 @@ def plain_flex(m, mask_set, args, cache):
     inputs = make_inputs(m, "bhsd", s) if args.storage == "bhsd" else \
         tuple(x.transpose(1, 2) for x in make_inputs(m, "bshd", s))  # as the harness's bshd storage
     forward, what = with_inputs(call, inputs), what + f", {args.storage} storage"
-    return checked(forward, "bhsd", mask_set, m, what) if sparse else (forward, None, what)
+    return checked(forward, "bhsd", grid, m, what) if sparse else (forward, None, what)
 
 
-FA4_TILE = 128  # FA4's tile on Hopper at d <= 128, and the block size of its block-sparse tensors
+FA4_TILE = bridge.FA4_TILE  # FA4's tile on Hopper at d <= 128, and the block size of its block-sparse tensors
 
 
 def plain_fa4_sparse(m, mask_set):
@@ -325,7 +332,8 @@ def plain_fa4_sparse(m, mask_set):
     count and the indices of its kept tiles, all whole when the blocks are multiples of the tile."""
     from flash_attn.cute import flash_attn_func
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
-    rows, _, table = kept_blocks(mask_set)
+    grid = kept_blocks(mask_set)
+    rows, _, table = grid
     block = int(rows[1]) if mask_set["pattern"] == "block_sparse_uniform" else 0
     if block % FA4_TILE or not block:
         return None, f"blocks off FA4's {FA4_TILE}-token tiles need a CuTe mask_mod on the cut tiles: no plain form here"
@@ -344,7 +352,7 @@ def plain_fa4_sparse(m, mask_set):
         options["block_sparse_tensors_bwd"] = lists(table.swapaxes(1, 2))
     what = f"{int(table.sum())} whole {FA4_TILE}-token tiles of {table.size}, {len(table)} tables, no mask_mod"
     forward = with_inputs(lambda q, k, v: flash_attn_func(q, k, v, **options)[0], make_inputs(m, "bshd", mask_set["seqlen"]))
-    return checked(forward, "bshd", mask_set, m, what)
+    return checked(forward, "bshd", grid, m, what)
 
 
 def plain_fa4(m, mask_set, args, cache):
@@ -372,8 +380,9 @@ def plain_flashinfer_sparse(m, mask_set):
     KV head (VariableBlockSparseAttentionWrapper: block_mask_map and the blocks' sizes)."""
     import flashinfer
     shape, s = m["shape"], mask_set["seqlen"]
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[shape["dtype"]]
-    rows, cols, table = kept_blocks(mask_set)
+    dtype = torch_dtype(shape)
+    grid = kept_blocks(mask_set)
+    rows, cols, table = grid
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     heads = (shape["heads_q"], shape["heads_kv"], shape["head_dim"])
     if len(table) == 1 and mask_set["pattern"] == "block_sparse_uniform" and s % int(rows[1]) == 0:
@@ -382,7 +391,7 @@ def plain_flashinfer_sparse(m, mask_set):
         indices = kept.nonzero()[:, 1].to(torch.int32).contiguous()  # row-major: each row's columns ascending
         wrapper = flashinfer.BlockSparseAttentionWrapper(workspace)
         wrapper.plan(indptr, indices, s, s, block, block, *heads, q_data_type=dtype)
-        return checked(with_inputs(wrapper.run, make_inputs(m, "thd", s)), "thd", mask_set, m,
+        return checked(with_inputs(wrapper.run, make_inputs(m, "thd", s)), "thd", grid, m,
                        f"BSR of {block}×{block} blocks, {int(kept.sum())} kept, BlockSparseAttentionWrapper")
     if len(table) != shape["heads_kv"]:
         return None, f"{len(table)} patterns for {shape['heads_kv']} KV heads: FlashInfer takes one per KV head"
@@ -390,7 +399,7 @@ def plain_flashinfer_sparse(m, mask_set):
     wrapper = flashinfer.VariableBlockSparseAttentionWrapper(workspace)
     wrapper.plan(torch.from_numpy(table).cuda(), sizes(rows), sizes(cols), *heads, q_data_type=dtype)
     return checked(with_inputs(lambda q, k, v: wrapper.run(q[0], k[0], v[0]), make_inputs(m, "bhsd", s)), "bhsd",
-                   mask_set, m, f"{table.shape[1]}×{table.shape[2]} blocks a KV head, VariableBlockSparseAttentionWrapper")
+                   grid, m, f"{table.shape[1]}×{table.shape[2]} blocks a KV head, VariableBlockSparseAttentionWrapper")
 
 
 def plain_flashinfer(m, mask_set, args, cache):
@@ -410,7 +419,7 @@ def plain_flashinfer(m, mask_set, args, cache):
     indptr = torch.tensor(np.concatenate([[0], np.cumsum(documents)]), dtype=torch.int32, device="cuda")
     batch = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
     batch.plan(indptr, indptr, shape["heads_q"], shape["heads_kv"], shape["head_dim"],
-               q_data_type={"bf16": torch.bfloat16, "fp16": torch.float16}[shape["dtype"]], **options)
+               q_data_type=torch_dtype(shape), **options)
     return with_inputs(batch.run, make_inputs(m, "thd", mask_set["seqlen"])), None, what
 
 

@@ -61,7 +61,7 @@ The file is loaded afresh for every request (so edits are picked up) and must de
 """
 
 from .dispatch import harness_rep
-from .encodings import (block_grid, classify, dense_mask, flashmask_columns, grid_tile_kinds, most_intervals,
+from .encodings import (block_grid, blocks_of, classify, dense_mask, flashmask_columns, grid_tile_kinds, most_intervals,
                         row_groups, row_interval_list, row_interval_pairs, row_intervals, row_keys, varlen_encoding)
 from .flash import FA4_TILE, block_lookup, tile_kinds
 from .harness import event_rep, median_rel_ci
@@ -69,7 +69,7 @@ from .checks import relative_error
 from .problem import parse_problem
 from .protocol import serve
 
-__all__ = ["FA4_TILE", "block_grid", "block_lookup", "classify", "dense_mask", "event_rep", "flashmask_columns",
+__all__ = ["FA4_TILE", "block_grid", "block_lookup", "blocks_of", "classify", "dense_mask", "event_rep", "flashmask_columns",
            "grid_tile_kinds", "harness_rep", "median_rel_ci", "most_intervals", "parse_problem", "relative_error",
            "row_groups", "row_interval_list", "row_interval_pairs", "row_intervals", "row_keys", "serve",
            "tile_kinds", "varlen_encoding"]
