@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Compile, in parallel, the FlashInfer kernels that attnbench's `flashinfer` adapter calls.
 
-    scripts/flashinfer-jit.py [--dtype bf16|fp16] [--head-dim 128] [--jobs N]
+    scripts/flashinfer-jit.py [--dtype bf16|fp16] [--head-dim 128] [--jobs N] [--variants bsr,block sparse,...]
 
 FlashInfer compiles each kernel variant with nvcc the first time a process calls it (about two
 minutes a variant on an H200 host) and keeps it in its JIT cache (`$FLASHINFER_WORKSPACE_BASE`,
@@ -9,8 +9,8 @@ default `~/.cache/flashinfer`). A pipeline meets them one after another, inside 
 hold the machine alone; this makes the same calls on tiny inputs, one process per variant, so the
 compilations overlap and a pipeline started afterwards finds them all cached. The variants are
 the adapter's paths: single prefill (with and without a sliding window), documents as a ragged
-batch (with and without), and the variable block-sparse wrapper. Compile time is never part of a
-measurement either way (the adapter's first call is untimed); this only shortens the run.
+batch (with and without), the BSR and the variable block-sparse wrappers. Compile time is never
+part of a measurement either way (the adapter's first call is untimed); this only shortens the run.
 """
 import argparse
 import concurrent.futures
@@ -39,6 +39,14 @@ def variant(name, dtype_name, head_dim, heads_q, heads_kv):
         wrapper.plan(bounds, bounds, heads_q, heads_kv, head_dim, causal=True,
                      window_left=WINDOW if name.endswith("window") else -1, sm_scale=scale, q_data_type=dtype)
         wrapper.run(q, k, v, return_lse=True)
+    elif name == "bsr":
+        blocks = 4
+        kept = torch.ones(blocks, blocks, dtype=torch.bool, device="cuda").tril()
+        indptr = torch.cat([kept.new_zeros(1, dtype=torch.int32), kept.sum(-1).cumsum(0).to(torch.int32)])
+        wrapper = flashinfer.BlockSparseAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
+        wrapper.plan(indptr, kept.nonzero()[:, 1].to(torch.int32).contiguous(), SEQ, SEQ, SEQ // blocks, SEQ // blocks,
+                     heads_q, heads_kv, head_dim, sm_scale=scale, q_data_type=dtype)
+        wrapper.run(q, k, v, return_lse=True)
     else:
         blocks = 4
         kept = torch.ones(heads_kv, blocks, blocks, dtype=torch.bool, device="cuda").tril()
@@ -52,7 +60,7 @@ def variant(name, dtype_name, head_dim, heads_q, heads_kv):
     return name, time.perf_counter() - start
 
 
-VARIANTS = ("single", "single window", "ragged", "ragged window", "block sparse")
+VARIANTS = ("single", "single window", "ragged", "ragged window", "bsr", "block sparse")
 
 
 def main():
@@ -61,12 +69,18 @@ def main():
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--heads", default="64:8", help="query:KV heads (the kernels do not depend on them)")
     parser.add_argument("--jobs", type=int, default=len(VARIANTS))
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated, of " + ", ".join(VARIANTS) + " (default: all)")
     args = parser.parse_args()
+    chosen = args.variants.split(",")
+    unknown = set(chosen) - set(VARIANTS)
+    if unknown:
+        parser.error(f"--variants: {', '.join(sorted(unknown))} is not one of {', '.join(VARIANTS)}")
     heads_q, heads_kv = (int(x) for x in args.heads.split(":"))
     context = multiprocessing.get_context("spawn")  # each process initialises CUDA itself
     failed = 0
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
-        futures = {pool.submit(variant, name, args.dtype, args.head_dim, heads_q, heads_kv): name for name in VARIANTS}
+        futures = {pool.submit(variant, name, args.dtype, args.head_dim, heads_q, heads_kv): name for name in chosen}
         for future in concurrent.futures.as_completed(futures):
             try:
                 name, seconds = future.result()

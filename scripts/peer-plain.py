@@ -3,7 +3,7 @@
 
     scripts/peer-plain.py [CACHE_DIR] [RUN_ID] [--reps N] [--rounds R] [--kernels flex,fa4,cudnn,flashinfer]
         [--seqlen S] [--masks causal,...] [--direction fwd|bwd] [--match REGEX] [--storage bhsd|bshd]
-        [--harness-storage auto|bshd|bhsd] [--lse] [--flex-block 128|64|32|16]
+        [--harness-storage auto|bshd|bhsd] [--lse] [--flex-block 128|64|32|16] [--flex-form mask_mod|kv_blocks]
     (defaults: $ATTNBENCH_CACHE or ./artifacts, the latest run, 20 reps, 5 rounds, every kernel, mask and direction)
 
 For every measurement of those kernels in the run whose mask has a closed form here (full,
@@ -59,13 +59,18 @@ def arguments():
     parser.add_argument("--storage", choices=("bhsd", "bshd"), default="bhsd",
                         help="flex: contiguous [1, H, S, D] (its documentation's) or a view of [1, S, H, D]")
     parser.add_argument("--harness-storage", choices=("auto", "bshd", "bhsd"), default="auto",
-                        help="the harness's `layout` (auto: each kernel's documented one, contiguous [1, H, S, D] for flex)")
+                        help="the harness's `layout` (auto: each kernel's documented one, contiguous [1, H, S, D] for flex "
+                             "and FlashInfer's variable block-sparse wrapper)")
     parser.add_argument("--masks", help="comma-separated patterns: only these cells")
     parser.add_argument("--direction", choices=("fwd", "bwd"), help="only the cells of this direction")
     parser.add_argument("--match", help="only the cells whose node id matches this regular expression")
     parser.add_argument("--lse", action="store_true", help="flex: also return the LSE, as attnbench's harness asks")
     parser.add_argument("--flex-block", type=int, default=128, choices=(16, 32, 64, 128),
                         help="flex on block-sparse cells: the BlockMask's block size (below 128 with tiles of that size)")
+    parser.add_argument("--flex-form", choices=("mask_mod", "kv_blocks"), default="mask_mod",
+                        help="flex on block-sparse cells: create_block_mask over a table-lookup mask_mod (LongCA-bench's "
+                             "form), or BlockMask.from_kv_blocks listing the kept blocks as full, with no mask_mod "
+                             "(blocks on --flex-block only)")
     args = parser.parse_args()
     unknown = set(args.kernels.split(",")) - set(PEERS)
     if unknown:
@@ -302,11 +307,20 @@ def plain_flex(m, mask_set, args, cache):
                                                                 "BLOCK_M2", "BLOCK_N2")}
     if sparse:
         what += f", BlockMask of {block}" + (f", kernel_options {options}" if options else "")
-    key = (mask_set["pattern"], s, json.dumps(mask_set.get("documents")), json.dumps(mask_set["params"]), block)
+    heads = None if not sparse or len(mask_set["masks"]) == 1 else shape["heads_q"]
+    kv_blocks = sparse and args.flex_form == "kv_blocks"
+    if kv_blocks:
+        listed = full_kv_blocks(grid, mask_set, block)
+        if listed is None:
+            return None, f"blocks off {block}-token tiles: no from_kv_blocks form"
+        what = f"{len(grid[2])} patterns, kept blocks listed as full (BlockMask.from_kv_blocks, no mask_mod)"
+    key = (mask_set["pattern"], s, json.dumps(mask_set.get("documents")), json.dumps(mask_set["params"]), block,
+           args.flex_form)
     if key not in cache:
-        heads = None if not sparse or len(mask_set["masks"]) == 1 else shape["heads_q"]
-        cache[key] = flex.create_block_mask(mask_mod, None, heads, s, s, device="cuda", BLOCK_SIZE=block) \
-            if mask_mod else None
+        # Past 16K the mask is evaluated in compiled chunks, as flex's documentation advises for
+        # long sequences (evaluated eagerly, 4 heads at 48K need 72 GiB).
+        cache[key] = listed if kv_blocks else flex.create_block_mask(
+            mask_mod, None, heads, s, s, device="cuda", BLOCK_SIZE=block, _compile=s > 16384) if mask_mod else None
     block_mask = cache[key]
     # One compile per cell, as a fresh process would have: past dynamo's recompile limit flex
     # falls back to its unfused eager path (and its S × S scores).
@@ -322,6 +336,22 @@ def plain_flex(m, mask_set, args, cache):
         tuple(x.transpose(1, 2) for x in make_inputs(m, "bshd", s))  # as the harness's bshd storage
     forward, what = with_inputs(call, inputs), what + f", {args.storage} storage"
     return checked(forward, "bhsd", grid, m, what) if sparse else (forward, None, what)
+
+
+def full_kv_blocks(grid, mask_set, block):
+    """A BlockMask listing every kept block of `block` tokens as full (no mask_mod), or None when
+    the pattern's blocks do not fall on `block`."""
+    rows, cols, table = grid
+    s = mask_set["seqlen"]
+    if s % block or any((edges % block).any() for edges in (rows, cols)):
+        return None
+    starts = np.arange(0, s, block)
+    chosen = per_query_head(table, mask_set["params"]["heads_q"]) if len(table) > 1 else table
+    chosen = chosen[:, bridge.blocks_of(rows, starts)][:, :, bridge.blocks_of(cols, starts)]
+    order = torch.from_numpy(np.argsort(~chosen, axis=-1, kind="stable")[None].astype(np.int32)).cuda()
+    count = torch.from_numpy(chosen.sum(-1)[None].astype(np.int32)).cuda()
+    return flex.BlockMask.from_kv_blocks(torch.zeros_like(count), torch.zeros_like(order), count, order,
+                                         BLOCK_SIZE=block, seq_lengths=(s, s))
 
 
 FA4_TILE = bridge.FA4_TILE  # FA4's tile on Hopper at d <= 128, and the block size of its block-sparse tensors

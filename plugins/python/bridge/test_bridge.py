@@ -770,6 +770,22 @@ def test_encodings():
     grid, why = bridge.block_grid(variable)
     check(f"encodings: block grid of two block sizes ({why})", grid is not None
           and all((expand(grid, i) == dense_reference(m)).all() for i, m in enumerate(variable)))
+    check("encodings: a grid of 8- and 16-token blocks stays as it is",
+          bridge.uniform_grid(grid, s)[1] is None and bridge.uniform_grid(grid, s)[0] is grid)
+    for tail in (0, 40):  # a uniform pattern whose kept blocks the IR merged into larger rectangles
+        n, block = 6, 64
+        size = n * block + tail
+        kept = rng.random((n + (tail > 0), n + (tail > 0))) < 0.5
+        kept[1:3, 2:5] = True
+        edges = [min(i * block, size) for i in range(len(kept) + 1)]
+        merged = [{"q": [edges[1], edges[3]], "k": [edges[2], edges[5]], "kind": "full"}] + [
+            {"q": [edges[i], edges[i + 1]], "k": [edges[j], edges[j + 1]], "kind": "full"}
+            for i, j in zip(*np.nonzero(kept)) if not (1 <= i < 3 and 2 <= j < 5)]
+        mask = {"seqlen_q": size, "seqlen_k": size, "slices": merged}
+        uniform, found = bridge.uniform_grid(bridge.block_grid([mask])[0], size)
+        check(f"encodings: uniform grid of {block}-token blocks (tail {tail}) found under merged slices",
+              found == block and list(uniform[0]) == edges and (uniform[2][0] == kept).all()
+              and (expand(uniform, 0) == dense_reference(mask)).all())
     for name, mset in mask_sets(s).items():
         grid, why = bridge.block_grid(mset["masks"])
         if grid is None:

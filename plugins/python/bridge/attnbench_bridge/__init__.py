@@ -62,7 +62,8 @@ The file is loaded afresh for every request (so edits are picked up) and must de
 
 from .dispatch import harness_rep
 from .encodings import (block_grid, blocks_of, classify, dense_mask, flashmask_columns, grid_tile_kinds, most_intervals,
-                        row_groups, row_interval_list, row_interval_pairs, row_intervals, row_keys, varlen_encoding)
+                        row_groups, row_interval_list, row_interval_pairs, row_intervals, row_keys, uniform_grid,
+                        varlen_encoding)
 from .flash import FA4_TILE, block_lookup, tile_kinds
 from .harness import event_rep, median_rel_ci
 from .checks import relative_error
@@ -72,4 +73,4 @@ from .protocol import serve
 __all__ = ["FA4_TILE", "block_grid", "block_lookup", "blocks_of", "classify", "dense_mask", "event_rep", "flashmask_columns",
            "grid_tile_kinds", "harness_rep", "median_rel_ci", "most_intervals", "parse_problem", "relative_error",
            "row_groups", "row_interval_list", "row_interval_pairs", "row_intervals", "row_keys", "serve",
-           "tile_kinds", "varlen_encoding"]
+           "tile_kinds", "uniform_grid", "varlen_encoding"]

@@ -293,6 +293,28 @@ def block_grid(masks: List[dict]) -> Tuple[Optional[Tuple[Any, Any, Any]], str]:
     return (rows, cols, kept), ""
 
 
+# The smallest block a grid is made uniform at: a coarser grid is what block-sparse kernels'
+# uniform paths take; below it, a grid of variable blocks is the smaller table.
+MIN_UNIFORM_BLOCK = 64
+
+
+def uniform_grid(grid: Tuple[Any, Any, Any], s: int) -> Tuple[Tuple[Any, Any, Any], Optional[int]]:
+    """(grid, block): a block grid made uniform when every edge falls on a common block of at
+    least MIN_UNIFORM_BLOCK tokens (the largest such; the last block may be shorter), else
+    (grid, None). A uniform block-sparse pattern comes back on its own grid even where the IR
+    merged neighbouring blocks into larger rectangles, so kernels get the pattern's blocks, index
+    them with arithmetic instead of a lookup, and take their uniform (BSR) paths."""
+    np = _np()
+    rows, cols, kept = grid
+    inner = np.concatenate([rows[1:-1], cols[1:-1]]).astype(np.int64)
+    block = int(np.gcd.reduce(inner)) if len(inner) else s
+    if block < MIN_UNIFORM_BLOCK:
+        return grid, None
+    edges = np.minimum(np.arange(-(-s // block) + 1, dtype=np.int64) * block, s)
+    r, c = blocks_of(rows, edges[:-1]), blocks_of(cols, edges[:-1])
+    return (edges, edges, kept[:, r][:, :, c]), block
+
+
 def blocks_of(edges: Any, positions: Any) -> Any:
     """The block of each position on a grid with these edges; positions past the end map to
     the last block (the padding of a last tile, which the kernels mask)."""

@@ -8,7 +8,7 @@ import math
 import time
 from typing import Any, Callable, Dict, Tuple
 
-from .encodings import block_grid
+from .encodings import block_grid, uniform_grid
 from .flash import flash_plan
 from .harness import Kernel, require_cuda, require_half, split_result, synchronize, torch_dtype
 from .problem import Problem
@@ -33,7 +33,7 @@ def flashinfer_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
         if grid is None:
             raise Unsupported(f"flashinfer runs {supports} (single_prefill_with_kv_cache, "
                               f"BatchPrefillWithRaggedKVCacheWrapper) and block-sparse masks "
-                              f"(VariableBlockSparseAttentionWrapper); {p.pattern} is neither: {why}")
+                              f"(BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper); {p.pattern} is neither: {why}")
         return flashinfer_block_sparse(p, torch, device, flashinfer, grid)
     if len(plan["cu_seqlens"]) > 2:
         return flashinfer_documents(p, torch, device, flashinfer, plan)
@@ -106,17 +106,23 @@ def flashinfer_documents(p: Problem, torch: Any, device: Any, flashinfer: Any, p
 
 
 def flashinfer_block_sparse(p: Problem, torch: Any, device: Any, flashinfer: Any, grid: Tuple[Any, Any, Any]) -> Kernel:
-    """FlashInfer's variable block-sparse prefill on the masks' block grid: one pattern per KV
-    head, so the query heads of a group must share their mask."""
-    wrapper_class = getattr(flashinfer, "VariableBlockSparseAttentionWrapper", None)
-    if wrapper_class is None:
-        raise Unsupported(f"flashinfer {flashinfer.__version__} has no VariableBlockSparseAttentionWrapper")
+    """FlashInfer's block-sparse prefill as its documentation writes it: one pattern for every head
+    on uniform blocks as a BSR matrix (BlockSparseAttentionWrapper, [S, H, D] inputs), otherwise a
+    pattern per KV head on the masks' block grid (VariableBlockSparseAttentionWrapper, contiguous
+    [H, S, D] inputs), so the query heads of a group must share their mask."""
     np = _np()
+    grid, block = uniform_grid(grid, p.seqlen)
     rows, cols, kept = grid
     of_kv = [p.mask_index(kv * p.group) for kv in range(p.heads_kv)]
     if any(p.mask_index(h) != of_kv[h // p.group] for h in range(p.heads_q)):
-        raise Unsupported("flashinfer's block-sparse wrapper takes one pattern per KV head; "
+        raise Unsupported("flashinfer's block-sparse wrappers take one pattern per KV head; "
                           f"{p.pattern} gives the query heads of a group different masks")
+    one_pattern = p.shared_mask() is not None
+    if one_pattern and block and p.seqlen % block == 0:
+        return flashinfer_bsr(p, torch, device, flashinfer, kept[0], block)
+    wrapper_class = getattr(flashinfer, "VariableBlockSparseAttentionWrapper", None)
+    if wrapper_class is None:
+        raise Unsupported(f"flashinfer {flashinfer.__version__} has no VariableBlockSparseAttentionWrapper")
     state = {}
 
     def setup(native: Dict[str, Any]) -> None:
@@ -131,11 +137,41 @@ def flashinfer_block_sparse(p: Problem, torch: Any, device: Any, flashinfer: Any
         kernel.phases.update(mask_build_s=time.perf_counter() - start, blocks=[len(rows) - 1, len(cols) - 1],
                              kept_blocks=int(kept[of_kv].sum()))
 
-
     call, out_only = flashinfer_wrapper_calls(state)
+    grid_form = f"uniform {block}-token blocks" if block else "the masks' block grid"
     kernel = Kernel(call=call, out_only=out_only, setup=setup, refusal_is_unsupported=True, compiles=True,
                     lse_to_heads=lambda lse: lse.detach().float() * math.log(2.0),
                     env={"backend": "flashinfer.VariableBlockSparseAttentionWrapper",
                          "package_version": flashinfer.__version__},
-                    phases={"mask_mode": "block grid from the slices", "lse": "converted from log2"})
+                    phases={"mask_mode": f"a pattern per KV head on {grid_form}", "lse": "converted from log2"})
+    return kernel
+
+
+def flashinfer_bsr(p: Problem, torch: Any, device: Any, flashinfer: Any, kept: Any, block: int) -> Kernel:
+    """One block pattern for every head, `kept` [row blocks, column blocks] of `block` tokens, as a
+    BSR matrix of block × block blocks."""
+    wrapper_class = getattr(flashinfer, "BlockSparseAttentionWrapper", None)
+    if wrapper_class is None:
+        raise Unsupported(f"flashinfer {flashinfer.__version__} has no BlockSparseAttentionWrapper")
+    np = _np()
+    state = {}
+
+    def setup(native: Dict[str, Any]) -> None:
+        start = time.perf_counter()
+        indptr = np.concatenate([[0], np.cumsum(kept.sum(-1))])
+        indices = np.nonzero(kept)[1]  # row-major: each block row's kept columns, ascending
+        as_int = lambda values: torch.from_numpy(np.ascontiguousarray(values, np.int32)).to(device)  # noqa: E731
+        state["wrapper"] = wrapper = wrapper_class(torch.empty(128 << 20, dtype=torch.uint8, device=device))
+        wrapper.plan(as_int(indptr), as_int(indices), p.seqlen, p.seqlen, block, block,
+                     p.heads_q, p.heads_kv, p.head_dim, sm_scale=p.scale, q_data_type=torch_dtype(torch, p.dtype))
+        synchronize(torch, device, kernel)
+        kernel.phases.update(mask_build_s=time.perf_counter() - start, blocks=list(kept.shape),
+                             kept_blocks=int(kept.sum()))
+
+    call, out_only = flashinfer_wrapper_calls(state)
+    kernel = Kernel(call=call, out_only=out_only, setup=setup, layout="bshd", refusal_is_unsupported=True,
+                    compiles=True, lse_to_heads=lambda lse: lse.detach().float().t() * math.log(2.0),
+                    env={"backend": "flashinfer.BlockSparseAttentionWrapper", "package_version": flashinfer.__version__},
+                    phases={"mask_mode": f"one pattern for every head: BSR of {block}×{block} blocks",
+                            "lse": "converted from log2"})
     return kernel

@@ -94,10 +94,11 @@ def _int(params: dict, key: str, where: str = "params") -> int:
 
 def documented_layout(kernel: str) -> str:
     """The storage `layout: auto` picks: FlexAttention's documentation passes contiguous
-    [B, H, S, D] tensors, and its backward is slower on transposed views of [B, S, H, D]; every
-    other kernel gets [1, S, H, D] storage, as a model's projections produce it (the kernels that
-    take [S, H, D] or [1, S, H, D] get it contiguous either way)."""
-    return "bhsd" if kernel == "flex" else "bshd"
+    [B, H, S, D] tensors, and its backward is slower on transposed views of [B, S, H, D];
+    FlashInfer's variable block-sparse wrapper takes contiguous [H, S, D]. Every other kernel gets
+    [1, S, H, D] storage, as a model's projections produce it (the kernels that take [S, H, D] or
+    [1, S, H, D], FlashInfer's other paths among them, get it contiguous either way)."""
+    return "bhsd" if kernel in ("flex", "flashinfer") else "bshd"
 
 
 def parse_problem(params: Any) -> Problem:

@@ -8,7 +8,8 @@ import importlib
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .encodings import block_grid, blocks_of, classify, dense_mask, grid_tile_kinds, row_interval_pairs, varlen_encoding
+from .encodings import (block_grid, blocks_of, classify, dense_mask, grid_tile_kinds, row_interval_pairs, uniform_grid,
+                        varlen_encoding)
 from .harness import Kernel, split_result, synchronize
 from .problem import Problem
 from .support import ELEMENT_BYTES, GIB, Unsupported, _np, first_line, log, parameters_of
@@ -133,6 +134,7 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
     form = classify(shared) if shared is not None else None
     # Full blocks on flex's block sizes need no mask_mod at all: preferred to any table.
     grid, _ = block_grid(masks) if form is None else (None, "")
+    grid, uniform = uniform_grid(grid, p.seqlen) if grid is not None else (None, None)
     block = next((b for b in FLEX_BLOCKS if grid is not None and all(
         (edges % b == 0).all() for edges in grid[:2])), None)
     # Documents and windows have a closed form, the one flex's documentation writes (a
@@ -156,7 +158,9 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
                                   "documents": "closed-form mask_mod: " + closed_form_description(closed),
                                   "blocks": f"full {block}-token blocks from the masks' block grid (no mask_mod)",
                                   "block table": f"{FLEX_TILE}-token tiles from the masks' block grid: full inside kept "
-                                                 "blocks, mask_mod reading a per-block table where tiles cut blocks",
+                                                 "blocks, mask_mod reading a per-block table where tiles cut blocks"
+                                                 + (f" (block = position // {uniform})" if uniform else
+                                                    " (each position's block looked up)"),
                                   "dense": "mask_mod reads a bit-packed dense mask"}[mode]
     cells = grid[2].size if grid is not None else 0
     table_bytes = {"row intervals": count * s * 16, "two row intervals": count * s * 16, "dense": count * s * -(-s // 8),
@@ -175,7 +179,7 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
         if mode == "blocks":
             block_mask = flex_block_mask(p, torch, device, flex, grid, block)
         elif mode == "block table":
-            block_mask, tables = flex_block_table(p, torch, device, flex, grid, head_of)
+            block_mask, tables = flex_block_table(p, torch, device, flex, grid, uniform, head_of)
         elif mode == "causal":
             mask_mod = lambda b, h, q, kv: q >= kv  # noqa: E731
         elif mode == "documents":
@@ -278,12 +282,14 @@ FLEX_BLOCKS = (FLEX_TILE,)
 
 
 def flex_block_table(p: Problem, torch: Any, device: Any, flex: Any, grid: Tuple[Any, Any, Any],
-                     head_of: Callable[[Any], Any]) -> Tuple[Any, List[Any]]:
+                     uniform: Optional[int], head_of: Callable[[Any], Any]) -> Tuple[Any, List[Any]]:
     """A BlockMask over flex's own tiles for a block grid whose edges do not fall on them (blocks
     of 64 tokens, variable blocks), and the tables its mask_mod reads: a tile inside kept blocks
-    whole is full (no mask_mod), a tile that cuts blocks is partial and looks each position's
-    block up in a per-block table — bytes per block and per position, where a bit table costs
-    S²/8 and create_block_mask evaluates S × S."""
+    whole is full (no mask_mod), a tile that cuts blocks is partial and reads a per-block table —
+    bytes per block, where a bit table costs S²/8 and create_block_mask evaluates S × S. Blocks
+    of one size (`uniform`) are found by division, as flex's documentation writes a block
+    table's mask_mod; variable ones through a table of each position's block, which costs two
+    more loads per element (most felt in the backward, which evaluates the mask_mod twice)."""
     np = _np()
     rows, cols, kept = grid
     s, tile = p.seqlen, FLEX_TILE
@@ -297,24 +303,32 @@ def flex_block_table(p: Problem, torch: Any, device: Any, flex: Any, grid: Tuple
                 torch.from_numpy(order[None].astype(np.int32)).to(device))
 
     (counts, indices), (full_counts, full_indices) = as_lists(partial), as_lists(full)
-    # Positions past the sequence (the last tile's padding) map to the last cell: flex masks them.
-    positions = np.arange(n * tile)
-    row_cell = torch.from_numpy(blocks_of(rows, positions).astype(np.int32)).to(device)
-    col_cell = torch.from_numpy(blocks_of(cols, positions).astype(np.int32)).to(device)
-    # The table padded to powers of two, cells past the grid never read: its shape is part of
-    # what flex compiles, and on the H200 a flex cell's first call took 2.1-2.3 s on variable
-    # blocks, each mask another shape, against 0.3 s on uniform ones, whose shapes repeat.
-    padded = np.zeros((len(kept),) + tuple(1 << max(0, int(size - 1).bit_length()) for size in kept.shape[1:]), bool)
+    # The table padded to powers of two, cells past the grid never read (the last tile's padding
+    # reads cells past the sequence, which flex masks): its shape is part of what flex compiles,
+    # and on the H200 a flex cell's first call took 2.1-2.3 s on variable blocks, each mask another
+    # shape, against 0.3 s on uniform ones, whose shapes repeat.
+    reach = -(-n * tile // uniform) if uniform else 0
+    padded = np.zeros((len(kept),) + tuple(1 << max(0, int(max(size, reach) - 1).bit_length())
+                                          for size in kept.shape[1:]), bool)
     padded[:, :kept.shape[1], :kept.shape[2]] = kept
     table = torch.from_numpy(padded).to(device)
+    tables = [table]
+    if uniform:
+        row_cell = col_cell = lambda x: x // uniform  # noqa: E731
+    else:
+        positions = np.arange(n * tile)  # past the sequence: the last cell
+        row_table, col_table = (torch.from_numpy(blocks_of(edges, positions).astype(np.int32)).to(device)
+                                for edges in (rows, cols))
+        tables += [row_table, col_table]
+        row_cell, col_cell = (lambda q: row_table[q]), (lambda kv: col_table[kv])
     if len(kept) == 1:
         table0 = table[0]
-        mask_mod = lambda b, h, q, kv: table0[row_cell[q], col_cell[kv]]  # noqa: E731
+        mask_mod = lambda b, h, q, kv: table0[row_cell(q), col_cell(kv)]  # noqa: E731
     else:
-        mask_mod = lambda b, h, q, kv: table[head_of(h), row_cell[q], col_cell[kv]]  # noqa: E731
+        mask_mod = lambda b, h, q, kv: table[head_of(h), row_cell(q), col_cell(kv)]  # noqa: E731
     block_mask = flex.BlockMask.from_kv_blocks(counts, indices, full_counts, full_indices, BLOCK_SIZE=tile,
                                                mask_mod=mask_mod, seq_lengths=(s, s))
-    return block_mask, [row_cell, col_cell, table]
+    return block_mask, tables
 
 
 def pack_bits(torch: Any, dense: Any) -> Any:
