@@ -45,7 +45,7 @@ def variant(name, dtype_name, head_dim, heads_q, heads_kv):
         indptr = torch.cat([kept.new_zeros(1, dtype=torch.int32), kept.sum(-1).cumsum(0).to(torch.int32)])
         wrapper = flashinfer.BlockSparseAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
         wrapper.plan(indptr, kept.nonzero()[:, 1].to(torch.int32).contiguous(), SEQ, SEQ, SEQ // blocks, SEQ // blocks,
-                     heads_q, heads_kv, head_dim, sm_scale=scale, q_data_type=dtype)
+                     heads_q, heads_kv, head_dim, sm_scale=scale, q_data_type=dtype, o_data_type=dtype)
         wrapper.run(q, k, v, return_lse=True)
     else:
         blocks = 4

@@ -420,7 +420,7 @@ def plain_flashinfer_sparse(m, mask_set):
         indptr = torch.cat([kept.new_zeros(1, dtype=torch.int64), kept.sum(-1).cumsum(0)]).to(torch.int32)
         indices = kept.nonzero()[:, 1].to(torch.int32).contiguous()  # row-major: each row's columns ascending
         wrapper = flashinfer.BlockSparseAttentionWrapper(workspace)
-        wrapper.plan(indptr, indices, s, s, block, block, *heads, q_data_type=dtype)
+        wrapper.plan(indptr, indices, s, s, block, block, *heads, q_data_type=dtype, o_data_type=dtype)
         return checked(with_inputs(wrapper.run, make_inputs(m, "thd", s)), "thd", grid, m,
                        f"BSR of {block}×{block} blocks, {int(kept.sum())} kept, BlockSparseAttentionWrapper")
     if len(table) != shape["heads_kv"]:

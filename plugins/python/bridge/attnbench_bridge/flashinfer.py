@@ -163,7 +163,8 @@ def flashinfer_bsr(p: Problem, torch: Any, device: Any, flashinfer: Any, kept: A
         as_int = lambda values: torch.from_numpy(np.ascontiguousarray(values, np.int32)).to(device)  # noqa: E731
         state["wrapper"] = wrapper = wrapper_class(torch.empty(128 << 20, dtype=torch.uint8, device=device))
         wrapper.plan(as_int(indptr), as_int(indices), p.seqlen, p.seqlen, block, block,
-                     p.heads_q, p.heads_kv, p.head_dim, sm_scale=p.scale, q_data_type=torch_dtype(torch, p.dtype))
+                     p.heads_q, p.heads_kv, p.head_dim, sm_scale=p.scale, q_data_type=torch_dtype(torch, p.dtype),
+                     o_data_type=torch_dtype(torch, p.dtype))
         synchronize(torch, device, kernel)
         kernel.phases.update(mask_build_s=time.perf_counter() - start, blocks=list(kept.shape),
                              kept_blocks=int(kept.sum()))
