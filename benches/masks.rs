@@ -10,13 +10,13 @@
 
 use std::time::{Duration, Instant};
 
-use attnbench_mask_catalogue::{generate, Params};
+use attnbench_mask_catalogue::{generate, Params, Pattern};
 use attnbench_sdk::histogram::Histogram;
 use attnbench_sdk::mask::Flops;
 use attnbench_tests::{stderr, Sandbox};
 
 fn params(seqlen: u64) -> Params {
-    Params::new("causal_document", seqlen)
+    Params::new(Pattern::CausalDocument, seqlen)
 }
 
 fn best<T>(tries: usize, mut work: impl FnMut() -> T) -> (Duration, T) {
@@ -40,7 +40,7 @@ fn block_sparse_host_work() {
         density: 0.5,
         heads_q: 4,
         heads_kv: 1,
-        ..Params::new("block_sparse_uniform", 32 << 10)
+        ..Params::new(Pattern::BlockSparseUniform, 32 << 10)
     };
     let set =
         generate(&params, &Histogram::synthetic(), 42).expect("block_sparse_uniform generates");

@@ -581,7 +581,8 @@ def main():
           "\tSM MHz\tmask_mode (attnbench)\tplain form")
     for cell, m, mask_set in cells(record, set(args.kernels.split(",")), args):
         ours = m["tflops"]["p50"]
-        mode = ((m.get("environment") or {}).get("phases") or {}).get("mask_mode", "")
+        phases = m.get("phases") or (m.get("environment") or {}).get("phases") or {}  # version 2, then 1
+        mode = phases.get("mask_mode", "")
         tflops = lambda ms: m["flops"] / (ms / 1e3) / 1e12  # noqa: E731
         try:
             built = PLAIN[m["kernel"]](m, mask_set, args, cache)

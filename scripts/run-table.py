@@ -27,7 +27,7 @@ for node in record["nodes"]:
     peak = (m.get("memory") or {}).get("peak_bytes")
     check = m.get("correctness") or {}
     errors = [e for e in (check.get("errors") or {}).values() if isinstance(e, (int, float))]
-    phases = (m.get("environment") or {}).get("phases") or {}
+    phases = m.get("phases") or (m.get("environment") or {}).get("phases") or {}  # version 2, then 1
     note = m.get("reason") or ""
     if not note and phases.get("compile_s") is not None:
         note = f"compile {phases['compile_s']:.1f} s"

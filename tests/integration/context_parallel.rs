@@ -32,7 +32,7 @@ fn the_cpu_context_parallel_pipeline_is_exact_and_its_traffic_matches_the_formul
             "{id}: {}",
             m["correctness"]
         );
-        let cp = &m["environment"]["context_parallel"];
+        let cp = &m["cp"];
         let formula_forward = cp["formula_forward"].as_u64().unwrap();
         assert!(formula_forward > 0, "{id}: {cp}");
         for sent in cp["bytes_sent_forward"].as_array().unwrap() {
@@ -108,7 +108,7 @@ fn ranks_as_processes_joined_over_tcp_give_the_same_exact_results_and_traffic() 
             "{id}: {}",
             m["correctness"]
         );
-        let cp = &m["environment"]["context_parallel"];
+        let cp = &m["cp"];
         for (sent, formula) in [
             ("bytes_sent_forward", "formula_forward"),
             ("bytes_sent_backward", "formula_backward"),
@@ -156,10 +156,7 @@ fn local_attention_through_the_cpu_plugins_in_process_backend_matches_the_builti
             "{id}: {}",
             m["correctness"]
         );
-        assert_eq!(
-            m["environment"]["context_parallel"]["attention"], attention,
-            "{id}"
-        );
+        assert_eq!(m["cp"]["attention"], attention, "{id}");
         m["correctness"]["errors"].clone()
     };
     for method in ["ulysses", "ring_p2p", "ring_allgather", "usp", "loongtrain"] {

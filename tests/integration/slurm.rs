@@ -360,7 +360,7 @@ fn cp_ranks_start_under_srun(cluster: &SlurmCluster) {
         "{id}: {}",
         m["correctness"]
     );
-    let cp = &m["environment"]["context_parallel"];
+    let cp = &m["cp"];
     assert_eq!(cp["launcher"], "srun", "{id}: {cp}");
     assert_eq!(cp["world"], 2, "{id}: {cp}");
 }

@@ -137,11 +137,10 @@ fn read(dir: &std::path::Path) -> Result<Option<Measurement>> {
 /// How a person names a cell: kernel (or the two compared), mask, length, direction, shape.
 fn label(m: &Measurement, kernels: Option<&(String, String)>) -> String {
     let kernel = kernels.map_or_else(|| m.kernel.clone(), |(a, b)| format!("{a}→{b}"));
-    let cp = m
-        .environment
-        .get("context_parallel")
-        .map(|v| format!(" {v}"))
-        .unwrap_or_default();
+    let cp =
+        m.cp.as_ref()
+            .map(|cp| format!(" {}", cp.cell()))
+            .unwrap_or_default();
     format!(
         "{kernel} {} {} {} {}:{} d{} {}{cp}",
         m.mask.pattern,
@@ -154,30 +153,12 @@ fn label(m: &Measurement, kernels: Option<&(String, String)>) -> String {
     )
 }
 
-/// Environment entries that describe the machine and its software, not one cell's run.
-const ENVIRONMENT_KEYS: [&str; 9] = [
-    "os",
-    "kernel",
-    "cpu",
-    "gpus",
-    "gpu",
-    "driver_version",
-    "libraries",
-    "attnbench_version",
-    "python",
-];
-
 /// Every value each environment key and plugin version takes over `records`.
 fn environment(records: &[&Measurement]) -> BTreeMap<String, BTreeSet<String>> {
     let mut values: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for m in records {
-        for key in ENVIRONMENT_KEYS {
-            if let Some(value) = m.environment.get(key) {
-                let text = value
-                    .as_str()
-                    .map_or_else(|| value.to_string(), str::to_string);
-                values.entry(key.to_string()).or_default().insert(text);
-            }
+        for (key, text) in m.software() {
+            values.entry(key.to_string()).or_default().insert(text);
         }
         values
             .entry(format!("plugin {}", m.plugin))
@@ -231,7 +212,7 @@ pub fn run(args: CompareArgs) -> Result<ExitCode> {
                         record.mask.seqlen,
                         record.shape,
                         record.direction,
-                        record.environment.get("context_parallel"),
+                        record.cp.as_ref().map(|cp| cp.cell()),
                     ]);
                     cells.insert(key.to_string(), record);
                 }

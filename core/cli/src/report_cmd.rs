@@ -215,19 +215,19 @@ fn read_artifact(
 ) -> Result<Option<Found>> {
     let measurement = dir.join(Measurement::FILE);
     let (path, cell) = if let Ok(bytes) = std::fs::read(&measurement) {
-        let value: Value = serde_json::from_slice(&bytes)
+        let record: Measurement = serde_json::from_slice(&bytes)
             .with_context(|| format!("{}: not a measurement record", measurement.display()))?;
         // What makes two records the same cell: the kernel and its plugin, the mask with every
-        // drawn parameter, the shape, the direction, and a context-parallel run's method and world.
+        // drawn parameter, the shape, the direction, and a context-parallel run's layout.
         let cell = json!([
-            value["plugin"],
-            value["kernel"],
-            value["mask"]["params"],
-            value["mask"]["pattern"],
-            value["mask"]["seqlen"],
-            value["shape"],
-            value["direction"],
-            value["environment"]["context_parallel"],
+            record.plugin,
+            record.kernel,
+            record.mask.params,
+            record.mask.pattern,
+            record.mask.seqlen,
+            record.shape,
+            record.direction,
+            record.cp.as_ref().map(|cp| cp.cell()),
         ]);
         (measurement, cell.to_string())
     } else if dir.join(Predictions::FILE).is_file() {

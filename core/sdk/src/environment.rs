@@ -103,16 +103,6 @@ fn driver_version(text: &str) -> Option<String> {
         .map(String::from)
 }
 
-impl Environment {
-    /// The environment as a JSON object, for measurement records.
-    pub fn to_map(&self) -> serde_json::Map<String, serde_json::Value> {
-        match serde_json::to_value(self) {
-            Ok(serde_json::Value::Object(map)) => map,
-            _ => serde_json::Map::new(),
-        }
-    }
-}
-
 /// The Python interpreter attnbench runs: `param` (a stage's `python` parameter) when set, then
 /// `ATTNBENCH_PYTHON`, then the `python3` in the folder of the running `attnbench` (a virtual
 /// environment attnbench was pip-installed into has it there), then `python3` on the PATH.

@@ -33,6 +33,7 @@ pub mod mask;
 pub mod measure;
 mod names;
 pub mod nvml;
+mod record;
 pub mod reference;
 mod request;
 pub mod rng;

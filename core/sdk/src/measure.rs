@@ -1,11 +1,14 @@
-//! The measurement record every benchmark stage emits, and the timing harness (CPU variant) that
-//! produces its statistics: warm-up by count and time, repetitions until the median is stable or a
-//! time cap, quantiles rather than a single mean.
+//! The parts of the measurement record every benchmark stage emits ([`Measurement`], in
+//! `record`), and the timing harness (CPU variant) that produces its statistics: warm-up by count
+//! and time, repetitions until the median is stable or a time cap, quantiles rather than a single
+//! mean.
 
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
+
+pub use crate::record::{text_of, CpRank, CpRun, GpuRun, Measurement, PassTimes, RECORD_VERSION};
 
 /// How a measurement ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -321,88 +324,6 @@ pub fn median_rel_ci(samples: &[f64]) -> f64 {
         return f64::INFINITY;
     }
     (sorted[high] - sorted[low]) / 2.0 / median
-}
-
-/// One benchmark result: what ran, on what, how fast, how much memory, and whether it was right.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Measurement {
-    pub kernel: String,
-    pub plugin: String,
-    pub plugin_version: String,
-    pub mask: MaskInfo,
-    pub shape: Shape,
-    pub direction: Direction,
-    pub status: MeasureStatus,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub reason: Option<String>,
-    /// FLOPs of the measured direction, from the mask's exact area.
-    pub flops: u64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub time_s: Option<Quantiles>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tflops: Option<Throughput>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub memory: Option<Memory>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub correctness: Option<Correctness>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub timing: Option<Timing>,
-    pub environment: Map<String, Value>,
-    pub harness: Harness,
-}
-
-impl Measurement {
-    /// Writes the record as the node's `measurement.json` and returns it as the node's result.
-    pub fn write(&self, dir: &std::path::Path) -> Result<Value, crate::PluginError> {
-        crate::write_json(dir, Self::FILE, self)?;
-        serde_json::to_value(self).map_err(|err| crate::PluginError::failed(err.to_string()))
-    }
-
-    pub const FILE: &'static str = "measurement.json";
-
-    /// The record of a kernel run on `set` before anything was timed: the mask, the shape, the
-    /// FLOPs of `direction` from the exact area, this machine's environment; status `ok`.
-    pub fn for_kernel(
-        kernel: &str,
-        plugin: (&str, &str),
-        set: &crate::mask::MaskSet,
-        shape: Shape,
-        direction: Direction,
-        harness: Harness,
-    ) -> Measurement {
-        let flops = set.flops(shape.heads_q, shape.heads_kv, shape.head_dim);
-        Measurement {
-            kernel: kernel.to_string(),
-            plugin: plugin.0.to_string(),
-            plugin_version: plugin.1.to_string(),
-            mask: MaskInfo {
-                pattern: set.pattern.clone(),
-                seqlen: set.seqlen,
-                area: set.area_over_heads(shape.heads_q, shape.heads_kv),
-                documents: set.documents.len(),
-                params: set.params.clone(),
-            },
-            shape,
-            direction,
-            status: MeasureStatus::Ok,
-            reason: None,
-            flops: flops.for_direction(direction),
-            time_s: None,
-            tflops: None,
-            memory: None,
-            correctness: None,
-            timing: None,
-            environment: crate::environment::Environment::detect().to_map(),
-            harness,
-        }
-    }
-
-    /// Marks the record `unsupported` with `reason`.
-    pub fn unsupported(mut self, reason: impl Into<String>) -> Measurement {
-        self.status = MeasureStatus::Unsupported;
-        self.reason = Some(reason.into());
-        self
-    }
 }
 
 /// The parameters every kernel stage takes ([`crate::KERNEL_PARAMS`]) and the harness's, as a stage

@@ -2,7 +2,7 @@
 
 /// An enum whose variants are the names a stage parameter takes: serde in those spellings,
 /// `NAMES` for the manifest's `ParamType::one_of` (so the manifest and the code cannot disagree),
-/// `ALL`, `as_str`, `from_name` and `Display`. A misspelt name never reaches the plugin: the pipeline checker refuses
+/// `ALL`, `as_str`, `from_name`, `param_type` (a subset's manifest type) and `Display`. A misspelt name never reaches the plugin: the pipeline checker refuses
 /// it against `NAMES` first, and serde would refuse it next. Needs only this crate, under its
 /// own name (`attnbench_sdk`).
 ///
@@ -15,6 +15,7 @@
 /// assert_eq!(Check::Sampled.to_string(), "sampled");
 /// assert_eq!(Check::from_name("full"), Some(Check::Full));
 /// assert_eq!(Check::ALL.len(), 2);
+/// assert_eq!(Check::param_type(&[Check::Full]), attnbench_sdk::ParamType::Enum(vec!["full".into()]));
 /// ```
 #[macro_export]
 macro_rules! named_enum {
@@ -43,6 +44,11 @@ macro_rules! named_enum {
             /// The variant a name spells (as a record stores it), if any.
             pub fn from_name(name: &str) -> Option<$name> {
                 Self::ALL.iter().copied().find(|variant| variant.as_str() == name)
+            }
+
+            /// The manifest's type of a parameter that takes only `subset` of the names.
+            pub fn param_type(subset: &[$name]) -> $crate::ParamType {
+                $crate::ParamType::Enum(subset.iter().map(|v| v.as_str().to_string()).collect())
             }
         }
 

@@ -21,7 +21,8 @@ mod threads;
 mod volume;
 
 use attnbench_sdk::measure::{
-    Direction, Harness, Measurement, Quantiles, Shape as MeasuredShape, Throughput,
+    CpRank, CpRun, Direction, Harness, Measurement, PassTimes, Quantiles, Shape as MeasuredShape,
+    Throughput,
 };
 use attnbench_sdk::reference::{
     self, Arithmetic, CheckMode, Element, Forward, Grads, HeadMasks, Inputs, Shape,
@@ -73,7 +74,7 @@ impl Plugin for Cp {
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(8))
                         .param(ParamSpec::new("heads_kv", ParamType::Int).default(4))
                         .param(ParamSpec::new("head_dim", ParamType::Int).default(16))
-                        .param(ParamSpec::new("dtype", ParamType::one_of(&["bf16", "fp16", "f32"])).default("bf16").doc("Inputs are rounded to it; bytes are counted in it."))
+                        .param(ParamSpec::new("dtype", ParamType::one_of(Element::NAMES)).default("bf16").doc("Inputs are rounded to it; bytes are counted in it."))
                         .param(ParamSpec::new("outputs", ParamType::Bool).default(false).doc("Also write the gathered outputs (out.f32, lse.f32 and, with a backward, dq/dk/dv.f32) for checking (threads and processes backends).")),
                 )
                 .measures_masks()
@@ -98,12 +99,12 @@ impl Plugin for Cp {
                 StageSpec::new("model")
                     .doc("Predicts each method's per-GPU TFLOP/s at every world size from a kernel's throughput, the links and the traffic formulas.")
                     .param(ParamSpec::new("mask", ParamType::one_of(ModelMask::NAMES)).default("causal"))
-                    .param(ParamSpec::new("direction", ParamType::one_of(&["fwd", "bwd"])).default("fwd"))
+                    .param(ParamSpec::new("direction", Direction::param_type(&[Direction::Fwd, Direction::Bwd])).default("fwd"))
                     .param(ParamSpec::new("tokens_per_gpu", ParamType::Size).default("8k"))
                     .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
                     .param(ParamSpec::new("heads_kv", ParamType::Int).default(8))
                     .param(ParamSpec::new("head_dim", ParamType::Int).default(128))
-                    .param(ParamSpec::new("dtype", ParamType::one_of(&["bf16", "fp16", "f32"])).default("bf16"))
+                    .param(ParamSpec::new("dtype", ParamType::one_of(Element::NAMES)).default("bf16"))
                     .param(ParamSpec::new("kernel_tflops", ParamType::Float).default(0.0).doc("The attention kernel's measured TFLOP/s; 0: sdpa-flash (FA2) on one H200 at 8K tokens, full mask, as measured by pipelines/dense-kernels.yaml (351 forward, 296 backward)."))
                     .param(ParamSpec::new("worlds", ParamType::List(Box::new(ParamType::Int))).default(json!([8, 16, 32, 64, 128, 256, 512, 1024])))
                     .param(ParamSpec::new("gpus_per_node", ParamType::Int).default(8))
@@ -381,18 +382,34 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
     measurement.tflops = times.map(|t| Throughput::of(per_rank_flops, &t));
     measurement.time_s = times;
     measurement.timing = Some(timing);
-    measurement.environment.insert(
-        "context_parallel".into(),
-        json!({
-            "method": method, "world": ranks, "ulysses": setup.layout.ulysses, "ring": setup.layout.ring,
-            "windows": setup.windows, "placement": p.placement, "backend": p.backend, "attention": p.attention,
-            "launcher": launcher_of(p.backend),
-            "throughput": "per rank: global FLOPs / ranks / slowest rank's time",
-            "bytes_sent_forward": counted(&first.sent_forward), "formula_forward": formula_fwd,
-            "bytes_sent_backward": counted(&first.sent_backward), "formula_backward": formula_bwd,
-            "forward_s_per_rank": first.forward_s, "backward_s_per_rank": first.backward_s,
-        }),
-    );
+    let pass = |times: &[f64], rank: usize| PassTimes {
+        total_s: times.get(rank).copied(),
+        ..PassTimes::default()
+    };
+    measurement.cp = Some(CpRun {
+        method: method.to_string(),
+        world: ranks,
+        ulysses: setup.layout.ulysses as u64,
+        ring: setup.layout.ring as u64,
+        windows: setup.windows as u64,
+        placement: p.placement.to_string(),
+        backend: p.backend.to_string(),
+        attention: p.attention.to_string(),
+        launcher: launcher_of(p.backend).into(),
+        throughput: "per rank: global FLOPs / ranks / slowest rank's time".into(),
+        bytes_sent_forward: counted(&first.sent_forward),
+        formula_forward: formula_fwd,
+        bytes_sent_backward: counted(&first.sent_backward),
+        formula_backward: formula_bwd,
+        bytes_note: None,
+        ranks: (0..ranks as usize)
+            .map(|rank| CpRank {
+                device: None,
+                forward: pass(&first.forward_s, rank),
+                backward: pass(&first.backward_s, rank),
+            })
+            .collect(),
+    });
     measurement.write(&request.output_dir)
 }
 
@@ -406,16 +423,16 @@ fn launcher_of(backend: Backend) -> &'static str {
 
 /// A GPU rank's medians over repetitions: the pass, its blocks' kernels, its busy NCCL streams,
 /// and what of the pass was not kernels (exposed communication and the store's own work).
-fn time_parts(total: &[f64], parts: &[(f64, f64)]) -> Value {
+fn time_parts(total: &[f64], parts: &[(f64, f64)]) -> PassTimes {
     let median = |values: Vec<f64>| Quantiles::of(&values).map(|q| q.p50);
     let (compute, busy): (Vec<f64>, Vec<f64>) = parts.iter().copied().unzip();
     let exposed = total.iter().zip(&compute).map(|(t, c)| t - c).collect();
-    json!({
-        "total_s": median(total.to_vec()),
-        "kernels_s": median(compute),
-        "communication_busy_s": median(busy),
-        "not_kernels_s": median(exposed),
-    })
+    PassTimes {
+        total_s: median(total.to_vec()),
+        kernels_s: median(compute),
+        communication_busy_s: median(busy),
+        not_kernels_s: median(exposed),
+    }
 }
 
 /// A `cp/threads` node with `backend: nccl`: one rank process per GPU.
@@ -550,24 +567,35 @@ impl GpuRun<'_> {
             element: self.element.bytes() as u64,
         };
         let (formula_fwd, formula_bwd) = volume::bytes(&setup, &sizes);
-        measurement.environment.insert(
-            "context_parallel".into(),
-            json!({
-                "method": setup.method, "world": n, "ulysses": setup.layout.ulysses, "ring": setup.layout.ring,
-                "windows": setup.windows, "placement": p.placement, "backend": p.backend, "attention": p.attention,
-                "launcher": processes::Launch::from_env().name(),
-                "devices": results.iter().map(|r| r.device.clone()).collect::<Vec<_>>(),
-                "throughput": "per GPU: global FLOPs / ranks / the slowest rank's time of each repetition",
-                "bytes_sent_forward": results.iter().map(|r| r.sent.0).collect::<Vec<_>>(), "formula_forward": formula_fwd,
-                "bytes_sent_backward": results.iter().map(|r| r.sent.1).collect::<Vec<_>>(), "formula_backward": formula_bwd,
-                "bytes_note": "on GPUs K and V travel in the inputs' 16-bit type, dK and dV accumulators in f32",
-                "ranks": results.iter().map(|r| json!({
-                    "device": r.device,
-                    "forward": time_parts(&r.forward_s, &r.forward_parts_s),
-                    "backward": time_parts(&r.backward_s, &r.backward_parts_s),
-                })).collect::<Vec<_>>(),
-            }),
-        );
+        measurement.cp = Some(CpRun {
+            method: setup.method.to_string(),
+            world: n as u64,
+            ulysses: setup.layout.ulysses as u64,
+            ring: setup.layout.ring as u64,
+            windows: setup.windows as u64,
+            placement: p.placement.to_string(),
+            backend: p.backend.to_string(),
+            attention: p.attention.to_string(),
+            launcher: processes::Launch::from_env().name().into(),
+            throughput:
+                "per GPU: global FLOPs / ranks / the slowest rank's time of each repetition".into(),
+            bytes_sent_forward: results.iter().map(|r| r.sent.0).collect(),
+            formula_forward: formula_fwd,
+            bytes_sent_backward: results.iter().map(|r| r.sent.1).collect(),
+            formula_backward: formula_bwd,
+            bytes_note: Some(
+                "on GPUs K and V travel in the inputs' 16-bit type, dK and dV accumulators in f32"
+                    .into(),
+            ),
+            ranks: results
+                .iter()
+                .map(|r| CpRank {
+                    device: Some(r.device.clone()),
+                    forward: time_parts(&r.forward_s, &r.forward_parts_s),
+                    backward: time_parts(&r.backward_s, &r.backward_parts_s),
+                })
+                .collect(),
+        });
         measurement.write(&request.output_dir)
     }
 }
@@ -683,10 +711,10 @@ fn against_measurements(
         let m: Measurement = serde_json::from_value(input.result.clone()).map_err(|err| {
             PluginError::failed(format!("{}: not a measurement: {err}", input.node))
         })?;
-        let Some(cp) = m.environment.get("context_parallel") else {
+        let Some(cp) = m.cp.as_ref() else {
             continue;
         };
-        if cp["backend"] != "nccl"
+        if cp.backend != Backend::Nccl.as_str()
             || m.mask.pattern != p.mask.as_str()
             || m.direction != p.direction
         {
@@ -694,52 +722,45 @@ fn against_measurements(
         }
         let unreadable = |what: &str| {
             PluginError::failed(format!(
-                "{}: its record lacks context_parallel.{what}",
+                "{}: its record's cp.{what} is not one this plugin knows",
                 input.node
             ))
         };
-        let count = |key: &str| {
-            cp[key]
-                .as_u64()
-                .map(|v| v as usize)
-                .ok_or_else(|| unreadable(key))
-        };
-        let method = cp["method"]
-            .as_str()
-            .and_then(Method::from_name)
-            .ok_or_else(|| unreadable("method"))?;
-        let placement = cp["placement"]
-            .as_str()
-            .and_then(Placement::from_name)
-            .ok_or_else(|| unreadable("placement"))?;
         let setup = Setup {
-            method,
+            method: Method::from_name(&cp.method).ok_or_else(|| unreadable("method"))?,
             layout: Layout {
                 seqlen: m.mask.seqlen as usize,
-                ulysses: count("ulysses")?,
-                ring: count("ring")?,
-                placement,
+                ulysses: cp.ulysses as usize,
+                ring: cp.ring as usize,
+                placement: Placement::from_name(&cp.placement)
+                    .ok_or_else(|| unreadable("placement"))?,
             },
-            windows: count("windows")?,
+            windows: cp.windows as usize,
         };
+        let method = setup.method;
         let world = setup.layout.world();
         // The slowest rank's pass, split as it recorded it.
-        let pass = if p.direction == Direction::Bwd {
-            "backward"
-        } else {
-            "forward"
+        let pass = |rank: &CpRank| {
+            if p.direction == Direction::Bwd {
+                rank.backward.clone()
+            } else {
+                rank.forward.clone()
+            }
         };
-        let seconds = |rank: &Value, key: &str| rank[pass][key].as_f64().unwrap_or(0.0);
-        let slowest = cp["ranks"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .max_by(|a, b| seconds(a, "total_s").total_cmp(&seconds(b, "total_s")))
+        let slowest = cp
+            .ranks
+            .iter()
+            .map(pass)
+            .max_by(|a, b| {
+                a.total_s
+                    .unwrap_or(0.0)
+                    .total_cmp(&b.total_s.unwrap_or(0.0))
+            })
             .ok_or_else(|| unreadable("ranks"))?;
         let (Some(time), Some(tflops)) = (m.time_s.as_ref(), m.tflops.as_ref()) else {
             continue;
         };
-        let kernels_s = seconds(slowest, "kernels_s");
+        let kernels_s = slowest.kernels_s.unwrap_or(0.0);
         let element = m.shape.dtype;
         let workload = model::Workload {
             sizes: volume::Sizes {
@@ -762,8 +783,8 @@ fn against_measurements(
             measured_time_s: time.p50,
             measured_tflops_per_gpu: tflops.p50,
             kernels_s,
-            not_kernels_s: seconds(slowest, "not_kernels_s"),
-            communication_busy_s: seconds(slowest, "communication_busy_s"),
+            not_kernels_s: slowest.not_kernels_s.unwrap_or(0.0),
+            communication_busy_s: slowest.communication_busy_s.unwrap_or(0.0),
             predicted: model::predict_setup(&setup, machine, &workload),
         });
     }

@@ -1,7 +1,7 @@
 //! Every method on the threads backend, at 2, 3, 4 and 8 ranks: O, LSE, dQ, dK, dV equal the
 //! single-device f64 reference, and every rank sent exactly the bytes of the method's formula.
 
-use attnbench_mask_catalogue::{generate, Params as MaskParams};
+use attnbench_mask_catalogue::{generate, Params as MaskParams, Pattern};
 use attnbench_sdk::histogram::{Bucket, Histogram};
 use attnbench_sdk::mask::MaskSet;
 use attnbench_sdk::reference::{self, relative_error, Element, HeadMasks, Inputs, Shape};
@@ -22,7 +22,10 @@ fn mask(pattern: &str) -> MaskSet {
     };
     let params = MaskParams {
         window: 13,
-        ..MaskParams::new(pattern, SEQLEN as u64)
+        ..MaskParams::new(
+            Pattern::from_name(pattern).expect("a catalogue pattern"),
+            SEQLEN as u64,
+        )
     };
     generate(&params, &histogram, 3).unwrap()
 }
@@ -93,10 +96,10 @@ fn every_method_is_exact_on_per_head_masks() {
         let params = MaskParams {
             density: 0.5,
             sparse_block: 8,
-            sparse_scope: "per_head".into(),
+            sparse_scope: attnbench_sdk::mask::HeadScope::PerHead,
             heads_q: shape.heads_q as u64,
             heads_kv: shape.heads_kv as u64,
-            ..MaskParams::new("block_sparse_uniform", SEQLEN as u64)
+            ..MaskParams::new(Pattern::BlockSparseUniform, SEQLEN as u64)
         };
         let histogram = Histogram {
             buckets: Vec::new(),
@@ -280,13 +283,34 @@ fn the_model_sets_measured_gpu_cells_beside_its_predictions() {
         let times = Quantiles::of(&[total, total]).unwrap();
         m.tflops = Some(Throughput::of(m.flops / 2, &times));
         m.time_s = Some(times);
-        let pass = |total: f64, kernels: f64| json!({"forward": {"total_s": total, "kernels_s": kernels, "communication_busy_s": 1e-4, "not_kernels_s": total - kernels}});
-        m.environment.insert(
-            "context_parallel".into(),
-            json!({"method": "ring_p2p", "world": 2, "ulysses": 1, "ring": 2, "windows": 1,
-                   "placement": "ring_inner", "backend": backend,
-                   "ranks": [pass(total * 0.9, kernels * 0.8), pass(total, kernels)]}),
-        );
+        let rank = |total: f64, kernels: f64| attnbench_sdk::measure::CpRank {
+            device: None,
+            forward: attnbench_sdk::measure::PassTimes {
+                total_s: Some(total),
+                kernels_s: Some(kernels),
+                communication_busy_s: Some(1e-4),
+                not_kernels_s: Some(total - kernels),
+            },
+            backward: Default::default(),
+        };
+        m.cp = Some(attnbench_sdk::measure::CpRun {
+            method: "ring_p2p".into(),
+            world: 2,
+            ulysses: 1,
+            ring: 2,
+            windows: 1,
+            placement: "ring_inner".into(),
+            backend: backend.into(),
+            attention: "builtin".into(),
+            launcher: "threads".into(),
+            throughput: String::new(),
+            bytes_sent_forward: vec![0, 0],
+            formula_forward: 0,
+            bytes_sent_backward: vec![0, 0],
+            formula_backward: 0,
+            bytes_note: None,
+            ranks: vec![rank(total * 0.9, kernels * 0.8), rank(total, kernels)],
+        });
         serde_json::from_value::<InputArtifact>(json!({
             "node": format!("cp[{pattern},{backend}]"), "uses": "cp/threads", "params": {},
             "dir": std::env::temp_dir(), "result": serde_json::to_value(&m).unwrap(),

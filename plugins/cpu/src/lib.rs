@@ -16,7 +16,7 @@ use attnbench_sdk::{
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use attnbench_sdk::reference::{self as naive, Arithmetic, CheckMode};
+use attnbench_sdk::reference::{self as naive, Arithmetic, CheckMode, Element};
 use problem::{Forward, Grads, HeadMasks, Inputs, Shape};
 
 struct Cpu;
@@ -63,7 +63,7 @@ impl Plugin for Cpu {
                     .param(ParamSpec::new("heads_q", ParamType::Int).default(64).doc("Query heads."))
                     .param(ParamSpec::new("heads_kv", ParamType::Int).default(8).doc("Key/value heads (GQA when fewer than heads_q)."))
                     .param(ParamSpec::new("head_dim", ParamType::Int).default(128).doc("Head dimension."))
-                    .param(ParamSpec::new("dtype", ParamType::one_of(&["f32", "bf16"])).default("f32").doc("Input precision (bf16 rounds the inputs; arithmetic is f32, or f64 for naive)."))
+                    .param(ParamSpec::new("dtype", Element::param_type(&[Element::F32, Element::Bf16])).default("f32").doc("Input precision (bf16 rounds the inputs; arithmetic is f32, or f64 for naive)."))
                     .param(ParamSpec::new("threads", ParamType::Int).default(0).doc("Threads for the tiled kernel (0 = one per CPU)."))
                     .param(ParamSpec::new("check", ParamType::one_of(Check::NAMES)).default("auto").doc(
                         "Correctness: `full` compares every output with the naive kernel, `sampled` 64 rows per head with an independent per-row reference; `auto` is full up to full_check_max_seqlen.",
@@ -134,7 +134,7 @@ fn benchmark(
         params.common.direction,
         harness.clone(),
     );
-    measurement.environment.insert(
+    measurement.details.insert(
         "threads".into(),
         json!(if params.kernel == Kernel::Tiled {
             threads

@@ -1,4 +1,4 @@
-use attnbench_mask_catalogue::{generate, Params as MaskParams, PATTERNS};
+use attnbench_mask_catalogue::{generate, Params as MaskParams, Pattern};
 use attnbench_sdk::histogram::{Bucket, Histogram};
 use attnbench_sdk::mask::{HeadScope, Mask, MaskSet, Slice, SliceKind};
 use serde_json::Map;
@@ -20,7 +20,10 @@ fn mask_params(mask: &str, seqlen: u64) -> MaskParams {
         min_block: 16,
         heads_q: 4,
         heads_kv: 2,
-        ..MaskParams::new(mask, seqlen)
+        ..MaskParams::new(
+            Pattern::from_name(mask).expect("a catalogue pattern"),
+            seqlen,
+        )
     }
 }
 
@@ -40,7 +43,7 @@ fn tiled_and_naive_agree_on_every_catalogue_mask_forward_and_backward() {
             weight: 1.0,
         }],
     };
-    for pattern in PATTERNS {
+    for pattern in Pattern::NAMES {
         let set = generate(&mask_params(pattern, 200), &histogram, 5)
             .unwrap_or_else(|err| panic!("{pattern}: {err}"));
         let masks = HeadMasks::new(&set, &SHAPE);

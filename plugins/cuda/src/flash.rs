@@ -1533,7 +1533,7 @@ mod tests {
     /// slower on them); block-sparse masks take 64-row tiles on 64-token blocks only.
     #[test]
     fn catalogue_masks_choose_their_forward_tiles() {
-        use attnbench_mask_catalogue::{generate, Params, PATTERNS};
+        use attnbench_mask_catalogue::{generate, Params, Pattern};
         use attnbench_sdk::histogram::{Bucket, Histogram};
         let histogram = Histogram {
             buckets: vec![Bucket {
@@ -1553,7 +1553,10 @@ mod tests {
             let set = generate(params, &histogram, 3).expect("a catalogue mask");
             tables(&MaskTiles::of_set(&HeadMasks::new(&set, &shape))).forward_rows
         };
-        for pattern in PATTERNS.iter().filter(|p| !p.starts_with("block_sparse")) {
+        for &pattern in Pattern::ALL
+            .iter()
+            .filter(|p| !p.as_str().starts_with("block_sparse"))
+        {
             assert_eq!(rows_of(&Params::new(pattern, s)), 128, "{pattern}");
         }
         for (block, rows) in [(64, 64), (128, 128)] {
@@ -1561,7 +1564,7 @@ mod tests {
                 sparse_block: block,
                 heads_q: 8,
                 heads_kv: 1,
-                ..Params::new("block_sparse_uniform", s)
+                ..Params::new(Pattern::BlockSparseUniform, s)
             };
             assert_eq!(rows_of(&params), rows, "block {block}");
         }

@@ -6,12 +6,12 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use attnbench_sdk::measure::{Harness, Timing};
+use attnbench_sdk::measure::{GpuRun, Harness, Timing};
 use attnbench_sdk::PluginError;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
-use serde_json::{json, Value};
+use serde_json::Value;
 
 /// Opens `stem` under the names cudarc tries, or says which library is missing (a stage error).
 pub fn require_library(stem: &str, what: &str) -> Result<(), PluginError> {
@@ -268,19 +268,23 @@ impl Gpu {
         }
     }
 
-    /// The device as a measurement's environment records it.
-    pub fn describe(&self) -> Value {
+    /// The device as a measurement records it (clocks are sampled around the timing).
+    pub fn describe(&self) -> GpuRun {
         let attribute = |a| self.ctx.attribute(a).unwrap_or(-1);
         let (major, minor) = self.ctx.compute_capability().unwrap_or((0, 0));
-        json!({
-            "gpu": self.ctx.name().unwrap_or_default(),
-            "compute_capability": format!("{major}.{minor}"),
-            "memory_bytes": self.ctx.total_mem().unwrap_or(0),
-            "multiprocessors": attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
-            "l2_bytes": self.l2_bytes(),
-            "driver_version": driver_version(),
-            "libraries": loaded_libraries(),
-        })
+        GpuRun {
+            name: self.ctx.name().unwrap_or_default(),
+            compute_capability: format!("{major}.{minor}"),
+            memory_bytes: self.ctx.total_mem().ok().map(|bytes| bytes as u64),
+            multiprocessors: Some(attribute(
+                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            ) as i64),
+            l2_bytes: Some(self.l2_bytes() as u64),
+            driver_version: Some(driver_version().to_string()),
+            libraries: loaded_libraries(),
+            clocks_before: Value::Null,
+            clocks_after: Value::Null,
+        }
     }
 }
 

@@ -70,7 +70,7 @@ impl Plugin for Cuda {
                         .param(ParamSpec::new("m", ParamType::Size).default("8k"))
                         .param(ParamSpec::new("n", ParamType::Size).default("8k"))
                         .param(ParamSpec::new("k", ParamType::Size).default("8k"))
-                        .param(ParamSpec::new("dtype", ParamType::one_of(&["bf16", "f32"])).default("bf16")),
+                        .param(ParamSpec::new("dtype", Element::param_type(&[Element::Bf16, Element::F32])).default("bf16")),
                 )
                 .output("gemm")
                 .cache_scope(CacheScope::Machine)
@@ -85,13 +85,13 @@ impl Plugin for Cuda {
                     StageSpec::new("benchmark")
                         .doc("Times one kernel on one mask (from a masks/generate node), checked against the reference first.")
                         .param(ParamSpec::new("kernel", ParamType::one_of(Kernel::NAMES)).default("naive").doc("`naive`: cuBLAS GEMMs around a masked softmax, S×S scores per head (the GPU reference). `flash`: tiled tensor-core kernel driven by the mask IR (forward and backward; bf16/fp16; head_dim 64 or 128)."))
-                        .param(ParamSpec::new("instructions", ParamType::one_of(flash::Instructions::NAMES)).default("auto").doc("`flash`'s tensor-core instructions: `mma` (mma.sync, any GPU from sm_80), `wgmma` (Hopper's warpgroup MMA reading its operands from shared memory, tiles loaded by TMA in warp-specialised kernels; head_dim 128; the forward, pipelined so each tile's softmax overlaps the previous tile's P·V; the split backward; the fused one where the masks' blocks keep 128-row tiles), or `auto`, wgmma where it runs. What ran is the record's `environment.flash_forward` and `flash_backward`; chosen by name, it is also in the kernel's name (`cuda-flash-mma`, `cuda-flash-wgmma`)."))
-                        .param(ParamSpec::new("backward", ParamType::one_of(flash::Backward::NAMES)).default("split").doc("`flash`'s backward: `split` (deterministic) computes dK and dV per key tile and dQ per query tile in a second kernel, which recomputes S and dP; `fused` adds dQ from the key-tile kernel with atomics (two of seven products saved; the order of the sums, so the last bits, vary run to run). Recorded as kernel `cuda-flash-fused`; `environment.flash_backward` says whether it ran on wgmma or mma.sync."))
+                        .param(ParamSpec::new("instructions", ParamType::one_of(flash::Instructions::NAMES)).default("auto").doc("`flash`'s tensor-core instructions: `mma` (mma.sync, any GPU from sm_80), `wgmma` (Hopper's warpgroup MMA reading its operands from shared memory, tiles loaded by TMA in warp-specialised kernels; head_dim 128; the forward, pipelined so each tile's softmax overlaps the previous tile's P·V; the split backward; the fused one where the masks' blocks keep 128-row tiles), or `auto`, wgmma where it runs. What ran is the record's `details.flash_forward` and `flash_backward`; chosen by name, it is also in the kernel's name (`cuda-flash-mma`, `cuda-flash-wgmma`)."))
+                        .param(ParamSpec::new("backward", ParamType::one_of(flash::Backward::NAMES)).default("split").doc("`flash`'s backward: `split` (deterministic) computes dK and dV per key tile and dQ per query tile in a second kernel, which recomputes S and dP; `fused` adds dQ from the key-tile kernel with atomics (two of seven products saved; the order of the sums, so the last bits, vary run to run). Recorded as kernel `cuda-flash-fused`; `details.flash_backward` says whether it ran on wgmma or mma.sync."))
                         .param(ParamSpec::new("direction", ParamType::one_of(Direction::NAMES)).default("fwd").doc("`bwd` is timed alone: the forward runs once, outside the timed region."))
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
                         .param(ParamSpec::new("heads_kv", ParamType::Int).default(8))
                         .param(ParamSpec::new("head_dim", ParamType::Int).default(128))
-                        .param(ParamSpec::new("dtype", ParamType::one_of(&["bf16", "f32", "fp16"])).default("bf16"))
+                        .param(ParamSpec::new("dtype", ParamType::one_of(Element::NAMES)).default("bf16"))
                         .param(ParamSpec::new("outputs", ParamType::Bool).default(false).doc("Also write out.f32 and lse.f32."))
                         .param(ParamSpec::new("check_max_seqlen", ParamType::Size).default("2k").doc("Longest sequence whose every output is checked against the f64 reference before timing; longer ones check 16 rows of every head against an independent per-row reference.")),
                 )
@@ -106,7 +106,7 @@ impl Plugin for Cuda {
                     .param(ParamSpec::new("heads_q", ParamType::Int).default(8))
                     .param(ParamSpec::new("heads_kv", ParamType::Int).default(2))
                     .param(ParamSpec::new("head_dim", ParamType::Int).default(128))
-                    .param(ParamSpec::new("dtype", ParamType::one_of(&["bf16", "fp16"])).default("bf16"))
+                    .param(ParamSpec::new("dtype", Element::param_type(&[Element::Bf16, Element::F16])).default("bf16"))
                     .param(ParamSpec::new("block", ParamType::Size).default(256).doc("Rows (and keys) of each block: two chunks of half as many tokens."))
                     .input(kinds::MASK)
                     .isolation(Isolation::Worker)
@@ -303,15 +303,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
     );
     let backward = p.common.backward();
     with_gpu(|state| {
-        for (key, value) in state
-            .gpu
-            .describe()
-            .as_object()
-            .cloned()
-            .unwrap_or_default()
-        {
-            measurement.environment.insert(key, value);
-        }
+        measurement.gpu = Some(state.gpu.describe());
         let flash = p.kernel == Kernel::Flash;
         if let Some(reason) = flash.then(|| flash::unsupported(&shape, element)).flatten() {
             return measurement.unsupported(reason).write(&request.output_dir);
@@ -380,10 +372,10 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         if let Problem::Flash(flash) = &problem {
             match flash.instructions_used() {
                 Ok((forward, backward)) => {
-                    let environment = &mut measurement.environment;
-                    environment.insert("flash_forward".into(), forward.into());
+                    let details = &mut measurement.details;
+                    details.insert("flash_forward".into(), forward.into());
                     if let Some(backward) = backward {
-                        environment.insert("flash_backward".into(), backward.into());
+                        details.insert("flash_backward".into(), backward.into());
                     }
                 }
                 Err(PluginError::Failed(reason)) => {
@@ -420,9 +412,9 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         ));
         drop((forward, grads, inputs));
         lap(&mut phases, "check_s");
-        measurement
-            .environment
-            .insert("clocks_before".into(), nvml::clocks());
+        if let Some(gpu) = measurement.gpu.as_mut() {
+            gpu.clocks_before = nvml::clocks();
+        }
         let gpu = &mut state.gpu;
         let timing = match p.common.direction {
             Direction::Fwd => gpu.time(&harness, |gpu| problem.forward(gpu))?,
@@ -435,12 +427,10 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         let peak = gpu.memory.peak() - base;
         drop(problem);
         lap(&mut phases, "timing_s");
-        measurement
-            .environment
-            .insert("phases".into(), Value::Object(phases));
-        measurement
-            .environment
-            .insert("clocks_after".into(), nvml::clocks());
+        measurement.phases = phases;
+        if let Some(gpu) = measurement.gpu.as_mut() {
+            gpu.clocks_after = nvml::clocks();
+        }
         let times = Quantiles::of(&timing.samples);
         measurement.tflops = times.map(|t| Throughput::of(measurement.flops, &t));
         measurement.time_s = times;

@@ -9,7 +9,8 @@ use attnbench_sdk::{
 };
 use serde_json::{json, Value};
 
-use attnbench_mask_catalogue::{generate, Params, PATTERNS};
+use attnbench_mask_catalogue::{generate, Params, Pattern};
+use attnbench_sdk::mask::HeadScope;
 
 /// The histogram file a `datasets/lengths` node writes.
 pub const HISTOGRAM_FILE: &str = "histogram.json";
@@ -17,10 +18,9 @@ pub const HISTOGRAM_FILE: &str = "histogram.json";
 struct Masks;
 
 pub fn generate_stage() -> StageSpec {
-    let patterns: Vec<String> = PATTERNS.iter().map(|p| p.to_string()).collect();
     StageSpec::new("generate")
         .doc("Builds one mask pattern at one sequence length as mask IR, drawing documents and parameters like LongCA-bench.")
-        .param(ParamSpec::new("mask", ParamType::Enum(patterns)).doc("The pattern."))
+        .param(ParamSpec::new("mask", ParamType::one_of(Pattern::NAMES)).doc("The pattern."))
         .param(ParamSpec::new("seqlen", ParamType::Size).doc("Tokens (queries = keys)."))
         .param(
             ParamSpec::new("distribution", ParamType::File)
@@ -39,7 +39,7 @@ pub fn generate_stage() -> StageSpec {
         .param(ParamSpec::new("sparse_block", ParamType::Size).default(128).doc("Block-sparse: block size (variable: the average)."))
         .param(ParamSpec::new("min_block", ParamType::Size).default(128).doc("Variable block-sparse: the smallest block."))
         .param(
-            ParamSpec::new("sparse_scope", ParamType::Enum(vec!["shared".into(), "per_kv_group".into(), "per_head".into()]))
+            ParamSpec::new("sparse_scope", ParamType::one_of(HeadScope::NAMES))
                 .default("per_kv_group")
                 .doc("Block-sparse: one pattern for all heads, per KV group, or per query head."),
         )

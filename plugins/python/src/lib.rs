@@ -12,8 +12,8 @@ mod bridge;
 use std::sync::Mutex;
 
 use attnbench_sdk::measure::{
-    Correctness, Direction, Harness, MeasureStatus, Measurement, Memory, Quantiles, Throughput,
-    Timing,
+    text_of, Correctness, Direction, GpuRun, Harness, MeasureStatus, Measurement, Memory,
+    Quantiles, Throughput, Timing,
 };
 use attnbench_sdk::nvml;
 use attnbench_sdk::reference::{
@@ -30,22 +30,24 @@ use bridge::{Bridge, Reply};
 
 struct Python;
 
-/// The kernels the worker knows, as the `kernel` parameter names them.
-const KERNELS: [&str; 13] = [
-    "numpy",
-    "sdpa-math",
-    "sdpa-flash",
-    "sdpa-efficient",
-    "sdpa-cudnn",
-    "flex",
-    "fa2",
-    "fa3",
-    "fa4",
-    "cudnn",
-    "flashinfer",
-    "flashmask",
-    "module",
-];
+attnbench_sdk::named_enum! {
+    /// The kernels the worker knows, as the `kernel` parameter names them.
+    enum PyKernel {
+        Numpy = "numpy",
+        SdpaMath = "sdpa-math",
+        SdpaFlash = "sdpa-flash",
+        SdpaEfficient = "sdpa-efficient",
+        SdpaCudnn = "sdpa-cudnn",
+        Flex = "flex",
+        Fa2 = "fa2",
+        Fa3 = "fa3",
+        Fa4 = "fa4",
+        Cudnn = "cudnn",
+        Flashinfer = "flashinfer",
+        Flashmask = "flashmask",
+        Module = "module",
+    }
+}
 
 /// The worker, kept for the life of the native worker process.
 static BRIDGE: Mutex<Option<Bridge>> = Mutex::new(None);
@@ -93,7 +95,7 @@ impl Plugin for Python {
                     StageSpec::new("benchmark")
                         .doc("Times one Python kernel on one mask (from a masks/generate node), checked against the reference first.")
                         .gpu_when("device", "cuda")
-                        .param(ParamSpec::new("kernel", ParamType::one_of(&KERNELS)).default("numpy").doc("`numpy` runs on the CPU; `module` runs the `attention` function of the file given as `module`."))
+                        .param(ParamSpec::new("kernel", ParamType::one_of(PyKernel::NAMES)).default("numpy").doc("`numpy` runs on the CPU; `module` runs the `attention` function of the file given as `module`."))
                         .param(ParamSpec::new("module", ParamType::File).default("").doc("For kernel `module`: a Python file defining `attention(q, k, v, mask, scale)` (README: third-party kernels)."))
                         .param(ParamSpec::new("python", ParamType::String).default("").doc("The interpreter; empty: ATTNBENCH_PYTHON, then the python3 beside the attnbench binary (a virtual environment it was installed into), then python3 on the PATH."))
                         .param(ParamSpec::new("device", ParamType::one_of(Device::NAMES)).default("cuda").doc("Where torch kernels run (`numpy` always runs on the CPU)."))
@@ -102,7 +104,7 @@ impl Plugin for Python {
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
                         .param(ParamSpec::new("heads_kv", ParamType::Int).default(8))
                         .param(ParamSpec::new("head_dim", ParamType::Int).default(128))
-                        .param(ParamSpec::new("dtype", ParamType::one_of(&["bf16", "fp16", "f32"])).default("bf16"))
+                        .param(ParamSpec::new("dtype", ParamType::one_of(Element::NAMES)).default("bf16"))
                         .param(ParamSpec::new("outputs", ParamType::Bool).default(false).doc("Also write out.f32, lse.f32 (and dq/dk/dv.f32) when the inputs are the SDK's (up to check_max_seqlen)."))
                         .param(ParamSpec::new("gqa", ParamType::one_of(Gqa::NAMES)).default("native").doc("How the SDPA kernels get grouped K and V: `native` passes the KV heads with enable_gqa; `expand` repeats them to every query head once, before the timed region, as a model that keeps them expanded would. Other kernels take `native` only."))
                         .param(ParamSpec::new("check_max_seqlen", ParamType::Size).default("2k").doc("Up to this length the inputs are the SDK's and every output is checked against the f64 reference; beyond it the worker checks `check_rows` rows of every head."))
@@ -162,7 +164,7 @@ attnbench_sdk::named_enum! {
 
 #[derive(Deserialize)]
 struct BenchParams {
-    kernel: String,
+    kernel: PyKernel,
     module: String,
     python: String,
     device: Device,
@@ -185,7 +187,7 @@ fn tolerance(element: Element) -> f64 {
 
 fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> {
     let p: BenchParams = request.params()?;
-    if p.kernel == "module" && p.module.is_empty() {
+    if p.kernel == PyKernel::Module && p.module.is_empty() {
         return Err(PluginError::Params(
             "kernel `module` needs `module`: the path of a Python file defining `attention(q, k, v, mask, scale)`".into(),
         ));
@@ -200,14 +202,14 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
     let element = p.common.dtype;
     let shape = p.common.shape(set.seqlen as usize);
     let harness = p.common.harness.apply(default_harness());
-    let kernel = if p.kernel == "module" {
+    let kernel = if p.kernel == PyKernel::Module {
         let stem = std::path::Path::new(&p.module)
             .file_stem()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_default();
         format!("module:{stem}")
     } else {
-        p.kernel.clone()
+        p.kernel.to_string()
     };
     // Settings that change what a kernel measures name it, so a sweep over them keeps each
     // variant's cells apart in tables and merged reports; the defaults keep the plain name.
@@ -230,7 +232,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         p.common.direction,
         harness.clone(),
     );
-    let on_gpu = p.device == Device::Cuda && p.kernel != "numpy";
+    let on_gpu = p.device == Device::Cuda && p.kernel != PyKernel::Numpy;
 
     // Up to check_max_seqlen the worker reads the SDK's inputs and writes every output.
     let full_check = shape.seqlen <= p.check_max_seqlen;
@@ -251,9 +253,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         None
     };
     let clocks = || if on_gpu { nvml::clocks() } else { Value::Null };
-    measurement
-        .environment
-        .insert("clocks_before".into(), clocks());
+    let clocks_before = clocks();
     let params = json!({
         "kernel": p.kernel,
         "module": p.module,
@@ -273,10 +273,8 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
     let python = attnbench_sdk::environment::python_interpreter(&p.python);
     host.debug(&format!("running {kernel} in `{python}`"));
     let (reply, hello) = with_bridge(&python, "benchmark", params)?;
-    measurement
-        .environment
-        .insert("clocks_after".into(), clocks());
-    measurement.environment.insert("python".into(), hello);
+    let clocks_after = clocks();
+    measurement.details.insert("python".into(), hello);
     let result = match reply {
         Reply::Ok(result) => result,
         Reply::BadParams(message) => {
@@ -295,6 +293,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
     let outcome = record(
         &mut measurement,
         &result,
+        (clocks_before, clocks_after),
         &shape,
         &set,
         inputs.as_ref(),
@@ -312,6 +311,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
 fn record(
     measurement: &mut Measurement,
     result: &Value,
+    clocks: (Value, Value),
     shape: &Shape,
     set: &attnbench_sdk::mask::MaskSet,
     inputs: Option<&Inputs>,
@@ -320,14 +320,12 @@ fn record(
     p: &BenchParams,
 ) -> Result<(), PluginError> {
     if let Some(environment) = result["environment"].as_object() {
-        for (key, value) in environment {
-            measurement.environment.insert(key.clone(), value.clone());
-        }
+        let mut details = environment.clone();
+        measurement.gpu = gpu_of(&mut details, clocks);
+        measurement.details.extend(details);
     }
-    if !result["phases"].is_null() {
-        measurement
-            .environment
-            .insert("phases".into(), result["phases"].clone());
+    if let Some(phases) = result["phases"].as_object() {
+        measurement.phases = phases.clone();
     }
     let reason = result["reason"].as_str().map(String::from);
     match result["status"].as_str() {
@@ -449,3 +447,33 @@ fn record(
 }
 
 attnbench_sdk::export_plugin!(Python);
+
+/// The GPU a torch kernel ran on, from the bridge's environment (`device_name`, `capability`
+/// for a `cuda` device), taken out of what stays the plugin's details.
+fn gpu_of(environment: &mut Map<String, Value>, clocks: (Value, Value)) -> Option<GpuRun> {
+    let on_cuda = environment
+        .get("device")
+        .and_then(Value::as_str)
+        .is_some_and(|d| d.starts_with("cuda"));
+    if !on_cuda {
+        return None;
+    }
+    let mut take = |key: &str| {
+        environment
+            .remove(key)
+            .as_ref()
+            .map(text_of)
+            .unwrap_or_default()
+    };
+    Some(GpuRun {
+        name: take("device_name"),
+        compute_capability: take("capability"),
+        memory_bytes: None,
+        multiprocessors: None,
+        l2_bytes: None,
+        driver_version: None,
+        libraries: Vec::new(),
+        clocks_before: clocks.0,
+        clocks_after: clocks.1,
+    })
+}

@@ -215,14 +215,10 @@ fn environment(out: &mut String, rows: &[Row]) {
     };
     out.push_str("<table id=\"environment\">");
     for (key, value) in &row.environment {
-        let value = value
-            .as_str()
-            .map(String::from)
-            .unwrap_or_else(|| value.to_string());
         out.push_str(&format!(
             "<tr><th>{}</th><td>{}</td></tr>",
             escape(key),
-            escape(&value)
+            escape(value)
         ));
     }
     out.push_str("</table>");

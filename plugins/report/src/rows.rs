@@ -1,10 +1,10 @@
 //! One tidy row per measurement, from successful inputs (their measurement records) and from
 //! collected inputs that failed (their status and reason).
 
-use attnbench_sdk::measure::{MeasureStatus, Measurement, Quantiles, Throughput};
+use attnbench_sdk::measure::{text_of, MeasureStatus, Measurement, Quantiles, Throughput};
 use attnbench_sdk::{parse_size, InputArtifact};
 use serde::Serialize;
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Row {
@@ -29,8 +29,9 @@ pub struct Row {
     /// Block-sparse masks: the kept fraction and the block size.
     pub density: Option<f64>,
     pub sparse_block: Option<u64>,
+    /// The machine, GPU and plugin details of the run, as a person reads them.
     #[serde(skip)]
-    pub environment: Map<String, Value>,
+    pub environment: Vec<(String, String)>,
 }
 
 impl Row {
@@ -54,12 +55,9 @@ pub fn from_measurement(node: &str, m: Measurement) -> Row {
             .fold(0.0, f64::max)
     });
     // Context-parallel results are per method and world size: one line each.
-    let world = m
-        .environment
-        .get("context_parallel")
-        .and_then(|cp| cp["world"].as_u64());
-    let kernel = match world {
-        Some(world) => format!("{} ×{world}", m.kernel),
+    let environment = described(&m);
+    let kernel = match &m.cp {
+        Some(cp) => format!("{} ×{}", m.kernel, cp.world),
         None => m.kernel,
     };
     Row {
@@ -83,8 +81,29 @@ pub fn from_measurement(node: &str, m: Measurement) -> Row {
         max_error,
         density: m.mask.params.get("density").and_then(Value::as_f64),
         sparse_block: m.mask.params.get("sparse_block").and_then(Value::as_u64),
-        environment: m.environment,
+        environment,
     }
+}
+
+/// Every machine, GPU and detail entry of a record, flattened to `section.name: value`.
+fn described(m: &Measurement) -> Vec<(String, String)> {
+    let mut entries = Vec::new();
+    let mut add = |section: &str, value: Value| {
+        if let Value::Object(map) = value {
+            for (key, value) in map {
+                entries.push((format!("{section}.{key}"), text_of(&value)));
+            }
+        }
+    };
+    add(
+        "machine",
+        serde_json::to_value(&m.machine).unwrap_or_default(),
+    );
+    if let Some(gpu) = &m.gpu {
+        add("gpu", serde_json::to_value(gpu).unwrap_or_default());
+    }
+    add("details", Value::Object(m.details.clone()));
+    entries
 }
 
 /// A node that failed before it could write a measurement (crashed, timed out, …).
@@ -130,7 +149,7 @@ pub fn from_failure(input: &InputArtifact) -> Row {
             .get("density")
             .and_then(|v| v.as_str()?.parse().ok()),
         sparse_block: None,
-        environment: Map::new(),
+        environment: Vec::new(),
     }
 }
 

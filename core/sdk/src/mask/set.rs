@@ -9,16 +9,16 @@ use serde_json::{Map, Value};
 use super::{Flops, Mask};
 use crate::PluginError;
 
-/// Which heads each mask of a set applies to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum HeadScope {
-    /// One mask for every head.
-    Shared,
-    /// One mask per KV head, used by the query heads of its group.
-    PerKvGroup,
-    /// One mask per query head.
-    PerHead,
+crate::named_enum! {
+    /// Which heads each mask of a set applies to.
+    pub enum HeadScope {
+        /// One mask for every head.
+        Shared = "shared",
+        /// One mask per KV head, used by the query heads of its group.
+        PerKvGroup = "per_kv_group",
+        /// One mask per query head.
+        PerHead = "per_head",
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

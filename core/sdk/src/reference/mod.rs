@@ -102,34 +102,14 @@ impl Arithmetic {
     }
 }
 
-impl std::fmt::Display for Element {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// How a kernel stores its inputs. Inputs drawn for an element type are exactly representable in
-/// it, so a kernel and the f64 reference see the same numbers. A stage's `dtype` parameter and a
-/// measurement's `shape.dtype` spell it `f32`, `bf16` or `fp16`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-pub enum Element {
-    #[serde(rename = "f32")]
-    F32,
-    #[serde(rename = "bf16")]
-    Bf16,
-    #[serde(rename = "fp16")]
-    F16,
+crate::named_enum! {
+    /// How a kernel stores its inputs. Inputs drawn for an element type are exactly representable
+    /// in it, so a kernel and the f64 reference see the same numbers. A stage's `dtype` parameter
+    /// and a measurement's `shape.dtype` spell it `f32`, `bf16` or `fp16`.
+    pub enum Element { F32 = "f32", Bf16 = "bf16", F16 = "fp16" }
 }
 
 impl Element {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Element::F32 => "f32",
-            Element::Bf16 => "bf16",
-            Element::F16 => "fp16",
-        }
-    }
-
     /// The relative error a GPU kernel storing this type is allowed against the f64 reference:
     /// [`Arithmetic::RoundedTo`] this type.
     pub fn tolerance(self) -> f64 {

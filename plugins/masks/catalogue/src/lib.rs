@@ -11,29 +11,32 @@ use attnbench_sdk::rng::PyRandom;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-pub const PATTERNS: [&str; 16] = [
-    "full",
-    "causal",
-    "full_document",
-    "causal_document",
-    "full_document_long",
-    "causal_document_long",
-    "sliding_window",
-    "sliding_window_causal",
-    "share_question",
-    "causal_blockwise",
-    "prefix_lm_causal",
-    "prefix_lm_document",
-    "global_sliding_window",
-    "block_causal_document",
-    "block_sparse_uniform",
-    "block_sparse_variable",
-];
+attnbench_sdk::named_enum! {
+    /// The catalogue's mask patterns, as `masks/generate`'s `mask` parameter names them.
+    pub enum Pattern {
+        Full = "full",
+        Causal = "causal",
+        FullDocument = "full_document",
+        CausalDocument = "causal_document",
+        FullDocumentLong = "full_document_long",
+        CausalDocumentLong = "causal_document_long",
+        SlidingWindow = "sliding_window",
+        SlidingWindowCausal = "sliding_window_causal",
+        ShareQuestion = "share_question",
+        CausalBlockwise = "causal_blockwise",
+        PrefixLmCausal = "prefix_lm_causal",
+        PrefixLmDocument = "prefix_lm_document",
+        GlobalSlidingWindow = "global_sliding_window",
+        BlockCausalDocument = "block_causal_document",
+        BlockSparseUniform = "block_sparse_uniform",
+        BlockSparseVariable = "block_sparse_variable",
+    }
+}
 
 /// The parameters of `masks/generate` (defaults in the manifest are LongCA-bench's).
 #[derive(Debug, Clone, Deserialize)]
 pub struct Params {
-    pub mask: String,
+    pub mask: Pattern,
     pub seqlen: u64,
     pub window: u64,
     pub prefix: i64,
@@ -46,7 +49,7 @@ pub struct Params {
     pub density: f64,
     pub sparse_block: u64,
     pub min_block: u64,
-    pub sparse_scope: String,
+    pub sparse_scope: HeadScope,
     pub heads_q: u64,
     pub heads_kv: u64,
 }
@@ -54,9 +57,9 @@ pub struct Params {
 impl Params {
     /// `mask` at `seqlen` with every other parameter at LongCA-bench's default (the same
     /// defaults `masks/generate` declares).
-    pub fn new(mask: &str, seqlen: u64) -> Params {
+    pub fn new(mask: Pattern, seqlen: u64) -> Params {
         Params {
-            mask: mask.into(),
+            mask,
             seqlen,
             window: 1024,
             prefix: -1,
@@ -69,7 +72,7 @@ impl Params {
             density: 0.5,
             sparse_block: 128,
             min_block: 128,
-            sparse_scope: "per_kv_group".into(),
+            sparse_scope: HeadScope::PerKvGroup,
             heads_q: 64,
             heads_kv: 8,
         }
@@ -88,18 +91,18 @@ pub fn generate(params: &Params, histogram: &Histogram, seed: u64) -> Result<Mas
     let mut drawn = Drawn::new();
     let mut documents = Vec::new();
     let square = |slices: Vec<Slice>| Mask::square(s, slices).map_err(|err| err.to_string());
-    let (scope, masks) = match params.mask.as_str() {
-        "full" => (
+    let (scope, masks) = match params.mask {
+        Pattern::Full => (
             HeadScope::Shared,
             vec![square(vec![Slice::new([0, s], [0, s], SliceKind::Full)])?],
         ),
-        "causal" => (
+        Pattern::Causal => (
             HeadScope::Shared,
             vec![square(vec![Slice::new([0, s], [0, s], SliceKind::Causal)])?],
         ),
-        "full_document" | "causal_document" => {
+        Pattern::FullDocument | Pattern::CausalDocument => {
             documents = histogram.sample_documents(s, &mut rng);
-            let kind = if params.mask == "full_document" {
+            let kind = if params.mask == Pattern::FullDocument {
                 SliceKind::Full
             } else {
                 SliceKind::Causal
@@ -109,7 +112,7 @@ pub fn generate(params: &Params, histogram: &Histogram, seed: u64) -> Result<Mas
                 vec![square(per_document(&documents, kind))?],
             )
         }
-        "full_document_long" | "causal_document_long" => {
+        Pattern::FullDocumentLong | Pattern::CausalDocumentLong => {
             if !(0.0..=1.0).contains(&params.short_fraction)
                 || params.long_min == 0
                 || params.long_max < params.long_min
@@ -129,7 +132,7 @@ pub fn generate(params: &Params, histogram: &Histogram, seed: u64) -> Result<Mas
             };
             documents.extend(long.sample_documents(s - short_total, &mut rng));
             rng.shuffle(&mut documents);
-            let kind = if params.mask == "full_document_long" {
+            let kind = if params.mask == Pattern::FullDocumentLong {
                 SliceKind::Full
             } else {
                 SliceKind::Causal
@@ -139,9 +142,9 @@ pub fn generate(params: &Params, histogram: &Histogram, seed: u64) -> Result<Mas
                 vec![square(per_document(&documents, kind))?],
             )
         }
-        "sliding_window" | "sliding_window_causal" => {
+        Pattern::SlidingWindow | Pattern::SlidingWindowCausal => {
             let w = params.window as i64;
-            let right = if params.mask == "sliding_window" {
+            let right = if params.mask == Pattern::SlidingWindow {
                 w
             } else {
                 0
@@ -151,11 +154,11 @@ pub fn generate(params: &Params, histogram: &Histogram, seed: u64) -> Result<Mas
                 vec![square(window_slices([0, s], [0, s], w, right))?],
             )
         }
-        "share_question" => {
+        Pattern::ShareQuestion => {
             documents = histogram.sample_documents(s, &mut rng);
             (HeadScope::Shared, vec![square(share_question(&documents))?])
         }
-        "causal_blockwise" => {
+        Pattern::CausalBlockwise => {
             documents = histogram.sample_documents(s, &mut rng);
             let mut slices = per_document(&documents, SliceKind::Causal);
             if let Some(last) = slices.last_mut() {
@@ -163,7 +166,7 @@ pub fn generate(params: &Params, histogram: &Histogram, seed: u64) -> Result<Mas
             }
             (HeadScope::Shared, vec![square(slices)?])
         }
-        "prefix_lm_causal" => {
+        Pattern::PrefixLmCausal => {
             let p = if params.prefix > 0 {
                 params.prefix as u64
             } else {
@@ -175,7 +178,7 @@ pub fn generate(params: &Params, histogram: &Histogram, seed: u64) -> Result<Mas
             drawn.insert("prefix".into(), json!(p));
             (HeadScope::Shared, vec![square(prefix_slices(0, s, p))?])
         }
-        "prefix_lm_document" => {
+        Pattern::PrefixLmDocument => {
             documents = histogram.sample_documents(s, &mut rng);
             let p = if params.prefix > 0 {
                 params.prefix as u64
@@ -191,7 +194,7 @@ pub fn generate(params: &Params, histogram: &Histogram, seed: u64) -> Result<Mas
             }
             (HeadScope::Shared, vec![square(slices)?])
         }
-        "global_sliding_window" => {
+        Pattern::GlobalSlidingWindow => {
             let g = if params.global_tokens > 0 {
                 params.global_tokens as u64
             } else {
@@ -219,7 +222,7 @@ pub fn generate(params: &Params, histogram: &Histogram, seed: u64) -> Result<Mas
             slices.extend(window_slices([g, s], [g, s], w, w));
             (HeadScope::Shared, vec![square(slices)?])
         }
-        "block_causal_document" => {
+        Pattern::BlockCausalDocument => {
             let b = params.block_size;
             if b == 0 || !s.is_multiple_of(b) {
                 return Err(format!(
@@ -244,10 +247,9 @@ pub fn generate(params: &Params, histogram: &Histogram, seed: u64) -> Result<Mas
             }
             (HeadScope::Shared, vec![square(slices)?])
         }
-        "block_sparse_uniform" | "block_sparse_variable" => {
+        Pattern::BlockSparseUniform | Pattern::BlockSparseVariable => {
             block_sparse(params, &mut rng, &mut drawn)?
         }
-        other => return Err(format!("unknown mask `{other}`")),
     };
     let mut all = Map::new();
     all.insert("mask".into(), json!(params.mask));
@@ -258,7 +260,7 @@ pub fn generate(params: &Params, histogram: &Histogram, seed: u64) -> Result<Mas
     }
     all.extend(drawn);
     Ok(MaskSet {
-        pattern: params.mask.clone(),
+        pattern: params.mask.to_string(),
         seqlen: s,
         params: all,
         documents,
@@ -269,22 +271,32 @@ pub fn generate(params: &Params, histogram: &Histogram, seed: u64) -> Result<Mas
 
 /// The parameters that shaped `params.mask`, so the record names exactly what was used.
 fn used_params(params: &Params) -> Vec<(&'static str, Value)> {
-    match params.mask.as_str() {
-        "sliding_window" | "sliding_window_causal" => vec![("window", json!(params.window))],
-        "block_causal_document" => vec![("block_size", json!(params.block_size))],
-        "full_document_long" | "causal_document_long" => vec![
+    match params.mask {
+        Pattern::SlidingWindow | Pattern::SlidingWindowCausal => {
+            vec![("window", json!(params.window))]
+        }
+        Pattern::BlockCausalDocument => vec![("block_size", json!(params.block_size))],
+        Pattern::FullDocumentLong | Pattern::CausalDocumentLong => vec![
             ("short_fraction", json!(params.short_fraction)),
             ("long_min", json!(params.long_min)),
             ("long_max", json!(params.long_max)),
         ],
-        "block_sparse_uniform" | "block_sparse_variable" => vec![
+        Pattern::BlockSparseUniform | Pattern::BlockSparseVariable => vec![
             ("density", json!(params.density)),
             ("sparse_block", json!(params.sparse_block)),
             ("sparse_scope", json!(params.sparse_scope)),
             ("heads_q", json!(params.heads_q)),
             ("heads_kv", json!(params.heads_kv)),
         ],
-        _ => Vec::new(),
+        Pattern::Full
+        | Pattern::Causal
+        | Pattern::FullDocument
+        | Pattern::CausalDocument
+        | Pattern::ShareQuestion
+        | Pattern::CausalBlockwise
+        | Pattern::PrefixLmCausal
+        | Pattern::PrefixLmDocument
+        | Pattern::GlobalSlidingWindow => Vec::new(),
     }
 }
 
@@ -355,15 +367,11 @@ fn block_sparse(
             params.sparse_block
         ));
     }
-    let (scope, count) = match params.sparse_scope.as_str() {
-        "shared" => (HeadScope::Shared, 1),
-        "per_kv_group" => (HeadScope::PerKvGroup, params.heads_kv),
-        "per_head" => (HeadScope::PerHead, params.heads_q),
-        other => {
-            return Err(format!(
-                "unknown sparse_scope `{other}`; use shared, per_kv_group or per_head"
-            ))
-        }
+    let scope = params.sparse_scope;
+    let count = match scope {
+        HeadScope::Shared => 1,
+        HeadScope::PerKvGroup => params.heads_kv,
+        HeadScope::PerHead => params.heads_q,
     };
     if params.heads_kv == 0 || !params.heads_q.is_multiple_of(params.heads_kv) {
         return Err(format!(
@@ -371,7 +379,7 @@ fn block_sparse(
             params.heads_q, params.heads_kv
         ));
     }
-    let variable = params.mask == "block_sparse_variable";
+    let variable = params.mask == Pattern::BlockSparseVariable;
     let n = if variable {
         s / params.sparse_block
     } else {

@@ -6,7 +6,10 @@ fn params(mask: &str, seqlen: u64) -> Params {
     Params {
         heads_q: 4,
         heads_kv: 2,
-        ..Params::new(mask, seqlen)
+        ..Params::new(
+            Pattern::from_name(mask).expect("a catalogue pattern"),
+            seqlen,
+        )
     }
 }
 
@@ -94,7 +97,10 @@ fn every_static_pattern_matches_its_definition() {
         }],
     };
     for seed in 0..4 {
-        for mask in PATTERNS.iter().filter(|p| !p.starts_with("block_sparse")) {
+        for mask in Pattern::NAMES
+            .iter()
+            .filter(|p| !p.starts_with("block_sparse"))
+        {
             let mut p = params(mask, 192);
             p.window = 7;
             p.block_size = 16;

@@ -156,7 +156,8 @@ fn wrong_kernel(request: &StageRequest) -> Result<Value, PluginError> {
         "mask": {"pattern": "?", "seqlen": seqlen, "area": 0, "documents": 0, "params": {}},
         "shape": {"batch": 1, "heads_q": heads, "heads_kv": count("heads_kv"), "head_dim": dim, "dtype": "f32"},
         "direction": request.params.get("direction").cloned().unwrap_or(json!("fwd")),
-        "status": "ok", "flops": 0, "environment": {},
+        "status": "ok", "flops": 0, "record_version": 2,
+        "machine": {"os": "", "arch": "", "kernel": "", "cpu": "", "logical_cpus": 0, "memory_bytes": 0, "attnbench_version": ""},
         "harness": {"timer": "none", "warmup_reps": 0, "warmup_s": 0.0, "min_reps": 0, "max_reps": 0, "max_time_s": 0.0, "target_rel_ci": 0.0},
     }))
 }
