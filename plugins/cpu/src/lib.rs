@@ -7,9 +7,8 @@ pub mod tiled;
 
 use attnbench_sdk::attention::{run_on_host, AttentionCall};
 use attnbench_sdk::mask::MaskSet;
-use attnbench_sdk::measure::{
-    Correctness, Direction, Harness, Measurement, Memory, Quantiles, Throughput,
-};
+use attnbench_sdk::bench::{self, Cell, KernelBench, Options, Prepared};
+use attnbench_sdk::measure::{Direction, Harness, Measurement, Memory};
 use attnbench_sdk::{
     Host, ParamSpec, ParamType, Plugin, PluginError, PluginManifest, StageRequest, StageSpec,
 };
@@ -123,107 +122,132 @@ fn benchmark(
         params.threads
     };
     let harness = params.common.harness.apply(default_harness());
-    let measured_shape = params.common.measured_shape();
     let kernel = format!("cpu-{}", params.kernel);
-    let plugin = ("cpu", env!("CARGO_PKG_VERSION"));
-    let mut measurement = Measurement::for_kernel(
+    let record = Measurement::for_kernel(
         &kernel,
-        plugin,
+        ("cpu", env!("CARGO_PKG_VERSION")),
         set,
-        measured_shape,
+        params.common.measured_shape(),
         params.common.direction,
         harness.clone(),
     );
-    measurement.details.insert(
-        "threads".into(),
-        json!(if params.kernel == Kernel::Tiled {
-            threads
-        } else {
-            1
-        }),
-    );
-    let flops = measurement.flops;
-    if params.kernel == Kernel::Naive && naive::score_bytes(&shape) > params.max_scores_bytes {
-        return Ok(measurement.unsupported(format!(
-            "the naive kernel materialises a {0}×{0} f64 score matrix ({1:.1} GiB), above max_scores_bytes ({2:.1} GiB)",
-            shape.seqlen,
-            naive::score_bytes(&shape) as f64 / (1u64 << 30) as f64,
-            params.max_scores_bytes as f64 / (1u64 << 30) as f64
-        )));
-    }
-    let masks = HeadMasks::new(set, &shape);
-    let inputs = Inputs::random_as(&shape, seed, params.common.dtype);
-    let run_forward = || match params.kernel {
-        // The naive kernel is the single-threaded textbook one (its measurement says threads: 1).
-        Kernel::Naive => naive::forward_with_threads(&shape, &masks, &inputs, 1),
-        Kernel::Tiled => tiled::forward(&shape, &masks, &inputs, threads),
+    let cell = Cell {
+        set,
+        shape,
+        element: params.common.dtype,
+        direction: params.common.direction,
+        seed,
     };
-    let run_backward = |forward: &Forward| match params.kernel {
-        Kernel::Naive => naive::backward_with_threads(&shape, &masks, &inputs, forward, 1),
-        Kernel::Tiled => tiled::backward(&shape, &masks, &inputs, forward, threads),
-    };
-    let backward_needed = params.common.backward();
-
-    // Checked before it is timed.
-    let forward = run_forward();
-    let grads = backward_needed.then(|| run_backward(&forward));
     if params.check != Check::Off {
-        host.debug("checking the output against the reference");
-        measurement.correctness = Some(check(
-            params,
-            &shape,
-            &masks,
-            &inputs,
-            &forward,
-            grads.as_ref(),
-        ));
+        host.debug("the outputs are checked against the reference before they are timed");
     }
-    if params.common.outputs {
-        attnbench_sdk::reference::write_outputs(output_dir, &forward, grads.as_ref())?;
-    }
-
-    let timing = match params.common.direction {
-        Direction::Fwd => harness.time(|| {}, || drop(run_forward())),
-        Direction::Bwd => harness.time(|| {}, || drop(run_backward(&forward))),
-        Direction::FwdBwd => harness.time(|| {}, || drop(run_backward(&run_forward()))),
+    let options = Options {
+        outputs_dir: params.common.outputs.then_some(output_dir),
+        no_check: params.check == Check::Off,
     };
-    let times = Quantiles::of(&timing.samples);
-    measurement.tflops = times.map(|t| Throughput::of(flops, &t));
-    measurement.time_s = times;
-    measurement.timing = Some(timing);
-    measurement.memory = Some(memory(params, &shape, threads));
-    Ok(measurement)
+    let mut kernel = CpuKernel {
+        params,
+        // The naive kernel is the single-threaded textbook one (its record says threads: 1).
+        threads: if params.kernel == Kernel::Tiled { threads } else { 1 },
+        masks: HeadMasks::new(set, &shape),
+        inputs: None,
+        forward: None,
+        grads: None,
+    };
+    bench::run(&mut kernel, &cell, &harness, record, options)
 }
 
-fn check(
-    params: &Params,
-    shape: &Shape,
-    masks: &HeadMasks,
-    inputs: &Inputs,
-    forward: &Forward,
-    grads: Option<&Grads>,
-) -> Correctness {
-    let full = match params.check {
-        Check::Full => true,
-        Check::Sampled | Check::Off => false,
-        Check::Auto => {
-            shape.seqlen <= params.full_check_max_seqlen && params.kernel != Kernel::Naive
+/// One of the cpu plugin's kernels under the SDK's benchmark protocol.
+struct CpuKernel<'a> {
+    params: &'a Params,
+    threads: usize,
+    masks: HeadMasks<'a>,
+    inputs: Option<(Shape, Inputs)>,
+    forward: Option<Forward>,
+    grads: Option<Grads>,
+}
+
+impl KernelBench for CpuKernel<'_> {
+    fn unsupported(&self, cell: &Cell<'_>) -> Option<String> {
+        let bytes = naive::score_bytes(&cell.shape);
+        (self.params.kernel == Kernel::Naive && bytes > self.params.max_scores_bytes).then(|| {
+            format!(
+                "the naive kernel materialises a {0}×{0} f64 score matrix ({1:.1} GiB), above max_scores_bytes ({2:.1} GiB)",
+                cell.shape.seqlen,
+                bytes as f64 / (1u64 << 30) as f64,
+                self.params.max_scores_bytes as f64 / (1u64 << 30) as f64
+            )
+        })
+    }
+
+    fn prepare(
+        &mut self,
+        cell: &Cell<'_>,
+        inputs: &Inputs,
+        record: &mut Measurement,
+    ) -> Result<Prepared, PluginError> {
+        record.details.insert("threads".into(), json!(self.threads));
+        self.inputs = Some((cell.shape, inputs.clone()));
+        Ok(Prepared::Ready)
+    }
+
+    fn forward(&mut self) -> Result<(), PluginError> {
+        let (shape, inputs) = self.inputs.as_ref().ok_or_else(unprepared)?;
+        self.forward = Some(match self.params.kernel {
+            Kernel::Naive => naive::forward_with_threads(shape, &self.masks, inputs, 1),
+            Kernel::Tiled => tiled::forward(shape, &self.masks, inputs, self.threads),
+        });
+        Ok(())
+    }
+
+    fn backward(&mut self) -> Result<(), PluginError> {
+        let (shape, inputs) = self.inputs.as_ref().ok_or_else(unprepared)?;
+        let forward = self.forward.as_ref().ok_or_else(unprepared)?;
+        self.grads = Some(match self.params.kernel {
+            Kernel::Naive => naive::backward_with_threads(shape, &self.masks, inputs, forward, 1),
+            Kernel::Tiled => tiled::backward(shape, &self.masks, inputs, forward, self.threads),
+        });
+        Ok(())
+    }
+
+    fn outputs(&mut self, backward: bool) -> Result<(Forward, Option<Grads>), PluginError> {
+        let forward = self.forward.clone().ok_or_else(unprepared)?;
+        let grads = if backward {
+            Some(self.grads.clone().ok_or_else(unprepared)?)
+        } else {
+            None
+        };
+        Ok((forward, grads))
+    }
+
+    fn check_mode(&self, cell: &Cell<'_>) -> CheckMode {
+        let full = match self.params.check {
+            Check::Full => true,
+            Check::Sampled | Check::Off => false,
+            Check::Auto => {
+                cell.shape.seqlen <= self.params.full_check_max_seqlen
+                    && self.params.kernel != Kernel::Naive
+            }
+        };
+        if full {
+            CheckMode::Full
+        } else {
+            CheckMode::Sampled { rows: 64 }
         }
-    };
-    let mode = if full {
-        CheckMode::Full
-    } else {
-        CheckMode::Sampled { rows: 64 }
-    };
-    naive::check(
-        shape,
-        masks,
-        inputs,
-        forward,
-        grads,
-        mode,
-        Arithmetic::F32.tolerance(),
-    )
+    }
+
+    /// The kernels compute in f32 (the naive one in f64) whatever the inputs' type.
+    fn tolerance(&self, _cell: &Cell<'_>) -> f64 {
+        Arithmetic::F32.tolerance()
+    }
+
+    fn memory(&mut self, cell: &Cell<'_>) -> Option<Memory> {
+        Some(memory(self.params, &cell.shape, self.threads))
+    }
+}
+
+fn unprepared() -> PluginError {
+    PluginError::failed("the cpu kernel ran before it was prepared")
 }
 
 /// Bytes the kernel's buffers occupy at their peak: inputs, outputs and scratch.

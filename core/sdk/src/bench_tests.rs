@@ -1,0 +1,195 @@
+use super::*;
+use crate::mask::{HeadScope, Mask, Slice, SliceKind};
+use crate::measure::Shape as MeasuredShape;
+
+fn set() -> MaskSet {
+    MaskSet {
+        pattern: "test".into(),
+        seqlen: 48,
+        params: Default::default(),
+        documents: vec![],
+        scope: HeadScope::Shared,
+        masks: vec![Mask::new(
+            48,
+            48,
+            vec![
+                Slice::new([0, 30], [0, 30], SliceKind::Causal),
+                Slice::new([30, 48], [10, 48], SliceKind::Full),
+            ],
+        )
+        .unwrap()],
+    }
+}
+
+fn cell(set: &MaskSet, direction: Direction) -> Cell<'_> {
+    Cell {
+        set,
+        shape: Shape {
+            heads_q: 4,
+            heads_kv: 2,
+            seqlen: 48,
+            head_dim: 8,
+        },
+        element: Element::Bf16,
+        direction,
+        seed: 3,
+    }
+}
+
+fn record(cell: &Cell<'_>) -> Measurement {
+    let shape = MeasuredShape {
+        batch: 1,
+        heads_q: 4,
+        heads_kv: 2,
+        head_dim: 8,
+        dtype: cell.element,
+    };
+    let harness = Harness {
+        warmup_reps: 1,
+        warmup_s: 0.0,
+        min_reps: 3,
+        max_reps: 5,
+        ..Harness::default()
+    };
+    Measurement::for_kernel("test", ("test", "0"), cell.set, shape, cell.direction, harness)
+}
+
+/// The f64 reference as a kernel, or a wrong one (every output zero); counts its calls.
+struct Reference<'a> {
+    set: &'a MaskSet,
+    wrong: bool,
+    refuse_when_prepared: bool,
+    needs: Option<u64>,
+    run: Option<(Shape, HeadMasks<'a>, Inputs)>,
+    forward: Option<Forward>,
+    grads: Option<Grads>,
+    calls: (usize, usize),
+}
+
+impl<'a> Reference<'a> {
+    fn on(set: &'a MaskSet) -> Self {
+        Reference {
+            set,
+            wrong: false,
+            refuse_when_prepared: false,
+            needs: None,
+            run: None,
+            forward: None,
+            grads: None,
+            calls: (0, 0),
+        }
+    }
+}
+
+impl<'a> KernelBench for Reference<'a> {
+    fn budget(&mut self, _cell: &Cell<'_>) -> Result<Option<Budget>, PluginError> {
+        Ok(self.needs.map(|needed| Budget {
+            needed,
+            free: 1 << 30,
+            place: "on the device",
+        }))
+    }
+
+    fn prepare(&mut self, cell: &Cell<'_>, inputs: &Inputs, record: &mut Measurement) -> Result<Prepared, PluginError> {
+        if self.refuse_when_prepared {
+            return Ok(Prepared::Unsupported("found out while preparing".into()));
+        }
+        record.details.insert("prepared".into(), true.into());
+        self.run = Some((cell.shape, HeadMasks::new(self.set, &cell.shape), inputs.clone()));
+        Ok(Prepared::Ready)
+    }
+
+    fn forward(&mut self) -> Result<(), PluginError> {
+        let (shape, masks, inputs) = self.run.as_ref().unwrap();
+        let mut forward = reference::forward(shape, masks, inputs);
+        if self.wrong {
+            forward.out.iter_mut().for_each(|x| *x = 0.0);
+        }
+        self.forward = Some(forward);
+        self.calls.0 += 1;
+        Ok(())
+    }
+
+    fn backward(&mut self) -> Result<(), PluginError> {
+        let (shape, masks, inputs) = self.run.as_ref().unwrap();
+        self.grads = Some(reference::backward(shape, masks, inputs, self.forward.as_ref().unwrap()));
+        self.calls.1 += 1;
+        Ok(())
+    }
+
+    fn outputs(&mut self, backward: bool) -> Result<(Forward, Option<Grads>), PluginError> {
+        Ok((self.forward.clone().unwrap(), backward.then(|| self.grads.clone().unwrap())))
+    }
+
+    fn check_mode(&self, _cell: &Cell<'_>) -> CheckMode {
+        CheckMode::Full
+    }
+
+    fn memory(&mut self, _cell: &Cell<'_>) -> Option<Memory> {
+        Some(Memory {
+            peak_bytes: 2,
+            above_inputs_bytes: 1,
+            method: "counted".into(),
+        })
+    }
+}
+
+#[test]
+fn a_right_kernel_is_checked_timed_and_recorded_with_its_phases() {
+    let set = set();
+    for direction in Direction::ALL.iter().copied() {
+        let cell = cell(&set, direction);
+        let mut kernel = Reference::on(&set);
+        let m = run(&mut kernel, &cell, &record(&cell).harness.clone(), record(&cell), Options::default()).unwrap();
+        assert_eq!(m.status, MeasureStatus::Ok, "{direction}");
+        assert!(m.correctness.as_ref().unwrap().passed, "{direction}: {:?}", m.correctness);
+        let timing = m.timing.as_ref().unwrap();
+        assert!(timing.samples.len() >= 3, "{timing:?}");
+        assert!(m.tflops.is_some() && m.time_s.is_some() && m.memory.is_some());
+        assert_eq!(m.details["prepared"], true);
+        for phase in ["inputs_s", "prepare_s", "first_run_s", "check_s", "timing_s"] {
+            assert!(m.phases[phase].as_f64().is_some(), "{phase} in {:?}", m.phases);
+        }
+        // The backward alone is timed on the first forward's outputs: no forward per repetition.
+        match direction {
+            Direction::Bwd => assert_eq!(kernel.calls.0, 1),
+            _ => assert!(kernel.calls.0 > 3, "{:?}", kernel.calls),
+        }
+    }
+}
+
+#[test]
+fn a_wrong_kernel_is_timed_with_its_check_failed() {
+    let set = set();
+    let cell = cell(&set, Direction::Fwd);
+    let mut kernel = Reference {
+        wrong: true,
+        ..Reference::on(&set)
+    };
+    let m = run(&mut kernel, &cell, &Harness::default(), record(&cell), Options::default()).unwrap();
+    assert_eq!(m.status, MeasureStatus::Ok);
+    assert!(!m.correctness.unwrap().passed);
+    assert!(m.timing.is_some());
+}
+
+#[test]
+fn a_cell_past_the_budget_is_oom_and_one_refused_while_preparing_is_unsupported() {
+    let set = set();
+    let cell = cell(&set, Direction::Fwd);
+    let mut big = Reference {
+        needs: Some(3 << 30),
+        ..Reference::on(&set)
+    };
+    let m = run(&mut big, &cell, &Harness::default(), record(&cell), Options::default()).unwrap();
+    assert_eq!(m.status, MeasureStatus::Oom);
+    assert_eq!(m.reason.as_deref(), Some("needs 3.0 GiB on the device, 1.0 GiB are free"));
+    assert_eq!(big.calls, (0, 0));
+    let mut refusing = Reference {
+        refuse_when_prepared: true,
+        ..Reference::on(&set)
+    };
+    let m = run(&mut refusing, &cell, &Harness::default(), record(&cell), Options::default()).unwrap();
+    assert_eq!(m.status, MeasureStatus::Unsupported);
+    assert_eq!(m.reason.as_deref(), Some("found out while preparing"));
+    assert!(m.timing.is_none() && m.correctness.is_none());
+}
