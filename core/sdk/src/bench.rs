@@ -14,7 +14,9 @@ use std::time::Instant;
 use serde_json::{json, Map, Value};
 
 use crate::mask::MaskSet;
-use crate::measure::{Direction, Harness, MeasureStatus, Measurement, Memory, Quantiles, Throughput, Timing};
+use crate::measure::{
+    Direction, Harness, MeasureStatus, Measurement, Memory, Quantiles, Throughput, Timing,
+};
 use crate::reference::{self, CheckMode, Element, Forward, Grads, HeadMasks, Inputs, Shape};
 use crate::PluginError;
 
@@ -122,7 +124,8 @@ pub struct Options<'a> {
 
 /// Takes `cell` through the protocol with `kernel`, filling `record` (made by
 /// [`Measurement::for_kernel`] for the cell): its status, check, timing, throughput, memory and
-/// phases.
+/// phases. A step that runs out of memory ([`PluginError::OutOfMemory`]) makes the record `oom`
+/// with the kernel's message; any other error fails the stage.
 pub fn run<K: KernelBench + ?Sized>(
     kernel: &mut K,
     cell: &Cell<'_>,
@@ -135,21 +138,45 @@ pub fn run<K: KernelBench + ?Sized>(
     }
     if let Some(budget) = kernel.budget(cell)? {
         if budget.needed > budget.free {
-            record.status = MeasureStatus::Oom;
-            record.reason = Some(format!(
-                "needs {:.1} GiB {place}, {:.1} GiB are free",
-                gib(budget.needed),
-                gib(budget.free),
-                place = budget.place
+            return Ok(out_of_memory(
+                record,
+                format!(
+                    "needs {:.1} GiB {place}, {:.1} GiB are free",
+                    gib(budget.needed),
+                    gib(budget.free),
+                    place = budget.place
+                ),
             ));
-            return Ok(record);
         }
     }
+    match measure(kernel, cell, harness, &mut record, options) {
+        Ok(()) => Ok(record),
+        Err(PluginError::OutOfMemory(message)) => Ok(out_of_memory(record, message)),
+        Err(other) => Err(other),
+    }
+}
+
+fn out_of_memory(mut record: Measurement, reason: String) -> Measurement {
+    record.status = MeasureStatus::Oom;
+    record.reason = Some(reason);
+    record
+}
+
+/// The steps from the inputs on.
+fn measure<K: KernelBench + ?Sized>(
+    kernel: &mut K,
+    cell: &Cell<'_>,
+    harness: &Harness,
+    record: &mut Measurement,
+    options: Options<'_>,
+) -> Result<(), PluginError> {
     let mut phases = Phases::new();
     let inputs = Inputs::random_as(&cell.shape, cell.seed, cell.element);
     phases.lap("inputs_s");
-    if let Prepared::Unsupported(reason) = kernel.prepare(cell, &inputs, &mut record)? {
-        return Ok(record.unsupported(reason));
+    if let Prepared::Unsupported(reason) = kernel.prepare(cell, &inputs, record)? {
+        record.status = MeasureStatus::Unsupported;
+        record.reason = Some(reason);
+        return Ok(());
     }
     phases.lap("prepare_s");
     let backward = cell.backward();
@@ -183,7 +210,7 @@ pub fn run<K: KernelBench + ?Sized>(
     record.timing = Some(timing);
     record.memory = kernel.memory(cell);
     record.phases.extend(phases.seconds);
-    Ok(record)
+    Ok(())
 }
 
 fn gib(bytes: u64) -> f64 {

@@ -51,7 +51,14 @@ fn record(cell: &Cell<'_>) -> Measurement {
         max_reps: 5,
         ..Harness::default()
     };
-    Measurement::for_kernel("test", ("test", "0"), cell.set, shape, cell.direction, harness)
+    Measurement::for_kernel(
+        "test",
+        ("test", "0"),
+        cell.set,
+        shape,
+        cell.direction,
+        harness,
+    )
 }
 
 /// The f64 reference as a kernel, or a wrong one (every output zero); counts its calls.
@@ -59,6 +66,8 @@ struct Reference<'a> {
     set: &'a MaskSet,
     wrong: bool,
     refuse_when_prepared: bool,
+    oom_when_prepared: bool,
+    fail: bool,
     needs: Option<u64>,
     run: Option<(Shape, HeadMasks<'a>, Inputs)>,
     forward: Option<Forward>,
@@ -72,6 +81,8 @@ impl<'a> Reference<'a> {
             set,
             wrong: false,
             refuse_when_prepared: false,
+            oom_when_prepared: false,
+            fail: false,
             needs: None,
             run: None,
             forward: None,
@@ -90,16 +101,33 @@ impl<'a> KernelBench for Reference<'a> {
         }))
     }
 
-    fn prepare(&mut self, cell: &Cell<'_>, inputs: &Inputs, record: &mut Measurement) -> Result<Prepared, PluginError> {
+    fn prepare(
+        &mut self,
+        cell: &Cell<'_>,
+        inputs: &Inputs,
+        record: &mut Measurement,
+    ) -> Result<Prepared, PluginError> {
+        if self.oom_when_prepared {
+            return Err(PluginError::OutOfMemory(
+                "the upload found 1 GiB short".into(),
+            ));
+        }
         if self.refuse_when_prepared {
             return Ok(Prepared::Unsupported("found out while preparing".into()));
         }
         record.details.insert("prepared".into(), true.into());
-        self.run = Some((cell.shape, HeadMasks::new(self.set, &cell.shape), inputs.clone()));
+        self.run = Some((
+            cell.shape,
+            HeadMasks::new(self.set, &cell.shape),
+            inputs.clone(),
+        ));
         Ok(Prepared::Ready)
     }
 
     fn forward(&mut self) -> Result<(), PluginError> {
+        if self.fail {
+            return Err(PluginError::failed("kernel fault"));
+        }
         let (shape, masks, inputs) = self.run.as_ref().unwrap();
         let mut forward = reference::forward(shape, masks, inputs);
         if self.wrong {
@@ -112,13 +140,21 @@ impl<'a> KernelBench for Reference<'a> {
 
     fn backward(&mut self) -> Result<(), PluginError> {
         let (shape, masks, inputs) = self.run.as_ref().unwrap();
-        self.grads = Some(reference::backward(shape, masks, inputs, self.forward.as_ref().unwrap()));
+        self.grads = Some(reference::backward(
+            shape,
+            masks,
+            inputs,
+            self.forward.as_ref().unwrap(),
+        ));
         self.calls.1 += 1;
         Ok(())
     }
 
     fn outputs(&mut self, backward: bool) -> Result<(Forward, Option<Grads>), PluginError> {
-        Ok((self.forward.clone().unwrap(), backward.then(|| self.grads.clone().unwrap())))
+        Ok((
+            self.forward.clone().unwrap(),
+            backward.then(|| self.grads.clone().unwrap()),
+        ))
     }
 
     fn check_mode(&self, _cell: &Cell<'_>) -> CheckMode {
@@ -140,15 +176,36 @@ fn a_right_kernel_is_checked_timed_and_recorded_with_its_phases() {
     for direction in Direction::ALL.iter().copied() {
         let cell = cell(&set, direction);
         let mut kernel = Reference::on(&set);
-        let m = run(&mut kernel, &cell, &record(&cell).harness.clone(), record(&cell), Options::default()).unwrap();
+        let m = run(
+            &mut kernel,
+            &cell,
+            &record(&cell).harness.clone(),
+            record(&cell),
+            Options::default(),
+        )
+        .unwrap();
         assert_eq!(m.status, MeasureStatus::Ok, "{direction}");
-        assert!(m.correctness.as_ref().unwrap().passed, "{direction}: {:?}", m.correctness);
+        assert!(
+            m.correctness.as_ref().unwrap().passed,
+            "{direction}: {:?}",
+            m.correctness
+        );
         let timing = m.timing.as_ref().unwrap();
         assert!(timing.samples.len() >= 3, "{timing:?}");
         assert!(m.tflops.is_some() && m.time_s.is_some() && m.memory.is_some());
         assert_eq!(m.details["prepared"], true);
-        for phase in ["inputs_s", "prepare_s", "first_run_s", "check_s", "timing_s"] {
-            assert!(m.phases[phase].as_f64().is_some(), "{phase} in {:?}", m.phases);
+        for phase in [
+            "inputs_s",
+            "prepare_s",
+            "first_run_s",
+            "check_s",
+            "timing_s",
+        ] {
+            assert!(
+                m.phases[phase].as_f64().is_some(),
+                "{phase} in {:?}",
+                m.phases
+            );
         }
         // The backward alone is timed on the first forward's outputs: no forward per repetition.
         match direction {
@@ -166,7 +223,14 @@ fn a_wrong_kernel_is_timed_with_its_check_failed() {
         wrong: true,
         ..Reference::on(&set)
     };
-    let m = run(&mut kernel, &cell, &Harness::default(), record(&cell), Options::default()).unwrap();
+    let m = run(
+        &mut kernel,
+        &cell,
+        &Harness::default(),
+        record(&cell),
+        Options::default(),
+    )
+    .unwrap();
     assert_eq!(m.status, MeasureStatus::Ok);
     assert!(!m.correctness.unwrap().passed);
     assert!(m.timing.is_some());
@@ -180,16 +244,66 @@ fn a_cell_past_the_budget_is_oom_and_one_refused_while_preparing_is_unsupported(
         needs: Some(3 << 30),
         ..Reference::on(&set)
     };
-    let m = run(&mut big, &cell, &Harness::default(), record(&cell), Options::default()).unwrap();
+    let m = run(
+        &mut big,
+        &cell,
+        &Harness::default(),
+        record(&cell),
+        Options::default(),
+    )
+    .unwrap();
     assert_eq!(m.status, MeasureStatus::Oom);
-    assert_eq!(m.reason.as_deref(), Some("needs 3.0 GiB on the device, 1.0 GiB are free"));
+    assert_eq!(
+        m.reason.as_deref(),
+        Some("needs 3.0 GiB on the device, 1.0 GiB are free")
+    );
     assert_eq!(big.calls, (0, 0));
     let mut refusing = Reference {
         refuse_when_prepared: true,
         ..Reference::on(&set)
     };
-    let m = run(&mut refusing, &cell, &Harness::default(), record(&cell), Options::default()).unwrap();
+    let m = run(
+        &mut refusing,
+        &cell,
+        &Harness::default(),
+        record(&cell),
+        Options::default(),
+    )
+    .unwrap();
     assert_eq!(m.status, MeasureStatus::Unsupported);
     assert_eq!(m.reason.as_deref(), Some("found out while preparing"));
     assert!(m.timing.is_none() && m.correctness.is_none());
+}
+
+#[test]
+fn running_out_of_memory_in_a_step_is_an_oom_record_and_other_errors_fail() {
+    let set = set();
+    let cell = cell(&set, Direction::Fwd);
+    let mut short = Reference {
+        oom_when_prepared: true,
+        ..Reference::on(&set)
+    };
+    let m = run(
+        &mut short,
+        &cell,
+        &Harness::default(),
+        record(&cell),
+        Options::default(),
+    )
+    .unwrap();
+    assert_eq!(m.status, MeasureStatus::Oom);
+    assert_eq!(m.reason.as_deref(), Some("the upload found 1 GiB short"));
+    let mut failing = Reference {
+        fail: true,
+        ..Reference::on(&set)
+    };
+    let error = run(
+        &mut failing,
+        &cell,
+        &Harness::default(),
+        record(&cell),
+        Options::default(),
+    )
+    .unwrap_err();
+    assert_eq!(error.to_string(), "kernel fault");
 }

@@ -6,8 +6,8 @@ pub mod problem;
 pub mod tiled;
 
 use attnbench_sdk::attention::{run_on_host, AttentionCall};
-use attnbench_sdk::mask::MaskSet;
 use attnbench_sdk::bench::{self, Cell, KernelBench, Options, Prepared};
+use attnbench_sdk::mask::MaskSet;
 use attnbench_sdk::measure::{Direction, Harness, Measurement, Memory};
 use attnbench_sdk::{
     Host, ParamSpec, ParamType, Plugin, PluginError, PluginManifest, StageRequest, StageSpec,
@@ -148,7 +148,11 @@ fn benchmark(
     let mut kernel = CpuKernel {
         params,
         // The naive kernel is the single-threaded textbook one (its record says threads: 1).
-        threads: if params.kernel == Kernel::Tiled { threads } else { 1 },
+        threads: if params.kernel == Kernel::Tiled {
+            threads
+        } else {
+            1
+        },
         masks: HeadMasks::new(set, &shape),
         inputs: None,
         forward: None,

@@ -8,18 +8,16 @@
 mod backend_check;
 mod flash;
 mod gpu;
+mod kernel_bench;
 mod naive;
 
 use std::sync::Mutex;
 
 use attnbench_sdk::attention::AttentionCall;
-use attnbench_sdk::measure::{
-    Direction, Harness, MeasureStatus, Measurement, Memory, Quantiles, Throughput,
-};
+use attnbench_sdk::bench::{self, Cell, Options};
+use attnbench_sdk::measure::{Direction, Harness, Measurement, Quantiles, Throughput};
 use attnbench_sdk::nvml;
-use attnbench_sdk::reference::{
-    self, CheckMode, Element, Forward, Grads, HeadMasks, Inputs, Shape,
-};
+use attnbench_sdk::reference::{Element, HeadMasks, Inputs, Shape};
 use attnbench_sdk::{
     kinds, write_json, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError,
     PluginManifest, StageRequest, StageSpec,
@@ -28,6 +26,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use gpu::Gpu;
+use kernel_bench::CudaBench;
 
 struct Cuda;
 
@@ -268,10 +267,6 @@ struct BenchParams {
     common: attnbench_sdk::measure::KernelParams,
 }
 
-fn gib(bytes: usize) -> f64 {
-    bytes as f64 / (1u64 << 30) as f64
-}
-
 fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> {
     let p: BenchParams = request.params()?;
     let set = request.mask_set()?;
@@ -282,9 +277,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
     )
     .map_err(PluginError::Params)?;
     let shape = p.common.shape(set.seqlen as usize);
-    let element = p.common.dtype;
     let harness = p.common.harness.apply(default_harness());
-    let measured_shape = p.common.measured_shape();
     let kernel = match (p.kernel, p.backward, p.instructions) {
         (Kernel::Flash, flash::Backward::Fused, _) => "cuda-flash-fused".to_string(),
         (Kernel::Flash, _, chosen @ (flash::Instructions::Mma | flash::Instructions::Wgmma)) => {
@@ -292,198 +285,34 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         }
         (name, _, _) => format!("cuda-{name}"),
     };
-    let plugin = ("cuda", env!("CARGO_PKG_VERSION"));
-    let mut measurement = Measurement::for_kernel(
+    let mut record = Measurement::for_kernel(
         &kernel,
-        plugin,
+        ("cuda", env!("CARGO_PKG_VERSION")),
         &set,
-        measured_shape,
+        p.common.measured_shape(),
         p.common.direction,
         harness.clone(),
     );
-    let backward = p.common.backward();
+    let cell = Cell {
+        set: &set,
+        shape,
+        element: p.common.dtype,
+        direction: p.common.direction,
+        seed: request.seed,
+    };
+    let options = Options {
+        outputs_dir: p.common.outputs.then_some(request.output_dir.as_path()),
+        no_check: false,
+    };
     with_gpu(|state| {
-        measurement.gpu = Some(state.gpu.describe());
-        let flash = p.kernel == Kernel::Flash;
-        if let Some(reason) = flash.then(|| flash::unsupported(&shape, element)).flatten() {
-            return measurement.unsupported(reason).write(&request.output_dir);
-        }
-        let needed = if flash {
-            flash::bytes_needed(&shape, element, backward)
-        } else {
-            naive::bytes_needed(&shape, element, backward)
-        };
-        let free = state.gpu.free_bytes()?;
-        let out_of_memory = |mut m: Measurement, reason: String| {
-            m.status = MeasureStatus::Oom;
-            m.reason = Some(reason);
-            m.write(&request.output_dir)
-        };
-        if needed > free {
-            return out_of_memory(
-                measurement,
-                format!(
-                    "needs {:.1} GiB on the device, {:.1} GiB are free",
-                    gib(needed),
-                    gib(free)
-                ),
-            );
-        }
-        if flash && state.flash.is_none() {
-            host.info("compiling the flash kernel with NVRTC");
-            state.flash = Some(flash::compile(&state.gpu)?);
-        }
-        if !flash && state.naive.is_none() {
-            host.info("compiling the naive kernel's row kernels with NVRTC");
-            state.naive = Some(naive::compile(&state.gpu)?);
-        }
-        // Where a cell's time goes besides its repetitions, as the Python plugin reports it.
-        let mut phases = serde_json::Map::new();
-        let mut clock = std::time::Instant::now();
-        let mut lap = |phases: &mut serde_json::Map<String, Value>, name: &str| {
-            phases.insert(name.into(), json!(clock.elapsed().as_secs_f64()));
-            clock = std::time::Instant::now();
-        };
-        let masks = HeadMasks::new(&set, &shape);
-        let inputs = Inputs::random_as(&shape, request.seed, element);
-        lap(&mut phases, "inputs_s");
-        let gpu = &state.gpu;
-        let base = gpu.memory.current();
-        gpu.memory.reset_peak();
-        let uploaded = match (&state.flash, &state.naive) {
-            (Some(kernels), _) if flash => flash::Problem::upload(
-                gpu, kernels, shape, element, &masks, &inputs, backward,
-            )
-            .map(|mut problem| {
-                problem.backward = p.backward;
-                problem.instructions = p.instructions;
-                Problem::Flash(Box::new(problem))
-            }),
-            (_, Some(kernels)) => {
-                naive::Problem::upload(gpu, kernels, shape, element, &masks, &inputs, backward)
-                    .map(|problem| Problem::Naive(Box::new(problem)))
-            }
-            _ => unreachable!("the kernel was compiled above"),
-        };
-        let mut problem = match uploaded {
-            Err(PluginError::OutOfMemory(message)) => return out_of_memory(measurement, message),
-            other => other?,
-        };
-        if let Problem::Flash(flash) = &problem {
-            match flash.instructions_used() {
-                Ok((forward, backward)) => {
-                    let details = &mut measurement.details;
-                    details.insert("flash_forward".into(), forward.into());
-                    if let Some(backward) = backward {
-                        details.insert("flash_backward".into(), backward.into());
-                    }
-                }
-                Err(PluginError::Failed(reason)) => {
-                    return measurement.unsupported(reason).write(&request.output_dir)
-                }
-                Err(other) => return Err(other),
-            }
-        }
-        lap(&mut phases, "upload_s");
-        problem.forward(gpu)?;
-        if backward {
-            problem.backward(gpu)?;
-        }
-        let forward = problem.outputs(gpu)?;
-        let grads = problem.grads(gpu)?;
-        lap(&mut phases, "first_run_s");
-        if p.common.outputs {
-            reference::write_outputs(&request.output_dir, &forward, grads.as_ref())?;
-        }
-        let mode = if shape.seqlen <= p.check_max_seqlen {
-            CheckMode::Full
-        } else {
-            CheckMode::Sampled { rows: 16 }
-        };
-        host.debug("checking the outputs against the reference");
-        measurement.correctness = Some(reference::check(
-            &shape,
-            &masks,
-            &inputs,
-            &forward,
-            grads.as_ref(),
-            mode,
-            element.tolerance(),
-        ));
-        drop((forward, grads, inputs));
-        lap(&mut phases, "check_s");
+        record.gpu = Some(state.gpu.describe());
+        let mut kernel = CudaBench::new(state, &p, HeadMasks::new(&set, &shape), host);
+        let mut measurement = bench::run(&mut kernel, &cell, &harness, record, options)?;
         if let Some(gpu) = measurement.gpu.as_mut() {
-            gpu.clocks_before = nvml::clocks();
+            (gpu.clocks_before, gpu.clocks_after) = std::mem::take(&mut kernel.clocks);
         }
-        let gpu = &mut state.gpu;
-        let timing = match p.common.direction {
-            Direction::Fwd => gpu.time(&harness, |gpu| problem.forward(gpu))?,
-            Direction::Bwd => gpu.time(&harness, |gpu| problem.backward(gpu))?,
-            Direction::FwdBwd => gpu.time(&harness, |gpu| {
-                problem.forward(gpu)?;
-                problem.backward(gpu)
-            })?,
-        };
-        let peak = gpu.memory.peak() - base;
-        drop(problem);
-        lap(&mut phases, "timing_s");
-        measurement.phases = phases;
-        if let Some(gpu) = measurement.gpu.as_mut() {
-            gpu.clocks_after = nvml::clocks();
-        }
-        let times = Quantiles::of(&timing.samples);
-        measurement.tflops = times.map(|t| Throughput::of(measurement.flops, &t));
-        measurement.time_s = times;
-        measurement.timing = Some(timing);
-        let inputs_bytes =
-            (shape.q_len() * if backward { 2 } else { 1 } + 2 * shape.kv_len()) * element.bytes();
-        measurement.memory = Some(Memory {
-            peak_bytes: peak as u64,
-            above_inputs_bytes: peak.saturating_sub(inputs_bytes) as u64,
-            method: "the plugin's tracking allocator: the most device memory the kernel's buffers held at once (cuBLAS's own workspace not included)".into(),
-        });
         measurement.write(&request.output_dir)
     })
-}
-
-/// One kernel's device problem.
-enum Problem {
-    Naive(Box<naive::Problem>),
-    Flash(Box<flash::Problem>),
-}
-
-impl Problem {
-    fn forward(&self, gpu: &Gpu) -> Result<(), PluginError> {
-        match self {
-            Problem::Naive(p) => p.forward(gpu),
-            Problem::Flash(p) => p.forward(gpu),
-        }
-    }
-
-    fn backward(&mut self, gpu: &Gpu) -> Result<(), PluginError> {
-        match self {
-            Problem::Naive(p) => p.backward(gpu),
-            Problem::Flash(p) => p.backward(gpu),
-        }
-    }
-
-    fn outputs(&self, gpu: &Gpu) -> Result<Forward, PluginError> {
-        let (out, lse) = match self {
-            Problem::Naive(p) => (&p.out, &p.lse),
-            Problem::Flash(p) => (&p.out, &p.lse),
-        };
-        Ok(Forward {
-            out: gpu.download(out)?,
-            lse: gpu.download(lse)?,
-        })
-    }
-
-    fn grads(&self, gpu: &Gpu) -> Result<Option<Grads>, PluginError> {
-        match self {
-            Problem::Naive(p) => p.grads(gpu),
-            Problem::Flash(p) => p.grads(gpu),
-        }
-    }
 }
 
 attnbench_sdk::export_plugin!(Cuda);
