@@ -349,3 +349,7 @@ pub fn nodes_per_stage(plan: &Plan) -> BTreeMap<&str, usize> {
     }
     counts
 }
+
+#[cfg(test)]
+#[path = "plan_tests.rs"]
+mod tests;

@@ -307,6 +307,24 @@ impl Registry {
         self.add(path, Plugin::describe(path));
     }
 
+    /// A registry of plugins known by their manifests alone, for tests of what runs before any
+    /// plugin code does (checking, planning, keys): a library that is never loaded.
+    #[cfg(test)]
+    pub fn of_manifests(manifests: Vec<PluginManifest>) -> Registry {
+        let mut registry = Registry::default();
+        for manifest in manifests {
+            let path = PathBuf::from(format!("/nonexistent/lib{}.so", manifest.name));
+            let plugin = Plugin {
+                library_hash: format!("hash of {}", manifest.name),
+                path: path.clone(),
+                manifest,
+                module: OnceLock::new(),
+            };
+            registry.add(&path, Ok(plugin));
+        }
+        registry
+    }
+
     fn add(&mut self, path: &Path, described: Result<Plugin, LoadError>) {
         match described {
             Ok(plugin) => {
