@@ -78,35 +78,59 @@ fn a_matrix_expands_last_axis_fastest_and_fans_out_per_upstream_node() {
     assert_eq!((run.inputs.clone(), run.fan_out_inputs), (vec![0], 1));
     assert_eq!(run.params.get("kernel"), Some(&serde_json::json!("b")));
     // A size axis is canonical (tokens) in the parameters and short in the id.
-    assert_eq!(plan.nodes[1].params.get("seqlen"), Some(&serde_json::json!(2048)));
+    assert_eq!(
+        plan.nodes[1].params.get("seqlen"),
+        Some(&serde_json::json!(2048))
+    );
     // The report collects every run node, after all of them.
     let report = plan.nodes.last().unwrap();
     assert_eq!(report.id, "report");
     assert_eq!(report.inputs, (4..12).collect::<Vec<_>>());
     assert_eq!(report.fan_out_inputs, 0);
     for (index, node) in plan.nodes.iter().enumerate() {
-        assert!(node.inputs.iter().all(|&i| i < index), "{} before its inputs", node.id);
+        assert!(
+            node.inputs.iter().all(|&i| i < index),
+            "{} before its inputs",
+            node.id
+        );
     }
 }
 
 #[test]
 fn a_matrix_key_the_upstream_fixed_joins_instead_of_multiplying() {
-    let text = PIPELINE.replace("matrix: {kernel: [a, b]}", "matrix: {kernel: [a], seqlen: [1k, 2k]}");
+    let text = PIPELINE.replace(
+        "matrix: {kernel: [a, b]}",
+        "matrix: {kernel: [a], seqlen: [1k, 2k]}",
+    );
     let plan = plan(&text).unwrap();
-    let runs: Vec<&str> = ids(&plan).into_iter().filter(|id| id.starts_with("run")).collect();
+    let runs: Vec<&str> = ids(&plan)
+        .into_iter()
+        .filter(|id| id.starts_with("run"))
+        .collect();
     // seqlen pairs with the mask node's seqlen: 4 mask nodes, one run each, not 8.
     assert_eq!(runs.len(), 4, "{runs:?}");
     for node in plan.nodes.iter().filter(|n| n.id.starts_with("run")) {
         let upstream = &plan.nodes[node.inputs[0]];
-        assert_eq!(node.params.get("seqlen"), upstream.params.get("seqlen"), "{}", node.id);
+        assert_eq!(
+            node.params.get("seqlen"),
+            upstream.params.get("seqlen"),
+            "{}",
+            node.id
+        );
     }
 }
 
 #[test]
 fn a_join_with_no_agreeing_values_is_refused_with_the_stage_named() {
-    let text = PIPELINE.replace("matrix: {kernel: [a, b]}", "matrix: {kernel: [a], seqlen: [4k]}");
+    let text = PIPELINE.replace(
+        "matrix: {kernel: [a, b]}",
+        "matrix: {kernel: [a], seqlen: [4k]}",
+    );
     let message = plan(&text).unwrap_err().to_string();
-    assert!(message.contains("stage `run` expands to no nodes"), "{message}");
+    assert!(
+        message.contains("stage `run` expands to no nodes"),
+        "{message}"
+    );
 }
 
 #[test]

@@ -481,3 +481,7 @@ impl WorkerPool {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "worker_tests.rs"]
+mod tests;
