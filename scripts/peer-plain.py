@@ -563,6 +563,7 @@ def cells(record, wanted, args):
         if not path or not os.path.exists(path):
             continue
         m = json.load(open(path))
+        m["shape"].setdefault("dtype", m.get("dtype"))  # version 2 records keep it beside the shape
         if m.get("kernel") not in wanted or m.get("status") != "ok" or \
                 (args.direction and m["direction"] != args.direction) or \
                 (args.match and not re.search(args.match, node["id"])):

@@ -149,7 +149,7 @@ fn label(m: &Measurement, kernels: Option<&(String, String)>) -> String {
         m.shape.heads_q,
         m.shape.heads_kv,
         m.shape.head_dim,
-        m.shape.dtype
+        m.dtype
     )
 }
 
@@ -211,6 +211,7 @@ pub fn run(args: CompareArgs) -> Result<ExitCode> {
                         record.mask.pattern,
                         record.mask.seqlen,
                         record.shape,
+                        record.dtype,
                         record.direction,
                         record.cp.as_ref().map(|cp| cp.cell()),
                     ]);

@@ -226,6 +226,7 @@ fn read_artifact(
             record.mask.pattern,
             record.mask.seqlen,
             record.shape,
+            record.dtype,
             record.direction,
             record.cp.as_ref().map(|cp| cp.cell()),
         ]);

@@ -1,6 +1,5 @@
 use super::*;
 use crate::mask::{HeadScope, Mask, Slice, SliceKind};
-use crate::measure::Shape as MeasuredShape;
 
 fn set() -> MaskSet {
     MaskSet {
@@ -37,13 +36,6 @@ fn cell(set: &MaskSet, direction: Direction) -> Cell<'_> {
 }
 
 fn record(cell: &Cell<'_>) -> Measurement {
-    let shape = MeasuredShape {
-        batch: 1,
-        heads_q: 4,
-        heads_kv: 2,
-        head_dim: 8,
-        dtype: cell.element,
-    };
     let harness = Harness {
         warmup_reps: 1,
         warmup_s: 0.0,
@@ -55,7 +47,8 @@ fn record(cell: &Cell<'_>) -> Measurement {
         "test",
         ("test", "0"),
         cell.set,
-        shape,
+        cell.shape,
+        cell.element,
         cell.direction,
         harness,
     )

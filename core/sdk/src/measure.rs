@@ -46,15 +46,6 @@ impl Direction {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Shape {
-    pub batch: u64,
-    pub heads_q: u64,
-    pub heads_kv: u64,
-    pub head_dim: u64,
-    pub dtype: crate::reference::Element,
-}
-
 /// Seconds at the 20th, 50th and 80th percentiles, the minimum, the mean and the count.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Quantiles {
@@ -352,17 +343,6 @@ impl KernelParams {
             heads_kv: self.heads_kv,
             seqlen,
             head_dim: self.head_dim,
-        }
-    }
-
-    /// The shape as a measurement records it (batch 1).
-    pub fn measured_shape(&self) -> Shape {
-        Shape {
-            batch: 1,
-            heads_q: self.heads_q as u64,
-            heads_kv: self.heads_kv as u64,
-            head_dim: self.head_dim as u64,
-            dtype: self.dtype,
         }
     }
 }

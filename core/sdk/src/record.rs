@@ -13,9 +13,9 @@ use serde_json::{Map, Value};
 
 use crate::environment::Environment;
 use crate::measure::{
-    Correctness, Direction, Harness, MaskInfo, MeasureStatus, Memory, Quantiles, Shape, Throughput,
-    Timing,
+    Correctness, Direction, Harness, MaskInfo, MeasureStatus, Memory, Quantiles, Throughput, Timing,
 };
+use crate::reference::{Element, Shape};
 
 /// The layout version this build writes; it reads every version up to it.
 pub const RECORD_VERSION: u32 = 2;
@@ -31,6 +31,8 @@ pub struct Measurement {
     pub plugin_version: String,
     pub mask: MaskInfo,
     pub shape: Shape,
+    /// How the inputs were stored.
+    pub dtype: Element,
     pub direction: Direction,
     pub status: MeasureStatus,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -74,17 +76,19 @@ impl Measurement {
         serde_json::to_value(self).map_err(|err| crate::PluginError::failed(err.to_string()))
     }
 
-    /// The record of a kernel run on `set` before anything was timed: the mask, the shape, the
-    /// FLOPs of `direction` from the exact area, this machine; status `ok`.
+    /// The record of a kernel run on `set` before anything was timed: the mask, the shape and
+    /// dtype, the FLOPs of `direction` from the exact area, this machine; status `ok`.
     pub fn for_kernel(
         kernel: &str,
         plugin: (&str, &str),
         set: &crate::mask::MaskSet,
         shape: Shape,
+        dtype: Element,
         direction: Direction,
         harness: Harness,
     ) -> Measurement {
-        let flops = set.flops(shape.heads_q, shape.heads_kv, shape.head_dim);
+        let (heads_q, heads_kv) = (shape.heads_q as u64, shape.heads_kv as u64);
+        let flops = set.flops(heads_q, heads_kv, shape.head_dim as u64);
         Measurement {
             record_version: RECORD_VERSION,
             kernel: kernel.to_string(),
@@ -93,11 +97,12 @@ impl Measurement {
             mask: MaskInfo {
                 pattern: set.pattern.clone(),
                 seqlen: set.seqlen,
-                area: set.area_over_heads(shape.heads_q, shape.heads_kv),
+                area: set.area_over_heads(heads_q, heads_kv),
                 documents: set.documents.len(),
                 params: set.params.clone(),
             },
             shape,
+            dtype,
             direction,
             status: MeasureStatus::Ok,
             reason: None,
@@ -258,7 +263,10 @@ struct Wire {
     plugin: String,
     plugin_version: String,
     mask: MaskInfo,
-    shape: Shape,
+    shape: WireShape,
+    /// Version 2; version 1 kept it in `shape`.
+    #[serde(default)]
+    dtype: Option<Element>,
     direction: Direction,
     status: MeasureStatus,
     #[serde(default)]
@@ -301,13 +309,25 @@ impl TryFrom<Wire> for Measurement {
                  upgrade attnbench to read it"
             ));
         }
+        let dtype = wire
+            .dtype
+            .or(wire.shape.dtype)
+            .ok_or("the record names no dtype")?;
+        let shape = Shape {
+            heads_q: wire.shape.heads_q,
+            heads_kv: wire.shape.heads_kv,
+            // Version 1 took it from the mask.
+            seqlen: wire.shape.seqlen.unwrap_or(wire.mask.seqlen as usize),
+            head_dim: wire.shape.head_dim,
+        };
         let mut record = Measurement {
             record_version: version,
             kernel: wire.kernel,
             plugin: wire.plugin,
             plugin_version: wire.plugin_version,
             mask: wire.mask,
-            shape: wire.shape,
+            shape,
+            dtype,
             direction: wire.direction,
             status: wire.status,
             reason: wire.reason,
@@ -331,6 +351,18 @@ impl TryFrom<Wire> for Measurement {
         }
         Ok(record)
     }
+}
+
+/// The shape in either version: version 1 wrote a batch and the dtype in it, and no length.
+#[derive(Deserialize)]
+struct WireShape {
+    heads_q: usize,
+    heads_kv: usize,
+    head_dim: usize,
+    #[serde(default)]
+    seqlen: Option<usize>,
+    #[serde(default)]
+    dtype: Option<Element>,
 }
 
 fn unknown_machine() -> Environment {

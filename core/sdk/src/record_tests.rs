@@ -64,6 +64,11 @@ fn a_version_one_gpu_record_splits_into_machine_gpu_phases_and_details() {
     )))
     .unwrap();
     assert_eq!(record.record_version, 1);
+    // Version 1's shape held the dtype and a batch, and no length (the mask's).
+    assert_eq!(
+        (record.shape.heads_q, record.shape.seqlen, record.dtype),
+        (4, 1024, crate::reference::Element::Bf16)
+    );
     assert_eq!(record.machine.cpu, "c");
     assert_eq!(record.machine.gpus, ["NVIDIA H200 (driver 580)"]);
     let gpu = record.gpu.as_ref().expect("the cuda plugin's GPU keys");

@@ -21,8 +21,7 @@ mod threads;
 mod volume;
 
 use attnbench_sdk::measure::{
-    CpRank, CpRun, Direction, Harness, Measurement, PassTimes, Quantiles, Shape as MeasuredShape,
-    Throughput,
+    CpRank, CpRun, Direction, Harness, Measurement, PassTimes, Quantiles, Throughput,
 };
 use attnbench_sdk::reference::{
     self, Arithmetic, CheckMode, Element, Forward, Grads, HeadMasks, Inputs, Shape,
@@ -276,13 +275,8 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
         &format!("cp-{method}"),
         ("cp", env!("CARGO_PKG_VERSION")),
         &set,
-        MeasuredShape {
-            batch: 1,
-            heads_q: p.heads_q as u64,
-            heads_kv: p.heads_kv as u64,
-            head_dim: p.head_dim as u64,
-            dtype: p.dtype,
-        },
+        shape,
+        p.dtype,
         p.direction,
         harness.clone(),
     );
@@ -761,13 +755,13 @@ fn against_measurements(
             continue;
         };
         let kernels_s = slowest.kernels_s.unwrap_or(0.0);
-        let element = m.shape.dtype;
+        let element = m.dtype;
         let workload = model::Workload {
             sizes: volume::Sizes {
                 tokens: m.mask.seqlen / world as u64,
-                heads_q: m.shape.heads_q,
-                heads_kv: m.shape.heads_kv,
-                head_dim: m.shape.head_dim,
+                heads_q: m.shape.heads_q as u64,
+                heads_kv: m.shape.heads_kv as u64,
+                head_dim: m.shape.head_dim as u64,
                 element: element.bytes() as u64,
             },
             causal: p.mask == ModelMask::Causal,

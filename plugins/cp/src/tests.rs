@@ -260,23 +260,23 @@ fn the_model_takes_nvlink_from_a_links_record() {
 /// cells of other masks, or not on GPUs, stay out.
 #[test]
 fn the_model_sets_measured_gpu_cells_beside_its_predictions() {
-    use attnbench_sdk::measure::{Measurement, Quantiles, Shape as MeasuredShape, Throughput};
+    use attnbench_sdk::measure::{Measurement, Quantiles, Throughput};
     use attnbench_sdk::{InputArtifact, StageRequest};
     use serde_json::json;
     let cell = |pattern: &str, backend: &str, (total, kernels): (f64, f64)| {
         let set = mask(pattern);
-        let shape = MeasuredShape {
-            batch: 1,
+        let shape = Shape {
             heads_q: 4,
             heads_kv: 2,
+            seqlen: set.seqlen as usize,
             head_dim: 8,
-            dtype: Element::Bf16,
         };
         let mut m = Measurement::for_kernel(
             "cp-ring_p2p",
             ("cp", "0"),
             &set,
             shape,
+            Element::Bf16,
             attnbench_sdk::measure::Direction::Fwd,
             crate::default_harness(),
         );

@@ -127,7 +127,8 @@ fn benchmark(
         &kernel,
         ("cpu", env!("CARGO_PKG_VERSION")),
         set,
-        params.common.measured_shape(),
+        shape,
+        params.common.dtype,
         params.common.direction,
         harness.clone(),
     );

@@ -289,7 +289,8 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         &kernel,
         ("cuda", env!("CARGO_PKG_VERSION")),
         &set,
-        p.common.measured_shape(),
+        shape,
+        p.common.dtype,
         p.common.direction,
         harness.clone(),
     );

@@ -223,12 +223,12 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         .fold(kernel, |name, (key, value, _)| {
             format!("{name} {key}={value}")
         });
-    let measured_shape = p.common.measured_shape();
     let mut measurement = Measurement::for_kernel(
         &kernel,
         ("python", env!("CARGO_PKG_VERSION")),
         &set,
-        measured_shape,
+        shape,
+        p.common.dtype,
         p.common.direction,
         harness.clone(),
     );

@@ -20,7 +20,9 @@ use crate::PluginError;
 pub use check::{check, pick_rows, reference_rows, sample_rows, CheckMode};
 pub use naive::{backward, backward_with_threads, forward, forward_with_threads, score_bytes};
 
-#[derive(Debug, Clone, Copy)]
+/// An attention problem's layout: query and key/value heads, tokens (queries = keys) and the
+/// head dimension. Kernels, the reference and measurement records share it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Shape {
     pub heads_q: usize,
     pub heads_kv: usize,
@@ -105,7 +107,7 @@ impl Arithmetic {
 crate::named_enum! {
     /// How a kernel stores its inputs. Inputs drawn for an element type are exactly representable
     /// in it, so a kernel and the f64 reference see the same numbers. A stage's `dtype` parameter
-    /// and a measurement's `shape.dtype` spell it `f32`, `bf16` or `fp16`.
+    /// and a measurement's `dtype` spell it `f32`, `bf16` or `fp16`.
     pub enum Element { F32 = "f32", Bf16 = "bf16", F16 = "fp16" }
 }
 

@@ -154,7 +154,7 @@ fn wrong_kernel(request: &StageRequest) -> Result<Value, PluginError> {
     Ok(json!({
         "kernel": "wrong", "plugin": "testkit", "plugin_version": "0",
         "mask": {"pattern": "?", "seqlen": seqlen, "area": 0, "documents": 0, "params": {}},
-        "shape": {"batch": 1, "heads_q": heads, "heads_kv": count("heads_kv"), "head_dim": dim, "dtype": "f32"},
+        "shape": {"heads_q": heads, "heads_kv": count("heads_kv"), "seqlen": seqlen, "head_dim": dim}, "dtype": "f32",
         "direction": request.params.get("direction").cloned().unwrap_or(json!("fwd")),
         "status": "ok", "flops": 0, "record_version": 2,
         "machine": {"os": "", "arch": "", "kernel": "", "cpu": "", "logical_cpus": 0, "memory_bytes": 0, "attnbench_version": ""},
