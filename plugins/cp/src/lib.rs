@@ -633,12 +633,13 @@ fn model_stage(request: &StageRequest) -> Result<Value, PluginError> {
         )));
     }
     let (nvlink_gbs, nvlink_latency_us, nvlink_source) = match measured_link(request)? {
-        Some((gbs, us)) => (
+        Link::Measured(gbs, us) => (
             gbs,
             us,
-            "cp/links: the send/recv ring's fitted bus bandwidth and latency",
+            "cp/links: the send/recv ring's fitted bus bandwidth and latency".to_string(),
         ),
-        None => (p.nvlink_gbs, p.nvlink_latency_us, "parameters"),
+        Link::Parameters => (p.nvlink_gbs, p.nvlink_latency_us, "parameters".to_string()),
+        Link::NotMeasured(note) => (p.nvlink_gbs, p.nvlink_latency_us, note),
     };
     let machine = model::Machine {
         gpus_per_node: p.gpus_per_node,
@@ -786,11 +787,20 @@ fn against_measurements(
     Ok(comparisons)
 }
 
-/// NVLink's (bus bandwidth GB/s, latency µs) from a `cp/links` node in `needs`: its send/recv
-/// ring's fit, the pattern of a ring step.
-fn measured_link(request: &StageRequest) -> Result<Option<(f64, f64)>, PluginError> {
+/// Where the model's NVLink figures come from.
+enum Link {
+    /// A `cp/links` node's send/recv ring fit (the pattern of a ring step): GB/s and µs.
+    Measured(f64, f64),
+    /// No `cp/links` node among the inputs: the parameters.
+    Parameters,
+    /// A `cp/links` node that measured no link between GPUs (one GPU): the parameters, and why.
+    NotMeasured(String),
+}
+
+/// NVLink's figures from a `cp/links` node in `needs`.
+fn measured_link(request: &StageRequest) -> Result<Link, PluginError> {
     let Some(input) = request.inputs_from("cp/links").find(|i| i.succeeded()) else {
-        return Ok(None);
+        return Ok(Link::Parameters);
     };
     let path = input.dir.join(links::FILE);
     let text = std::fs::read(&path)
@@ -802,14 +812,17 @@ fn measured_link(request: &StageRequest) -> Result<Option<(f64, f64)>, PluginErr
         .into_iter()
         .flatten()
         .find(|fit| fit["collective"] == "send_recv");
-    match fit.map(|fit| (fit["bus_gbs"].as_f64(), fit["latency_us"].as_f64())) {
-        Some((Some(gbs), Some(us))) => Ok(Some((gbs, us))),
-        _ => Err(PluginError::Params(format!(
-            "{}: no send/recv bandwidth between GPUs to model NVLink with (measured on {} GPU(s)); run cp/links on at least 2 GPUs with send_recv among its collectives",
-            path.display(),
-            links["ranks"]
-        ))),
-    }
+    Ok(
+        match fit.map(|fit| (fit["bus_gbs"].as_f64(), fit["latency_us"].as_f64())) {
+            Some((Some(gbs), Some(us))) => Link::Measured(gbs, us),
+            _ => Link::NotMeasured(format!(
+                "parameters: {} has no send/recv bandwidth between GPUs (measured on {} GPU(s)); \
+                 cp/links on 2 or more GPUs with send_recv measures it",
+                path.display(),
+                links["ranks"]
+            )),
+        },
+    )
 }
 
 attnbench_sdk::export_plugin!(Cp);
