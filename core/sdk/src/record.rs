@@ -198,12 +198,23 @@ pub struct CpRun {
     pub ring: u64,
     pub windows: u64,
     pub placement: String,
+    /// How the sequence was dealt over the ring: `zigzag`, `contiguous`, `striped(1)`,
+    /// `balanced(64)` (records before shardings were chosen dealt zigzag).
+    #[serde(default = "zigzag")]
+    pub sharding: String,
+    /// The most loaded rank's attention area over the mean rank's: 1 is perfect balance.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub imbalance: Option<f64>,
     pub backend: String,
     /// The local attention of every block (`builtin` or a kernel plugin's backend).
     pub attention: String,
     pub launcher: String,
-    /// How the per-GPU throughput comes from the ranks' times.
+    /// How the per-GPU throughput comes from the ranks' times (the record's `tflops`).
     pub throughput: String,
+    /// Per-GPU TFLOP/s by the other rule, LongCA-bench's: global FLOPs / ranks / the mean over
+    /// ranks of each rank's time (the record's `tflops` take the slowest rank's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mean_rank_tflops: Option<f64>,
     /// Bytes each rank sent in the forward, and the formula's figure per rank.
     pub bytes_sent_forward: Vec<u64>,
     pub formula_forward: u64,
@@ -225,10 +236,15 @@ impl CpRun {
             self.ring,
             self.windows,
             self.placement,
+            self.sharding,
             self.backend,
             self.attention
         ])
     }
+}
+
+fn zigzag() -> String {
+    "zigzag".into()
 }
 
 /// One rank of a context-parallel run.
@@ -237,6 +253,12 @@ pub struct CpRank {
     /// The GPU it ran on (NCCL runs).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device: Option<String>,
+    /// The attention area the rank computes: its query rows' allowed keys over its heads.
+    #[serde(default)]
+    pub area: u64,
+    /// The runs of consecutive tokens its share of the sequence comes in.
+    #[serde(default)]
+    pub pieces: u64,
     pub forward: PassTimes,
     pub backward: PassTimes,
 }
@@ -468,6 +490,8 @@ mod legacy {
             let ranks: Vec<CpRank> = (0..forward.len().max(backward.len()))
                 .map(|rank| CpRank {
                     device: None,
+                    area: 0,
+                    pieces: 0,
                     forward: pass(&forward, rank),
                     backward: pass(&backward, rank),
                 })

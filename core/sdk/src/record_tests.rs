@@ -135,7 +135,17 @@ fn version_one_context_parallel_runs_read_as_ranks() {
     assert_eq!(cp.ranks[0].backward.total_s, Some(0.3));
     assert_eq!(
         cp.cell(),
-        json!(["ring_p2p", 2, 1, 2, 1, "ring_inner", "threads", "builtin"])
+        json!([
+            "ring_p2p",
+            2,
+            1,
+            2,
+            1,
+            "ring_inner",
+            "zigzag",
+            "threads",
+            "builtin"
+        ])
     );
 
     let nccl: Measurement = serde_json::from_value(version_one(with(

@@ -116,20 +116,20 @@ fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, String> {
     attnbench_sdk::libraries::require("libnccl", "NCCL")?;
     let problem = &job.problem;
     problem.check_world(info)?;
-    let setup = problem.setup;
-    let layout = setup.layout;
+    let setup = &problem.setup;
+    let layout = &setup.layout;
     let (element, input) = match problem.dtype {
         Element::Bf16 => (Element::Bf16, DType::Bf16),
         Element::F16 => (Element::F16, DType::F16),
         Element::F32 => return Err("dtype `f32`: GPU ranks take bf16 or fp16".into()),
     };
     let shape = problem.shape();
-    crate::threads::check(&setup, &shape)?;
+    crate::threads::check(setup, &shape)?;
     let w = info.rank;
 
     // The TCP mesh carries the NCCL ids; the host groups name each NCCL group's members.
     let world = crate::tcp::join(info)?;
-    let [everyone, ulysses_host, ring_host] = rank_groups(&world, &layout, w);
+    let [everyone, ulysses_host, ring_host] = rank_groups(&world, layout, w);
 
     let ctx = CudaContext::new(0).map_err(|err| format!("cannot open the rank's GPU: {err}"))?;
     // Every stream order here is explicit (events between the compute and NCCL streams).
@@ -154,7 +154,7 @@ fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, String> {
     // tensors, without every rank holding them.
     let draws = RandomInputs::new(&shape, problem.seed, element);
     let head_masks = HeadMasks::new(&problem.mask, &shape);
-    let rank = Rank::new(setup, w, &problem.mask, &head_masks, &shape);
+    let rank = Rank::new(setup.clone(), w, &problem.mask, &head_masks, &shape);
     let positions = layout.positions(w);
     let (q_heads, kv_heads): (Vec<usize>, Vec<usize>) =
         ((0..shape.heads_q).collect(), (0..shape.heads_kv).collect());

@@ -1,11 +1,13 @@
 //! Who holds which tokens and heads. A world of `U × R` ranks: Ulysses groups of `U` ranks split
 //! heads, ring groups of `R` ranks split the sequence. The sequence is first dealt over the ring
-//! in zigzag (dual-chunk) order — ring rank r holds chunks r and 2R−1−r of 2R, so causal work is
-//! even — then each ring shard is split contiguously over its Ulysses group. Ulysses alone is
-//! `U = N, R = 1` (contiguous pieces); the rings alone are `U = 1, R = N`.
+//! by a [`Sharding`] (zigzag, dual chunks, by default: ring rank r holds chunks r and 2R−1−r of
+//! 2R, so causal work is even), then each ring shard is split into equal consecutive pieces over
+//! its Ulysses group. Ulysses alone is `U = N, R = 1`; the rings alone are `U = 1, R = N`.
 //!
 //! Unlike LongCA-bench, chunks are cut from the whole sequence, not per document: the mask (any
 //! mask of the IR) decides which pairs are computed, so documents need no padding.
+
+use crate::sharding::Sharding;
 
 attnbench_sdk::named_enum! {
     /// Which of the two groups is made of consecutive world ranks (the fast, intra-node,
@@ -18,15 +20,52 @@ attnbench_sdk::named_enum! {
     }
 }
 
-#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Layout {
     pub seqlen: usize,
     pub ulysses: usize,
     pub ring: usize,
     pub placement: Placement,
+    pub sharding: Sharding,
+    /// The tokens of each ring rank, ascending: the sharding applied once.
+    shards: Vec<Vec<u32>>,
 }
 
 impl Layout {
+    /// The layout of `seqlen` tokens over `ulysses × ring` ranks, or why the sharding cannot deal
+    /// them. `work` gives each token's work (see [`crate::sharding::row_work`]); only the balanced
+    /// sharding reads it.
+    pub fn new(
+        seqlen: usize,
+        ulysses: usize,
+        ring: usize,
+        placement: Placement,
+        sharding: Sharding,
+        work: impl FnOnce() -> Vec<u64>,
+    ) -> Result<Layout, String> {
+        sharding.check(seqlen, ring, ulysses)?;
+        Ok(Layout {
+            seqlen,
+            ulysses,
+            ring,
+            placement,
+            sharding,
+            shards: sharding.shards(seqlen, ring, work),
+        })
+    }
+
+    /// The groups alone, with no tokens dealt: what the cost model needs of a layout.
+    pub fn groups(seqlen: usize, ulysses: usize, ring: usize, placement: Placement) -> Layout {
+        Layout {
+            seqlen,
+            ulysses,
+            ring,
+            placement,
+            sharding: Sharding::Zigzag,
+            shards: Vec::new(),
+        }
+    }
+
     pub fn world(&self) -> usize {
         self.ulysses * self.ring
     }
@@ -46,24 +85,9 @@ impl Layout {
         }
     }
 
-    /// Why this layout cannot shard the sequence, if it cannot.
-    pub fn check(&self) -> Result<(), String> {
-        let pieces = 2 * self.ring * self.ulysses;
-        if self.ulysses == 0 || self.ring == 0 || !self.seqlen.is_multiple_of(pieces) {
-            return Err(format!(
-                "seqlen {} must be a multiple of 2·ring·ulysses = {pieces}",
-                self.seqlen
-            ));
-        }
-        Ok(())
-    }
-
-    /// The tokens of ring rank r (zigzag chunks r and 2R−1−r), in order.
-    pub fn ring_positions(&self, r: usize) -> Vec<u32> {
-        let chunk = self.seqlen / (2 * self.ring);
-        let head = r * chunk..(r + 1) * chunk;
-        let tail = (2 * self.ring - 1 - r) * chunk..(2 * self.ring - r) * chunk;
-        head.chain(tail).map(|p| p as u32).collect()
+    /// The tokens of ring rank r, ascending.
+    pub fn ring_positions(&self, r: usize) -> &[u32] {
+        &self.shards[r]
     }
 
     /// The tokens of a world rank: its piece of its ring shard.
@@ -80,34 +104,65 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_token_is_held_by_exactly_one_rank() {
-        for (ulysses, ring) in [(1, 4), (4, 1), (2, 3), (3, 2), (2, 4)] {
-            for placement in [Placement::RingInner, Placement::UlyssesInner] {
-                let layout = Layout {
-                    seqlen: 48,
-                    ulysses,
-                    ring,
-                    placement,
-                };
-                layout.check().unwrap();
-                let mut seen: Vec<u32> = (0..layout.world())
-                    .flat_map(|w| layout.positions(w))
-                    .collect();
-                seen.sort();
-                assert_eq!(seen, (0..48).collect::<Vec<_>>());
-                for w in 0..layout.world() {
-                    let (u, r) = layout.coords(w);
-                    assert_eq!(layout.world_rank(u, r), w);
+    fn every_token_is_held_by_exactly_one_rank_under_every_sharding() {
+        let causal = || (1..=48).collect::<Vec<u64>>();
+        for sharding in [
+            Sharding::Contiguous,
+            Sharding::Zigzag,
+            Sharding::Striped { width: 1 },
+            Sharding::Striped { width: 2 },
+            Sharding::Balanced { chunk: 2 },
+        ] {
+            for (ulysses, ring) in [(1, 4), (4, 1), (2, 3), (3, 2), (2, 4)] {
+                for placement in [Placement::RingInner, Placement::UlyssesInner] {
+                    let layout =
+                        Layout::new(48, ulysses, ring, placement, sharding, causal).unwrap();
+                    let mut seen: Vec<u32> = (0..layout.world())
+                        .flat_map(|w| layout.positions(w))
+                        .collect();
+                    seen.sort();
+                    assert_eq!(
+                        seen,
+                        (0..48).collect::<Vec<_>>(),
+                        "{sharding:?} {ulysses}×{ring}"
+                    );
+                    for w in 0..layout.world() {
+                        let (u, r) = layout.coords(w);
+                        assert_eq!(layout.world_rank(u, r), w);
+                        assert_eq!(layout.positions(w).len(), 48 / layout.world());
+                    }
                 }
             }
         }
-        let zigzag = Layout {
-            seqlen: 8,
-            ulysses: 1,
-            ring: 2,
-            placement: Placement::RingInner,
-        };
+    }
+
+    #[test]
+    fn each_sharding_deals_the_tokens_it_names() {
+        let layout =
+            |sharding| Layout::new(8, 1, 2, Placement::RingInner, sharding, Vec::new).unwrap();
+        let zigzag = layout(Sharding::Zigzag);
         assert_eq!(zigzag.positions(0), vec![0, 1, 6, 7]);
         assert_eq!(zigzag.positions(1), vec![2, 3, 4, 5]);
+        assert_eq!(layout(Sharding::Contiguous).positions(1), vec![4, 5, 6, 7]);
+        assert_eq!(
+            layout(Sharding::Striped { width: 1 }).positions(1),
+            vec![1, 3, 5, 7]
+        );
+        assert_eq!(
+            layout(Sharding::Striped { width: 2 }).positions(0),
+            vec![0, 1, 4, 5]
+        );
+        let refused = Layout::new(
+            10,
+            1,
+            4,
+            Placement::RingInner,
+            Sharding::Striped { width: 2 },
+            Vec::new,
+        );
+        assert_eq!(
+            refused.unwrap_err(),
+            "seqlen 10 must be a multiple of stripe·ring (2·4) = 8"
+        );
     }
 }

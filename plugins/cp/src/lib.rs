@@ -5,6 +5,7 @@
 //! method's per-GPU throughput from 8 to 1024 GPUs (see `model`); `cp/links` measures the NCCL
 //! collectives those methods use between this machine's GPUs (see `links`).
 
+mod balance;
 mod comm;
 mod device;
 mod gpu_rank;
@@ -16,6 +17,7 @@ mod methods;
 mod model;
 mod nccl;
 mod processes;
+mod sharding;
 mod tcp;
 mod threads;
 mod volume;
@@ -37,6 +39,7 @@ use serde_json::{json, Value};
 pub use layout::{Layout, Placement};
 pub use methods::{Method, Setup};
 pub use processes::rank_main;
+pub use sharding::{imbalance, rank_shares, row_work, Sharding, ShardingKind};
 
 struct Cp;
 
@@ -67,6 +70,9 @@ impl Plugin for Cp {
                         .param(ParamSpec::new("ulysses", ParamType::Int).default(0).doc("Ulysses group size for usp and loongtrain (0: the largest divisor U of world with U² ≤ world)."))
                         .param(ParamSpec::new("windows", ParamType::Int).default(0).doc("LoongTrain's ring windows (0: the largest divisor m of the ring size R with m² ≤ R, as LongCA-bench)."))
                         .param(ParamSpec::new("placement", ParamType::one_of(Placement::NAMES)).default("ring_inner").doc("Which group is made of consecutive ranks."))
+                        .param(ParamSpec::new("sharding", ParamType::one_of(ShardingKind::NAMES)).default("zigzag").doc("How the sequence is dealt over the ring: `contiguous` pieces, `zigzag` dual chunks (even causal work), `striped` (stripes of `stripe` tokens round robin, Striped Attention), or `balanced`: chunks of `chunk` tokens given to ranks so that each rank's attention area is even for this mask."))
+                        .param(ParamSpec::new("stripe", ParamType::Int).default(1).doc("`striped`: the stripe's width in tokens (1: token-level, as the paper; a tile's width keeps tiles whole)."))
+                        .param(ParamSpec::new("chunk", ParamType::Int).default(64).doc("`balanced`: the chunk the solver moves, in tokens."))
                         .param(ParamSpec::new("backend", ParamType::one_of(Backend::NAMES)).default("threads").doc("`threads`: ranks as threads of the worker; `processes`: one `attnbench-cp-rank` process per rank, joined over TCP on loopback (as srun/mpirun/torchrun would start them across machines); `nccl`: one such process per GPU, tensors on the GPUs (bf16/fp16 inputs, f32 results), NCCL between them, blocks on `attention`'s device backend (e.g. cuda/flash), outputs checked on 16 rows of every head."))
                         .param(ParamSpec::new("attention", ParamType::Backend).default("builtin").doc("The local attention of every block: `builtin` (f64, in this plugin) or a kernel plugin's in-process backend, e.g. `cpu/reference`."))
                         .param(ParamSpec::new("direction", ParamType::one_of(Direction::NAMES)).default("fwd"))
@@ -147,6 +153,9 @@ struct Params {
     ulysses: usize,
     windows: usize,
     placement: Placement,
+    sharding: ShardingKind,
+    stripe: usize,
+    chunk: usize,
     backend: Backend,
     attention: String,
     direction: Direction,
@@ -157,6 +166,12 @@ struct Params {
     outputs: bool,
     #[serde(flatten)]
     harness: attnbench_sdk::measure::HarnessParams,
+}
+
+impl Params {
+    fn sharding(&self) -> Sharding {
+        Sharding::of(self.sharding, self.stripe, self.chunk)
+    }
 }
 
 /// The largest divisor x of n with x² ≤ n.
@@ -199,16 +214,9 @@ pub fn setup(
             "windows ({windows}) must divide the ring size ({ring})"
         ));
     }
-    let layout = Layout {
-        seqlen,
-        ulysses: u,
-        ring,
-        placement,
-    };
-    layout.check()?;
     Ok(Setup {
         method,
-        layout,
+        layout: Layout::new(seqlen, u, ring, placement, Sharding::Zigzag, Vec::new)?,
         windows,
     })
 }
@@ -260,6 +268,7 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
         seqlen: set.seqlen as usize,
         head_dim: p.head_dim,
     };
+    let work = || sharding::row_work(&set, p.heads_q as u64, p.heads_kv as u64);
     let setup = setup(
         method,
         p.world,
@@ -268,6 +277,7 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
         placement,
         shape.seqlen,
     )
+    .and_then(|setup| setup.sharded(p.sharding(), work))
     .map_err(PluginError::Params)?;
     let element = p.dtype;
     let harness = p.harness.apply(default_harness());
@@ -301,7 +311,7 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
         .map_err(PluginError::failed)?;
     let ranks_dir = request.output_dir.join("ranks");
     let job = processes::Job {
-        problem: rank_problem(&p, setup, &set, request.seed),
+        problem: rank_problem(&p, setup.clone(), &set, request.seed),
         results: ranks_dir.clone(),
         attention,
     };
@@ -312,7 +322,7 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
     let execute = || match p.backend {
         Backend::Processes => processes::run(&job, &job_file, std::time::Duration::from_secs(600)),
         Backend::Threads | Backend::Nccl => {
-            threads::run(setup, &shape, &set, &inputs, backward, opened.as_ref())
+            threads::run(&setup, &shape, &set, &inputs, backward, opened.as_ref())
         }
     };
     let first = execute().map_err(PluginError::failed)?;
@@ -350,6 +360,7 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
             .collect::<Vec<_>>()
     };
     let mut failure = None;
+    let mut mean_samples = Vec::new();
     let timing = harness.time_with(|| {
         let outcome = match execute() {
             Ok(outcome) => outcome,
@@ -358,12 +369,9 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
                 return 0.0;
             }
         };
-        let slowest = |times: &[f64]| times.iter().copied().fold(0.0, f64::max);
-        match p.direction {
-            Direction::Fwd => slowest(&outcome.forward_s),
-            Direction::Bwd => slowest(&outcome.backward_s),
-            Direction::FwdBwd => slowest(&outcome.forward_s) + slowest(&outcome.backward_s),
-        }
+        let rank_times = pass_times(p.direction, &outcome.forward_s, &outcome.backward_s);
+        mean_samples.push(rank_times.iter().sum::<f64>() / rank_times.len().max(1) as f64);
+        rank_times.iter().copied().fold(0.0, f64::max)
     });
     // The ranks' job, logs and results were the means, not the artifact.
     let _ = std::fs::remove_dir_all(&ranks_dir);
@@ -380,6 +388,7 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
         total_s: times.get(rank).copied(),
         ..PassTimes::default()
     };
+    let shares = sharding::rank_shares(&setup.layout, &set, p.heads_q, p.heads_kv);
     measurement.cp = Some(CpRun {
         method: method.to_string(),
         world: ranks,
@@ -387,10 +396,16 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
         ring: setup.layout.ring as u64,
         windows: setup.windows as u64,
         placement: p.placement.to_string(),
+        sharding: setup.layout.sharding.name(),
+        imbalance: Some(sharding::imbalance(
+            &shares.iter().map(|s| s.0).collect::<Vec<_>>(),
+        )),
         backend: p.backend.to_string(),
         attention: p.attention.to_string(),
         launcher: launcher_of(p.backend).into(),
         throughput: "per rank: global FLOPs / ranks / slowest rank's time".into(),
+        mean_rank_tflops: Quantiles::of(&mean_samples)
+            .map(|t| per_rank_flops as f64 / t.p50 / 1e12),
         bytes_sent_forward: counted(&first.sent_forward),
         formula_forward: formula_fwd,
         bytes_sent_backward: counted(&first.sent_backward),
@@ -399,12 +414,23 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
         ranks: (0..ranks as usize)
             .map(|rank| CpRank {
                 device: None,
+                area: shares[rank].0,
+                pieces: shares[rank].1,
                 forward: pass(&first.forward_s, rank),
                 backward: pass(&first.backward_s, rank),
             })
             .collect(),
     });
     measurement.write(&request.output_dir)
+}
+
+/// Each rank's time for `direction` from its forward and backward seconds.
+fn pass_times(direction: Direction, forward: &[f64], backward: &[f64]) -> Vec<f64> {
+    match direction {
+        Direction::Fwd => forward.to_vec(),
+        Direction::Bwd => backward.to_vec(),
+        Direction::FwdBwd => forward.iter().zip(backward).map(|(f, b)| f + b).collect(),
+    }
 }
 
 /// Who started the ranks: the worker's threads, or processes started here or by `srun`.
@@ -450,7 +476,7 @@ impl GpuRun<'_> {
         mut measurement: Measurement,
         harness: &Harness,
     ) -> Result<Value, PluginError> {
-        let (p, shape, setup) = (self.p, &self.shape, self.setup);
+        let (p, shape, setup) = (self.p, &self.shape, &self.setup);
         let attention = attention.ok_or_else(|| {
             PluginError::Params(
                 "backend nccl runs every block on a GPU kernel's in-process backend: set `attention` to one, e.g. cuda/flash".into(),
@@ -474,7 +500,7 @@ impl GpuRun<'_> {
         std::fs::create_dir_all(&ranks_dir)
             .map_err(|err| PluginError::failed(format!("{}: {err}", ranks_dir.display())))?;
         let job = gpu_rank::GpuJob {
-            problem: rank_problem(p, setup, self.set, request.seed),
+            problem: rank_problem(p, setup.clone(), self.set, request.seed),
             attention,
             reps: harness.min_reps.max(10).min(harness.max_reps.max(1)) as usize,
             results: ranks_dir.clone(),
@@ -526,22 +552,25 @@ impl GpuRun<'_> {
             CheckMode::Sampled { rows: 16 },
             tolerance,
         ));
-        let slowest = |times: &dyn Fn(&gpu_rank::GpuRankResult) -> &Vec<f64>, rep: usize| {
-            results
-                .iter()
-                .map(|r| times(r).get(rep).copied().unwrap_or(0.0))
-                .fold(0.0, f64::max)
-        };
-        let samples: Vec<f64> = (0..job.reps)
+        // Each repetition's time on every rank, by both rules: the slowest rank, and the mean.
+        let at = |times: &Vec<f64>, rep: usize| vec![times.get(rep).copied().unwrap_or(0.0)];
+        let per_rep: Vec<Vec<f64>> = (0..job.reps)
             .map(|rep| {
-                let forward = slowest(&|r| &r.forward_s, rep);
-                let backward = slowest(&|r| &r.backward_s, rep);
-                match p.direction {
-                    Direction::Fwd => forward,
-                    Direction::Bwd => backward,
-                    Direction::FwdBwd => forward + backward,
-                }
+                results
+                    .iter()
+                    .map(|r| {
+                        pass_times(p.direction, &at(&r.forward_s, rep), &at(&r.backward_s, rep))[0]
+                    })
+                    .collect()
             })
+            .collect();
+        let samples: Vec<f64> = per_rep
+            .iter()
+            .map(|t| t.iter().copied().fold(0.0, f64::max))
+            .collect();
+        let mean_samples: Vec<f64> = per_rep
+            .iter()
+            .map(|t| t.iter().sum::<f64>() / t.len().max(1) as f64)
             .collect();
         let per_rank_flops = measurement.flops / n as u64;
         let times = Quantiles::of(&samples);
@@ -560,7 +589,8 @@ impl GpuRun<'_> {
             head_dim: p.head_dim as u64,
             element: self.element.bytes() as u64,
         };
-        let (formula_fwd, formula_bwd) = volume::bytes(&setup, &sizes);
+        let (formula_fwd, formula_bwd) = volume::bytes(setup, &sizes);
+        let shares = sharding::rank_shares(&setup.layout, self.set, p.heads_q, p.heads_kv);
         measurement.cp = Some(CpRun {
             method: setup.method.to_string(),
             world: n as u64,
@@ -568,11 +598,17 @@ impl GpuRun<'_> {
             ring: setup.layout.ring as u64,
             windows: setup.windows as u64,
             placement: p.placement.to_string(),
+            sharding: setup.layout.sharding.name(),
+            imbalance: Some(sharding::imbalance(
+                &shares.iter().map(|s| s.0).collect::<Vec<_>>(),
+            )),
             backend: p.backend.to_string(),
             attention: p.attention.to_string(),
             launcher: processes::Launch::from_env().name().into(),
             throughput:
                 "per GPU: global FLOPs / ranks / the slowest rank's time of each repetition".into(),
+            mean_rank_tflops: Quantiles::of(&mean_samples)
+                .map(|t| per_rank_flops as f64 / t.p50 / 1e12),
             bytes_sent_forward: results.iter().map(|r| r.sent.0).collect(),
             formula_forward: formula_fwd,
             bytes_sent_backward: results.iter().map(|r| r.sent.1).collect(),
@@ -583,8 +619,11 @@ impl GpuRun<'_> {
             ),
             ranks: results
                 .iter()
-                .map(|r| CpRank {
+                .zip(&shares)
+                .map(|(r, &(area, pieces))| CpRank {
                     device: Some(r.device.clone()),
+                    area,
+                    pieces,
                     forward: time_parts(&r.forward_s, &r.forward_parts_s),
                     backward: time_parts(&r.backward_s, &r.backward_parts_s),
                 })
@@ -723,13 +762,12 @@ fn against_measurements(
         };
         let setup = Setup {
             method: Method::from_name(&cp.method).ok_or_else(|| unreadable("method"))?,
-            layout: Layout {
-                seqlen: m.mask.seqlen as usize,
-                ulysses: cp.ulysses as usize,
-                ring: cp.ring as usize,
-                placement: Placement::from_name(&cp.placement)
-                    .ok_or_else(|| unreadable("placement"))?,
-            },
+            layout: Layout::groups(
+                m.mask.seqlen as usize,
+                cp.ulysses as usize,
+                cp.ring as usize,
+                Placement::from_name(&cp.placement).ok_or_else(|| unreadable("placement"))?,
+            ),
             windows: cp.windows as usize,
         };
         let method = setup.method;

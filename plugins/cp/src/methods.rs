@@ -11,6 +11,7 @@ use std::ops::Range;
 use crate::comm::Communicator;
 use crate::layout::Layout;
 use crate::local::{Partial, Problem, Store, Tokens};
+use crate::sharding::Sharding;
 
 attnbench_sdk::named_enum! {
     /// The five context-parallel methods, as the `method` parameter and records name them.
@@ -25,11 +26,33 @@ attnbench_sdk::named_enum! {
 
 /// A method with its group sizes: `ulysses × ring` ranks, the ring in `windows` windows
 /// (LoongTrain; 1 otherwise).
-#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Setup {
     pub method: Method,
     pub layout: Layout,
     pub windows: usize,
+}
+
+impl Setup {
+    /// The same groups with the sequence dealt by `sharding` (`work`: each token's work, read
+    /// by the balanced sharding), or why it cannot deal it.
+    pub fn sharded(
+        self,
+        sharding: Sharding,
+        work: impl FnOnce() -> Vec<u64>,
+    ) -> Result<Setup, String> {
+        let Layout {
+            seqlen,
+            ulysses,
+            ring,
+            placement,
+            ..
+        } = self.layout;
+        Ok(Setup {
+            layout: Layout::new(seqlen, ulysses, ring, placement, sharding, work)?,
+            ..self
+        })
+    }
 }
 
 /// dQ of the local rows, dK and dV of the local keys.
@@ -640,7 +663,7 @@ impl<'a> Rank<'a> {
     fn piece_of(&self) -> impl Fn(usize) -> Vec<u32> + '_ {
         let (_, r) = self.coords();
         move |u| {
-            let layout = self.setup.layout;
+            let layout = &self.setup.layout;
             layout.positions(layout.world_rank(u, r))
         }
     }
@@ -657,7 +680,7 @@ impl<'a> Rank<'a> {
             group: self.heads_q / (self.heads_kv * repeat),
             ..self.problem.clone()
         };
-        let ring_of = |r| self.setup.layout.ring_positions(r);
+        let ring_of = |r| self.setup.layout.ring_positions(r).to_vec();
         work(&RingStep {
             store,
             problem: &problem,
@@ -675,7 +698,7 @@ impl<'a> Rank<'a> {
         k: &Tokens<S::Values>,
         v: &Tokens<S::Values>,
     ) -> Result<Forward<S::Values>, String> {
-        let layout = self.setup.layout;
+        let layout = &self.setup.layout;
         let d = self.problem.head_dim;
         let repeat = kv_repeat(self.heads_q, self.heads_kv, layout.ulysses)?;
         let (k, v) = (
@@ -723,7 +746,7 @@ impl<'a> Rank<'a> {
         saved: &Saved<S::Values>,
         d_out: &Tokens<S::Values>,
     ) -> Result<Gradients<S::Values>, String> {
-        let layout = self.setup.layout;
+        let layout = &self.setup.layout;
         let d = self.problem.head_dim;
         let piece_of = self.piece_of();
         let d_out = if layout.ulysses > 1 {

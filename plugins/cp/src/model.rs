@@ -56,12 +56,7 @@ pub fn paper_setup(method: Method, world: usize, placement: Placement, seqlen: u
     };
     Setup {
         method,
-        layout: Layout {
-            seqlen,
-            ulysses,
-            ring,
-            placement,
-        },
+        layout: Layout::groups(seqlen, ulysses, ring, placement),
         windows,
     }
 }
@@ -161,7 +156,7 @@ pub fn predict_setup(setup: &Setup, machine: &Machine, workload: &Workload) -> P
         prediction.reason = Some(reason);
         return prediction;
     }
-    let layout = setup.layout;
+    let layout = &setup.layout;
     let total = flops(workload, seqlen as f64);
     let compute = total / world as f64 / workload.kernel_flops;
     let repeat =

@@ -141,7 +141,7 @@ pub fn rank_main(path: &Path) -> Result<(), String> {
     let result = threads::run_rank(
         world,
         info.rank,
-        problem.setup,
+        &problem.setup,
         &shape,
         &problem.mask,
         &inputs,

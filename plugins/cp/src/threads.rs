@@ -84,7 +84,10 @@ pub fn scatter<V: std::ops::Index<usize, Output = T>, T: Copy + Into<f64>>(
 
 /// Why this problem cannot run with `setup`, if it cannot.
 pub fn check(setup: &Setup, shape: &Shape) -> Result<(), String> {
-    setup.layout.check()?;
+    let layout = &setup.layout;
+    layout
+        .sharding
+        .check(layout.seqlen, layout.ring, layout.ulysses)?;
     if setup.layout.seqlen != shape.seqlen {
         return Err(format!(
             "the layout is for {} tokens, the mask for {}",
@@ -99,21 +102,21 @@ pub fn check(setup: &Setup, shape: &Shape) -> Result<(), String> {
 pub fn run_rank(
     world: Arc<World>,
     w: usize,
-    setup: Setup,
+    setup: &Setup,
     shape: &Shape,
     set: &MaskSet,
     inputs: &Inputs,
     backward: bool,
     attention: Option<&Backend>,
 ) -> Result<RankResult, String> {
-    let layout = setup.layout;
+    let layout = &setup.layout;
     let head_masks = HeadMasks::new(set, shape);
-    let [everyone, ulysses, ring] = rank_groups(&world, &layout, w);
+    let [everyone, ulysses, ring] = rank_groups(&world, layout, w);
     let groups = Groups {
         ulysses: &ulysses,
         ring: &ring,
     };
-    let rank = Rank::new(setup, w, set, &head_masks, shape);
+    let rank = Rank::new(setup.clone(), w, set, &head_masks, shape);
     let (q_heads, kv_heads): (Vec<usize>, Vec<usize>) =
         ((0..shape.heads_q).collect(), (0..shape.heads_kv).collect());
     let positions = layout.positions(w);
@@ -150,14 +153,14 @@ pub fn run_rank(
 
 /// All ranks as threads of this process.
 pub fn run(
-    setup: Setup,
+    setup: &Setup,
     shape: &Shape,
     set: &MaskSet,
     inputs: &Inputs,
     backward: bool,
     attention: Option<&Backend>,
 ) -> Result<Outcome, String> {
-    check(&setup, shape)?;
+    check(setup, shape)?;
     let n = setup.layout.world();
     let world = World::new(n);
     let results: Vec<Result<RankResult, String>> = std::thread::scope(|scope| {

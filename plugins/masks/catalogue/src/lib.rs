@@ -33,6 +33,35 @@ attnbench_sdk::named_enum! {
     }
 }
 
+/// LongCA-bench's histogram `name` (`pile`, `prolong64k`, `prolong512k`) from the shared data
+/// folder beside the checkout, or `ATTNBENCH_LONGCA_DATA`: tests and measurements read it at run
+/// time, and the project never holds a copy. `None` when it is not there, which CI (`CI` set)
+/// does not allow.
+pub fn shared_longca_histogram(name: &str) -> Option<Histogram> {
+    let dir = std::env::var_os("ATTNBENCH_LONGCA_DATA")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../../../shared/data/longca-distributions")
+        });
+    match std::fs::read_to_string(dir.join(format!("{name}.json"))) {
+        Ok(text) => {
+            Some(Histogram::from_longca_json(&text).expect("LongCA-bench's histogram parses"))
+        }
+        Err(err) => {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "LongCA-bench's {name}.json is missing under CI: {err}"
+            );
+            eprintln!(
+                "skipping: LongCA-bench's {name}.json not found in {} ({err}); set ATTNBENCH_LONGCA_DATA",
+                dir.display()
+            );
+            None
+        }
+    }
+}
+
 /// The parameters of `masks/generate` (defaults in the manifest are LongCA-bench's).
 #[derive(Debug, Clone, Deserialize)]
 pub struct Params {

@@ -1,5 +1,3 @@
-use std::path::PathBuf;
-
 use super::*;
 
 fn params(mask: &str, seqlen: u64) -> Params {
@@ -13,33 +11,9 @@ fn params(mask: &str, seqlen: u64) -> Params {
     }
 }
 
-/// LongCA-bench's own histogram, read from the shared data folder beside the checkout (never
-/// copied into the project). Missing data fails under CI and is reported elsewhere.
-fn longca_histogram(name: &str) -> Option<Histogram> {
-    let dir = std::env::var_os("ATTNBENCH_LONGCA_DATA")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../../../shared/data/longca-distributions")
-        });
-    match std::fs::read_to_string(dir.join(format!("{name}.json"))) {
-        Ok(text) => {
-            Some(Histogram::from_longca_json(&text).expect("LongCA-bench's histogram parses"))
-        }
-        Err(err) => {
-            assert!(
-                std::env::var_os("CI").is_none(),
-                "LongCA-bench's {name}.json is missing under CI: {err}"
-            );
-            eprintln!("skipping: LongCA-bench's {name}.json not found in {} ({err}); set ATTNBENCH_LONGCA_DATA", dir.display());
-            None
-        }
-    }
-}
-
 #[test]
 fn documents_match_longca_bench_bit_for_bit() {
-    let Some(pile) = longca_histogram("pile") else {
+    let Some(pile) = shared_longca_histogram("pile") else {
         return;
     };
     let set = generate(&params("causal_document", 1024), &pile, 42).unwrap();
@@ -65,7 +39,7 @@ fn documents_match_longca_bench_bit_for_bit() {
 #[test]
 fn every_histogram_of_longca_bench_parses_and_samples() {
     for name in ["pile", "prolong64k", "prolong512k"] {
-        let Some(histogram) = longca_histogram(name) else {
+        let Some(histogram) = shared_longca_histogram(name) else {
             return;
         };
         let documents = histogram.sample_documents(65536, &mut PyRandom::new(42));
