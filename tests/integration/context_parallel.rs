@@ -19,6 +19,8 @@ fn the_cpu_context_parallel_pipeline_is_exact_and_its_traffic_matches_the_formul
         "stages.cp.with.min_reps=1",
         "--set",
         "stages.cp.with.warmup_reps=0",
+        "--set",
+        "stages.cp.matrix.sharding=[zigzag, balanced]",
     ]);
     assert!(run.status.success(), "{}", stderr(&run));
     let said = format!("{}{}", stdout(&run), stderr(&run));
@@ -44,10 +46,23 @@ fn the_cpu_context_parallel_pipeline_is_exact_and_its_traffic_matches_the_formul
                 assert_eq!(sent.as_u64().unwrap(), formula_backward, "{id}: {cp}");
             }
         }
+        let areas: Vec<u64> = cp["ranks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|rank| rank["area"].as_u64().unwrap())
+            .collect();
+        let mean = areas.iter().sum::<u64>() as f64 / areas.len() as f64;
+        let imbalance = cp["imbalance"].as_f64().unwrap();
+        assert!(
+            (imbalance - *areas.iter().max().unwrap() as f64 / mean).abs() < 1e-9,
+            "{id}: {cp}"
+        );
+        assert!(cp["mean_rank_tflops"].as_f64().unwrap() > 0.0, "{id}: {cp}");
         checked += 1;
     }
-    // 3 masks × 5 methods × 2 world sizes × 2 directions
-    assert_eq!(checked, 60);
+    // 3 masks × 5 methods × 2 world sizes × 2 directions × 2 shardings
+    assert_eq!(checked, 120);
 }
 
 #[test]

@@ -343,6 +343,8 @@ fn cp_ranks_start_under_srun(cluster: &SlurmCluster) {
             "--set",
             "stages.cp.matrix.direction=[bwd]",
             "--set",
+            "stages.cp.matrix.sharding=[balanced]",
+            "--set",
             "stages.cp.with.backend=processes",
             "--set",
             "stages.cp.with.min_reps=1",
@@ -363,4 +365,5 @@ fn cp_ranks_start_under_srun(cluster: &SlurmCluster) {
     let cp = &m["cp"];
     assert_eq!(cp["launcher"], "srun", "{id}: {cp}");
     assert_eq!(cp["world"], 2, "{id}: {cp}");
+    assert_eq!(cp["sharding"], "balanced(8)", "{id}: {cp}");
 }
