@@ -75,7 +75,7 @@ fn the_cost_model_pipeline_predicts_every_method_and_its_report_plots_the_curves
     let nodes = record["nodes"].as_array().unwrap();
     let model = nodes
         .iter()
-        .find(|n| n["id"] == "model[mask=causal,direction=fwd]")
+        .find(|n| n["id"] == "model[mask=causal,direction=fwd,sharding=contiguous]")
         .unwrap();
     let path = std::path::Path::new(model["artifact"].as_str().unwrap()).join("predictions.json");
     let predictions: serde_json::Value =
@@ -83,6 +83,17 @@ fn the_cost_model_pipeline_predicts_every_method_and_its_report_plots_the_curves
     let points = predictions["points"].as_array().unwrap();
     assert_eq!(points.len(), 5 * 8, "5 methods × 8 world sizes");
     for point in points {
+        // Contiguous pieces leave a ring's last rank most of the causal work; Ulysses has no ring.
+        let imbalance = point["imbalance"].as_f64().unwrap();
+        let world = point["world"].as_u64().unwrap();
+        let ring = match point["method"].as_str().unwrap() {
+            "ulysses" => 1,
+            "usp" | "loongtrain" => world / world.min(8),
+            _ => world,
+        };
+        // Contiguous pieces of a causal mask: the last of R ranks carries (2R − 1)/R of the mean.
+        let expected = (2 * ring - 1) as f64 / ring as f64;
+        assert!((imbalance - expected).abs() < 1e-3, "{point}");
         match point["tflops_per_gpu"].as_f64() {
             Some(tflops) => assert!(tflops > 0.0 && tflops <= 350.6 + 1e-6, "{point}"),
             // Ulysses cannot split 64 heads over more than 64 ranks.
@@ -100,8 +111,8 @@ fn the_cost_model_pipeline_predicts_every_method_and_its_report_plots_the_curves
     assert!(html.contains("Predicted context-parallel throughput"));
     assert_eq!(
         html.matches("<figure><svg").count(),
-        4,
-        "one chart per mask and direction"
+        16,
+        "one chart per mask, direction and sharding"
     );
 }
 

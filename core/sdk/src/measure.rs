@@ -362,6 +362,12 @@ pub struct Prediction {
     /// Communication time not hidden behind compute.
     pub exposed_communication_s: Option<f64>,
     pub reason: Option<String>,
+    /// How the sequence is dealt over the ring, and the most loaded rank's work over the mean
+    /// rank's under it (its compute is that much longer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sharding: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub imbalance: Option<f64>,
 }
 
 /// A context-parallel cell measured on GPUs beside the cost model's prediction for it: the same

@@ -72,7 +72,8 @@ fn longest_first(work: &[u64], ranks: usize, per: usize) -> Vec<Vec<usize>> {
 }
 
 /// Swaps one chunk of the most loaded rank for one of the least loaded while that lowers the
-/// larger of the two loads; each swap takes the pair that evens them best.
+/// larger of the two loads; each swap takes the pair that evens them best, found by a binary
+/// search over the least loaded rank's chunks (a swap costs O(c log c) for c chunks a rank).
 fn swapped(work: &[u64], mut assigned: Vec<Vec<usize>>) -> Vec<Vec<usize>> {
     let mut loads: Vec<u64> = assigned
         .iter()
@@ -82,14 +83,24 @@ fn swapped(work: &[u64], mut assigned: Vec<Vec<usize>>) -> Vec<Vec<usize>> {
         let most = (0..loads.len()).max_by_key(|&r| loads[r]).unwrap_or(0);
         let least = (0..loads.len()).min_by_key(|&r| loads[r]).unwrap_or(0);
         let gap = loads[most] - loads[least];
-        // Moving d from `most` to `least` leaves max(most − d, least + d): best at d = gap / 2.
+        // Moving d from `most` to `least` leaves max(most − d, least + d): best at d = gap / 2,
+        // and a swap helps only for 0 < d < gap.
+        let mut candidates: Vec<(u64, usize)> = assigned[least]
+            .iter()
+            .enumerate()
+            .map(|(j, &b)| (work[b], j))
+            .collect();
+        candidates.sort_unstable();
         let mut best: Option<(u64, usize, usize)> = None;
         for (i, &a) in assigned[most].iter().enumerate() {
-            for (j, &b) in assigned[least].iter().enumerate() {
-                if work[a] <= work[b] || work[a] - work[b] >= gap {
+            let target = work[a].saturating_sub(gap / 2);
+            let at = candidates.partition_point(|&(w, _)| w < target);
+            for &(w_b, j) in candidates[at.saturating_sub(1)..(at + 1).min(candidates.len())].iter()
+            {
+                if work[a] <= w_b || work[a] - w_b >= gap {
                     continue;
                 }
-                let d = work[a] - work[b];
+                let d = work[a] - w_b;
                 let larger = (loads[most] - d).max(loads[least] + d);
                 if best.is_none_or(|(l, _, _)| larger < l) {
                     best = Some((larger, i, j));

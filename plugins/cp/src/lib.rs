@@ -22,6 +22,8 @@ mod tcp;
 mod threads;
 mod volume;
 
+use std::collections::BTreeMap;
+
 use attnbench_sdk::measure::{
     CpRank, CpRun, Direction, Harness, Measurement, PassTimes, Quantiles, Throughput,
 };
@@ -118,6 +120,9 @@ impl Plugin for Cp {
                     .param(ParamSpec::new("nvlink_latency_us", ParamType::Float).default(5.0))
                     .param(ParamSpec::new("infiniband_latency_us", ParamType::Float).default(10.0))
                     .param(ParamSpec::new("placement", ParamType::one_of(Placement::NAMES)).default("ulysses_inner").doc("Which group is made of consecutive ranks (on one node first)."))
+                    .param(ParamSpec::new("sharding", ParamType::one_of(ShardingKind::NAMES)).default("zigzag").doc("How the sequence is dealt over each ring: its imbalance on the mask (most loaded rank over the mean) slows the slowest rank's compute."))
+                    .param(ParamSpec::new("stripe", ParamType::Int).default(1).doc("`striped`: the stripe's width in tokens."))
+                    .param(ParamSpec::new("chunk", ParamType::Int).default(64).doc("`balanced`: the chunk the solver moves, in tokens."))
                     .output("predictions")
                     .cache_scope(CacheScope::Pure),
             )
@@ -650,6 +655,9 @@ pub(crate) struct ModelParams {
     nvlink_latency_us: f64,
     infiniband_latency_us: f64,
     placement: Placement,
+    sharding: ShardingKind,
+    stripe: usize,
+    chunk: usize,
 }
 
 fn model_stage(request: &StageRequest) -> Result<Value, PluginError> {
@@ -697,13 +705,48 @@ fn model_stage(request: &StageRequest) -> Result<Value, PluginError> {
         },
         causal: p.mask == ModelMask::Causal,
         backward,
+        imbalance: 1.0,
         kernel_flops: kernel_tflops * 1e12,
     };
     let placement = p.placement;
+    let sharding = Sharding::of(p.sharding, p.stripe, p.chunk);
+    // The sharding's imbalance depends on the ring's size and the tokens only: computed once each.
+    let mut imbalances: BTreeMap<(usize, usize), Result<f64, String>> = BTreeMap::new();
     let points = Method::ALL
         .iter()
         .flat_map(|&method| p.worlds.iter().map(move |&world| (method, world)))
-        .map(|(method, world)| model::predict(method, world, placement, &machine, &workload))
+        .map(|(method, world)| {
+            let seqlen = p.tokens_per_gpu as usize * world;
+            let setup = model::paper_setup(method, world, placement, seqlen);
+            let ring = setup.layout.ring;
+            let imbalance = imbalances
+                .entry((ring, seqlen))
+                .or_insert_with(|| {
+                    sharding::model_imbalance(sharding, workload.causal, seqlen, ring)
+                })
+                .clone();
+            let mut prediction = match &imbalance {
+                Ok(imbalance) => model::predict_setup(
+                    &setup,
+                    &machine,
+                    &model::Workload {
+                        imbalance: *imbalance,
+                        ..workload.clone()
+                    },
+                ),
+                Err(_) => model::predict_setup(&setup, &machine, &workload),
+            };
+            prediction.sharding = Some(sharding.name());
+            match imbalance {
+                Ok(imbalance) => prediction.imbalance = Some(imbalance),
+                Err(why) => {
+                    prediction.reason = Some(format!("{}: {why}", sharding.name()));
+                    (prediction.tflops_per_gpu, prediction.time_s) = (None, None);
+                    (prediction.compute_s, prediction.exposed_communication_s) = (None, None);
+                }
+            }
+            prediction
+        })
         .collect();
     let mut assumptions = serde_json::Map::new();
     for (key, value) in [
@@ -805,6 +848,8 @@ fn against_measurements(
             },
             causal: p.mask == ModelMask::Causal,
             backward: p.direction == Direction::Bwd,
+            // The slowest rank's kernel time already holds the sharding's imbalance.
+            imbalance: 1.0,
             kernel_flops: m.flops as f64 / world as f64 / kernels_s.max(1e-12),
         };
         comparisons.push(attnbench_sdk::measure::Comparison {

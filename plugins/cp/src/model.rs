@@ -2,8 +2,9 @@
 //! throughput, the links' bandwidths and latencies, and the methods' traffic (the formulas the
 //! threads backend is held to).
 //!
-//! Compute is the kernel at its measured rate on the rank's share of the FLOPs (the zigzag
-//! layout balances causal work). A ring step overlaps its block's transfer with the previous
+//! Compute is the kernel at its measured rate on the slowest rank's share of the FLOPs: the mean
+//! share times the sharding's imbalance on the mask (1 for zigzag on causal masks, more for
+//! documents; `sharding::model_imbalance`). A ring step overlaps its block's transfer with the previous
 //! block's compute, so a step costs the larger of the two; LoongTrain's inter-window transfer
 //! hides behind a whole window. All-to-alls and all-gathers are not overlapped. A transfer runs at
 //! NVLink speed when every member of its group is on one node, else at InfiniBand speed (the
@@ -33,6 +34,8 @@ pub struct Workload {
     /// Allowed fraction of the S×S score matrix (1 for full, about ½ for causal).
     pub causal: bool,
     pub backward: bool,
+    /// The most loaded ring rank's work over the mean's, under the sharding (1: even).
+    pub imbalance: f64,
     /// The kernel's measured throughput, FLOP/s.
     pub kernel_flops: f64,
 }
@@ -113,23 +116,6 @@ fn flops(workload: &Workload, seqlen: f64) -> f64 {
     }
 }
 
-/// The predicted time of one rank (rank 0: every rank does the same in this model) with
-/// LongCA-bench's groups.
-pub fn predict(
-    method: Method,
-    world: usize,
-    placement: Placement,
-    machine: &Machine,
-    workload: &Workload,
-) -> Prediction {
-    let seqlen = workload.sizes.tokens as usize * world;
-    predict_setup(
-        &paper_setup(method, world, placement, seqlen),
-        machine,
-        workload,
-    )
-}
-
 /// The predicted time of one rank of `setup`.
 pub fn predict_setup(setup: &Setup, machine: &Machine, workload: &Workload) -> Prediction {
     let s = workload.sizes;
@@ -147,6 +133,8 @@ pub fn predict_setup(setup: &Setup, machine: &Machine, workload: &Workload) -> P
         compute_s: None,
         exposed_communication_s: None,
         reason: None,
+        sharding: None,
+        imbalance: None,
     };
     if let Err(reason) = kv_repeat(
         s.heads_q as usize,
@@ -158,7 +146,8 @@ pub fn predict_setup(setup: &Setup, machine: &Machine, workload: &Workload) -> P
     }
     let layout = &setup.layout;
     let total = flops(workload, seqlen as f64);
-    let compute = total / world as f64 / workload.kernel_flops;
+    // The slowest rank sets the pace: its share is the mean's times the sharding's imbalance.
+    let compute = total / world as f64 / workload.kernel_flops * workload.imbalance;
     let repeat =
         kv_repeat(s.heads_q as usize, s.heads_kv as usize, layout.ulysses).unwrap_or(1) as f64;
     let q = s.tokens as f64 * s.heads_q as f64 * s.head_dim as f64 * s.element as f64;
@@ -213,6 +202,23 @@ pub fn predict_setup(setup: &Setup, machine: &Machine, workload: &Workload) -> P
 mod tests {
     use super::*;
 
+    /// The predicted time of one rank (rank 0: every rank does the same in this model) with
+    /// LongCA-bench's groups.
+    fn predict(
+        method: Method,
+        world: usize,
+        placement: Placement,
+        machine: &Machine,
+        workload: &Workload,
+    ) -> Prediction {
+        let seqlen = workload.sizes.tokens as usize * world;
+        predict_setup(
+            &paper_setup(method, world, placement, seqlen),
+            machine,
+            workload,
+        )
+    }
+
     fn h200_cluster() -> Machine {
         Machine {
             gpus_per_node: 8,
@@ -234,6 +240,7 @@ mod tests {
             },
             causal,
             backward,
+            imbalance: 1.0,
             kernel_flops: 400e12,
         }
     }

@@ -202,3 +202,27 @@ pub fn rank_shares(
         })
         .collect()
 }
+
+/// The imbalance `sharding` leaves on a ring of `ring` ranks over `seqlen` tokens of the cost
+/// model's masks: every row alike (full) or row q holding q + 1 keys (causal). Ulysses groups
+/// split heads evenly, so only the ring matters.
+pub fn model_imbalance(
+    sharding: Sharding,
+    causal: bool,
+    seqlen: usize,
+    ring: usize,
+) -> Result<f64, String> {
+    sharding.check(seqlen, ring, 1)?;
+    let work = || -> Vec<u64> {
+        (0..seqlen as u64)
+            .map(|q| if causal { q + 1 } else { seqlen as u64 })
+            .collect()
+    };
+    let row = |q: u32| if causal { q as u64 + 1 } else { seqlen as u64 };
+    let areas: Vec<u64> = sharding
+        .shards(seqlen, ring, work)
+        .iter()
+        .map(|shard| shard.iter().map(|&q| row(q)).sum())
+        .collect();
+    Ok(imbalance(&areas))
+}

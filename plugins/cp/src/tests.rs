@@ -365,7 +365,8 @@ fn the_model_sets_measured_gpu_cells_beside_its_predictions() {
         "mask": "full", "direction": "fwd", "tokens_per_gpu": 48, "heads_q": 4, "heads_kv": 2,
         "head_dim": 8, "dtype": "bf16", "kernel_tflops": 0.0, "worlds": [2], "gpus_per_node": 8,
         "nvlink_gbs": 300.0, "infiniband_gbs": 48.0, "nvlink_latency_us": 20.0,
-        "infiniband_latency_us": 5.0, "placement": "ring_inner",
+        "infiniband_latency_us": 5.0, "placement": "ring_inner", "sharding": "zigzag", "stripe": 1,
+        "chunk": 64,
     }))
     .unwrap();
     let machine = crate::model::Machine {
@@ -773,4 +774,26 @@ fn pile_documents_stay_exact_under_every_sharding_and_balance_at_8_ranks() {
         balanced < zigzag && balanced < contiguous,
         "{balanced} {zigzag} {contiguous}"
     );
+}
+
+/// The cost model under each sharding: on a causal mask zigzag and token-level stripes leave the
+/// ring even, contiguous pieces leave the last rank with most of the work, and the predicted
+/// throughput falls with that imbalance.
+#[test]
+fn the_model_slows_the_slowest_rank_by_the_shardings_imbalance() {
+    let causal = |sharding| sharding::model_imbalance(sharding, true, 8 * 64, 8).unwrap();
+    assert!((causal(Sharding::Zigzag) - 1.0).abs() < 1e-12);
+    // Token stripes: rank r holds rows r, r + 8, …; the last rank 64·7 rows more than the first.
+    assert!((causal(Sharding::Striped { width: 1 }) - 16640.0 / 16416.0).abs() < 1e-9);
+    // Rank 7 of 8 holds the last eighth of the rows: (15/16)/(1/8)/… = 15/8 of the mean.
+    assert!(
+        (causal(Sharding::Contiguous) - 1.875).abs() < 0.01,
+        "{}",
+        causal(Sharding::Contiguous)
+    );
+    assert!(causal(Sharding::Balanced { chunk: 8 }) < 1.01);
+    let full = sharding::model_imbalance(Sharding::Contiguous, false, 512, 8).unwrap();
+    assert_eq!(full, 1.0);
+    let refused = sharding::model_imbalance(Sharding::Striped { width: 100 }, true, 512, 8);
+    assert!(refused.unwrap_err().contains("stripe·ring"));
 }

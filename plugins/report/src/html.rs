@@ -48,7 +48,7 @@ pub struct Page<'a> {
 
 /// The cost model's points, with the reason of every size a method cannot run.
 fn predictions(out: &mut String, points: &[attnbench_sdk::measure::Prediction]) {
-    out.push_str("<table id=\"predictions\"><tr><th>method</th><th>mask</th><th>direction</th><th>GPUs</th><th>TFLOP/s per GPU</th><th>time</th><th>compute</th><th>exposed communication</th></tr>");
+    out.push_str("<table id=\"predictions\"><tr><th>method</th><th>sharding</th><th>mask</th><th>direction</th><th>GPUs</th><th>imbalance</th><th>TFLOP/s per GPU</th><th>time</th><th>compute</th><th>exposed communication</th></tr>");
     let ms = |s: Option<f64>| s.map(|s| format!("{:.3} ms", s * 1e3)).unwrap_or_default();
     for p in points {
         let tflops = match (p.tflops_per_gpu, &p.reason) {
@@ -56,9 +56,10 @@ fn predictions(out: &mut String, points: &[attnbench_sdk::measure::Prediction]) 
             (None, Some(reason)) => format!("<span title=\"{}\">cannot run</span>", escape(reason)),
             (None, None) => String::new(),
         };
+        let imbalance = p.imbalance.map(|x| format!("{x:.3}")).unwrap_or_default();
         out.push_str(&format!(
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td class=num>{}</td><td class=num>{tflops}</td><td class=num>{}</td><td class=num>{}</td><td class=num>{}</td></tr>",
-            escape(&p.method), escape(&p.mask), escape(&p.direction), p.world,
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td class=num>{}</td><td class=num>{imbalance}</td><td class=num>{tflops}</td><td class=num>{}</td><td class=num>{}</td><td class=num>{}</td></tr>",
+            escape(&p.method), escape(p.sharding.as_deref().unwrap_or("")), escape(&p.mask), escape(&p.direction), p.world,
             ms(p.time_s), ms(p.compute_s), ms(p.exposed_communication_s)
         ));
     }
@@ -279,6 +280,8 @@ mod tests {
             compute_s: Some(15.18e-3),
             exposed_communication_s: Some(0.0),
             reason: None,
+            sharding: Some("zigzag".into()),
+            imbalance: Some(1.0),
         };
         let comparison = Comparison {
             method: "ring_p2p".into(),

@@ -195,10 +195,14 @@ pub fn prediction_charts(predictions: &[Prediction]) -> Vec<Chart> {
             continue;
         };
         let title = format!(
-            "{} · {} · {} tokens per GPU",
+            "{} · {} · {} tokens per GPU{}",
             p.mask,
             p.direction,
-            format_size(p.tokens_per_gpu)
+            format_size(p.tokens_per_gpu),
+            p.sharding
+                .as_ref()
+                .map(|s| format!(" · {s}"))
+                .unwrap_or_default()
         );
         charts
             .entry(title)
