@@ -8,27 +8,13 @@
 //!
 //! Run with `cargo build --release --workspace && cargo bench --bench masks`.
 
-use std::time::{Duration, Instant};
-
 use attnbench_mask_catalogue::{generate, Params, Pattern};
 use attnbench_sdk::histogram::Histogram;
 use attnbench_sdk::mask::Flops;
-use attnbench_tests::{stderr, Sandbox};
+use attnbench_tests::{best, stderr, Sandbox};
 
 fn params(seqlen: u64) -> Params {
     Params::new(Pattern::CausalDocument, seqlen)
-}
-
-fn best<T>(tries: usize, mut work: impl FnMut() -> T) -> (Duration, T) {
-    let mut best = Duration::MAX;
-    let mut last = None;
-    for _ in 0..tries {
-        let start = Instant::now();
-        let value = work();
-        best = best.min(start.elapsed());
-        last = Some(value);
-    }
-    (best, last.expect("at least one try"))
 }
 
 fn block_sparse_host_work() {

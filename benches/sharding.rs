@@ -6,23 +6,10 @@
 //!
 //! Run with `cargo bench --bench sharding`.
 
-use std::time::{Duration, Instant};
-
 use attnbench_cp::{imbalance, rank_shares, row_work, Layout, Placement, Sharding};
 use attnbench_mask_catalogue::{generate, shared_longca_histogram, Params, Pattern};
 use attnbench_sdk::histogram::Histogram;
-
-fn best<T>(tries: usize, mut work: impl FnMut() -> T) -> (Duration, T) {
-    let mut best = Duration::MAX;
-    let mut last = None;
-    for _ in 0..tries {
-        let start = Instant::now();
-        let value = work();
-        best = best.min(start.elapsed());
-        last = Some(value);
-    }
-    (best, last.expect("at least one try"))
-}
+use attnbench_tests::best;
 
 fn main() {
     let (histogram, source) = match shared_longca_histogram("pile") {

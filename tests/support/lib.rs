@@ -298,3 +298,16 @@ pub fn python_with_nvrtc() -> PathBuf {
     }
     python
 }
+
+/// The fastest of `tries` runs of `work` (benchmarks), with the last run's value.
+pub fn best<T>(tries: usize, mut work: impl FnMut() -> T) -> (std::time::Duration, T) {
+    let mut best = std::time::Duration::MAX;
+    let mut last = None;
+    for _ in 0..tries {
+        let start = std::time::Instant::now();
+        let value = work();
+        best = best.min(start.elapsed());
+        last = Some(value);
+    }
+    (best, last.expect("at least one try"))
+}

@@ -206,16 +206,7 @@ pub fn run(args: CompareArgs) -> Result<ExitCode> {
                     cells.insert(cell, record);
                 }
                 Some(kernel) if record.kernel == kernel => {
-                    let key = json!([
-                        record.mask.params,
-                        record.mask.pattern,
-                        record.mask.seqlen,
-                        record.shape,
-                        record.dtype,
-                        record.direction,
-                        record.cp.as_ref().map(|cp| cp.cell()),
-                    ]);
-                    cells.insert(key.to_string(), record);
+                    cells.insert(record.problem(), record);
                 }
                 Some(_) => {}
             }

@@ -217,20 +217,7 @@ fn read_artifact(
     let (path, cell) = if let Ok(bytes) = std::fs::read(&measurement) {
         let record: Measurement = serde_json::from_slice(&bytes)
             .with_context(|| format!("{}: not a measurement record", measurement.display()))?;
-        // What makes two records the same cell: the kernel and its plugin, the mask with every
-        // drawn parameter, the shape, the direction, and a context-parallel run's layout.
-        let cell = json!([
-            record.plugin,
-            record.kernel,
-            record.mask.params,
-            record.mask.pattern,
-            record.mask.seqlen,
-            record.shape,
-            record.dtype,
-            record.direction,
-            record.cp.as_ref().map(|cp| cp.cell()),
-        ]);
-        (measurement, cell.to_string())
+        (measurement, record.cell())
     } else if dir.join(Predictions::FILE).is_file() {
         (dir.join(Predictions::FILE), dir.display().to_string())
     } else {

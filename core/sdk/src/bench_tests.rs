@@ -54,6 +54,17 @@ fn record(cell: &Cell<'_>) -> Measurement {
     )
 }
 
+/// The protocol on `cell` with the default harness and options.
+fn measure(kernel: &mut Reference<'_>, cell: &Cell<'_>) -> Result<Measurement, PluginError> {
+    run(
+        kernel,
+        cell,
+        &Harness::default(),
+        record(cell),
+        Options::default(),
+    )
+}
+
 /// The f64 reference as a kernel, or a wrong one (every output zero); counts its calls.
 struct Reference<'a> {
     set: &'a MaskSet,
@@ -216,14 +227,7 @@ fn a_wrong_kernel_is_timed_with_its_check_failed() {
         wrong: true,
         ..Reference::on(&set)
     };
-    let m = run(
-        &mut kernel,
-        &cell,
-        &Harness::default(),
-        record(&cell),
-        Options::default(),
-    )
-    .unwrap();
+    let m = measure(&mut kernel, &cell).unwrap();
     assert_eq!(m.status, MeasureStatus::Ok);
     assert!(!m.correctness.unwrap().passed);
     assert!(m.timing.is_some());
@@ -237,14 +241,7 @@ fn a_cell_past_the_budget_is_oom_and_one_refused_while_preparing_is_unsupported(
         needs: Some(3 << 30),
         ..Reference::on(&set)
     };
-    let m = run(
-        &mut big,
-        &cell,
-        &Harness::default(),
-        record(&cell),
-        Options::default(),
-    )
-    .unwrap();
+    let m = measure(&mut big, &cell).unwrap();
     assert_eq!(m.status, MeasureStatus::Oom);
     assert_eq!(
         m.reason.as_deref(),
@@ -255,14 +252,7 @@ fn a_cell_past_the_budget_is_oom_and_one_refused_while_preparing_is_unsupported(
         refuse_when_prepared: true,
         ..Reference::on(&set)
     };
-    let m = run(
-        &mut refusing,
-        &cell,
-        &Harness::default(),
-        record(&cell),
-        Options::default(),
-    )
-    .unwrap();
+    let m = measure(&mut refusing, &cell).unwrap();
     assert_eq!(m.status, MeasureStatus::Unsupported);
     assert_eq!(m.reason.as_deref(), Some("found out while preparing"));
     assert!(m.timing.is_none() && m.correctness.is_none());
@@ -276,27 +266,13 @@ fn running_out_of_memory_in_a_step_is_an_oom_record_and_other_errors_fail() {
         oom_when_prepared: true,
         ..Reference::on(&set)
     };
-    let m = run(
-        &mut short,
-        &cell,
-        &Harness::default(),
-        record(&cell),
-        Options::default(),
-    )
-    .unwrap();
+    let m = measure(&mut short, &cell).unwrap();
     assert_eq!(m.status, MeasureStatus::Oom);
     assert_eq!(m.reason.as_deref(), Some("the upload found 1 GiB short"));
     let mut failing = Reference {
         fail: true,
         ..Reference::on(&set)
     };
-    let error = run(
-        &mut failing,
-        &cell,
-        &Harness::default(),
-        record(&cell),
-        Options::default(),
-    )
-    .unwrap_err();
+    let error = measure(&mut failing, &cell).unwrap_err();
     assert_eq!(error.to_string(), "kernel fault");
 }

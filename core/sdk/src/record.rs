@@ -128,6 +128,27 @@ impl Measurement {
         self
     }
 
+    /// What makes two records the same cell, whatever kernel ran it: the mask with every drawn
+    /// parameter, the shape and dtype, the direction, and a context-parallel run's layout. Two
+    /// kernels' records of one cell share it; [`Measurement::cell`] tells kernels apart too.
+    pub fn problem(&self) -> String {
+        serde_json::json!([
+            self.mask.params,
+            self.mask.pattern,
+            self.mask.seqlen,
+            self.shape,
+            self.dtype,
+            self.direction,
+            self.cp.as_ref().map(CpRun::cell),
+        ])
+        .to_string()
+    }
+
+    /// What makes two records the same cell: the plugin and kernel, and [`Measurement::problem`].
+    pub fn cell(&self) -> String {
+        serde_json::json!([self.plugin, self.kernel, self.problem()]).to_string()
+    }
+
     /// What describes the machine and its software rather than this one run, by name: what
     /// `compare` lists when two sets of records differ in it.
     pub fn software(&self) -> Vec<(&'static str, String)> {

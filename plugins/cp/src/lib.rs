@@ -393,40 +393,64 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
         total_s: times.get(rank).copied(),
         ..PassTimes::default()
     };
-    let shares = sharding::rank_shares(&setup.layout, &set, p.heads_q, p.heads_kv);
-    measurement.cp = Some(CpRun {
-        method: method.to_string(),
-        world: ranks,
+    let mut cp = cp_section(&p, &setup, &set, launcher_of(p.backend));
+    cp.throughput = "per rank: global FLOPs / ranks / slowest rank's time".into();
+    cp.mean_rank_tflops = mean_tflops(per_rank_flops, &mean_samples);
+    (cp.bytes_sent_forward, cp.formula_forward) = (counted(&first.sent_forward), formula_fwd);
+    (cp.bytes_sent_backward, cp.formula_backward) = (counted(&first.sent_backward), formula_bwd);
+    for (r, rank) in cp.ranks.iter_mut().enumerate() {
+        rank.forward = pass(&first.forward_s, r);
+        rank.backward = pass(&first.backward_s, r);
+    }
+    measurement.cp = Some(cp);
+    measurement.write(&request.output_dir)
+}
+
+/// A `cp/threads` record's cp section as far as the layout and the mask decide it: the groups,
+/// the sharding, each rank's area and pieces and the imbalance. The caller adds times and bytes.
+fn cp_section(
+    p: &Params,
+    setup: &Setup,
+    set: &attnbench_sdk::mask::MaskSet,
+    launcher: &str,
+) -> CpRun {
+    let shares = sharding::rank_shares(&setup.layout, set, p.heads_q, p.heads_kv);
+    let areas: Vec<u64> = shares.iter().map(|s| s.0).collect();
+    CpRun {
+        method: setup.method.to_string(),
+        world: setup.layout.world() as u64,
         ulysses: setup.layout.ulysses as u64,
         ring: setup.layout.ring as u64,
         windows: setup.windows as u64,
         placement: p.placement.to_string(),
         sharding: setup.layout.sharding.name(),
-        imbalance: Some(sharding::imbalance(
-            &shares.iter().map(|s| s.0).collect::<Vec<_>>(),
-        )),
+        imbalance: Some(sharding::imbalance(&areas)),
         backend: p.backend.to_string(),
         attention: p.attention.to_string(),
-        launcher: launcher_of(p.backend).into(),
-        throughput: "per rank: global FLOPs / ranks / slowest rank's time".into(),
-        mean_rank_tflops: Quantiles::of(&mean_samples)
-            .map(|t| per_rank_flops as f64 / t.p50 / 1e12),
-        bytes_sent_forward: counted(&first.sent_forward),
-        formula_forward: formula_fwd,
-        bytes_sent_backward: counted(&first.sent_backward),
-        formula_backward: formula_bwd,
+        launcher: launcher.into(),
+        throughput: String::new(),
+        mean_rank_tflops: None,
+        bytes_sent_forward: Vec::new(),
+        formula_forward: 0,
+        bytes_sent_backward: Vec::new(),
+        formula_backward: 0,
         bytes_note: None,
-        ranks: (0..ranks as usize)
-            .map(|rank| CpRank {
+        ranks: shares
+            .into_iter()
+            .map(|(area, pieces)| CpRank {
                 device: None,
-                area: shares[rank].0,
-                pieces: shares[rank].1,
-                forward: pass(&first.forward_s, rank),
-                backward: pass(&first.backward_s, rank),
+                area,
+                pieces,
+                forward: PassTimes::default(),
+                backward: PassTimes::default(),
             })
             .collect(),
-    });
-    measurement.write(&request.output_dir)
+    }
+}
+
+/// Per-rank TFLOP/s by LongCA-bench's rule: the median over repetitions of the ranks' mean time.
+fn mean_tflops(per_rank_flops: u64, mean_samples: &[f64]) -> Option<f64> {
+    Quantiles::of(mean_samples).map(|t| per_rank_flops as f64 / t.p50 / 1e12)
 }
 
 /// Each rank's time for `direction` from its forward and backward seconds.
@@ -595,45 +619,23 @@ impl GpuRun<'_> {
             element: self.element.bytes() as u64,
         };
         let (formula_fwd, formula_bwd) = volume::bytes(setup, &sizes);
-        let shares = sharding::rank_shares(&setup.layout, self.set, p.heads_q, p.heads_kv);
-        measurement.cp = Some(CpRun {
-            method: setup.method.to_string(),
-            world: n as u64,
-            ulysses: setup.layout.ulysses as u64,
-            ring: setup.layout.ring as u64,
-            windows: setup.windows as u64,
-            placement: p.placement.to_string(),
-            sharding: setup.layout.sharding.name(),
-            imbalance: Some(sharding::imbalance(
-                &shares.iter().map(|s| s.0).collect::<Vec<_>>(),
-            )),
-            backend: p.backend.to_string(),
-            attention: p.attention.to_string(),
-            launcher: processes::Launch::from_env().name().into(),
-            throughput:
-                "per GPU: global FLOPs / ranks / the slowest rank's time of each repetition".into(),
-            mean_rank_tflops: Quantiles::of(&mean_samples)
-                .map(|t| per_rank_flops as f64 / t.p50 / 1e12),
-            bytes_sent_forward: results.iter().map(|r| r.sent.0).collect(),
-            formula_forward: formula_fwd,
-            bytes_sent_backward: results.iter().map(|r| r.sent.1).collect(),
-            formula_backward: formula_bwd,
-            bytes_note: Some(
-                "on GPUs K and V travel in the inputs' 16-bit type, dK and dV accumulators in f32"
-                    .into(),
-            ),
-            ranks: results
-                .iter()
-                .zip(&shares)
-                .map(|(r, &(area, pieces))| CpRank {
-                    device: Some(r.device.clone()),
-                    area,
-                    pieces,
-                    forward: time_parts(&r.forward_s, &r.forward_parts_s),
-                    backward: time_parts(&r.backward_s, &r.backward_parts_s),
-                })
-                .collect(),
-        });
+        let mut cp = cp_section(p, setup, self.set, processes::Launch::from_env().name());
+        cp.throughput =
+            "per GPU: global FLOPs / ranks / the slowest rank's time of each repetition".into();
+        cp.mean_rank_tflops = mean_tflops(per_rank_flops, &mean_samples);
+        cp.bytes_sent_forward = results.iter().map(|r| r.sent.0).collect();
+        cp.bytes_sent_backward = results.iter().map(|r| r.sent.1).collect();
+        (cp.formula_forward, cp.formula_backward) = (formula_fwd, formula_bwd);
+        cp.bytes_note = Some(
+            "on GPUs K and V travel in the inputs' 16-bit type, dK and dV accumulators in f32"
+                .into(),
+        );
+        for (rank, r) in cp.ranks.iter_mut().zip(&results) {
+            rank.device = Some(r.device.clone());
+            rank.forward = time_parts(&r.forward_s, &r.forward_parts_s);
+            rank.backward = time_parts(&r.backward_s, &r.backward_parts_s);
+        }
+        measurement.cp = Some(cp);
         measurement.write(&request.output_dir)
     }
 }
