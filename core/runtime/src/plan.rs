@@ -352,4 +352,4 @@ pub fn nodes_per_stage(plan: &Plan) -> BTreeMap<&str, usize> {
 
 #[cfg(test)]
 #[path = "plan_tests.rs"]
-mod tests;
+pub(crate) mod tests;

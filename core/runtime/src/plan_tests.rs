@@ -9,8 +9,8 @@ use super::*;
 use crate::host::plugin::Registry;
 
 /// `gen/masks` (mask, seqlen) → `bench/run` (kernel, one node per mask node) → `bench/report`
-/// (collects every run).
-fn registry() -> Registry {
+/// (collects every run). The pipeline checker's tests use it too.
+pub(crate) fn registry() -> Registry {
     let masks = PluginManifest::new("gen", "0").stage(
         StageSpec::new("masks")
             .param(ParamSpec::new("mask", ParamType::one_of(&["full", "causal"])).default("full"))

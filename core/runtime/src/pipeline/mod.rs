@@ -24,6 +24,8 @@ mod overrides;
 mod resolve;
 pub(crate) mod spans;
 mod stage;
+#[cfg(test)]
+mod tests;
 
 pub use limits::{MAX_FILE_BYTES, MAX_NODES, MAX_PIPELINE_BYTES, MAX_TIMEOUT, MIN_TIMEOUT};
 
