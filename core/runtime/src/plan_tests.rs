@@ -33,7 +33,7 @@ pub(crate) fn registry() -> Registry {
     Registry::of_manifests(vec![masks, bench])
 }
 
-fn plan(text: &str) -> Result<Plan, PipelineError> {
+pub(crate) fn plan(text: &str) -> Result<Plan, PipelineError> {
     let pipeline = crate::pipeline::parse(Path::new("test.yaml"), text, &[], &registry())?;
     Plan::expand(pipeline)
 }
@@ -42,7 +42,7 @@ fn ids(plan: &Plan) -> Vec<&str> {
     plan.nodes.iter().map(|n| n.id.as_str()).collect()
 }
 
-const PIPELINE: &str = "
+pub(crate) const PIPELINE: &str = "
 name: t
 stages:
   masks:

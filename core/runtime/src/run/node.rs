@@ -456,12 +456,13 @@ pub(super) fn stage_isolation(stage: &Stage) -> Isolation {
     }
 }
 
+/// A value cut to its first 60 characters for a one-line message (characters, not bytes: a cut
+/// inside a multi-byte character would panic).
 fn brief(value: &Value) -> String {
     let text = value.to_string();
-    if text.len() > 60 {
-        format!("{}…", &text[..60])
-    } else {
-        text
+    match text.char_indices().nth(60) {
+        Some((end, _)) => format!("{}…", &text[..end]),
+        None => text,
     }
 }
 
@@ -473,3 +474,7 @@ fn progress(observer: &dyn Observer, node: &str, done: u64, total: u64, message:
         message,
     });
 }
+
+#[cfg(test)]
+#[path = "node_tests.rs"]
+mod tests;
