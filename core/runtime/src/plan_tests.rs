@@ -15,6 +15,7 @@ pub(crate) fn registry() -> Registry {
         StageSpec::new("masks")
             .param(ParamSpec::new("mask", ParamType::one_of(&["full", "causal"])).default("full"))
             .param(ParamSpec::new("seqlen", ParamType::Size).default(1024))
+            .param(ParamSpec::new("source", ParamType::File).default(""))
             .output(kinds::MASK),
     );
     let bench = PluginManifest::new("bench", "0")

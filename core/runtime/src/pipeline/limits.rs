@@ -136,29 +136,43 @@ pub fn read_pipeline(path: &Path) -> std::io::Result<String> {
     String::from_utf8(bytes).map_err(|_| invalid("it is not UTF-8 text".into()))
 }
 
+/// Why a `file` parameter's file was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum FileParamError {
+    /// It could not be opened or read: missing, unreadable, or gone while being read.
+    #[error("cannot read {}: {source}", .path.display())]
+    Unreadable {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// Not a regular file (a directory, a FIFO, a device…): `kind` says which.
+    #[error("{} is {kind}; a `file` parameter must name a regular file", .path.display())]
+    NotRegular { path: PathBuf, kind: &'static str },
+    /// Larger than [`MAX_FILE_BYTES`] (or grew past it while being read).
+    #[error("{} is {}, more than the limit of {} for a `file` parameter", .path.display(),
+            format_bytes(*.bytes), format_bytes(MAX_FILE_BYTES))]
+    TooLarge { path: PathBuf, bytes: u64 },
+}
+
 /// The canonical path and blake3 digest of a file a `file` parameter names, streamed so that
 /// memory stays flat; refuses anything but a regular file of at most [`MAX_FILE_BYTES`].
-pub fn hash_file(path: &Path) -> Result<(PathBuf, String), String> {
-    let refuse_kind = |metadata: &Metadata| {
-        format!(
-            "{} is {}; a `file` parameter must name a regular file",
-            path.display(),
-            kind(metadata)
-        )
+pub fn hash_file(path: &Path) -> Result<(PathBuf, String), FileParamError> {
+    let not_regular = |metadata: &Metadata| FileParamError::NotRegular {
+        path: path.to_path_buf(),
+        kind: kind(metadata),
     };
-    let too_large = |bytes: u64| {
-        format!(
-            "{} is {}, more than the limit of {} for a `file` parameter",
-            path.display(),
-            format_bytes(bytes),
-            format_bytes(MAX_FILE_BYTES)
-        )
+    let too_large = |bytes: u64| FileParamError::TooLarge {
+        path: path.to_path_buf(),
+        bytes,
     };
-    let cannot = |err: std::io::Error| format!("cannot read {}: {err}", path.display());
+    let cannot = |source: std::io::Error| FileParamError::Unreadable {
+        path: path.to_path_buf(),
+        source,
+    };
     // `stat` first: it neither blocks on a FIFO nor reads a device.
     let metadata = std::fs::metadata(path).map_err(cannot)?;
     if !metadata.is_file() {
-        return Err(refuse_kind(&metadata));
+        return Err(not_regular(&metadata));
     }
     if metadata.len() > MAX_FILE_BYTES {
         return Err(too_large(metadata.len()));
@@ -167,7 +181,7 @@ pub fn hash_file(path: &Path) -> Result<(PathBuf, String), String> {
     // The path may have changed between `stat` and `open`; what was opened is what counts.
     let opened = file.metadata().map_err(cannot)?;
     if !opened.is_file() {
-        return Err(refuse_kind(&opened));
+        return Err(not_regular(&opened));
     }
     let mut hasher = blake3::Hasher::new();
     if let Err(read) = copy_bounded(file, MAX_FILE_BYTES, |chunk| {
@@ -361,16 +375,34 @@ mod tests {
     #[test]
     fn special_files_are_refused_before_they_are_read() {
         let err = hash_file(Path::new("/dev/zero")).unwrap_err();
-        assert!(err.contains("/dev/zero is a character device"), "{err}");
+        assert!(
+            matches!(
+                err,
+                FileParamError::NotRegular {
+                    kind: "a character device",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("/dev/zero is a character device"),
+            "{err}"
+        );
         let dir = tempfile::tempdir().unwrap();
         let fifo = dir.path().join("fifo");
         let name = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
         // SAFETY: `name` is a valid NUL-terminated path.
         assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
-        let err = hash_file(&fifo).unwrap_err();
+        let err = hash_file(&fifo).unwrap_err().to_string();
         assert!(err.contains("is a FIFO"), "{err}");
-        let err = hash_file(dir.path()).unwrap_err();
+        let err = hash_file(dir.path()).unwrap_err().to_string();
         assert!(err.contains("is a directory"), "{err}");
+        let missing = hash_file(&dir.path().join("missing.json")).unwrap_err();
+        assert!(
+            matches!(missing, FileParamError::Unreadable { .. }),
+            "{missing}"
+        );
         let file = dir.path().join("f.json");
         std::fs::write(&file, "{}").unwrap();
         let (_, digest) = hash_file(&file).unwrap();

@@ -110,9 +110,10 @@ pub(super) fn resolve_files(
                     Ok(resolved) => *value = Value::String(resolved),
                     Err(err) => {
                         // Limits say what is wrong in full; a missing file may be a wrong folder.
-                        let hint = err.starts_with("cannot read").then(|| {
-                            "paths are relative to the pipeline file's folder".to_string()
-                        });
+                        let hint =
+                            matches!(err, limits::FileParamError::Unreadable { .. }).then(|| {
+                                "paths are relative to the pipeline file's folder".to_string()
+                            });
                         checker.at_value(
                             &at,
                             format!("parameter `{name}` of stage `{}`: {err}", stage.name),

@@ -257,3 +257,51 @@ fn a_problem_an_override_made_points_at_the_option_not_the_file() {
         vec![serde_json::json!("causal")]
     );
 }
+
+#[test]
+fn a_file_parameter_is_hashed_and_a_missing_one_says_where_paths_start() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("pile.json"), "{}").unwrap();
+    let file = dir.path().join("p.yaml");
+    let text = |source: &str| {
+        format!("stages:\n  masks:\n    uses: gen/masks\n    with: {{source: {source}}}\n")
+    };
+    let pipeline = parse(&file, &text("./pile.json"), &[], &registry()).unwrap();
+    let resolved = pipeline.stages[0].params["source"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        resolved.ends_with("/pile.json") && !resolved.contains("./"),
+        "{resolved}"
+    );
+    assert_eq!(
+        pipeline.file_digests.get(&resolved),
+        Some(&blake3::hash(b"{}").to_hex().to_string())
+    );
+    let problems = |source: &str| match parse(&file, &text(source), &[], &registry()) {
+        Err(PipelineError::Invalid(problems)) => problems,
+        other => panic!("{source}: {other:?}"),
+    };
+    let missing = problems("./pil.json");
+    assert!(
+        missing[0]
+            .message
+            .starts_with("parameter `source` of stage `masks`: cannot read "),
+        "{}",
+        missing[0].message
+    );
+    let hint = missing[0].hint.as_deref();
+    assert_eq!(
+        hint,
+        Some("paths are relative to the pipeline file's folder")
+    );
+    // A directory is named as such, with no hint about folders: the path was found.
+    let folder = problems("./");
+    assert!(
+        folder[0].message.contains("is a directory"),
+        "{}",
+        folder[0].message
+    );
+    assert_eq!(folder[0].hint, None);
+}
