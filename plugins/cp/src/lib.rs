@@ -17,6 +17,7 @@ mod methods;
 mod model;
 mod nccl;
 mod processes;
+mod protocol;
 mod sharding;
 mod tcp;
 mod threads;
@@ -24,17 +25,19 @@ mod volume;
 
 use std::collections::BTreeMap;
 
+use attnbench_sdk::bench::{self, Cell, Options};
 use attnbench_sdk::measure::{
     CpRank, CpRun, Direction, Harness, Measurement, PassTimes, Quantiles, Throughput,
 };
 use attnbench_sdk::reference::{
-    self, Arithmetic, CheckMode, Element, Forward, Grads, HeadMasks, Inputs, Shape,
+    self, CheckMode, Element, Forward, Grads, HeadMasks, Inputs, Shape,
 };
 use attnbench_sdk::{
     write_json, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError,
     PluginManifest, StageRequest, StageSpec,
 };
 use links::Collective;
+use protocol::{pass_times, CpBench, Ranks};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -286,7 +289,7 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
     .map_err(PluginError::Params)?;
     let element = p.dtype;
     let harness = p.harness.apply(default_harness());
-    let mut measurement = Measurement::for_kernel(
+    let measurement = Measurement::for_kernel(
         &format!("cp-{method}"),
         ("cp", env!("CARGO_PKG_VERSION")),
         &set,
@@ -295,10 +298,10 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
         p.direction,
         harness.clone(),
     );
-    let inputs = Inputs::random_as(&shape, request.seed, element);
     let backward = p.direction.backward();
     let attention = attention_library(request, &p.attention)?;
     if p.backend == Backend::Nccl {
+        let inputs = Inputs::random_as(&shape, request.seed, element);
         let run = GpuRun {
             p: &p,
             set: &set,
@@ -324,32 +327,37 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
     // started on a cluster (srun … attnbench-cp-rank job.json).
     write_json(&request.output_dir, "job.json", &job)?;
     let job_file = request.output_dir.join("job.json");
-    let execute = || match p.backend {
-        Backend::Processes => processes::run(&job, &job_file, std::time::Duration::from_secs(600)),
-        Backend::Threads | Backend::Nccl => {
-            threads::run(&setup, &shape, &set, &inputs, backward, opened.as_ref())
-        }
+    let ranks = match p.backend {
+        Backend::Processes => Ranks::Processes {
+            job: &job,
+            path: &job_file,
+        },
+        Backend::Threads | Backend::Nccl => Ranks::Threads {
+            setup: &setup,
+            set: &set,
+            attention: opened.as_ref(),
+        },
     };
-    let first = execute().map_err(PluginError::failed)?;
-    host.debug("checking the gathered outputs against the single-device reference");
-    let forward = Forward {
-        out: first.out.clone(),
-        lse: first.lse.clone(),
+    let cell = Cell {
+        set: &set,
+        shape,
+        element,
+        direction: p.direction,
+        seed: request.seed,
     };
-    let grads = first.grads.clone().map(|[dq, dk, dv]| Grads { dq, dk, dv });
-    if p.outputs {
-        reference::write_outputs(&request.output_dir, &forward, grads.as_ref())?;
-    }
-    let masks = HeadMasks::new(&set, &shape);
-    measurement.correctness = Some(reference::check(
-        &shape,
-        &masks,
-        &inputs,
-        &forward,
-        grads.as_ref(),
-        CheckMode::Full,
-        Arithmetic::F64.tolerance(),
-    ));
+    let options = Options {
+        outputs_dir: p.outputs.then_some(request.output_dir.as_path()),
+        no_check: false,
+    };
+    host.debug("the gathered outputs are checked against the single-device reference");
+    let mut bench = CpBench::new(ranks, shape, backward);
+    let outcome = bench::run(&mut bench, &cell, &harness, measurement, options);
+    // The ranks' job, logs and results were the means, not the artifact.
+    let _ = std::fs::remove_dir_all(&ranks_dir);
+    let mut measurement = outcome?;
+    let Some(first) = bench.first else {
+        return measurement.write(&request.output_dir);
+    };
     let sizes = volume::Sizes {
         tokens: (shape.seqlen / setup.layout.world()) as u64,
         heads_q: p.heads_q as u64,
@@ -364,38 +372,17 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
             .map(|e| e * element.bytes() as u64)
             .collect::<Vec<_>>()
     };
-    let mut failure = None;
-    let mut mean_samples = Vec::new();
-    let timing = harness.time_with(|| {
-        let outcome = match execute() {
-            Ok(outcome) => outcome,
-            Err(err) => {
-                failure.get_or_insert(err);
-                return 0.0;
-            }
-        };
-        let rank_times = pass_times(p.direction, &outcome.forward_s, &outcome.backward_s);
-        mean_samples.push(rank_times.iter().sum::<f64>() / rank_times.len().max(1) as f64);
-        rank_times.iter().copied().fold(0.0, f64::max)
-    });
-    // The ranks' job, logs and results were the means, not the artifact.
-    let _ = std::fs::remove_dir_all(&ranks_dir);
-    if let Some(err) = failure {
-        return Err(PluginError::failed(err));
-    }
-    let ranks = setup.layout.world() as u64;
-    let per_rank_flops = measurement.flops / ranks;
-    let times = Quantiles::of(&timing.samples);
-    measurement.tflops = times.map(|t| Throughput::of(per_rank_flops, &t));
-    measurement.time_s = times;
-    measurement.timing = Some(timing);
+    let per_rank_flops = measurement.flops / setup.layout.world() as u64;
+    measurement.tflops = measurement
+        .time_s
+        .map(|t| Throughput::of(per_rank_flops, &t));
     let pass = |times: &[f64], rank: usize| PassTimes {
         total_s: times.get(rank).copied(),
         ..PassTimes::default()
     };
     let mut cp = cp_section(&p, &setup, &set, launcher_of(p.backend));
     cp.throughput = "per rank: global FLOPs / ranks / slowest rank's time".into();
-    cp.mean_rank_tflops = mean_tflops(per_rank_flops, &mean_samples);
+    cp.mean_rank_tflops = mean_tflops(per_rank_flops, &bench.mean_rank_s);
     (cp.bytes_sent_forward, cp.formula_forward) = (counted(&first.sent_forward), formula_fwd);
     (cp.bytes_sent_backward, cp.formula_backward) = (counted(&first.sent_backward), formula_bwd);
     for (r, rank) in cp.ranks.iter_mut().enumerate() {
@@ -451,15 +438,6 @@ fn cp_section(
 /// Per-rank TFLOP/s by LongCA-bench's rule: the median over repetitions of the ranks' mean time.
 fn mean_tflops(per_rank_flops: u64, mean_samples: &[f64]) -> Option<f64> {
     Quantiles::of(mean_samples).map(|t| per_rank_flops as f64 / t.p50 / 1e12)
-}
-
-/// Each rank's time for `direction` from its forward and backward seconds.
-fn pass_times(direction: Direction, forward: &[f64], backward: &[f64]) -> Vec<f64> {
-    match direction {
-        Direction::Fwd => forward.to_vec(),
-        Direction::Bwd => backward.to_vec(),
-        Direction::FwdBwd => forward.iter().zip(backward).map(|(f, b)| f + b).collect(),
-    }
 }
 
 /// Who started the ranks: the worker's threads, or processes started here or by `srun`.
