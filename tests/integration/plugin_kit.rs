@@ -1,7 +1,9 @@
 //! The plugin authoring kit: a scaffolded plugin builds, is found, passes its own test and the
 //! conformance suite; the suite catches a kernel that is wrong.
 
-use attnbench_tests::{cargo_outside, stderr, stdout, target_dir, workspace_root, Sandbox};
+use attnbench_tests::{
+    cargo_outside, python_with_numpy, stderr, stdout, target_dir, workspace_root, Sandbox,
+};
 
 fn scaffold(sandbox: &Sandbox, name: &str, kind: &str) -> std::path::PathBuf {
     let sdk = workspace_root().join("core/sdk");
@@ -123,12 +125,21 @@ fn bad_names_and_places_are_refused() {
 }
 
 /// Every first-party plugin passes its own conformance suite on this machine: the CP plugin's
-/// kernel stage writes its gathered outputs for the check, and the GPU plugin's kernel checks are
-/// skipped with the reason on a machine without a GPU (and run, and pass, on one with a GPU).
+/// kernel stage writes its gathered outputs for the check, the Python plugin's default kernel
+/// (numpy) runs on the tests' interpreter, and the GPU plugin's kernel checks are skipped with the
+/// reason on a machine without a GPU (and run, and pass, on one with a GPU).
 #[test]
 fn first_party_plugins_pass_the_conformance_suite() {
+    const FIRST_PARTY: [&str; 7] = ["masks", "datasets", "cpu", "python", "cp", "report", "cuda"];
     let sandbox = Sandbox::new();
-    let checked = sandbox.run(&["plugins", "check", "cp", "cuda", "--json"]);
+    let mut args = vec!["plugins", "check"];
+    args.extend(FIRST_PARTY);
+    args.push("--json");
+    let checked = sandbox
+        .command(&args)
+        .env("ATTNBENCH_PYTHON", python_with_numpy())
+        .output()
+        .unwrap();
     assert!(checked.status.success(), "{}", stdout(&checked));
     let reports: serde_json::Value = serde_json::from_slice(&checked.stdout).unwrap();
     let checks = |plugin: &str| -> Vec<serde_json::Value> {
@@ -142,6 +153,26 @@ fn first_party_plugins_pass_the_conformance_suite() {
             .unwrap()
             .clone()
     };
+    for plugin in FIRST_PARTY {
+        let checks = checks(plugin);
+        assert!(checks.len() >= 3, "{plugin}: {checks:?}");
+        assert!(
+            checks.iter().all(|c| c["passed"] == true),
+            "{plugin}: {checks:?}"
+        );
+    }
+    let numpy = checks("python");
+    let causal = numpy
+        .iter()
+        .find(|c| c["name"] == "benchmark: causal")
+        .expect("the Python plugin's kernel is checked");
+    assert!(
+        causal["detail"]
+            .as_str()
+            .unwrap()
+            .contains("matches the reference"),
+        "{causal}"
+    );
     let cp = checks("cp");
     let causal = cp
         .iter()
