@@ -6,8 +6,9 @@
         [--harness-storage auto|bshd|bhsd] [--lse] [--flex-block 128|64|32|16] [--flex-form mask_mod|kv_blocks]
     (defaults: $ATTNBENCH_CACHE or ./artifacts, the latest run, 20 reps, 5 rounds, every kernel, mask and direction)
 
-For every measurement of those kernels in the run whose mask has a closed form here (full,
-causal, the document masks, the sliding windows, the prefix LMs; and the block-sparse tables,
+For every measurement of those kernels in the run whose mask has a closed form here (for flex,
+all 12 static masks: document ids and index arithmetic; for the other peers, full, causal, the
+document masks and the sliding windows; and the block-sparse tables,
 read from the IR's rectangles: flex through a table lookup as LongCA-bench's adapter writes it,
 FA4's block-sparsity tensors where the blocks are whole tiles, FlashInfer's BSR and variable
 block-sparse wrappers), this builds the mask from the
@@ -92,13 +93,19 @@ def window_of(mask_set):
 
 
 def mask_mod_of(mask_set, device):
-    """(mask_mod or None for no mask, description), from the pattern's parameters."""
+    """(mask_mod or None for no mask, description), from the pattern's parameters and documents
+    (as masks/generate draws them), the way a flex user writes each pattern: document ids and
+    index arithmetic, no table of the mask."""
     pattern, params, s = mask_set["pattern"], mask_set["params"], mask_set["seqlen"]
     documents = mask_set.get("documents") or [s]
-    doc = torch.repeat_interleave(torch.arange(len(documents), device=device, dtype=torch.int32),
-                                  torch.tensor(documents, device=device))
+    lengths = torch.tensor(documents, device=device)
+    doc = torch.repeat_interleave(torch.arange(len(documents), device=device, dtype=torch.int32), lengths)
+    start = (torch.cumsum(lengths, 0) - lengths)[doc.long()]  # each position's document start
+    last = len(documents) - 1
     window = int(params.get("window", 0))
     prefix = int(params.get("prefix", mask_set.get("prefix", -1)))
+    global_tokens, global_window = int(params.get("global_tokens", 0)), int(params.get("global_window", 0))
+    block = int(params.get("block_size", 0))
     same = lambda q, kv: doc[q] == doc[kv]  # noqa: E731
     forms = {
         "full": None,
@@ -108,24 +115,35 @@ def mask_mod_of(mask_set, device):
         "sliding_window_causal": lambda b, h, q, kv: (q >= kv) & (q - kv <= window),
         "sliding_window": lambda b, h, q, kv: (q - kv <= window) & (kv - q <= window),
         "prefix_lm_causal": lambda b, h, q, kv: (kv < prefix) | (q >= kv),
+        # Every answer sees the question (document 0) and itself causally.
+        "share_question": lambda b, h, q, kv: ((doc[kv] == 0) & (doc[q] != 0)) | (same(q, kv) & (q >= kv)),
+        # The last document sees every earlier one; each document itself causally.
+        "causal_blockwise": lambda b, h, q, kv: ((doc[q] == last) & (doc[kv] != last)) | (same(q, kv) & (q >= kv)),
+        "prefix_lm_document": lambda b, h, q, kv: same(q, kv) & ((kv - start[kv] < prefix) | (q >= kv)),
+        "global_sliding_window": lambda b, h, q, kv: (kv < global_tokens) | (q < global_tokens)
+        | ((q - kv <= global_window) & (kv - q <= global_window)),
+        "block_causal_document": lambda b, h, q, kv: same(q, kv) & (kv < (q // block + 1) * block),
     }
-    if pattern not in forms or (pattern.startswith("prefix") and prefix < 0):
+    needs = {"prefix_lm_causal": prefix >= 0, "prefix_lm_document": prefix >= 0,
+             "global_sliding_window": "global_tokens" in params, "block_causal_document": block > 0}
+    if pattern not in forms or not needs.get(pattern, True):
         return None, None
-    return forms[pattern], f"{pattern}: {len(documents)} documents, window {window}, prefix {prefix}"
+    return forms[pattern], (f"{pattern}: {len(documents)} documents, window {window}, prefix {prefix}, "
+                            f"global {global_tokens}/{global_window}, block {block}")
 
 
 def matches(mask_mod, mask, device, rows=64):
-    """The mask_mod against the IR's rows (sampled): each row one interval [lo, hi)."""
-    lo, hi, count = bridge.row_intervals(mask)
+    """The mask_mod against the IR's rows (sampled, the first and last included): None when it
+    allows exactly each row's key intervals, else the first row that differs."""
     s = mask["seqlen_q"]
-    picked = np.unique(np.random.default_rng(0).integers(0, s, rows))
+    picked = np.unique(np.concatenate([[0, s - 1], np.random.default_rng(0).integers(0, s, rows)]))
     kv = torch.arange(s, device=device)
     zero = torch.zeros((), dtype=torch.int32, device=device)
     for q in picked:
-        if count[q] > 1:
-            return f"row {q} has {count[q]} intervals"
         allowed = mask_mod(zero, zero, torch.full((s,), int(q), device=device), kv).cpu().numpy()
-        want = (np.arange(s) >= lo[q]) & (np.arange(s) < hi[q])
+        want = np.zeros(s, dtype=bool)
+        for lo, hi in bridge.row_keys(mask, int(q)):
+            want[lo:hi] = True
         if (allowed != want).any():
             return f"row {q} differs from the mask"
     return None
