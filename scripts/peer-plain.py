@@ -93,60 +93,10 @@ def window_of(mask_set):
 
 
 def mask_mod_of(mask_set, device):
-    """(mask_mod or None for no mask, description), from the pattern's parameters and documents
-    (as masks/generate draws them), the way a flex user writes each pattern: document ids and
-    index arithmetic, no table of the mask."""
-    pattern, params, s = mask_set["pattern"], mask_set["params"], mask_set["seqlen"]
-    documents = mask_set.get("documents") or [s]
-    lengths = torch.tensor(documents, device=device)
-    doc = torch.repeat_interleave(torch.arange(len(documents), device=device, dtype=torch.int32), lengths)
-    start = (torch.cumsum(lengths, 0) - lengths)[doc.long()]  # each position's document start
-    last = len(documents) - 1
-    window = int(params.get("window", 0))
-    prefix = int(params.get("prefix", mask_set.get("prefix", -1)))
-    global_tokens, global_window = int(params.get("global_tokens", 0)), int(params.get("global_window", 0))
-    block = int(params.get("block_size", 0))
-    same = lambda q, kv: doc[q] == doc[kv]  # noqa: E731
-    forms = {
-        "full": None,
-        "causal": lambda b, h, q, kv: q >= kv,
-        "full_document": lambda b, h, q, kv: same(q, kv),
-        "causal_document": lambda b, h, q, kv: same(q, kv) & (q >= kv),
-        "sliding_window_causal": lambda b, h, q, kv: (q >= kv) & (q - kv <= window),
-        "sliding_window": lambda b, h, q, kv: (q - kv <= window) & (kv - q <= window),
-        "prefix_lm_causal": lambda b, h, q, kv: (kv < prefix) | (q >= kv),
-        # Every answer sees the question (document 0) and itself causally.
-        "share_question": lambda b, h, q, kv: ((doc[kv] == 0) & (doc[q] != 0)) | (same(q, kv) & (q >= kv)),
-        # The last document sees every earlier one; each document itself causally.
-        "causal_blockwise": lambda b, h, q, kv: ((doc[q] == last) & (doc[kv] != last)) | (same(q, kv) & (q >= kv)),
-        "prefix_lm_document": lambda b, h, q, kv: same(q, kv) & ((kv - start[kv] < prefix) | (q >= kv)),
-        "global_sliding_window": lambda b, h, q, kv: (kv < global_tokens) | (q < global_tokens)
-        | ((q - kv <= global_window) & (kv - q <= global_window)),
-        "block_causal_document": lambda b, h, q, kv: same(q, kv) & (kv < (q // block + 1) * block),
-    }
-    needs = {"prefix_lm_causal": prefix >= 0, "prefix_lm_document": prefix >= 0,
-             "global_sliding_window": "global_tokens" in params, "block_causal_document": block > 0}
-    if pattern not in forms or not needs.get(pattern, True):
-        return None, None
-    return forms[pattern], (f"{pattern}: {len(documents)} documents, window {window}, prefix {prefix}, "
-                            f"global {global_tokens}/{global_window}, block {block}")
-
-
-def matches(mask_mod, mask, device, rows=64):
-    """The mask_mod against the IR's rows (sampled, the first and last included): None when it
-    allows exactly each row's key intervals, else the first row that differs."""
-    s = mask["seqlen_q"]
-    picked = np.unique(np.concatenate([[0, s - 1], np.random.default_rng(0).integers(0, s, rows)]))
-    kv = torch.arange(s, device=device)
-    zero = torch.zeros((), dtype=torch.int32, device=device)
-    for q in picked:
-        allowed = mask_mod(zero, zero, torch.full((s,), int(q), device=device), kv).cpu().numpy()
-        want = np.zeros(s, dtype=bool)
-        for lo, hi in bridge.row_keys(mask, int(q)):
-            want[lo:hi] = True
-        if (allowed != want).any():
-            return f"row {q} differs from the mask"
-    return None
+    """(mask_mod or None for no mask, description) written from the pattern's parameters and
+    documents as a flex user writes it (the bridge's closed forms); (None, None) when there is none."""
+    form = bridge.pattern_mask_mod(mask_set, torch, device)
+    return (None, None) if form is None else (form[0], f"{mask_set['pattern']}: {form[2]}")
 
 
 def event_rep(call):
@@ -315,7 +265,7 @@ def plain_flex(m, mask_set, args, cache):
     if what is None:
         return None, f"no closed form here for {mask_set['pattern']}"
     if mask_mod is not None and not sparse:
-        why = matches(mask_mod, mask_set["masks"][0], torch.device("cuda"))
+        why = bridge.form_differs(mask_mod, mask_set["masks"][0], torch, torch.device("cuda"))
         if why:
             return None, f"the closed form is not this mask: {why}"
     # A block mask as fine as the sparse blocks needs flex's tiles no larger (its documented

@@ -587,7 +587,7 @@ def test_torch(bridge, report, quick):
                   and "mask_build_s" in result["phases"], json.dumps(result["phases"]))
     expect_unsupported(bridge, "flex backward on cpu", case.params("flex", sets["causal"], "fwd_bwd"), "forward only")
     # Block-sparse masks become a BlockMask of full blocks (no mask_mod), or, on blocks that do not
-    # fall on flex's tiles, of tiles reading a per-block table; others a bit table.
+    # fall on flex's tiles, of tiles reading a per-block table; two key intervals a row, a table of them.
     big, rng = Case(s=256), np.random.default_rng(3)
 
     def blocks(size):  # the diagonal block and about half of the others
@@ -602,7 +602,27 @@ def test_torch(bridge, report, quick):
                              ("block_sparse_64_per_group", mask_set("block_sparse_64", 256, [blocks(64), blocks(64)],
                                                                     scope="per_kv_group"), "per-block table"),
                              ("global_window", mask_set("global_window", 256, [window(256, 8) + [sl(0, 256, 0, 4, "full")]]),
-                              "bit-packed")):
+                              "two key intervals a row")):
+        params = big.params("flex", mset, "fwd")
+        result = run_ok(bridge, f"flex {name} fwd on cpu", params)
+        if result:
+            big.compare(f"flex {name}", name, mset, params, result, 1e-5, expect_lse=False)
+            check(f"flex {name}: {mode}", mode in result["phases"].get("mask_mode", ""), json.dumps(result["phases"]))
+    # A pattern with a closed form of its own (its parameters and documents, as masks/generate
+    # records them) runs it; a set whose slices are not its pattern's keeps the interval table.
+    lengths, prefix = [40, 100, 116], 24
+    starts = [0, 40, 140]
+    share = mask_set("share_question", 256, [[sl(a, a + n, a, a + n, "causal") for a, n in zip(starts, lengths)]
+                                             + [sl(40, 256, 0, 40, "full")]])
+    share["documents"] = lengths
+    prefixed = mask_set("prefix_lm_document", 256, [[sl(a, a + n, a, a + min(prefix, n), "full") for a, n in
+                                                     zip(starts, lengths)] + documents(lengths, "causal")])
+    prefixed["documents"], prefixed["params"] = lengths, {"prefix": prefix}
+    mislabelled = json.loads(json.dumps(share))
+    mislabelled["documents"] = [100, 40, 116]
+    for name, mset, mode in (("share_question", share, "answers see the question"),
+                             ("prefix_lm_document", prefixed, "kv - its start < 24"),
+                             ("share_question with other documents", mislabelled, "two key intervals a row")):
         params = big.params("flex", mset, "fwd")
         result = run_ok(bridge, f"flex {name} fwd on cpu", params)
         if result:

@@ -26,7 +26,7 @@ macro_rules! package_file {
 
 /// The worker's source, embedded so that the plugin library is all a user installs: the
 /// launcher and the `attnbench_bridge` package beside it, as (path in the worker's folder, text).
-const FILES: [(&str, &str); 16] = [
+const FILES: [(&str, &str); 17] = [
     ("serve_bridge.py", include_str!("../bridge/serve_bridge.py")),
     package_file!("__init__.py"),
     package_file!("checks.py"),
@@ -36,6 +36,7 @@ const FILES: [(&str, &str); 16] = [
     package_file!("flash.py"),
     package_file!("flashinfer.py"),
     package_file!("flashmask.py"),
+    package_file!("flex_forms.py"),
     package_file!("harness.py"),
     package_file!("numpy_kernel.py"),
     package_file!("problem.py"),

@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .encodings import (block_grid, blocks_of, classify, dense_mask, grid_tile_kinds, row_interval_pairs, uniform_grid,
                         varlen_encoding)
+from .flex_forms import form_differs, pattern_mask_mod
 from .harness import Kernel, split_result, synchronize
 from .problem import Problem
 from .support import ELEMENT_BYTES, GIB, Unsupported, _np, first_line, log, parameters_of
@@ -140,9 +141,16 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
     # Documents and windows have a closed form, the one flex's documentation writes (a
     # document-id vector and index arithmetic): preferred to any table where no block form is exact.
     closed = varlen_encoding(shared)[0] if shared is not None and form is None and not block else None
+    # Other patterns with a closed form (prefixes, a shared question, blockwise, global windows):
+    # the pattern's own parameters and documents, checked against the mask's rows before use.
+    pattern = pattern_mask_mod(p.mask_set, torch, device) if shared is not None and form is None and not block \
+        and closed is None else None
+    if pattern is not None and (pattern[0] is None or form_differs(pattern[0], shared, torch, device)):
+        pattern = None
     mode = {"full": "none", "causal": "causal"}.get(
-        form, "blocks" if block else "documents" if closed is not None else "block table" if grid is not None
-        else "row intervals" if single else "two row intervals" if two else "dense")
+        form, "blocks" if block else "documents" if closed is not None else "pattern" if pattern is not None
+        else "block table" if grid is not None else "row intervals" if single else "two row intervals" if two
+        else "dense")
     s, count = p.seqlen, len(masks)
     if mode == "dense" and count * s * -(-s // 8) >= 1 << 31:
         raise Unsupported(f"flex would read a {count}×{s}×{s} bit table in mask_mod, past the 2³¹ elements its "
@@ -156,6 +164,7 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
                                   "row intervals": "mask_mod reads per-row key intervals",
                                   "two row intervals": "mask_mod reads two key intervals a row",
                                   "documents": "closed-form mask_mod: " + closed_form_description(closed),
+                                  "pattern": "closed-form mask_mod: " + (pattern[2] if pattern else ""),
                                   "blocks": f"full {block}-token blocks from the masks' block grid (no mask_mod)",
                                   "block table": f"{FLEX_TILE}-token tiles from the masks' block grid: full inside kept "
                                                  "blocks, mask_mod reading a per-block table where tiles cut blocks"
@@ -184,6 +193,8 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
             mask_mod = lambda b, h, q, kv: q >= kv  # noqa: E731
         elif mode == "documents":
             mask_mod, tables = closed_form_mask_mod(closed, torch, device)
+        elif mode == "pattern":
+            mask_mod, tables, _ = pattern
         elif mode == "row intervals":
             lo = torch.from_numpy(np.stack([p.intervals(i)[0] for i in indices])).to(device, torch.int32)
             hi = torch.from_numpy(np.stack([p.intervals(i)[1] for i in indices])).to(device, torch.int32)
