@@ -36,8 +36,8 @@ pub struct CpBench<'a> {
     pub shape: Shape,
     pub backward: bool,
     inputs: Option<Inputs>,
-    /// The last pass's outcome; the first one's is what the record's bytes and rank times show.
-    pub last: Option<Outcome>,
+    /// The first pass's outcome (the protocol's one forward): its outputs are checked, and its
+    /// bytes and rank times go into the record. Timed passes keep only their times.
     pub first: Option<Outcome>,
     /// The mean rank's time of each timed repetition (for the mean-rank throughput).
     pub mean_rank_s: Vec<f64>,
@@ -50,7 +50,6 @@ impl<'a> CpBench<'a> {
             shape,
             backward,
             inputs: None,
-            last: None,
             first: None,
             mean_rank_s: Vec::new(),
         }
@@ -102,17 +101,13 @@ impl KernelBench for CpBench<'_> {
     }
 
     fn forward(&mut self) -> Result<(), PluginError> {
-        let outcome = self.pass()?;
-        if self.first.is_none() {
-            self.first = Some(outcome.clone());
-        }
-        self.last = Some(outcome);
+        self.first = Some(self.pass()?);
         Ok(())
     }
 
     /// The pass that [`forward`](Self::forward) ran already holds the gradients.
     fn backward(&mut self) -> Result<(), PluginError> {
-        match &self.last {
+        match &self.first {
             Some(outcome) if outcome.grads.is_some() => Ok(()),
             _ => Err(PluginError::failed(
                 "the CP pass ran without its backward on a backward cell",
@@ -121,7 +116,7 @@ impl KernelBench for CpBench<'_> {
     }
 
     fn outputs(&mut self, backward: bool) -> Result<(Forward, Option<Grads>), PluginError> {
-        let outcome = self.last.as_ref().ok_or_else(unprepared)?;
+        let outcome = self.first.as_ref().ok_or_else(unprepared)?;
         let forward = Forward {
             out: outcome.out.clone(),
             lse: outcome.lse.clone(),

@@ -18,7 +18,6 @@ type HostTokens = Tokens<Vec<f64>>;
 use crate::methods::{Groups, Rank, Setup};
 
 /// Global outputs and per-rank traffic and times.
-#[derive(Clone)]
 pub struct Outcome {
     pub out: Vec<f32>,
     pub lse: Vec<f32>,
