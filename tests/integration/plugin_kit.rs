@@ -124,6 +124,36 @@ fn bad_names_and_places_are_refused() {
     );
 }
 
+/// On an interpreter without numpy, the Python plugin's default kernel cannot run here at all:
+/// the suite skips its mask checks with the import's error instead of failing every pattern.
+#[test]
+fn a_python_without_numpy_skips_the_kernel_checks_with_the_reason() {
+    let sandbox = Sandbox::new();
+    // -S leaves site-packages out, so the tests' numpy is not importable.
+    let bare = sandbox.write(
+        "bare-python",
+        &format!(
+            "#!/bin/sh\nexec '{}' -S \"$@\"\n",
+            python_with_numpy().display()
+        ),
+    );
+    std::fs::set_permissions(&bare, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let checked = sandbox
+        .command(&["plugins", "check", "python", "--json"])
+        .env("ATTNBENCH_PYTHON", &bare)
+        .output()
+        .unwrap();
+    assert!(checked.status.success(), "{}", stdout(&checked));
+    let reports: serde_json::Value = serde_json::from_slice(&checked.stdout).unwrap();
+    let checks = reports[0]["checks"].as_array().unwrap();
+    let skipped: Vec<_> = checks.iter().filter(|c| c["skipped"] == true).collect();
+    assert_eq!(skipped.len(), 1, "{checks:?}");
+    assert_eq!(skipped[0]["name"], "benchmark: every mask pattern");
+    let reason = skipped[0]["detail"].as_str().unwrap();
+    assert!(reason.contains("numpy not importable"), "{reason}");
+    assert!(checks.iter().all(|c| c["passed"] == true), "{checks:?}");
+}
+
 /// Every first-party plugin passes its own conformance suite on this machine: the CP plugin's
 /// kernel stage writes its gathered outputs for the check, the Python plugin's default kernel
 /// (numpy) runs on the tests' interpreter, and the GPU plugin's kernel checks are skipped with the

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use attnbench_sdk::measure::{MeasureStatus, Measurement};
+use attnbench_sdk::measure::{MeasureStatus, Measurement, UnsupportedScope};
 use attnbench_sdk::reference::{self, Arithmetic, HeadMasks, Inputs, Shape, OUTPUT_TENSORS};
 use attnbench_sdk::{
     types_failures, FailureKind, InputArtifact, ParamType, StageFailure, StageRequest, StageSpec,
@@ -220,11 +220,20 @@ pub fn check(
                 report.skip(format!("{}: every mask pattern", spec.name), reason.clone());
                 continue;
             }
-            for pattern in attnbench_mask_patterns(registry) {
+            for (index, pattern) in attnbench_mask_patterns(registry).iter().enumerate() {
                 let name = format!("{}: {pattern}", spec.name);
-                let outcome =
-                    kernel_on_pattern(&mut runner, registry, spec, &pattern, scratch.path());
-                report.record(name, outcome);
+                match kernel_on_pattern(&mut runner, registry, spec, pattern, scratch.path()) {
+                    Ok(PatternOutcome::Checked(detail)) => report.record(name, Ok(detail)),
+                    Ok(PatternOutcome::UnavailableHere(reason)) => {
+                        let which = match index {
+                            0 => "every mask pattern".to_string(),
+                            _ => format!("{pattern} and the patterns after it"),
+                        };
+                        report.skip(format!("{}: {which}", spec.name), reason);
+                        break;
+                    }
+                    Err(detail) => report.record(name, Err(detail)),
+                }
             }
         }
     }
@@ -360,6 +369,15 @@ fn bad_parameters(
     ))
 }
 
+/// What a kernel stage did with one pattern, when that was right.
+enum PatternOutcome {
+    /// It ran and matched the reference, or refused a pattern it does not claim: the detail.
+    Checked(String),
+    /// It cannot run on this machine at all (a package, library or device it needs is missing
+    /// here): the reason. Like a GPU stage on a machine without one, that is skipped, not failed.
+    UnavailableHere(String),
+}
+
 /// A claimed pattern must run forward and match the reference (and backward too, unless the
 /// kernel says it has none); another pattern must be `unsupported` with a reason.
 fn kernel_on_pattern(
@@ -368,7 +386,7 @@ fn kernel_on_pattern(
     spec: &StageSpec,
     pattern: &str,
     scratch: &Path,
-) -> Result<String, String> {
+) -> Result<PatternOutcome, String> {
     let inputs = mask_input(registry, pattern, scratch)?;
     let set = attnbench_sdk::mask::MaskSet::load(&inputs[0].dir).map_err(|err| err.to_string())?;
     let masks = HeadMasks::new(&set, &SHAPE);
@@ -397,11 +415,16 @@ fn kernel_on_pattern(
         let measurement: Measurement = serde_json::from_value(result)
             .map_err(|err| format!("{direction}: the result is not a measurement record: {err}"))?;
         let reason = measurement.reason.clone().unwrap_or_default();
+        if measurement.status == MeasureStatus::Unsupported
+            && measurement.unsupported_scope == Some(UnsupportedScope::Machine)
+        {
+            return Ok(PatternOutcome::UnavailableHere(reason));
+        }
         if !spec.claims(pattern) {
             return match measurement.status {
-                MeasureStatus::Unsupported if !reason.trim().is_empty() => {
-                    Ok(format!("not claimed; unsupported: {reason}"))
-                }
+                MeasureStatus::Unsupported if !reason.trim().is_empty() => Ok(
+                    PatternOutcome::Checked(format!("not claimed; unsupported: {reason}")),
+                ),
                 status => Err(format!(
                     "not claimed, so it must be `unsupported` with a reason, but it is {status:?}"
                 )),
@@ -430,5 +453,8 @@ fn kernel_on_pattern(
             ));
         }
     }
-    Ok(format!("matches the reference ({})", details.join(", ")))
+    Ok(PatternOutcome::Checked(format!(
+        "matches the reference ({})",
+        details.join(", ")
+    )))
 }

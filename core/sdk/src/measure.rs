@@ -15,7 +15,8 @@ pub use crate::record::{text_of, CpRank, CpRun, GpuRun, Measurement, PassTimes, 
 #[serde(rename_all = "snake_case")]
 pub enum MeasureStatus {
     Ok,
-    /// The kernel cannot run this case; `reason` says why.
+    /// The kernel cannot run this case, or not on this machine (`unsupported_scope` says
+    /// which); `reason` says why.
     Unsupported,
     Oom,
     Crashed,
@@ -31,6 +32,12 @@ pub struct MaskInfo {
     pub area: u64,
     pub documents: usize,
     pub params: Map<String, Value>,
+}
+
+crate::named_enum! {
+    /// What an `unsupported` refers to: this case (a mask, shape or dtype the kernel cannot take)
+    /// or this machine (a package, library or device the kernel needs is missing here).
+    pub enum UnsupportedScope { Case = "case", Machine = "machine" }
 }
 
 crate::named_enum! {

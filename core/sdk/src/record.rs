@@ -13,7 +13,8 @@ use serde_json::{Map, Value};
 
 use crate::environment::Environment;
 use crate::measure::{
-    Correctness, Direction, Harness, MaskInfo, MeasureStatus, Memory, Quantiles, Throughput, Timing,
+    Correctness, Direction, Harness, MaskInfo, MeasureStatus, Memory, Quantiles, Throughput,
+    Timing, UnsupportedScope,
 };
 use crate::reference::{Element, Shape};
 
@@ -37,6 +38,10 @@ pub struct Measurement {
     pub status: MeasureStatus,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// With `unsupported`: whether this case is out of the kernel's reach or this whole machine
+    /// is (none: the case, as records before the field said).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unsupported_scope: Option<UnsupportedScope>,
     /// FLOPs of the measured direction, from the mask's exact area.
     pub flops: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -106,6 +111,7 @@ impl Measurement {
             direction,
             status: MeasureStatus::Ok,
             reason: None,
+            unsupported_scope: None,
             flops: flops.for_direction(direction),
             time_s: None,
             tflops: None,
@@ -121,10 +127,11 @@ impl Measurement {
         }
     }
 
-    /// Marks the record `unsupported` with `reason`.
+    /// Marks the record `unsupported` with `reason`: the kernel cannot run this case.
     pub fn unsupported(mut self, reason: impl Into<String>) -> Measurement {
         self.status = MeasureStatus::Unsupported;
         self.reason = Some(reason.into());
+        self.unsupported_scope = Some(UnsupportedScope::Case);
         self
     }
 
@@ -314,6 +321,8 @@ struct Wire {
     status: MeasureStatus,
     #[serde(default)]
     reason: Option<String>,
+    #[serde(default)]
+    unsupported_scope: Option<UnsupportedScope>,
     flops: u64,
     #[serde(default)]
     time_s: Option<Quantiles>,
@@ -374,6 +383,7 @@ impl TryFrom<Wire> for Measurement {
             direction: wire.direction,
             status: wire.status,
             reason: wire.reason,
+            unsupported_scope: wire.unsupported_scope,
             flops: wire.flops,
             time_s: wire.time_s,
             tflops: wire.tflops,

@@ -38,15 +38,20 @@ fn a_written_record_reads_back_the_same() {
                "flash_forward": "wgmma", "phases": {"upload_s": 0.5}}),
     )))
     .unwrap();
+    // Records written before `unsupported_scope` existed read as saying nothing about it.
+    assert_eq!(record.unsupported_scope, None);
     let written = serde_json::to_value(Measurement {
         record_version: RECORD_VERSION,
+        unsupported_scope: Some(UnsupportedScope::Machine),
         ..record.clone()
     })
     .unwrap();
     assert_eq!(written["record_version"], RECORD_VERSION);
+    assert_eq!(written["unsupported_scope"], "machine");
     assert!(written.get("environment").is_none(), "{written}");
     let back: Measurement = serde_json::from_value(written).unwrap();
     assert_eq!(back.machine, record.machine);
+    assert_eq!(back.unsupported_scope, Some(UnsupportedScope::Machine));
     assert_eq!(
         (back.gpu, back.phases, back.details),
         (record.gpu, record.phases, record.details)

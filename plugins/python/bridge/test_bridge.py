@@ -324,12 +324,13 @@ def run_ok(bridge, label, params):
     return reply["result"]
 
 
-def expect_unsupported(bridge, label, params, needle):
+def expect_unsupported(bridge, label, params, needle, scope=None):
+    """`scope` "machine": what is missing is this machine's (a package, CUDA), not the case's."""
     reply = bridge.request("benchmark", params)
     result = reply.get("result") or {}
     reason = result.get("reason") or ""
     check(f"{label}: unsupported ({reason})", reply.get("ok") and result.get("status") == "unsupported"
-          and needle.lower() in reason.lower(), json.dumps(reply)[:1500])
+          and needle.lower() in reason.lower() and result.get("scope") == scope, json.dumps(reply)[:1500])
 
 
 def test_protocol(bridge, python):
@@ -493,7 +494,7 @@ def test_modules(bridge, has_torch):
     check("bridge still serves after a raising kernel", bridge.request("backends").get("ok") is True)
     path = write_module("import a_package_that_does_not_exist_anywhere\n")
     expect_unsupported(bridge, "module with a missing import", case.params("module", sets["causal"], "fwd", module=path),
-                       "not importable")
+                       "not importable", scope="machine")
     path = write_module("def attention(:\n")
     reply = bridge.request("benchmark", case.params("module", sets["causal"], "fwd", module=path))
     check("module with a syntax error -> ok:false", reply.get("ok") is False and "SyntaxError" in reply.get("error", ""),
@@ -562,14 +563,16 @@ def test_torch(bridge, report, quick):
         skip("sdpa-math on cuda without CUDA", "this machine has CUDA")
     else:
         expect_unsupported(bridge, "sdpa-math on cuda without CUDA",
-                           dict(case.params("sdpa-math", sets["causal"]), device="cuda"), "CUDA is not available")
+                           dict(case.params("sdpa-math", sets["causal"]), device="cuda"), "CUDA is not available",
+                           scope="machine")
     for kernel, needle in (("fa2", "flash_attn not importable"), ("fa3", "flash_attn_interface not importable"),
                            ("fa4", "not importable"), ("flashinfer", "flashinfer not importable"),
                            ("flashmask", "paddle not importable")):
         if report.get(kernel, {}).get("available"):
             skip(kernel, "installed here")
         else:
-            expect_unsupported(bridge, kernel, case.params(kernel, sets["causal"], device="cuda"), needle)
+            expect_unsupported(bridge, kernel, case.params(kernel, sets["causal"], device="cuda"), needle,
+                               scope="machine")
     if not report.get("flex", {}).get("available"):
         skip("flex", "not importable")
         return
@@ -890,7 +893,8 @@ def test_lifecycle(python):
     case = Case()
     reply = bare.request("benchmark", case.params("numpy", mask_sets(case.s)["causal"]))
     check("without numpy: numpy kernel unsupported", reply.get("ok") and reply["result"]["status"] == "unsupported"
-          and "numpy not importable" in reply["result"]["reason"], json.dumps(reply)[:600])
+          and "numpy not importable" in reply["result"]["reason"] and reply["result"]["scope"] == "machine",
+          json.dumps(reply)[:600])
     bare.request("shutdown")
     check("without numpy: shutdown exits 0", bare.proc.wait(timeout=60) == 0)
 

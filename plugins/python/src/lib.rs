@@ -13,7 +13,7 @@ use std::sync::Mutex;
 
 use attnbench_sdk::measure::{
     text_of, Correctness, Direction, GpuRun, Harness, MeasureStatus, Measurement, Memory,
-    Quantiles, Throughput, Timing,
+    Quantiles, Throughput, Timing, UnsupportedScope,
 };
 use attnbench_sdk::nvml;
 use attnbench_sdk::reference::{
@@ -333,6 +333,11 @@ fn record(
         Some("unsupported") => {
             measurement.status = MeasureStatus::Unsupported;
             measurement.reason = reason;
+            // `machine` where an import or the device failed; a reply without a scope is the case's.
+            let scope = result["scope"]
+                .as_str()
+                .and_then(UnsupportedScope::from_name);
+            measurement.unsupported_scope = Some(scope.unwrap_or(UnsupportedScope::Case));
             return Ok(());
         }
         Some("oom") => {

@@ -15,7 +15,7 @@ from .harness import device_bytes, first_calls, is_oom, make_rep, native_inputs,
 from .numpy_kernel import numpy_attention, run_numpy
 from .problem import KERNELS, Problem, parse_problem
 from .sdpa_flex import SDPA_BACKENDS, flex_adapter, sdpa_adapter, sdpa_backend
-from .support import OutOfMemory, Unsupported, _np, _package_version, first_line, log, need
+from .support import OutOfMemory, Unavailable, Unsupported, _np, _package_version, first_line, log, need
 from .user_module import run_module
 
 
@@ -45,12 +45,12 @@ def torch_adapter(p: Problem) -> Callable:
     return TORCH_ADAPTERS[p.kernel]
 
 
-def outcome(status: str, reason: str, p: Problem) -> dict:
+def outcome(status: str, reason: str, p: Problem, scope: Optional[str] = None) -> dict:
     env = base_environment()
     torch = sys.modules.get("torch")
     if torch is not None:
         env["torch"] = torch.__version__
-    return {"status": status, "reason": reason, "samples": [], "rel_ci": None, "stopped": None,
+    return {"status": status, "reason": reason, "scope": scope, "samples": [], "rel_ci": None, "stopped": None,
             "memory": None, "correctness": None, "phases": {}, "environment": env}
 
 
@@ -68,6 +68,8 @@ def benchmark(params: Any) -> dict:
             result = run_module(p)
         else:
             result = run_torch(p, torch_adapter(p))
+    except Unavailable as error:
+        result = outcome("unsupported", str(error), p, scope="machine")
     except Unsupported as error:
         result = outcome("unsupported", str(error), p)
     except OutOfMemory as error:
@@ -93,19 +95,19 @@ def probe(kernel: str) -> Optional[str]:
     if kernel == "cudnn":
         cudnn = need("cudnn", "cudnn (nvidia-cudnn-frontend)")
         if not hasattr(cudnn, "pygraph"):
-            raise Unsupported("the cudnn module has no pygraph (nvidia-cudnn-frontend provides it)")
+            raise Unavailable("the cudnn module has no pygraph (nvidia-cudnn-frontend provides it)")
         return _package_version(cudnn, "nvidia-cudnn-frontend")
     if kernel == "flashinfer":
         return _package_version(need("flashinfer"), "flashinfer-python", "flashinfer")
     if kernel == "flashmask":
         paddle = need("paddle")
         if not hasattr(paddle.nn.functional, "flashmask_attention"):
-            raise Unsupported(f"paddle {paddle.__version__} has no nn.functional.flashmask_attention")
+            raise Unavailable(f"paddle {paddle.__version__} has no nn.functional.flashmask_attention")
         return paddle.__version__
     if kernel == "fa2":
         flash_attn = need("flash_attn")
         if not hasattr(flash_attn, "flash_attn_func"):
-            raise Unsupported("flash_attn has no flash_attn_func (an FA2 install provides it)")
+            raise Unavailable("flash_attn has no flash_attn_func (an FA2 install provides it)")
         return _package_version(flash_attn, "flash_attn", "flash-attn")
     torch = need("torch")
     if kernel == "flex":

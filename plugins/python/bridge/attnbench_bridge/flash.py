@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Tuple
 from .encodings import block_grid, blocks_of, grid_tile_kinds, most_intervals, row_interval_list, varlen_encoding
 from .harness import Kernel, require_cuda, require_half, split_result
 from .problem import Problem
-from .support import Unsupported, _np, _package_version, need, parameters_of
+from .support import Unavailable, Unsupported, _np, _package_version, need, parameters_of
 
 
 FLASH_MODULES = {"fa2": "flash_attn", "fa3": "flash_attn_interface", "fa4": "flash_attn.cute"}
@@ -42,7 +42,7 @@ def flash_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
     module = need(name)
     dense_call, varlen_call = getattr(module, "flash_attn_func", None), getattr(module, "flash_attn_varlen_func", None)
     if dense_call is None:
-        raise Unsupported(f"{name} has no flash_attn_func")
+        raise Unavailable(f"{name} has no flash_attn_func")
     require_cuda(p, device)
     require_half(p)
     supports = "full, causal, sliding-window and document (varlen) masks"

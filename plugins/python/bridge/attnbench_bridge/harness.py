@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .checks import _tensor_shapes, _wanted, base_environment, check_or_write, read_inputs
 from .problem import Problem
-from .support import ELEMENT_BYTES, GIB, OutOfMemory, Unsupported, first_line, log, need
+from .support import ELEMENT_BYTES, GIB, OutOfMemory, Unavailable, Unsupported, first_line, log, need
 
 
 def median_rel_ci(samples: List[float]) -> float:
@@ -93,7 +93,7 @@ def torch_device(p: Problem, torch: Any) -> Any:
     if p.device == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise Unsupported(f"CUDA is not available to torch {torch.__version__} (device cuda was asked for)")
+        raise Unavailable(f"CUDA is not available to torch {torch.__version__} (device cuda was asked for)")
     return torch.device("cuda", torch.cuda.current_device())
 
 

@@ -13,7 +13,7 @@ from .encodings import (block_grid, blocks_of, classify, dense_mask, grid_tile_k
 from .flex_forms import form_differs, pattern_mask_mod
 from .harness import Kernel, split_result, synchronize
 from .problem import Problem
-from .support import ELEMENT_BYTES, GIB, Unsupported, _np, first_line, log, parameters_of
+from .support import ELEMENT_BYTES, GIB, Unavailable, Unsupported, _np, first_line, log, parameters_of
 
 
 SDPA_BACKENDS = {"sdpa-math": "MATH", "sdpa-flash": "FLASH_ATTENTION",
@@ -24,10 +24,10 @@ def sdpa_backend(torch: Any, kernel: str) -> Tuple[Any, Any]:
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except Exception as error:
-        raise Unsupported(f"torch.nn.attention.sdpa_kernel not importable: {first_line(error)}") from None
+        raise Unavailable(f"torch.nn.attention.sdpa_kernel not importable: {first_line(error)}") from None
     backend = getattr(SDPBackend, SDPA_BACKENDS[kernel], None)
     if backend is None:
-        raise Unsupported(f"torch {torch.__version__} has no SDPBackend.{SDPA_BACKENDS[kernel]}")
+        raise Unavailable(f"torch {torch.__version__} has no SDPBackend.{SDPA_BACKENDS[kernel]}")
     return backend, sdpa_kernel
 
 
@@ -106,7 +106,7 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
     try:
         flex = importlib.import_module("torch.nn.attention.flex_attention")
     except Exception as error:
-        raise Unsupported(f"torch.nn.attention.flex_attention not importable: {first_line(error)}") from None
+        raise Unavailable(f"torch.nn.attention.flex_attention not importable: {first_line(error)}") from None
     np = _np()
     cpu = device.type != "cuda"
     if cpu and p.backward:

@@ -16,6 +16,11 @@ class Unsupported(Exception):
     """The kernel cannot run this problem; the message is the one-sentence reason."""
 
 
+class Unavailable(Unsupported):
+    """Not this problem but this machine: a package, library or device the kernel needs is missing
+    or broken here. The record says so (scope `machine`), so a check elsewhere is not failed by it."""
+
+
 class OutOfMemory(Exception):
     """The problem does not fit in device memory; the message says by how much."""
 
@@ -34,11 +39,11 @@ def first_line(error: BaseException) -> str:
 
 
 def need(module: str, label: Optional[str] = None) -> Any:
-    """Imports `module`, or reports the kernel as unsupported with the import's error."""
+    """Imports `module`, or reports the kernel as unavailable here with the import's error."""
     try:
         return importlib.import_module(module)
     except Exception as error:  # broken installs raise OSError, RuntimeError, ... as well
-        raise Unsupported(f"{label or module} not importable: {first_line(error)}") from None
+        raise Unavailable(f"{label or module} not importable: {first_line(error)}") from None
 
 
 def _np() -> Any:

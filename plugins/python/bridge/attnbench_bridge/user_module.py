@@ -13,7 +13,7 @@ from .encodings import dense_mask
 from .harness import Kernel, run_torch, split_result, synchronize
 from .numpy_kernel import NumpyKernel, run_numpy
 from .problem import Problem
-from .support import BadRequest, Unsupported, first_line
+from .support import BadRequest, Unavailable, Unsupported, first_line
 
 
 DENSE_FOR_MODULES_MAX_SEQLEN = 32768
@@ -31,7 +31,7 @@ def load_user_module(path: str) -> Any:
     try:
         spec.loader.exec_module(module)
     except ImportError as error:
-        raise Unsupported(f"{os.path.basename(path)} not importable: {first_line(error)}") from None
+        raise Unavailable(f"{os.path.basename(path)} not importable: {first_line(error)}") from None
     finally:
         sys.modules.pop(name, None)
     if not callable(getattr(module, "attention", None)):
