@@ -92,7 +92,7 @@ pub fn run(command: CacheCommand, cache: &Cache) -> Result<ExitCode> {
             for (path, _) in &entries {
                 // A failure seen while a run replaces the entry (`--force`) is not corruption:
                 // only a check under the key's lock, where no commit is under way, counts.
-                let recheck = |reason: String| {
+                let recheck = |reason: attnbench_runtime::cache::EntryError| {
                     let key = path
                         .file_name()
                         .and_then(|n| n.to_str())

@@ -18,8 +18,8 @@ pub use gc::live_keys;
 pub use import::{import, ImportFailed, Imported};
 use lock::exchange;
 pub use lock::KeyLock;
-pub use tree::{copy_tree, is_key};
-pub use verify::verify_entry;
+pub use tree::{copy_tree, is_key, TreeError};
+pub use verify::{verify_entry, EntryError};
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -37,8 +37,13 @@ pub enum CacheError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("cache entry {path} is unreadable: {reason}")]
-    Entry { path: PathBuf, reason: String },
+    #[error("cache entry {} is unreadable: {source}", path.display())]
+    Entry { path: PathBuf, source: EntryError },
+    #[error("{source}; a stage's output must be regular files and folders")]
+    Output { source: TreeError },
+    /// Copying an entry for an export (`adopt`) failed.
+    #[error(transparent)]
+    Copy(#[from] TreeError),
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CacheError + '_ {
@@ -78,7 +83,7 @@ pub enum Lookup {
     /// The entry exists but does not match its metadata, checked again under the key's lock;
     /// it has been removed (or, if that lock could not be taken, left for the recompute to
     /// replace).
-    Corrupted(String),
+    Corrupted(EntryError),
 }
 
 #[derive(Debug, Clone)]
@@ -181,7 +186,7 @@ impl Cache {
     }
 
     /// Reads an entry and checks every digest; `Err` says what does not match.
-    pub fn verify_dir(&self, dir: &Path) -> Result<Entry, String> {
+    pub fn verify_dir(&self, dir: &Path) -> Result<Entry, EntryError> {
         verify_entry(dir)
     }
 
@@ -220,10 +225,8 @@ impl Cache {
         let files_dir = staging.files_dir();
         let mut files = BTreeMap::new();
         let mut bytes = 0u64;
-        let written = tree::regular_files(&files_dir).map_err(|reason| CacheError::Entry {
-            path: files_dir.clone(),
-            reason: format!("{reason}; a stage's output must be regular files and folders"),
-        })?;
+        let written =
+            tree::regular_files(&files_dir).map_err(|source| CacheError::Output { source })?;
         for (relative, path) in written {
             let (digest, length) = tree::hash_file(&path).map_err(io(&path))?;
             bytes += length;
@@ -257,9 +260,9 @@ impl Cache {
         self.place(&staging.dir, &target).map_err(io(&target))?;
         drop(staging);
         self.verify_dir(&target)
-            .map_err(|reason| CacheError::Entry {
+            .map_err(|source| CacheError::Entry {
                 path: target,
-                reason,
+                source,
             })
     }
 
@@ -285,24 +288,28 @@ impl Cache {
     /// Adds the entry at `dir`, taken from this cache for an export, after checking it (see
     /// [`verify_entry`]) and copying it without following links. `Ok(false)`: this cache has
     /// that key already.
-    pub fn adopt(&self, dir: &Path) -> Result<bool, String> {
-        let key = verify_entry(dir)?.meta.key;
+    pub fn adopt(&self, dir: &Path) -> Result<bool, CacheError> {
+        let invalid = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| CacheError::Entry { path, source }
+        };
+        let key = verify_entry(dir).map_err(invalid(dir))?.meta.key;
         let target = self.entry_dir(&key);
         if target.exists() {
             return Ok(false);
         }
-        let staging = self.staging_dir("adopt").map_err(|err| err.to_string())?;
+        let staging = self.staging_dir("adopt")?;
         let staged = staging.dir.join(&key);
         copy_tree(dir, &staged)?;
         // The copy is what goes in, so the copy is what is checked.
-        verify_entry(&staged)?;
-        let _lock = self.lock_key(&key).map_err(|err| err.to_string())?;
+        verify_entry(&staged).map_err(invalid(&staged))?;
+        let _lock = self.lock_key(&key)?;
         if target.exists() {
             return Ok(false);
         }
         std::fs::create_dir_all(target.parent().unwrap_or(&self.root))
             .and_then(|_| std::fs::rename(&staged, &target))
-            .map_err(|err| format!("cannot move it into {}: {err}", target.display()))?;
+            .map_err(io(&target))?;
         Ok(true)
     }
 

@@ -99,6 +99,21 @@ pub struct PluginRecord {
     pub library_hash: String,
 }
 
+/// Why a run's record cannot be read.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    #[error("{}: {source}", path.display())]
+    Unreadable {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}: {source}", path.display())]
+    Malformed {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RunRecord {
     pub id: String,
@@ -127,10 +142,13 @@ impl RunRecord {
         std::fs::rename(partial, dir.join("run.json"))
     }
 
-    pub fn read(dir: &Path) -> Result<RunRecord, String> {
+    pub fn read(dir: &Path) -> Result<RunRecord, RecordError> {
         let path = dir.join("run.json");
-        let bytes = std::fs::read(&path).map_err(|err| format!("{}: {err}", path.display()))?;
-        serde_json::from_slice(&bytes).map_err(|err| format!("{}: {err}", path.display()))
+        let bytes = std::fs::read(&path).map_err(|source| RecordError::Unreadable {
+            path: path.clone(),
+            source,
+        })?;
+        serde_json::from_slice(&bytes).map_err(|source| RecordError::Malformed { path, source })
     }
 
     pub fn failed(&self) -> usize {

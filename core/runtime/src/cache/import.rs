@@ -9,9 +9,9 @@
 
 use std::path::{Path, PathBuf};
 
-use super::tree::{bad_name, copy_tree, is_key, kind, Kind};
-use super::{unique_suffix, verify_entry, Cache, Staging};
-use crate::record::RunRecord;
+use super::tree::{bad_name, copy_tree, is_key, kind, plain_name, read_dir, Kind, TreeError};
+use super::{unique_suffix, verify_entry, Cache, CacheError, EntryError, Staging};
+use crate::record::{RecordError, RunRecord};
 
 /// What an import brought in.
 #[derive(Debug, Default)]
@@ -22,12 +22,36 @@ pub struct Imported {
     pub runs: usize,
 }
 
-/// Why an import failed: one line per problem, each naming its path, and how much had already
-/// been moved in (nothing, unless moving itself failed after every check passed).
+/// Why an import failed: every problem, each naming its path, and how much had already been
+/// moved in (nothing, unless moving itself failed after every check passed).
 #[derive(Debug, Default)]
 pub struct ImportFailed {
-    pub problems: Vec<String>,
+    pub problems: Vec<ImportProblem>,
     pub placed: usize,
+}
+
+/// One thing wrong with what is imported, or with moving it in.
+#[derive(Debug, thiserror::Error)]
+pub enum ImportProblem {
+    #[error("{}: not a cache or an export (it has no cache/ folder)", .0.display())]
+    NotACache(PathBuf),
+    #[error("{}: not a cache shard folder", .0.display())]
+    NotAShard(PathBuf),
+    #[error("{}: not an entry folder (an entry is cache/<first 2 digits>/<64 hex digits>)", .0.display())]
+    NotAnEntry(PathBuf),
+    #[error("{}: not a folder", .0.display())]
+    NotAFolder(PathBuf),
+    #[error("{}: {source}", path.display())]
+    Entry { path: PathBuf, source: EntryError },
+    #[error(transparent)]
+    Tree(#[from] TreeError),
+    #[error(transparent)]
+    Record(#[from] RecordError),
+    /// A run record that parses but cannot be this cache's: its id or a key is wrong.
+    #[error("{}: {why}", path.display())]
+    Run { path: PathBuf, why: String },
+    #[error(transparent)]
+    Cache(#[from] CacheError),
 }
 
 struct Staged {
@@ -43,7 +67,7 @@ pub fn import(cache: &Cache, sources: &[PathBuf]) -> Result<Imported, ImportFail
     };
     let staging = cache
         .staging_dir("import")
-        .map_err(|err| fail(vec![err.to_string()]))?;
+        .map_err(|err| fail(vec![err.into()]))?;
     let mut staged = Staged {
         entries: Vec::new(),
         runs: Vec::new(),
@@ -74,7 +98,7 @@ pub fn import(cache: &Cache, sources: &[PathBuf]) -> Result<Imported, ImportFail
         match place_entry(cache, key, dir) {
             Ok(true) => imported.added += 1,
             Ok(false) => imported.present += 1,
-            Err(err) => problems.push(err),
+            Err(err) => problems.push(err.into()),
         }
     }
     for (id, dir) in &staged.runs {
@@ -100,49 +124,49 @@ fn stage_source(
     into: &Path,
     staged: &mut Staged,
     present: &mut usize,
-    problems: &mut Vec<String>,
-) -> Result<(), String> {
+    problems: &mut Vec<ImportProblem>,
+) -> Result<(), ImportProblem> {
     let root = source.join("cache");
     if !root.is_dir() {
-        return Err(format!(
-            "{}: not a cache or an export (it has no cache/ folder)",
-            source.display()
-        ));
+        return Err(ImportProblem::NotACache(source.to_path_buf()));
     }
     kind(&root)?;
     let mut seen = std::collections::HashSet::new();
     for shard in read_dir(&root)? {
         let shard_name = plain_name(&shard)?;
         if kind(&shard)? != Kind::Dir {
-            problems.push(format!("{}: not a cache shard folder", shard.display()));
+            problems.push(ImportProblem::NotAShard(shard));
             continue;
         }
         for dir in read_dir(&shard)? {
             let key = plain_name(&dir)?;
             if !is_key(&key) || !key.starts_with(&shard_name) || shard_name.len() != 2 {
-                problems.push(format!(
-                    "{}: not an entry folder (an entry is cache/<first 2 digits>/<64 hex digits>)",
-                    dir.display()
-                ));
+                problems.push(ImportProblem::NotAnEntry(dir));
                 continue;
             }
             if kind(&dir)? != Kind::Dir {
-                problems.push(format!("{}: not a folder", dir.display()));
+                problems.push(ImportProblem::NotAFolder(dir));
                 continue;
             }
+            let invalid = |source| ImportProblem::Entry {
+                path: dir.clone(),
+                source,
+            };
             if cache.entry_dir(&key).exists() || !seen.insert(key.clone()) {
                 // Already here: checked in place, so a damaged export is still reported.
                 match verify_entry(&dir) {
                     Ok(_) => *present += 1,
-                    Err(reason) => problems.push(format!("{}: {reason}", dir.display())),
+                    Err(source) => problems.push(invalid(source)),
                 }
                 continue;
             }
             let target = into.join("cache").join(&key);
-            let checked = copy_tree(&dir, &target).and_then(|_| verify_entry(&target).map(|_| ()));
+            let checked = copy_tree(&dir, &target)
+                .map_err(EntryError::from)
+                .and_then(|_| verify_entry(&target).map(|_| ()));
             match checked {
                 Ok(()) => staged.entries.push((key, target)),
-                Err(reason) => problems.push(format!("{}: {reason}", dir.display())),
+                Err(source) => problems.push(invalid(source)),
             }
         }
     }
@@ -152,7 +176,7 @@ fn stage_source(
         return Ok(());
     }
     if kind(&runs)? != Kind::Dir {
-        return Err(format!("{}: not a folder", runs.display()));
+        return Err(ImportProblem::NotAFolder(runs));
     }
     for run in read_dir(&runs)? {
         // Beside the run folders only `latest` (a file) is expected; files are not runs.
@@ -160,14 +184,14 @@ fn stage_source(
             Ok(Kind::File) => continue,
             Ok(Kind::Dir) => {}
             Err(err) => {
-                problems.push(err);
+                problems.push(err.into());
                 continue;
             }
         }
         let id = match plain_name(&run) {
             Ok(id) => id,
             Err(err) => {
-                problems.push(err);
+                problems.push(err.into());
                 continue;
             }
         };
@@ -175,53 +199,55 @@ fn stage_source(
             continue;
         }
         let target = into.join("runs").join(&id);
-        match copy_tree(&run, &target).and_then(|_| check_run(&id, &target)) {
+        match copy_tree(&run, &target)
+            .map_err(ImportProblem::from)
+            .and_then(|_| check_run(&id, &target))
+        {
             Ok(()) => staged.runs.push((id, target)),
-            Err(reason) => problems.push(reason),
+            Err(problem) => problems.push(problem),
         }
     }
     Ok(())
 }
 
 /// A staged run folder's record must parse, be the run its folder names, and name only keys.
-fn check_run(id: &str, dir: &Path) -> Result<(), String> {
+fn check_run(id: &str, dir: &Path) -> Result<(), ImportProblem> {
     let record = RunRecord::read(dir)?;
-    let path = dir.join("run.json");
+    let refuse = |why| ImportProblem::Run {
+        path: dir.join("run.json"),
+        why,
+    };
     if record.id != id {
-        return Err(format!(
-            "{}: its id `{}` is not its folder's name `{id}`",
-            path.display(),
+        return Err(refuse(format!(
+            "its id `{}` is not its folder's name `{id}`",
             record.id
-        ));
+        )));
     }
     for node in &record.nodes {
-        if let Some(key) = &node.key {
-            if !is_key(key) {
-                return Err(format!(
-                    "{}: node `{}` has key `{key}`, not 64 hex digits",
-                    path.display(),
-                    node.id
-                ));
-            }
+        if let Some(key) = node.key.as_ref().filter(|key| !is_key(key)) {
+            return Err(refuse(format!(
+                "node `{}` has key `{key}`, not 64 hex digits",
+                node.id
+            )));
         }
     }
     Ok(())
 }
 
-fn place_entry(cache: &Cache, key: &str, staged: &Path) -> Result<bool, String> {
+fn place_entry(cache: &Cache, key: &str, staged: &Path) -> Result<bool, CacheError> {
     let target = cache.entry_dir(key);
-    let _lock = cache.lock_key(key).map_err(|err| err.to_string())?;
+    let _lock = cache.lock_key(key)?;
     if target.exists() {
         return Ok(false);
     }
     std::fs::create_dir_all(target.parent().unwrap_or(&cache.root))
         .and_then(|_| std::fs::rename(staged, &target))
-        .map_err(|err| format!("{}: {err}", target.display()))?;
+        .map_err(super::io(&target))?;
     Ok(true)
 }
 
 /// Points the record's nodes at this cache's entries and logs, then moves the run into place.
-fn place_run(cache: &Cache, id: &str, staged: &Path) -> Result<bool, String> {
+fn place_run(cache: &Cache, id: &str, staged: &Path) -> Result<bool, ImportProblem> {
     let destination = cache.runs_dir().join(id);
     if destination.exists() {
         return Ok(false);
@@ -244,35 +270,9 @@ fn place_run(cache: &Cache, id: &str, staged: &Path) -> Result<bool, String> {
             .filter(|name| staged.join("logs").join(name).is_file())
             .map(|name| destination.join("logs").join(name));
     }
-    record
-        .write(staged)
-        .map_err(|err| format!("{}: {err}", staged.display()))?;
-    std::fs::rename(staged, &destination)
-        .map_err(|err| format!("{}: {err}", destination.display()))?;
+    record.write(staged).map_err(super::io(staged))?;
+    std::fs::rename(staged, &destination).map_err(super::io(&destination))?;
     Ok(true)
-}
-
-fn read_dir(dir: &Path) -> Result<Vec<PathBuf>, String> {
-    let mut paths = Vec::new();
-    for item in std::fs::read_dir(dir).map_err(|err| format!("{}: {err}", dir.display()))? {
-        paths.push(
-            item.map_err(|err| format!("{}: {err}", dir.display()))?
-                .path(),
-        );
-    }
-    paths.sort();
-    Ok(paths)
-}
-
-fn plain_name(path: &Path) -> Result<String, String> {
-    let name = path
-        .file_name()
-        .and_then(|n| n.to_str())
-        .ok_or_else(|| format!("{}: the name is not UTF-8", path.display()))?;
-    match bad_name(name) {
-        Some(why) => Err(format!("{}: {why}", path.display())),
-        None => Ok(name.to_string()),
-    }
 }
 
 impl Cache {

@@ -8,71 +8,112 @@ use std::io::Read;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
+/// Why a name is refused as one path component.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum BadName {
+    #[error("an empty name")]
+    Empty,
+    #[error("a name containing `..`")]
+    DotDot,
+    #[error("a name containing a path separator")]
+    Separator,
+    #[error("a name containing control characters")]
+    Control,
+}
+
+/// Why a file or folder of an entry or run is refused, or could not be read or copied.
+#[derive(Debug, thiserror::Error)]
+pub enum TreeError {
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}: the name is not UTF-8", path.display())]
+    NotUtf8 { path: PathBuf },
+    #[error("{}: {why}", path.display())]
+    Name { path: PathBuf, why: BadName },
+    #[error("{}: a symbolic link; only regular files and folders are accepted", path.display())]
+    Link { path: PathBuf },
+    #[error("{}: a device, FIFO or socket; only regular files and folders are accepted", path.display())]
+    Special { path: PathBuf },
+    /// A relative path read from metadata that is absolute or has a bad component.
+    #[error("`{path}` {why}")]
+    Relative { path: String, why: String },
+}
+
+pub(crate) fn io_at(path: &Path) -> impl FnOnce(std::io::Error) -> TreeError + '_ {
+    move |source| TreeError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
 /// Why a name is refused, or `None` for a name that is safe as one path component anywhere.
 /// `..` anywhere is refused (not only as a whole component) so that no name can read as a step
 /// up after being joined, split or displayed.
-pub fn bad_name(name: &str) -> Option<&'static str> {
+pub fn bad_name(name: &str) -> Option<BadName> {
     if name.is_empty() || name == "." {
-        Some("an empty name")
+        Some(BadName::Empty)
     } else if name.contains("..") {
-        Some("a name containing `..`")
+        Some(BadName::DotDot)
     } else if name.contains('/') || name.contains('\\') {
-        Some("a name containing a path separator")
+        Some(BadName::Separator)
     } else if name.chars().any(char::is_control) {
-        Some("a name containing control characters")
+        Some(BadName::Control)
     } else {
         None
     }
 }
 
 /// Checks a relative path (components joined by `/`) read from metadata.
-pub fn check_relative(path: &str) -> Result<(), String> {
+pub fn check_relative(path: &str) -> Result<(), TreeError> {
+    let refuse = |why: String| TreeError::Relative {
+        path: path.to_string(),
+        why,
+    };
     if path.starts_with('/') {
-        return Err(format!(
-            "`{path}` is an absolute path; only relative paths are allowed"
+        return Err(refuse(
+            "is an absolute path; only relative paths are allowed".into(),
         ));
     }
-    for part in path.split('/') {
-        if let Some(why) = bad_name(part) {
-            return Err(format!("`{path}` has {why}"));
-        }
+    match path.split('/').find_map(bad_name) {
+        Some(why) => Err(refuse(format!("has {why}"))),
+        None => Ok(()),
     }
-    Ok(())
 }
 
-fn utf8_name(path: &Path) -> Result<String, String> {
+/// `path`'s last component, when it is a plain UTF-8 name (see [`bad_name`]).
+pub fn plain_name(path: &Path) -> Result<String, TreeError> {
     let name = path
         .file_name()
-        .ok_or_else(|| format!("{}: no file name", path.display()))?;
-    let name = name
-        .to_str()
-        .ok_or_else(|| format!("{}: the name is not UTF-8", path.display()))?;
-    if let Some(why) = bad_name(name) {
-        return Err(format!("{}: {why}", path.display()));
+        .and_then(|n| n.to_str())
+        .ok_or_else(|| TreeError::NotUtf8 {
+            path: path.to_path_buf(),
+        })?;
+    match bad_name(name) {
+        Some(why) => Err(TreeError::Name {
+            path: path.to_path_buf(),
+            why,
+        }),
+        None => Ok(name.to_string()),
     }
-    Ok(name.to_string())
 }
 
 /// What kind of thing `path` is, without following a link; anything but a regular file or a
 /// folder is an error naming it.
-pub fn kind(path: &Path) -> Result<Kind, String> {
-    let meta =
-        std::fs::symlink_metadata(path).map_err(|err| format!("{}: {err}", path.display()))?;
+pub fn kind(path: &Path) -> Result<Kind, TreeError> {
+    let meta = std::fs::symlink_metadata(path).map_err(io_at(path))?;
     let file_type = meta.file_type();
+    let path = path.to_path_buf();
     if file_type.is_dir() {
         Ok(Kind::Dir)
     } else if file_type.is_file() {
         Ok(Kind::File)
     } else if file_type.is_symlink() {
-        Err(format!(
-            "{}: a symbolic link; only regular files and folders are accepted",
-            path.display()
-        ))
+        Err(TreeError::Link { path })
     } else {
-        Err(format!(
-            "{}: a device, FIFO or socket; only regular files and folders are accepted",
-            path.display()
-        ))
+        Err(TreeError::Special { path })
     }
 }
 
@@ -84,19 +125,19 @@ pub enum Kind {
 
 /// The regular files under `dir`, by path relative to it (`/`-separated), refusing links,
 /// special files and odd names.
-pub fn regular_files(dir: &Path) -> Result<BTreeMap<String, PathBuf>, String> {
+pub fn regular_files(dir: &Path) -> Result<BTreeMap<String, PathBuf>, TreeError> {
     let mut files = BTreeMap::new();
     collect(dir, "", &mut files)?;
     Ok(files)
 }
 
-fn collect(dir: &Path, prefix: &str, files: &mut BTreeMap<String, PathBuf>) -> Result<(), String> {
-    let entries = std::fs::read_dir(dir).map_err(|err| format!("{}: {err}", dir.display()))?;
-    for entry in entries {
-        let path = entry
-            .map_err(|err| format!("{}: {err}", dir.display()))?
-            .path();
-        let name = utf8_name(&path)?;
+fn collect(
+    dir: &Path,
+    prefix: &str,
+    files: &mut BTreeMap<String, PathBuf>,
+) -> Result<(), TreeError> {
+    for path in read_dir(dir)? {
+        let name = plain_name(&path)?;
         let relative = format!("{prefix}{name}");
         match kind(&path)? {
             Kind::Dir => collect(&path, &format!("{relative}/"), files)?,
@@ -166,14 +207,10 @@ impl<R: Read> Read for Counted<R> {
 
 /// Copies the tree `from` into `to` (created), refusing links, special files and odd names, so
 /// that a copy can never carry in a file from outside the tree.
-pub fn copy_tree(from: &Path, to: &Path) -> Result<(), String> {
-    std::fs::create_dir_all(to).map_err(|err| format!("{}: {err}", to.display()))?;
-    let entries = std::fs::read_dir(from).map_err(|err| format!("{}: {err}", from.display()))?;
-    for entry in entries {
-        let path = entry
-            .map_err(|err| format!("{}: {err}", from.display()))?
-            .path();
-        let target = to.join(utf8_name(&path)?);
+pub fn copy_tree(from: &Path, to: &Path) -> Result<(), TreeError> {
+    std::fs::create_dir_all(to).map_err(io_at(to))?;
+    for path in read_dir(from)? {
+        let target = to.join(plain_name(&path)?);
         match kind(&path)? {
             Kind::Dir => copy_tree(&path, &target)?,
             Kind::File => copy_file(&path, &target)?,
@@ -182,15 +219,25 @@ pub fn copy_tree(from: &Path, to: &Path) -> Result<(), String> {
     Ok(())
 }
 
-fn copy_file(from: &Path, to: &Path) -> Result<(), String> {
-    let mut source = open_regular(from).map_err(|err| format!("{}: {err}", from.display()))?;
+fn copy_file(from: &Path, to: &Path) -> Result<(), TreeError> {
+    let mut source = open_regular(from).map_err(io_at(from))?;
     let mut target = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .open(to)
-        .map_err(|err| format!("{}: {err}", to.display()))?;
-    std::io::copy(&mut source, &mut target).map_err(|err| format!("{}: {err}", from.display()))?;
+        .map_err(io_at(to))?;
+    std::io::copy(&mut source, &mut target).map_err(io_at(from))?;
     Ok(())
+}
+
+/// The paths in `dir`, sorted.
+pub fn read_dir(dir: &Path) -> Result<Vec<PathBuf>, TreeError> {
+    let mut paths = Vec::new();
+    for item in std::fs::read_dir(dir).map_err(io_at(dir))? {
+        paths.push(item.map_err(io_at(dir))?.path());
+    }
+    paths.sort();
+    Ok(paths)
 }
 
 /// A cache key: 64 lowercase hex digits. Keys read from records name folders, so anything else
@@ -220,10 +267,7 @@ mod tests {
         std::fs::write(dir.path().join("ok.json"), b"{}").unwrap();
         std::os::unix::fs::symlink("/etc/hostname", dir.path().join("link")).unwrap();
         let err = regular_files(dir.path()).unwrap_err();
-        assert!(
-            err.contains("link") && err.contains("symbolic link"),
-            "{err}"
-        );
+        assert!(matches!(err, TreeError::Link { .. }), "{err}");
         assert!(copy_tree(dir.path(), &dir.path().join("copy")).is_err());
         assert!(check_relative("../x").is_err());
         assert!(check_relative("/etc/passwd").is_err());
