@@ -10,7 +10,7 @@
 //! several ranks) where slices would have to be cut.
 
 use std::ffi::c_void;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use attnbench_abi::abi_stable::library::lib_header_from_path;
 use attnbench_abi::abi_stable::std_types::{RResult, RSlice, RStr};
@@ -19,6 +19,30 @@ pub use attnbench_abi::{AttentionCall, DType, Memory};
 
 use crate::mask::{BlockMask, Mask};
 use crate::PluginManifest;
+
+/// Why an in-process attention call was refused or failed. Across the ABI it travels as its
+/// message; a [`Backend`] gives it back as [`AttentionError::Backend`], named by the backend.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AttentionError {
+    /// The plugin offers no in-process kernel of that name.
+    #[error("no in-process attention kernel `{kernel}`; {offered}")]
+    UnknownKernel { kernel: String, offered: String },
+    /// The call breaks [`AttentionCall`]'s contract (its rows, heads or pointers): what is wrong.
+    #[error("{0}")]
+    Malformed(String),
+    /// The kernel cannot take this call (its dtypes, memory, lengths or head layout): why.
+    #[error("{0}")]
+    Unsupported(String),
+    /// The kernel took the call and failed running it (a device error…).
+    #[error("{0}")]
+    Failed(String),
+    /// The library at `path` cannot serve as a backend.
+    #[error("{}: {why}", path.display())]
+    Open { path: PathBuf, why: String },
+    /// What the backend `plugin/kernel` answered.
+    #[error("{backend}: {message}")]
+    Backend { backend: String, message: String },
+}
 
 /// A mask restricted to a block: row `r` of the block may see the local keys
 /// `[intervals[2i], intervals[2i+1])` for `i` in `row_start[r]..row_start[r+1]` (sorted, disjoint).
@@ -152,7 +176,7 @@ impl RowIntervals {
 
     /// A call's rows, checked: one start per row and one more, increasing from 0, and each
     /// interval non-empty and within the block's keys.
-    pub fn of_call(call: &AttentionCall<'_>) -> Result<RowIntervals, String> {
+    pub fn of_call(call: &AttentionCall<'_>) -> Result<RowIntervals, AttentionError> {
         let rows = RowIntervals {
             row_start: call.row_start.as_slice().to_vec(),
             intervals: call.intervals.as_slice().to_vec(),
@@ -167,13 +191,13 @@ impl RowIntervals {
                 .chunks_exact(2)
                 .any(|p| p[0] >= p[1] || p[1] as u64 > call.k_len)
         {
-            return Err(format!(
+            return Err(AttentionError::Malformed(format!(
                 "malformed mask: {} row starts and {} interval bounds for {} rows of {} keys",
                 rows.row_start.len(),
                 rows.intervals.len(),
                 q_len,
                 call.k_len
-            ));
+            )));
         }
         Ok(rows)
     }
@@ -384,7 +408,7 @@ impl HostBlock<'_> {
 
 /// Refuses a call missing a tensor it needs: Q, K, V, O and LSE always, dO, dQ, dK and dV in a
 /// backward call.
-pub fn require_tensors(call: &AttentionCall<'_>) -> Result<(), String> {
+pub fn require_tensors(call: &AttentionCall<'_>) -> Result<(), AttentionError> {
     let always = [
         call.q,
         call.k,
@@ -400,19 +424,21 @@ pub fn require_tensors(call: &AttentionCall<'_>) -> Result<(), String> {
     ];
     if always.iter().any(|p| p.is_null()) || (call.backward && backward.iter().any(|p| p.is_null()))
     {
-        return Err("a tensor pointer the call needs is null".into());
+        return Err(AttentionError::Malformed(
+            "a tensor pointer the call needs is null".into(),
+        ));
     }
     Ok(())
 }
 
 /// Runs `call` on the host in f64 ([`HostBlock`]): the reference any backend can offer for
 /// host memory. Refuses, with the reason, what is not a host f64 call.
-pub fn run_on_host(call: &AttentionCall<'_>) -> Result<(), String> {
+pub fn run_on_host(call: &AttentionCall<'_>) -> Result<(), AttentionError> {
     if call.memory != Memory::Host || call.input != DType::F64 || call.output != DType::F64 {
-        return Err(format!(
+        return Err(AttentionError::Unsupported(format!(
             "this backend runs host memory in f64, not {:?} memory with {:?} inputs and {:?} outputs",
             call.memory, call.input, call.output
-        ));
+        )));
     }
     let rows = RowIntervals::of_call(call)?;
     let (hq, hkv, d) = (
@@ -422,9 +448,9 @@ pub fn run_on_host(call: &AttentionCall<'_>) -> Result<(), String> {
     );
     let (ql, kl) = (call.q_len as usize, call.k_len as usize);
     if call.kv_head_of.len() != hq || call.kv_head_of.iter().any(|&h| h as usize >= hkv) {
-        return Err(format!(
+        return Err(AttentionError::Malformed(format!(
             "kv_head_of must name one of {hkv} KV heads for each of {hq} query heads"
-        ));
+        )));
     }
     let block = HostBlock {
         head_dim: d,
@@ -483,14 +509,17 @@ pub struct Backend {
 
 impl Backend {
     /// Loads the plugin library at `path` and checks that it offers `kernel` in process.
-    pub fn open(path: &Path, kernel: &str) -> Result<Backend, String> {
-        let header =
-            lib_header_from_path(path).map_err(|err| format!("{}: {err}", path.display()))?;
+    pub fn open(path: &Path, kernel: &str) -> Result<Backend, AttentionError> {
+        let refuse = |why: String| AttentionError::Open {
+            path: path.to_path_buf(),
+            why,
+        };
+        let header = lib_header_from_path(path).map_err(|err| refuse(err.to_string()))?;
         let module = header
             .init_root_module::<PluginModRef>()
-            .map_err(|err| format!("{}: {err}", path.display()))?;
+            .map_err(|err| refuse(err.to_string()))?;
         let manifest: PluginManifest = serde_json::from_str((module.manifest())().as_str())
-            .map_err(|err| format!("{}: unreadable manifest: {err}", path.display()))?;
+            .map_err(|err| refuse(format!("unreadable manifest: {err}")))?;
         let name = format!("{}/{kernel}", manifest.name);
         let entry = module
             .attention()
@@ -501,10 +530,10 @@ impl Backend {
             } else {
                 manifest.attention.join(", ")
             };
-            return Err(format!(
-                "plugin `{}` offers no in-process attention kernel `{kernel}` (offered: {offered})",
-                manifest.name
-            ));
+            return Err(AttentionError::UnknownKernel {
+                kernel: kernel.to_string(),
+                offered: format!("plugin `{}` offers: {offered}", manifest.name),
+            });
         };
         Ok(Backend {
             entry,
@@ -514,10 +543,13 @@ impl Backend {
     }
 
     /// Runs one call. The caller keeps the call's buffers alive and sized as its contract says.
-    pub fn call(&self, call: &AttentionCall<'_>) -> Result<(), String> {
+    pub fn call(&self, call: &AttentionCall<'_>) -> Result<(), AttentionError> {
         match (self.entry)(RStr::from_str(&self.kernel), call) {
             RResult::ROk(()) => Ok(()),
-            RResult::RErr(message) => Err(format!("{}: {message}", self.name)),
+            RResult::RErr(message) => Err(AttentionError::Backend {
+                backend: self.name.clone(),
+                message: message.into(),
+            }),
         }
     }
 
@@ -528,7 +560,7 @@ impl Backend {
         (q, k, v): (&[f64], &[f64], &[f64]),
         out: &mut [f64],
         lse: &mut [f64],
-    ) -> Result<(), String> {
+    ) -> Result<(), AttentionError> {
         let call = host_call(block, (q, k, v), out.as_mut_ptr(), lse.as_mut_ptr(), None);
         self.call(&call)
     }
@@ -543,7 +575,7 @@ impl Backend {
         lse: &[f64],
         d_out: &[f64],
         (dq, dk, dv): (&mut [f64], &mut [f64], &mut [f64]),
-    ) -> Result<(), String> {
+    ) -> Result<(), AttentionError> {
         let grads = (
             d_out.as_ptr(),
             dq.as_mut_ptr(),

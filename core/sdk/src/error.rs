@@ -20,6 +20,9 @@ pub enum PluginError {
     OutOfMemory(String),
     #[error("{0}")]
     Failed(String),
+    /// An in-process attention backend refused or failed a call.
+    #[error(transparent)]
+    Attention(#[from] crate::attention::AttentionError),
 }
 
 impl PluginError {
@@ -30,7 +33,7 @@ impl PluginError {
             PluginError::UnknownStage { .. } => FailureKind::UnknownStage,
             PluginError::Io { .. } => FailureKind::Io,
             PluginError::OutOfMemory(_) => FailureKind::OutOfMemory,
-            PluginError::Failed(_) => FailureKind::Failed,
+            PluginError::Failed(_) | PluginError::Attention(_) => FailureKind::Failed,
         }
     }
 

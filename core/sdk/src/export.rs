@@ -15,9 +15,15 @@ pub trait Plugin {
 
     /// Runs one block with `kernel` of the in-process attention backend (the kernels the
     /// manifest lists with [`PluginManifest::attention_kernel`]); see [`crate::attention`].
-    fn attention(kernel: &str, call: &AttentionCall<'_>) -> Result<(), String> {
+    fn attention(
+        kernel: &str,
+        call: &AttentionCall<'_>,
+    ) -> Result<(), crate::attention::AttentionError> {
         let _ = call;
-        Err(format!("no in-process attention kernel `{kernel}` here"))
+        Err(crate::attention::AttentionError::UnknownKernel {
+            kernel: kernel.to_string(),
+            offered: "this plugin offers none".into(),
+        })
     }
 }
 
@@ -67,7 +73,7 @@ extern "C" fn attention_entry<P: Plugin>(
     capture_panics();
     match catch_unwind(AssertUnwindSafe(|| P::attention(kernel.as_str(), call))) {
         Ok(Ok(())) => ROk(()),
-        Ok(Err(message)) => RErr(message.into()),
+        Ok(Err(error)) => RErr(error.to_string().into()),
         Err(panic) => RErr(format!("attention panicked: {}", panic_message(&*panic)).into()),
     }
 }

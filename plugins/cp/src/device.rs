@@ -161,7 +161,7 @@ impl DeviceStore {
     /// `call` on the backend, timed.
     fn run_block(&self, call: &AttentionCall<'_>) -> Result<(), String> {
         let start = Spans::mark(&self.stream);
-        self.backend.call(call)?;
+        self.backend.call(call).map_err(|err| err.to_string())?;
         self.blocks.push(start, Spans::mark(&self.stream));
         Ok(())
     }

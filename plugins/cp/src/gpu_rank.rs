@@ -140,7 +140,8 @@ fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, String> {
         ctx.new_stream()
             .map_err(|err| format!("{what} stream: {err}"))
     };
-    let backend = Backend::open(&job.attention.0, &job.attention.1)?;
+    let backend =
+        Backend::open(&job.attention.0, &job.attention.1).map_err(|err| err.to_string())?;
     let store = DeviceStore::new(&ctx, stream("compute")?, backend, input)?;
     let world_nccl = NcclGroup::join(&everyone, stream("world")?, &store)?;
     let ulysses = NcclGroup::join(&ulysses_host, stream("Ulysses")?, &store)?;

@@ -315,8 +315,7 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
     let opened = attention
         .as_ref()
         .map(|(path, kernel)| processes::open_attention(path, kernel))
-        .transpose()
-        .map_err(PluginError::failed)?;
+        .transpose()?;
     let ranks_dir = request.output_dir.join("ranks");
     let job = processes::Job {
         problem: rank_problem(&p, setup.clone(), &set, request.seed),

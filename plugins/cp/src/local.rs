@@ -378,7 +378,9 @@ impl Store for HostStore<'_> {
         );
         let (out, lse) = (&mut out[spans.rows.clone()], &mut lse[spans.lse.clone()]);
         match self.backend {
-            Some(backend) => backend.forward_host(block, qkv, out, lse),
+            Some(backend) => backend
+                .forward_host(block, qkv, out, lse)
+                .map_err(|err| err.to_string()),
             None => {
                 block.forward(qkv.0, qkv.1, qkv.2, out, lse);
                 Ok(())
@@ -407,9 +409,9 @@ impl Store for HostStore<'_> {
         let dq = &mut dq[spans.rows.clone()];
         let (mut dk, mut dv) = (vec![0.0; spans.keys.len()], vec![0.0; spans.keys.len()]);
         match self.backend {
-            Some(backend) => {
-                backend.backward_host(block, qkv, out, lse, d_out, (dq, &mut dk, &mut dv))?
-            }
+            Some(backend) => backend
+                .backward_host(block, qkv, out, lse, d_out, (dq, &mut dk, &mut dv))
+                .map_err(|err| err.to_string())?,
             None => block.backward(qkv, out, lse, d_out, dq, &mut dk, &mut dv),
         }
         Ok((dk, dv))

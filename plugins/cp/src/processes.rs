@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use attnbench_sdk::attention::{Backend, HostBlock, RowIntervals};
+use attnbench_sdk::attention::{AttentionError, Backend, HostBlock, RowIntervals};
 use attnbench_sdk::mask::MaskSet;
 use attnbench_sdk::reference::{Element, Inputs, Shape};
 use serde::{Deserialize, Serialize};
@@ -72,7 +72,7 @@ pub struct Job {
 /// Opens an in-process attention backend and runs one tiny forward and backward block through
 /// it, so that a backend that cannot run this job fails here with its reason — not halfway
 /// through a ring, where the other ranks would wait for it.
-pub fn open_attention(path: &Path, kernel: &str) -> Result<Backend, String> {
+pub fn open_attention(path: &Path, kernel: &str) -> Result<Backend, AttentionError> {
     let backend = Backend::open(path, kernel)?;
     let rows = RowIntervals {
         row_start: vec![0, 1],
@@ -99,10 +99,10 @@ pub fn open_attention(path: &Path, kernel: &str) -> Result<Backend, String> {
         (&mut dq, &mut dk, &mut dv),
     )?;
     if out != [1.0] || lse != [1.0] || dv != [1.0] {
-        return Err(format!(
+        return Err(AttentionError::Failed(format!(
             "{}: one key of value 1 gave O {out:?}, LSE {lse:?}, dV {dv:?}; expected 1, 1, 1",
             backend.name
-        ));
+        )));
     }
     Ok(backend)
 }
@@ -137,7 +137,8 @@ pub fn rank_main(path: &Path) -> Result<(), String> {
         .attention
         .as_ref()
         .map(|(path, kernel)| open_attention(path, kernel))
-        .transpose()?;
+        .transpose()
+        .map_err(|err| err.to_string())?;
     let result = threads::run_rank(
         world,
         info.rank,

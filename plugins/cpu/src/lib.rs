@@ -5,7 +5,7 @@
 pub mod problem;
 pub mod tiled;
 
-use attnbench_sdk::attention::{run_on_host, AttentionCall};
+use attnbench_sdk::attention::{run_on_host, AttentionCall, AttentionError};
 use attnbench_sdk::bench::{self, Cell, KernelBench, Options, Prepared};
 use attnbench_sdk::mask::MaskSet;
 use attnbench_sdk::measure::{Direction, Harness, Measurement, Memory};
@@ -77,12 +77,13 @@ impl Plugin for Cpu {
 
     /// `reference`: exact f64 attention of one block on the host, the local backend that
     /// context parallelism on CPU threads runs through the in-process interface.
-    fn attention(kernel: &str, call: &AttentionCall<'_>) -> Result<(), String> {
+    fn attention(kernel: &str, call: &AttentionCall<'_>) -> Result<(), AttentionError> {
         match kernel {
             "reference" => run_on_host(call),
-            other => Err(format!(
-                "no in-process attention kernel `{other}`; the cpu plugin offers `reference`"
-            )),
+            other => Err(AttentionError::UnknownKernel {
+                kernel: other.to_string(),
+                offered: "the cpu plugin offers `reference`".into(),
+            }),
         }
     }
 

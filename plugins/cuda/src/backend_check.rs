@@ -142,13 +142,13 @@ fn check_block(
         dv: std::ptr::null_mut(),
         stream: stream.cu_stream() as *mut c_void,
     };
-    Cuda::attention("flash", &call).map_err(PluginError::Failed)?;
+    Cuda::attention("flash", &call).map_err(|err| PluginError::Failed(err.to_string()))?;
     call.backward = true;
     call.d_out = pointer(d_out.address(&stream));
     call.dq = dq.address(&stream) as *mut c_void;
     call.dk = dk.address(&stream) as *mut c_void;
     call.dv = dv.address(&stream) as *mut c_void;
-    Cuda::attention("flash", &call).map_err(PluginError::Failed)?;
+    Cuda::attention("flash", &call).map_err(|err| PluginError::Failed(err.to_string()))?;
     let download = |b: &Buffer<f32>| with_gpu(|state| state.gpu.download(b));
     let got = [
         download(&out)?,

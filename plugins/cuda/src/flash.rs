@@ -21,7 +21,9 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
-use attnbench_sdk::attention::{require_tensors, AttentionCall, DType, Memory, RowIntervals};
+use attnbench_sdk::attention::{
+    require_tensors, AttentionCall, AttentionError, DType, Memory, RowIntervals,
+};
 use attnbench_sdk::mask::BlockMask;
 use attnbench_sdk::reference::{Element, Grads, HeadMasks, Inputs, Shape};
 use attnbench_sdk::PluginError;
@@ -1150,21 +1152,21 @@ impl Problem {
 
 /// What of `call` the flash kernel runs (its element type and sizes), or why it cannot; checked
 /// before any device work, so a caller with host memory hears why rather than about the GPU.
-pub fn accepts(call: &AttentionCall<'_>) -> Result<(Element, Dims), String> {
+pub fn accepts(call: &AttentionCall<'_>) -> Result<(Element, Dims), AttentionError> {
     let element = match call.input {
         DType::Bf16 => Element::Bf16,
         DType::F16 => Element::F16,
         other => {
-            return Err(format!(
+            return Err(AttentionError::Unsupported(format!(
                 "the flash kernel takes bf16 or fp16 inputs, not {other:?}"
-            ))
+            )))
         }
     };
     if call.memory != Memory::Cuda || call.output != DType::F32 {
-        return Err(format!(
+        return Err(AttentionError::Unsupported(format!(
             "the flash kernel runs device memory with f32 outputs, not {:?} memory with {:?} outputs",
             call.memory, call.output
-        ));
+        )));
     }
     let (hq, hkv, d) = (
         call.heads_q as usize,
@@ -1172,15 +1174,15 @@ pub fn accepts(call: &AttentionCall<'_>) -> Result<(Element, Dims), String> {
         call.head_dim as usize,
     );
     if d != 64 && d != 128 {
-        return Err(format!(
+        return Err(AttentionError::Unsupported(format!(
             "the flash kernel is compiled for head_dim 64 and 128, not {d}"
-        ));
+        )));
     }
     if call.q_len != call.k_len {
-        return Err(format!(
+        return Err(AttentionError::Unsupported(format!(
             "the flash kernel runs blocks of as many queries as keys, not {} × {}",
             call.q_len, call.k_len
-        ));
+        )));
     }
     if hkv == 0
         || hq % hkv != 0
@@ -1191,9 +1193,9 @@ pub fn accepts(call: &AttentionCall<'_>) -> Result<(Element, Dims), String> {
             .enumerate()
             .any(|(h, &kv)| kv as usize != h / (hq / hkv))
     {
-        return Err(format!(
+        return Err(AttentionError::Unsupported(format!(
             "the flash kernel maps query head h to KV head h / (heads_q / heads_kv); the call's kv_head_of for {hq} query and {hkv} KV heads does not"
-        ));
+        )));
     }
     require_tensors(call)?;
     let dims = Dims {
@@ -1210,10 +1212,14 @@ pub fn accepts(call: &AttentionCall<'_>) -> Result<(Element, Dims), String> {
 /// device pointers, ordered after the work already on its stream and before what it queues
 /// next. Runs bf16/fp16 inputs with f32 outputs, equal query and key lengths (every block the
 /// context-parallel methods make) and the usual KV-head grouping; refuses the rest with why.
-pub fn attend(gpu: &Gpu, kernels: &Kernels, call: &AttentionCall<'_>) -> Result<(), String> {
+pub fn attend(
+    gpu: &Gpu,
+    kernels: &Kernels,
+    call: &AttentionCall<'_>,
+) -> Result<(), AttentionError> {
     let (element, dims) = accepts(call)?;
     let (hq, len) = (dims.heads_q, dims.len);
-    let as_message = |err: PluginError| err.to_string();
+    let as_message = |err: PluginError| AttentionError::Failed(err.to_string());
     let digest = block_digest(call);
     let kept = kernels
         .blocks
@@ -1254,8 +1260,9 @@ pub fn attend(gpu: &Gpu, kernels: &Kernels, call: &AttentionCall<'_>) -> Result<
     };
     let caller = call.stream as cudarc::driver::sys::CUstream;
     // The caller's queued work first, ours next, and the caller's later work after ours.
-    follow(caller, gpu.stream.cu_stream())
-        .map_err(|err| format!("ordering after the caller's stream: {err}"))?;
+    follow(caller, gpu.stream.cu_stream()).map_err(|err| {
+        AttentionError::Failed(format!("ordering after the caller's stream: {err}"))
+    })?;
     let delta = if call.backward {
         Some(gpu.alloc::<f32>("D", hq * len).map_err(as_message)?)
     } else {
@@ -1295,8 +1302,11 @@ pub fn attend(gpu: &Gpu, kernels: &Kernels, call: &AttentionCall<'_>) -> Result<
         }
     };
     launched.map_err(as_message)?;
-    follow(gpu.stream.cu_stream(), caller)
-        .map_err(|err| format!("ordering the caller's stream after the kernels: {err}"))
+    follow(gpu.stream.cu_stream(), caller).map_err(|err| {
+        AttentionError::Failed(format!(
+            "ordering the caller's stream after the kernels: {err}"
+        ))
+    })
 }
 
 /// Makes `later` wait for the work queued on `earlier` so far (an event between them).

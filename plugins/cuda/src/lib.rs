@@ -13,7 +13,7 @@ mod naive;
 
 use std::sync::Mutex;
 
-use attnbench_sdk::attention::AttentionCall;
+use attnbench_sdk::attention::{AttentionCall, AttentionError};
 use attnbench_sdk::bench::{self, Cell, Options};
 use attnbench_sdk::measure::{Direction, Harness, Measurement, Quantiles, Throughput};
 use attnbench_sdk::nvml;
@@ -116,13 +116,15 @@ impl Plugin for Cuda {
 
     /// `flash`: one block of a context-parallel method on the caller's device pointers and
     /// stream (bf16/fp16 in, f32 out; see `flash::attend`).
-    fn attention(kernel: &str, call: &AttentionCall<'_>) -> Result<(), String> {
+    fn attention(kernel: &str, call: &AttentionCall<'_>) -> Result<(), AttentionError> {
         if kernel != "flash" {
-            return Err(format!(
-                "no in-process attention kernel `{kernel}`; the cuda plugin offers `flash`"
-            ));
+            return Err(AttentionError::UnknownKernel {
+                kernel: kernel.to_string(),
+                offered: "the cuda plugin offers `flash`".into(),
+            });
         }
         flash::accepts(call)?;
+        // The GPU's own failures (no device, compilation) are the outer error; the call's the inner.
         with_gpu(|state| {
             let kernels = match state.flash.take() {
                 Some(kernels) => kernels,
@@ -130,9 +132,9 @@ impl Plugin for Cuda {
             };
             let result = flash::attend(&state.gpu, &kernels, call);
             state.flash = Some(kernels);
-            result.map_err(PluginError::Failed)
+            Ok(result)
         })
-        .map_err(|err| err.to_string())
+        .map_err(|err| AttentionError::Failed(err.to_string()))?
     }
 
     fn run(stage: &str, request: StageRequest, host: &Host) -> Result<Value, PluginError> {
