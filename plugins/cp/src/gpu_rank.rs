@@ -124,7 +124,7 @@ fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, String> {
         Element::F32 => return Err("dtype `f32`: GPU ranks take bf16 or fp16".into()),
     };
     let shape = problem.shape();
-    crate::threads::check(setup, &shape)?;
+    crate::threads::check(setup, &shape).map_err(|err| err.to_string())?;
     let w = info.rank;
 
     // The TCP mesh carries the NCCL ids; the host groups name each NCCL group's members.

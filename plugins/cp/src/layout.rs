@@ -31,6 +31,32 @@ pub struct Layout {
     shards: Vec<Vec<u32>>,
 }
 
+/// Why a method's groups or a sharding cannot be laid over a problem: a parameter problem.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LayoutError {
+    #[error("world must be at least 1")]
+    EmptyWorld,
+    #[error("the ring and the Ulysses group need at least one rank each")]
+    EmptyGroup,
+    #[error("ulysses ({ulysses}) must divide world ({world})")]
+    UlyssesWorld { ulysses: usize, world: usize },
+    #[error("windows ({windows}) must divide the ring size ({ring})")]
+    Windows { windows: usize, ring: usize },
+    /// `unit` is what the sharding deals in, `what` says of which factors.
+    #[error("seqlen {seqlen} must be a multiple of {what} = {unit}")]
+    Seqlen {
+        seqlen: usize,
+        what: String,
+        unit: usize,
+    },
+    #[error("the layout is for {layout} tokens, the mask for {mask}")]
+    Length { layout: usize, mask: usize },
+    #[error("{heads_q} query heads cannot be split over {ulysses} Ulysses ranks")]
+    QueryHeads { heads_q: usize, ulysses: usize },
+    #[error("{heads_kv} KV heads cannot be split over {ulysses} Ulysses ranks, nor repeated to fill them")]
+    KvHeads { heads_kv: usize, ulysses: usize },
+}
+
 impl Layout {
     /// The layout of `seqlen` tokens over `ulysses × ring` ranks, or why the sharding cannot deal
     /// them. `work` gives each token's work (see [`crate::sharding::row_work`]); only the balanced
@@ -42,7 +68,7 @@ impl Layout {
         placement: Placement,
         sharding: Sharding,
         work: impl FnOnce() -> Vec<u64>,
-    ) -> Result<Layout, String> {
+    ) -> Result<Layout, LayoutError> {
         sharding.check(seqlen, ring, ulysses)?;
         Ok(Layout {
             seqlen,
@@ -161,7 +187,7 @@ mod tests {
             Vec::new,
         );
         assert_eq!(
-            refused.unwrap_err(),
+            refused.unwrap_err().to_string(),
             "seqlen 10 must be a multiple of stripe·ring (2·4) = 8"
         );
     }

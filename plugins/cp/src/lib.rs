@@ -41,7 +41,7 @@ use protocol::{pass_times, CpBench, Ranks};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-pub use layout::{Layout, Placement};
+pub use layout::{Layout, LayoutError, Placement};
 pub use methods::{Method, Setup};
 pub use processes::rank_main;
 pub use sharding::{imbalance, rank_shares, row_work, Sharding, ShardingKind};
@@ -198,9 +198,9 @@ pub fn setup(
     windows: usize,
     placement: Placement,
     seqlen: usize,
-) -> Result<Setup, String> {
+) -> Result<Setup, LayoutError> {
     if world == 0 {
-        return Err("world must be at least 1".into());
+        return Err(LayoutError::EmptyWorld);
     }
     let u = match method {
         Method::Ulysses => world,
@@ -209,7 +209,7 @@ pub fn setup(
         Method::Usp | Method::LoongTrain => ulysses,
     };
     if !world.is_multiple_of(u) {
-        return Err(format!("ulysses ({u}) must divide world ({world})"));
+        return Err(LayoutError::UlyssesWorld { ulysses: u, world });
     }
     let ring = world / u;
     let windows = match method {
@@ -218,9 +218,7 @@ pub fn setup(
         _ => 1,
     };
     if !ring.is_multiple_of(windows) {
-        return Err(format!(
-            "windows ({windows}) must divide the ring size ({ring})"
-        ));
+        return Err(LayoutError::Windows { windows, ring });
     }
     Ok(Setup {
         method,
@@ -286,7 +284,7 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
         shape.seqlen,
     )
     .and_then(|setup| setup.sharded(p.sharding(), work))
-    .map_err(PluginError::Params)?;
+    .map_err(|err| PluginError::Params(err.to_string()))?;
     let element = p.dtype;
     let harness = p.harness.apply(default_harness());
     let measurement = Measurement::for_kernel(
@@ -690,7 +688,7 @@ fn model_stage(request: &StageRequest) -> Result<Value, PluginError> {
     let placement = p.placement;
     let sharding = Sharding::of(p.sharding, p.stripe, p.chunk);
     // The sharding's imbalance depends on the ring's size and the tokens only: computed once each.
-    let mut imbalances: BTreeMap<(usize, usize), Result<f64, String>> = BTreeMap::new();
+    let mut imbalances: BTreeMap<(usize, usize), Result<f64, LayoutError>> = BTreeMap::new();
     let points = Method::ALL
         .iter()
         .flat_map(|&method| p.worlds.iter().map(move |&world| (method, world)))

@@ -9,7 +9,7 @@
 use std::ops::Range;
 
 use crate::comm::Communicator;
-use crate::layout::Layout;
+use crate::layout::{Layout, LayoutError};
 use crate::local::{Partial, Problem, Store, Tokens};
 use crate::sharding::Sharding;
 
@@ -40,7 +40,7 @@ impl Setup {
         self,
         sharding: Sharding,
         work: impl FnOnce() -> Vec<u64>,
-    ) -> Result<Setup, String> {
+    ) -> Result<Setup, LayoutError> {
         let Layout {
             seqlen,
             ulysses,
@@ -606,18 +606,16 @@ impl<S: Store> RingStep<'_, S> {
 
 /// How many times each KV head is repeated so that Ulysses can split KV heads over `ulysses`
 /// ranks, or why it cannot.
-pub fn kv_repeat(heads_q: usize, heads_kv: usize, ulysses: usize) -> Result<usize, String> {
+pub fn kv_repeat(heads_q: usize, heads_kv: usize, ulysses: usize) -> Result<usize, LayoutError> {
     if !heads_q.is_multiple_of(ulysses) {
-        return Err(format!(
-            "{heads_q} query heads cannot be split over {ulysses} Ulysses ranks"
-        ));
+        return Err(LayoutError::QueryHeads { heads_q, ulysses });
     }
     if heads_kv.is_multiple_of(ulysses) {
         Ok(1)
     } else if ulysses.is_multiple_of(heads_kv) {
         Ok(ulysses / heads_kv)
     } else {
-        Err(format!("{heads_kv} KV heads cannot be split over {ulysses} Ulysses ranks, nor repeated to fill them"))
+        Err(LayoutError::KvHeads { heads_kv, ulysses })
     }
 }
 
@@ -700,7 +698,8 @@ impl<'a> Rank<'a> {
     ) -> Result<Forward<S::Values>, String> {
         let layout = &self.setup.layout;
         let d = self.problem.head_dim;
-        let repeat = kv_repeat(self.heads_q, self.heads_kv, layout.ulysses)?;
+        let repeat = kv_repeat(self.heads_q, self.heads_kv, layout.ulysses)
+            .map_err(|err| err.to_string())?;
         let (k, v) = (
             repeat_heads(store, k, repeat, d),
             repeat_heads(store, v, repeat, d),

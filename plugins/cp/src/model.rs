@@ -141,7 +141,7 @@ pub fn predict_setup(setup: &Setup, machine: &Machine, workload: &Workload) -> P
         s.heads_kv as usize,
         setup.layout.ulysses,
     ) {
-        prediction.reason = Some(reason);
+        prediction.reason = Some(reason.to_string());
         return prediction;
     }
     let layout = &setup.layout;

@@ -130,7 +130,7 @@ pub fn rank_main(path: &Path) -> Result<(), String> {
     let problem = &job.problem;
     problem.check_world(&info)?;
     let shape = problem.shape();
-    threads::check(&problem.setup, &shape)?;
+    threads::check(&problem.setup, &shape).map_err(|err| err.to_string())?;
     let inputs = problem.inputs()?;
     let world = crate::tcp::join(&info)?;
     let attention = job
@@ -221,7 +221,7 @@ fn free_port() -> Result<u16, String> {
 pub fn run(job: &Job, path: &Path, timeout: Duration) -> Result<Outcome, String> {
     let problem = &job.problem;
     let shape = problem.shape();
-    threads::check(&problem.setup, &shape)?;
+    threads::check(&problem.setup, &shape).map_err(|err| err.to_string())?;
     let n = problem.setup.layout.world();
     start_ranks(path, n, &job.results, timeout)?;
     let results: Vec<RankResult> = read_rank_results(&job.results, n)?;

@@ -9,7 +9,7 @@
 use attnbench_sdk::mask::MaskSet;
 
 use crate::balance;
-use crate::layout::Layout;
+use crate::layout::{Layout, LayoutError};
 
 attnbench_sdk::named_enum! {
     /// The shardings a stage names.
@@ -60,18 +60,16 @@ impl Sharding {
 
     /// Why this sharding cannot deal `seqlen` tokens over a ring of `ring` ranks whose shards
     /// split into `ulysses` equal pieces, if it cannot.
-    pub fn check(&self, seqlen: usize, ring: usize, ulysses: usize) -> Result<(), String> {
+    pub fn check(&self, seqlen: usize, ring: usize, ulysses: usize) -> Result<(), LayoutError> {
         let need = |unit: usize, what: String| {
             if unit == 0 || !seqlen.is_multiple_of(unit) {
-                Err(format!(
-                    "seqlen {seqlen} must be a multiple of {what} = {unit}"
-                ))
+                Err(LayoutError::Seqlen { seqlen, what, unit })
             } else {
                 Ok(())
             }
         };
         if ring == 0 || ulysses == 0 {
-            return Err("the ring and the Ulysses group need at least one rank each".into());
+            return Err(LayoutError::EmptyGroup);
         }
         match *self {
             Sharding::Contiguous => need(ring * ulysses, "ring·ulysses".into()),
@@ -211,7 +209,7 @@ pub fn model_imbalance(
     causal: bool,
     seqlen: usize,
     ring: usize,
-) -> Result<f64, String> {
+) -> Result<f64, LayoutError> {
     sharding.check(seqlen, ring, 1)?;
     let work = || -> Vec<u64> {
         (0..seqlen as u64)

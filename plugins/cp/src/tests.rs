@@ -7,6 +7,7 @@ use attnbench_sdk::histogram::{Bucket, Histogram};
 use attnbench_sdk::mask::MaskSet;
 use attnbench_sdk::reference::{self, relative_error, Element, HeadMasks, Inputs, Shape};
 
+use crate::layout::LayoutError;
 use crate::methods::{Method, Setup};
 use crate::volume::{self, Sizes};
 use crate::{setup, sharding, threads, Placement, Sharding};
@@ -175,11 +176,20 @@ fn group_shapes_windows_and_placement_are_options() {
 #[test]
 fn sizes_that_do_not_shard_are_refused_with_a_reason() {
     let error = setup(Method::RingP2p, 5, 0, 0, Placement::RingInner, SEQLEN).unwrap_err();
-    assert!(error.contains("multiple of 2·ring·ulysses = 10"), "{error}");
-    let error = setup(Method::LoongTrain, 8, 1, 3, Placement::RingInner, SEQLEN).unwrap_err();
     assert!(
-        error.contains("windows (3) must divide the ring size (8)"),
+        matches!(error, LayoutError::Seqlen { unit: 10, .. }),
         "{error}"
+    );
+    assert!(error
+        .to_string()
+        .contains("multiple of 2·ring·ulysses = 10"));
+    let error = setup(Method::LoongTrain, 8, 1, 3, Placement::RingInner, SEQLEN).unwrap_err();
+    assert_eq!(
+        error,
+        LayoutError::Windows {
+            windows: 3,
+            ring: 8
+        }
     );
     let setup = setup(Method::Ulysses, 4, 0, 0, Placement::RingInner, SEQLEN).unwrap();
     let shape = Shape {
@@ -795,5 +805,8 @@ fn the_model_slows_the_slowest_rank_by_the_shardings_imbalance() {
     let full = sharding::model_imbalance(Sharding::Contiguous, false, 512, 8).unwrap();
     assert_eq!(full, 1.0);
     let refused = sharding::model_imbalance(Sharding::Striped { width: 100 }, true, 512, 8);
-    assert!(refused.unwrap_err().contains("stripe·ring"));
+    assert!(matches!(
+        refused,
+        Err(LayoutError::Seqlen { unit: 800, .. })
+    ));
 }

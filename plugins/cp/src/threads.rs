@@ -11,6 +11,7 @@ use attnbench_sdk::reference::{HeadMasks, Inputs, Shape};
 use serde::{Deserialize, Serialize};
 
 use crate::comm::{rank_groups, Communicator, World};
+use crate::layout::LayoutError;
 use crate::local::{HostStore, Tokens};
 
 /// A rank's tokens on the host.
@@ -83,16 +84,16 @@ pub fn scatter<V: std::ops::Index<usize, Output = T>, T: Copy + Into<f64>>(
 }
 
 /// Why this problem cannot run with `setup`, if it cannot.
-pub fn check(setup: &Setup, shape: &Shape) -> Result<(), String> {
+pub fn check(setup: &Setup, shape: &Shape) -> Result<(), LayoutError> {
     let layout = &setup.layout;
     layout
         .sharding
         .check(layout.seqlen, layout.ring, layout.ulysses)?;
     if setup.layout.seqlen != shape.seqlen {
-        return Err(format!(
-            "the layout is for {} tokens, the mask for {}",
-            setup.layout.seqlen, shape.seqlen
-        ));
+        return Err(LayoutError::Length {
+            layout: setup.layout.seqlen,
+            mask: shape.seqlen,
+        });
     }
     crate::methods::kv_repeat(shape.heads_q, shape.heads_kv, setup.layout.ulysses).map(|_| ())
 }
@@ -160,7 +161,7 @@ pub fn run(
     backward: bool,
     attention: Option<&Backend>,
 ) -> Result<Outcome, String> {
-    check(setup, shape)?;
+    check(setup, shape).map_err(|err| err.to_string())?;
     let n = setup.layout.world();
     let world = World::new(n);
     let results: Vec<Result<RankResult, String>> = std::thread::scope(|scope| {
