@@ -128,7 +128,7 @@ fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, String> {
     let w = info.rank;
 
     // The TCP mesh carries the NCCL ids; the host groups name each NCCL group's members.
-    let world = crate::tcp::join(info)?;
+    let world = crate::tcp::join(info).map_err(|err| err.to_string())?;
     let [everyone, ulysses_host, ring_host] = rank_groups(&world, layout, w);
 
     let ctx = CudaContext::new(0).map_err(|err| format!("cannot open the rank's GPU: {err}"))?;

@@ -254,7 +254,7 @@ pub fn run_rank(job: &LinksJob, info: &RankInfo) -> Result<RankLinks, String> {
     })?;
     let device = ctx.name().map_err(driver_failed("device name"))?;
     let stream = ctx.new_stream().map_err(driver_failed("stream"))?;
-    let world = crate::tcp::join(info)?;
+    let world = crate::tcp::join(info).map_err(|err| err.to_string())?;
     let id = crate::nccl::group_id(&Group::new(world, (0..info.world).collect(), info.rank, 0))?;
     let comm = Comm::from_rank(stream.clone(), info.rank, info.world, id)
         .map_err(crate::nccl::failed("communicator"))?;

@@ -132,7 +132,7 @@ pub fn rank_main(path: &Path) -> Result<(), String> {
     let shape = problem.shape();
     threads::check(&problem.setup, &shape).map_err(|err| err.to_string())?;
     let inputs = problem.inputs()?;
-    let world = crate::tcp::join(&info)?;
+    let world = crate::tcp::join(&info).map_err(|err| err.to_string())?;
     let attention = job
         .attention
         .as_ref()

@@ -17,12 +17,45 @@ use crate::launch::RankInfo;
 /// How long ranks wait for each other to show up.
 const JOIN_TIMEOUT: Duration = Duration::from_secs(120);
 
-fn failed(what: &str) -> impl Fn(std::io::Error) -> String + '_ {
-    move |err| format!("{what}: {err}")
+/// Why a rank could not join the others.
+#[derive(Debug, thiserror::Error)]
+pub enum JoinError {
+    #[error("{step}: {source}")]
+    Io {
+        step: &'static str,
+        source: std::io::Error,
+    },
+    #[error("{step}: nobody came within {} s", JOIN_TIMEOUT.as_secs())]
+    NobodyCame { step: &'static str },
+    #[error("cannot reach {address} within {} s: {source}", JOIN_TIMEOUT.as_secs())]
+    Unreachable {
+        address: String,
+        source: std::io::Error,
+    },
+    #[error("rank 0 cannot listen on port {port} (MASTER_PORT): {source}")]
+    MeetingPort { port: u16, source: std::io::Error },
+    #[error("rendezvous: a malformed message ({0})")]
+    Malformed(serde_json::Error),
+    #[error("rendezvous: unexpected greeting {0}")]
+    Greeting(serde_json::Value),
+    #[error("{step}: rank {rank} in a world of {world}")]
+    OutsideWorld {
+        step: &'static str,
+        rank: usize,
+        world: usize,
+    },
+}
+
+fn failed(step: &'static str) -> impl Fn(std::io::Error) -> JoinError {
+    move |source| JoinError::Io { step, source }
 }
 
 /// Accepts one connection, giving up at `deadline`.
-fn accept(listener: &TcpListener, deadline: Instant, what: &str) -> Result<TcpStream, String> {
+fn accept(
+    listener: &TcpListener,
+    deadline: Instant,
+    what: &'static str,
+) -> Result<TcpStream, JoinError> {
     listener.set_nonblocking(true).map_err(failed(what))?;
     loop {
         match listener.accept() {
@@ -32,57 +65,54 @@ fn accept(listener: &TcpListener, deadline: Instant, what: &str) -> Result<TcpSt
             }
             Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => {
                 if Instant::now() > deadline {
-                    return Err(format!(
-                        "{what}: nobody came within {} s",
-                        JOIN_TIMEOUT.as_secs()
-                    ));
+                    return Err(JoinError::NobodyCame { step: what });
                 }
                 std::thread::sleep(Duration::from_millis(5));
             }
-            Err(err) => return Err(format!("{what}: {err}")),
+            Err(err) => return Err(failed(what)(err)),
         }
     }
 }
 
 /// Connects to `address`, retrying until `deadline` (the other side may not listen yet).
-fn connect(address: &str, deadline: Instant) -> Result<TcpStream, String> {
+fn connect(address: &str, deadline: Instant) -> Result<TcpStream, JoinError> {
     loop {
         match TcpStream::connect(address) {
             Ok(stream) => return Ok(stream),
-            Err(err) if Instant::now() > deadline => {
-                return Err(format!(
-                    "cannot reach {address} within {} s: {err}",
-                    JOIN_TIMEOUT.as_secs()
-                ))
+            Err(source) if Instant::now() > deadline => {
+                return Err(JoinError::Unreachable {
+                    address: address.to_string(),
+                    source,
+                })
             }
             Err(_) => std::thread::sleep(Duration::from_millis(20)),
         }
     }
 }
 
-fn read_line(stream: &TcpStream) -> Result<serde_json::Value, String> {
+fn read_line(stream: &TcpStream) -> Result<serde_json::Value, JoinError> {
     let mut line = String::new();
     BufReader::new(stream)
         .read_line(&mut line)
         .map_err(failed("rendezvous"))?;
-    serde_json::from_str(&line).map_err(|err| format!("rendezvous: a malformed message ({err})"))
+    serde_json::from_str(&line).map_err(JoinError::Malformed)
 }
 
 /// The table of every rank's listener, from rank 0's meeting point.
-fn rendezvous(info: &RankInfo, own_port: u16, deadline: Instant) -> Result<Vec<String>, String> {
+fn rendezvous(info: &RankInfo, own_port: u16, deadline: Instant) -> Result<Vec<String>, JoinError> {
     let meeting = format!("{}:{}", info.master_addr, info.master_port);
     if info.rank != 0 {
         let mut stream = connect(&meeting, deadline)?;
         writeln!(stream, "{}", json!({"rank": info.rank, "port": own_port}))
             .map_err(failed("rendezvous"))?;
         let table = read_line(&stream)?;
-        return serde_json::from_value(table).map_err(|err| format!("rendezvous: {err}"));
+        return serde_json::from_value(table).map_err(JoinError::Malformed);
     }
-    let listener = TcpListener::bind(("0.0.0.0", info.master_port)).map_err(|err| {
-        format!(
-            "rank 0 cannot listen on port {} (MASTER_PORT): {err}",
-            info.master_port
-        )
+    let listener = TcpListener::bind(("0.0.0.0", info.master_port)).map_err(|source| {
+        JoinError::MeetingPort {
+            port: info.master_port,
+            source,
+        }
     })?;
     let mut table = vec![String::new(); info.world];
     table[0] = format!("{}:{own_port}", info.master_addr);
@@ -91,12 +121,16 @@ fn rendezvous(info: &RankInfo, own_port: u16, deadline: Instant) -> Result<Vec<S
         let stream = accept(&listener, deadline, "rank 0 waiting for the other ranks")?;
         let hello = read_line(&stream)?;
         let (Some(rank), Some(port)) = (hello["rank"].as_u64(), hello["port"].as_u64()) else {
-            return Err(format!("rendezvous: unexpected greeting {hello}"));
+            return Err(JoinError::Greeting(hello));
         };
         let host = stream.peer_addr().map_err(failed("rendezvous"))?.ip();
         let slot = table
             .get_mut(rank as usize)
-            .ok_or_else(|| format!("rendezvous: rank {rank} in a world of {}", info.world))?;
+            .ok_or(JoinError::OutsideWorld {
+                step: "rendezvous",
+                rank: rank as usize,
+                world: info.world,
+            })?;
         *slot = format!("{host}:{port}");
         streams.push(stream);
     }
@@ -107,7 +141,7 @@ fn rendezvous(info: &RankInfo, own_port: u16, deadline: Instant) -> Result<Vec<S
 }
 
 /// This rank's world: its mailbox, and a stream to every other rank.
-pub fn join(info: &RankInfo) -> Result<Arc<World>, String> {
+pub fn join(info: &RankInfo) -> Result<Arc<World>, JoinError> {
     let deadline = Instant::now() + JOIN_TIMEOUT;
     let listener = TcpListener::bind("0.0.0.0:0").map_err(failed("listen"))?;
     let own_port = listener.local_addr().map_err(failed("listen"))?.port();
@@ -125,10 +159,11 @@ pub fn join(info: &RankInfo) -> Result<Arc<World>, String> {
         let mut peer = [0u8; 4];
         stream.read_exact(&mut peer).map_err(failed("mesh"))?;
         let peer = u32::from_le_bytes(peer) as usize;
-        *links
-            .get_mut(peer)
-            .ok_or_else(|| format!("mesh: rank {peer} in a world of {}", info.world))? =
-            Some(stream);
+        *links.get_mut(peer).ok_or(JoinError::OutsideWorld {
+            step: "mesh",
+            rank: peer,
+            world: info.world,
+        })? = Some(stream);
     }
     let mut readers = Vec::new();
     let mut writers = Vec::new();
