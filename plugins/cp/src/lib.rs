@@ -516,9 +516,9 @@ impl GpuRun<'_> {
             &ranks_dir,
             std::time::Duration::from_secs(1500),
         )
-        .map_err(PluginError::failed)?;
+        .map_err(ranks_failed)?;
         let results: Vec<gpu_rank::GpuRankResult> =
-            processes::read_rank_results(&ranks_dir, n).map_err(PluginError::failed)?;
+            processes::read_rank_results(&ranks_dir, n).map_err(ranks_failed)?;
 
         let (s, d) = (shape.seqlen, shape.head_dim);
         let mut out = vec![0f32; shape.q_len()];
@@ -951,9 +951,9 @@ fn links_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginError
         &ranks_dir,
         std::time::Duration::from_secs(1500),
     )
-    .map_err(PluginError::failed)?;
+    .map_err(ranks_failed)?;
     let results: Vec<links::RankLinks> =
-        processes::read_rank_results(&ranks_dir, ranks).map_err(PluginError::failed)?;
+        processes::read_rank_results(&ranks_dir, ranks).map_err(ranks_failed)?;
     let _ = std::fs::remove_dir_all(&ranks_dir);
     let (rows, fits) = links::assemble(ranks, &results);
     let result = links::record(ranks, &results, &rows, &fits);
@@ -968,6 +968,11 @@ fn links_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginError
     }
     write_json(&request.output_dir, links::FILE, &result)?;
     Ok(json!({"ranks": ranks, "rows": rows.len(), "fits": fits}))
+}
+
+/// The rank processes' failure, as the stage's.
+fn ranks_failed(err: processes::LaunchError) -> PluginError {
+    PluginError::failed(err.to_string())
 }
 
 #[cfg(test)]

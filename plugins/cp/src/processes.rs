@@ -182,16 +182,68 @@ pub fn run_rank_catching<T: Serialize>(
     write_rank_result(dir, rank, &result)
 }
 
+/// Why the rank processes could not be started, did not finish, or left no result.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}: {source}", path.display())]
+    Result {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+    #[error("no free port between 20000 and 32000 for the ranks to meet on")]
+    NoPort,
+    #[error("cannot start {}: {source}; it is built and installed beside the attnbench binary", binary.display())]
+    Spawn {
+        binary: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("rank {rank} {status}: {tail}")]
+    RankFailed {
+        rank: usize,
+        status: std::process::ExitStatus,
+        tail: String,
+    },
+    #[error("rank {rank} did not finish within {seconds} s")]
+    RankTimeout { rank: usize, seconds: u64 },
+    #[error("cannot start srun: {0}")]
+    SrunSpawn(std::io::Error),
+    #[error("srun's {ranks} ranks did not finish within {seconds} s")]
+    SrunTimeout { ranks: usize, seconds: u64 },
+    #[error("srun --ntasks={ranks} {status}: {tail} (rank logs: {})", logs.display())]
+    SrunFailed {
+        ranks: usize,
+        status: std::process::ExitStatus,
+        tail: String,
+        logs: PathBuf,
+    },
+    /// Waiting on a rank process failed.
+    #[error("waiting for a rank: {0}")]
+    Wait(std::io::Error),
+}
+
+fn io_at(path: &Path) -> impl FnOnce(std::io::Error) -> LaunchError + '_ {
+    move |source| LaunchError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
 /// Every rank's `rank-<r>.json` from `dir`.
 pub fn read_rank_results<T: for<'de> Deserialize<'de>>(
     dir: &Path,
     ranks: usize,
-) -> Result<Vec<T>, String> {
+) -> Result<Vec<T>, LaunchError> {
     (0..ranks)
         .map(|rank| {
             let file = dir.join(format!("rank-{rank}.json"));
-            let bytes = std::fs::read(&file).map_err(|err| format!("{}: {err}", file.display()))?;
-            serde_json::from_slice(&bytes).map_err(|err| format!("{}: {err}", file.display()))
+            let bytes = std::fs::read(&file).map_err(io_at(&file))?;
+            serde_json::from_slice(&bytes)
+                .map_err(|source| LaunchError::Result { path: file, source })
         })
         .collect()
 }
@@ -208,12 +260,12 @@ fn rank_binary() -> PathBuf {
 
 /// A port nobody listens on now, below Linux's ephemeral range (32768–60999) so that the ranks'
 /// own listeners, which take ephemeral ports, cannot take it before rank 0 binds it.
-fn free_port() -> Result<u16, String> {
+fn free_port() -> Result<u16, LaunchError> {
     let start = 20000 + (std::process::id() % 10000) as u16;
     (0..2000)
         .map(|offset| 20000 + (start - 20000 + offset) % 12000)
         .find(|&port| std::net::TcpListener::bind(("0.0.0.0", port)).is_ok())
-        .ok_or_else(|| "no free port between 20000 and 32000 for the ranks to meet on".to_string())
+        .ok_or(LaunchError::NoPort)
 }
 
 /// Starts every rank of `job` (written at `path`) as a process on this machine and gathers their
@@ -223,8 +275,9 @@ pub fn run(job: &Job, path: &Path, timeout: Duration) -> Result<Outcome, String>
     let shape = problem.shape();
     threads::check(&problem.setup, &shape).map_err(|err| err.to_string())?;
     let n = problem.setup.layout.world();
-    start_ranks(path, n, &job.results, timeout)?;
-    let results: Vec<RankResult> = read_rank_results(&job.results, n)?;
+    start_ranks(path, n, &job.results, timeout).map_err(|err| err.to_string())?;
+    let results: Vec<RankResult> =
+        read_rank_results(&job.results, n).map_err(|err| err.to_string())?;
     Ok(threads::assemble(&shape, results, problem.backward))
 }
 
@@ -260,8 +313,13 @@ impl Launch {
 /// Runs `n` rank processes of the job at `path` until all have finished, or one has failed, or
 /// `timeout`; their logs go into `dir`, `rank-<r>.log`. Locally they get torchrun-style
 /// variables (GPU `LOCAL_RANK` each); under `srun`, Slurm's own.
-pub fn start_ranks(path: &Path, n: usize, dir: &Path, timeout: Duration) -> Result<(), String> {
-    std::fs::create_dir_all(dir).map_err(|err| format!("{}: {err}", dir.display()))?;
+pub fn start_ranks(
+    path: &Path,
+    n: usize,
+    dir: &Path,
+    timeout: Duration,
+) -> Result<(), LaunchError> {
+    std::fs::create_dir_all(dir).map_err(io_at(dir))?;
     let port = free_port()?;
     let binary = rank_binary();
     if Launch::from_env() == Launch::Srun {
@@ -270,8 +328,7 @@ pub fn start_ranks(path: &Path, n: usize, dir: &Path, timeout: Duration) -> Resu
     let mut children: Vec<(Child, PathBuf)> = Vec::new();
     for rank in 0..n {
         let log = dir.join(format!("rank-{rank}.log"));
-        let stderr =
-            std::fs::File::create(&log).map_err(|err| format!("{}: {err}", log.display()))?;
+        let stderr = std::fs::File::create(&log).map_err(io_at(&log))?;
         let child = Command::new(&binary)
             .arg(path)
             .env("RANK", rank.to_string())
@@ -282,11 +339,9 @@ pub fn start_ranks(path: &Path, n: usize, dir: &Path, timeout: Duration) -> Resu
             .stdout(Stdio::null())
             .stderr(stderr)
             .spawn()
-            .map_err(|err| {
-                format!(
-                    "cannot start {}: {err}; it is built and installed beside the attnbench binary",
-                    binary.display()
-                )
+            .map_err(|source| LaunchError::Spawn {
+                binary: binary.clone(),
+                source,
             });
         match child {
             Ok(child) => children.push((child, log)),
@@ -303,7 +358,7 @@ pub fn start_ranks(path: &Path, n: usize, dir: &Path, timeout: Duration) -> Resu
     let mut failure = None;
     for (rank, (child, log)) in children.iter_mut().enumerate() {
         let status = loop {
-            if let Some(status) = child.try_wait().map_err(|err| err.to_string())? {
+            if let Some(status) = child.try_wait().map_err(LaunchError::Wait)? {
                 break Some(status);
             }
             if Instant::now() > deadline || failure.is_some() {
@@ -322,12 +377,18 @@ pub fn start_ranks(path: &Path, n: usize, dir: &Path, timeout: Duration) -> Resu
         };
         match status {
             Some(status) if status.success() => {}
-            Some(status) => failure = failure.or(Some(format!("rank {rank} {status}: {}", tail()))),
+            Some(status) => {
+                failure = failure.or(Some(LaunchError::RankFailed {
+                    rank,
+                    status,
+                    tail: tail(),
+                }))
+            }
             None => {
-                failure = failure.or(Some(format!(
-                    "rank {rank} did not finish within {} s",
-                    timeout.as_secs()
-                )))
+                failure = failure.or(Some(LaunchError::RankTimeout {
+                    rank,
+                    seconds: timeout.as_secs(),
+                }))
             }
         }
     }
@@ -351,11 +412,10 @@ fn srun_ranks(
     dir: &Path,
     port: u16,
     timeout: Duration,
-) -> Result<(), String> {
+) -> Result<(), LaunchError> {
     let rank_logs = dir.join("rank-%t.log");
     let srun_log = dir.join("srun.log");
-    let stderr =
-        std::fs::File::create(&srun_log).map_err(|err| format!("{}: {err}", srun_log.display()))?;
+    let stderr = std::fs::File::create(&srun_log).map_err(io_at(&srun_log))?;
     let mut child = Command::new("srun")
         .arg(format!("--ntasks={n}"))
         .arg("--kill-on-bad-exit=1")
@@ -370,19 +430,19 @@ fn srun_ranks(
         .stdout(Stdio::null())
         .stderr(stderr)
         .spawn()
-        .map_err(|err| format!("cannot start srun: {err}"))?;
+        .map_err(LaunchError::SrunSpawn)?;
     let deadline = Instant::now() + timeout;
     let status = loop {
-        if let Some(status) = child.try_wait().map_err(|err| err.to_string())? {
+        if let Some(status) = child.try_wait().map_err(LaunchError::Wait)? {
             break status;
         }
         if Instant::now() > deadline {
             let _ = child.kill();
             let _ = child.wait();
-            return Err(format!(
-                "srun's {n} ranks did not finish within {} s",
-                timeout.as_secs()
-            ));
+            return Err(LaunchError::SrunTimeout {
+                ranks: n,
+                seconds: timeout.as_secs(),
+            });
         }
         std::thread::sleep(Duration::from_millis(20));
     };
@@ -391,9 +451,10 @@ fn srun_ranks(
     }
     let said = std::fs::read_to_string(&srun_log).unwrap_or_default();
     let last: Vec<&str> = said.lines().rev().take(3).collect();
-    Err(format!(
-        "srun --ntasks={n} {status}: {} (rank logs: {})",
-        last.into_iter().rev().collect::<Vec<_>>().join(" | "),
-        rank_logs.display()
-    ))
+    Err(LaunchError::SrunFailed {
+        ranks: n,
+        status,
+        tail: last.into_iter().rev().collect::<Vec<_>>().join(" | "),
+        logs: rank_logs,
+    })
 }
