@@ -22,7 +22,7 @@ use crate::host::services::{services_for, ServiceSink};
 pub use manifests::{configure_manifests, serve_manifest};
 
 /// Why a library could not be used as a plugin; always one sentence.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum LoadError {
     #[error("plugin library {0} does not exist")]
     Missing(PathBuf),
@@ -40,6 +40,8 @@ pub enum LoadError {
     Manifest { path: PathBuf, reason: String },
     #[error("reading the manifest of {path} failed: {reason}; rebuild the library or take it off the plugin path")]
     Inspect { path: PathBuf, reason: String },
+    #[error("{0} changed since attnbench read its manifest; run the command again")]
+    Changed(PathBuf),
 }
 
 /// A plugin library: its manifest always, its code once a stage runs in this process. Loaded
@@ -51,7 +53,7 @@ pub struct Plugin {
     pub manifest: PluginManifest,
     /// Loaded on the first in-process call; a failure is kept, so it is reported the same way
     /// by every node instead of retried.
-    module: OnceLock<Result<PluginModRef, String>>,
+    module: OnceLock<Result<PluginModRef, LoadError>>,
 }
 
 impl std::fmt::Debug for Plugin {
@@ -99,7 +101,7 @@ impl Plugin {
     }
 
     /// The library's entry points, loading it on first use.
-    fn module(&self) -> Result<PluginModRef, String> {
+    fn module(&self) -> Result<PluginModRef, LoadError> {
         self.module
             .get_or_init(|| {
                 tracing::debug!("loading {}", self.path.display());
@@ -107,17 +109,15 @@ impl Plugin {
                 // manifest was read must not be run under it.
                 match hash_file(&self.path) {
                     Ok(hash) if hash == self.library_hash => {}
-                    Ok(_) => {
-                        return Err(format!(
-                            "{} changed since attnbench read its manifest; run the command again",
-                            self.path.display()
-                        ))
+                    Ok(_) => return Err(LoadError::Changed(self.path.clone())),
+                    Err(err) => {
+                        return Err(LoadError::Open {
+                            path: self.path.clone(),
+                            reason: err.to_string(),
+                        })
                     }
-                    Err(err) => return Err(format!("cannot load {}: {err}", self.path.display())),
                 }
-                open_library(&self.path)
-                    .map(|(module, _)| module)
-                    .map_err(|err| err.to_string())
+                open_library(&self.path).map(|(module, _)| module)
             })
             .clone()
     }
@@ -131,7 +131,7 @@ impl Plugin {
     ) -> Result<String, StageFailure> {
         let module = self
             .module()
-            .map_err(|message| StageFailure::new(FailureKind::Failed, message))?;
+            .map_err(|err| StageFailure::new(FailureKind::Failed, err.to_string()))?;
         let services = services_for(sink);
         match (module.run())(
             RStr::from_str(stage),

@@ -197,12 +197,29 @@ pub struct Worker {
     stderr_marks: Receiver<()>,
 }
 
+/// Why a worker process did not become ready.
+#[derive(Debug, thiserror::Error)]
+pub enum SpawnError {
+    #[error("cannot start a worker ({}): {source}", exe.display())]
+    Start {
+        exe: PathBuf,
+        source: std::io::Error,
+    },
+    /// The worker could not load the plugin, in its own words.
+    #[error("{0}")]
+    Fatal(String),
+    #[error("worker sent {0} before it was ready")]
+    Protocol(String),
+    #[error("worker did not start: {0}")]
+    Died(String),
+}
+
 impl Worker {
     pub fn spawn(
         exe: &Path,
         plugin_path: &Path,
         env: &[(String, String)],
-    ) -> Result<Worker, String> {
+    ) -> Result<Worker, SpawnError> {
         let mut child = Command::new(exe)
             .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .arg("worker")
@@ -212,9 +229,12 @@ impl Worker {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
-            .map_err(|err| format!("cannot start a worker ({}): {err}", exe.display()))?;
-        let stdout = child.stdout.take().ok_or("worker has no stdout")?;
-        let stderr = child.stderr.take().ok_or("worker has no stderr")?;
+            .map_err(|source| SpawnError::Start {
+                exe: exe.to_path_buf(),
+                source,
+            })?;
+        let stdout = child.stdout.take().expect("piped above");
+        let stderr = child.stderr.take().expect("piped above");
         let (sender, messages) = mpsc::channel();
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines() {
@@ -264,9 +284,9 @@ impl Worker {
         };
         match worker.messages.recv_timeout(START_TIMEOUT) {
             Ok(FromWorker::Ready { .. }) => Ok(worker),
-            Ok(FromWorker::Fatal { error }) => Err(error),
-            Ok(other) => Err(format!("worker sent {other:?} before it was ready")),
-            Err(_) => Err(format!("worker did not start: {}", worker.death_reason())),
+            Ok(FromWorker::Fatal { error }) => Err(SpawnError::Fatal(error)),
+            Ok(other) => Err(SpawnError::Protocol(format!("{other:?}"))),
+            Err(_) => Err(SpawnError::Died(worker.death_reason())),
         }
     }
 
@@ -463,7 +483,7 @@ impl WorkerPool {
     }
 
     /// A warm worker for `plugin`, or a new one.
-    pub fn acquire(&self, plugin: &Path) -> Result<Worker, String> {
+    pub fn acquire(&self, plugin: &Path) -> Result<Worker, SpawnError> {
         if let Ok(mut idle) = self.idle.lock() {
             while let Some(position) = idle.iter().position(|w| w.plugin_path == plugin) {
                 let mut worker = idle.swap_remove(position);

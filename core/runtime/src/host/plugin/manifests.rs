@@ -85,6 +85,9 @@ impl Refusal {
             LoadError::Missing(_) => Refusal::Open {
                 reason: "no such file".into(),
             },
+            LoadError::Changed(_) => Refusal::Open {
+                reason: "the library changed while it was read".into(),
+            },
             LoadError::Init { reason, .. }
             | LoadError::Manifest { reason, .. }
             | LoadError::Inspect { reason, .. } => Refusal::Init { reason },
