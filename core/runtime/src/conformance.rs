@@ -401,7 +401,7 @@ fn kernel_on_pattern(
             "direction": direction, "dtype": "f32", "outputs": true,
         }))
         .map_err(|err| err.to_string())?;
-        let params = spec.resolve_params(&given)?;
+        let params = spec.resolve_params(&given).map_err(|err| err.to_string())?;
         let request = request(
             spec,
             params,

@@ -139,7 +139,7 @@ fn run_stage<P: Plugin>(
                         .join(", "),
                 })?;
         spec.resolve_params(&request.params)
-            .map_err(PluginError::Params)?;
+            .map_err(|err| PluginError::Params(err.to_string()))?;
         let cache_dir = request.cache_dir.clone();
         P::run(stage.as_str(), request, &Host::new(host, cache_dir))
     }));

@@ -48,15 +48,15 @@ pub use export::Plugin;
 pub use failure::{types_failures, FailureKind, StageFailure};
 pub use host::Host;
 pub use manifest::{
-    kinds, CacheScope, Isolation, ParamIs, ParamSpec, ParamType, PluginManifest, StageSpec,
-    KERNEL_PARAMS,
+    kinds, CacheScope, Isolation, ParamIs, ParamSpec, ParamType, ParamsError, PluginManifest,
+    StageSpec, ValueError, KERNEL_PARAMS,
 };
 pub use request::{InputArtifact, StageRequest};
 /// Re-exported so that a plugin can depend on this crate alone; derive with
 /// `#[serde(crate = "attnbench_sdk::serde")]`.
 pub use serde;
 pub use serde_json;
-pub use size::{format_size, parse_size};
+pub use size::{format_size, parse_size, SizeError};
 pub use suggest::{nearest, suggestion};
 
 #[doc(hidden)]

@@ -279,15 +279,18 @@ impl StageSpec {
 
     /// `given` checked against the declared parameters, with defaults filled in and keys sorted:
     /// unknown names, values of the wrong type and missing required values are refused.
-    pub fn resolve_params(&self, given: &Map<String, Value>) -> Result<Map<String, Value>, String> {
+    pub fn resolve_params(
+        &self,
+        given: &Map<String, Value>,
+    ) -> Result<Map<String, Value>, ParamsError> {
         for key in given.keys() {
             if self.find_param(key).is_none() {
                 let names = self.params.iter().map(|p| p.name.as_str());
-                return Err(format!(
-                    "`{}` has no parameter `{key}`; {}",
-                    self.name,
-                    crate::suggestion(key, names, "parameters")
-                ));
+                return Err(ParamsError::Unknown {
+                    stage: self.name.clone(),
+                    key: key.clone(),
+                    suggestion: crate::suggestion(key, names, "parameters"),
+                });
             }
         }
         let mut params = Map::new();
@@ -296,12 +299,15 @@ impl StageSpec {
                 Some(value) => param
                     .ty
                     .coerce(value)
-                    .map_err(|err| format!("parameter `{}`: {err}", param.name))?,
+                    .map_err(|source| ParamsError::Invalid {
+                        param: param.name.clone(),
+                        source,
+                    })?,
                 None => {
-                    return Err(format!(
-                        "parameter `{}` ({}) is required",
-                        param.name, param.ty
-                    ))
+                    return Err(ParamsError::Required {
+                        param: param.name.clone(),
+                        ty: param.ty.to_string(),
+                    })
                 }
             };
             params.insert(param.name.clone(), value);
@@ -440,6 +446,39 @@ pub enum ParamType {
     Enum(Vec<String>),
 }
 
+/// Why a value does not fit a parameter's type.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ValueError {
+    #[error("expected {expected}, found {found}")]
+    WrongType { expected: String, found: String },
+    #[error("`{given}` is not one of the choices; did you mean `{nearest}`?")]
+    NearChoice { given: String, nearest: String },
+    #[error("`{given}` is not one of {}", choices.join(", "))]
+    NotAChoice { given: String, choices: Vec<String> },
+    #[error("item {index}: {source}")]
+    Item {
+        index: usize,
+        source: Box<ValueError>,
+    },
+    #[error(transparent)]
+    Size(crate::SizeError),
+}
+
+/// Why a stage's parameters were refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ParamsError {
+    #[error("`{stage}` has no parameter `{key}`; {suggestion}")]
+    Unknown {
+        stage: String,
+        key: String,
+        suggestion: String,
+    },
+    #[error("parameter `{param}`: {source}")]
+    Invalid { param: String, source: ValueError },
+    #[error("parameter `{param}` ({ty}) is required")]
+    Required { param: String, ty: String },
+}
+
 impl ParamType {
     /// An enum of these names.
     pub fn one_of(options: &[&str]) -> ParamType {
@@ -447,13 +486,12 @@ impl ParamType {
     }
 
     /// Checks `value` against the type and returns its canonical form (sizes become integers).
-    pub fn coerce(&self, value: &Value) -> Result<Value, String> {
+    pub fn coerce(&self, value: &Value) -> Result<Value, ValueError> {
         let wrong = || {
-            Err(format!(
-                "expected {}, found {}",
-                self.describe(),
-                describe_value(value)
-            ))
+            Err(ValueError::WrongType {
+                expected: self.describe(),
+                found: describe_value(value),
+            })
         };
         match (self, value) {
             (ParamType::Json, _) => Ok(value.clone()),
@@ -470,16 +508,23 @@ impl ParamType {
                 Ok(value.clone())
             }
             (ParamType::Size, Value::Number(n)) if n.is_u64() => Ok(value.clone()),
-            (ParamType::Size, Value::String(text)) => parse_size(text).map(Value::from),
+            (ParamType::Size, Value::String(text)) => {
+                Ok(Value::from(parse_size(text).map_err(ValueError::Size)?))
+            }
             (ParamType::Enum(options), Value::String(text)) => {
                 if options.contains(text) {
                     Ok(value.clone())
                 } else {
+                    let given = text.clone();
                     match crate::nearest(text, options.iter().map(String::as_str)) {
-                        Some(best) => Err(format!(
-                            "`{text}` is not one of the choices; did you mean `{best}`?"
-                        )),
-                        None => Err(format!("`{text}` is not one of {}", options.join(", "))),
+                        Some(nearest) => Err(ValueError::NearChoice {
+                            given,
+                            nearest: nearest.to_string(),
+                        }),
+                        None => Err(ValueError::NotAChoice {
+                            given,
+                            choices: options.clone(),
+                        }),
                     }
                 }
             }
@@ -487,8 +532,10 @@ impl ParamType {
                 .iter()
                 .enumerate()
                 .map(|(index, element)| {
-                    item.coerce(element)
-                        .map_err(|err| format!("item {index}: {err}"))
+                    item.coerce(element).map_err(|err| ValueError::Item {
+                        index,
+                        source: Box::new(err),
+                    })
                 })
                 .collect::<Result<Vec<_>, _>>()
                 .map(Value::Array),
@@ -626,11 +673,12 @@ mod tests {
             Ok(json!([1024, 8]))
         );
         let err = ParamType::Int.coerce(&json!("x")).unwrap_err();
-        assert_eq!(err, "expected an integer, found the string `x`");
+        assert_eq!(err.to_string(), "expected an integer, found the string `x`");
         let err = ParamType::Enum(vec!["fwd".into(), "bwd".into()])
             .coerce(&json!("both"))
             .unwrap_err();
-        assert!(err.contains("fwd, bwd"), "{err}");
+        assert!(matches!(&err, ValueError::NotAChoice { given, .. } if given == "both"));
+        assert!(err.to_string().contains("fwd, bwd"), "{err}");
         assert!(ParamType::Int.coerce(&json!(1.5)).is_err());
     }
 

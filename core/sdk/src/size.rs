@@ -5,19 +5,26 @@
 /// and far beyond any sequence length or byte count a machine holds (8 Pi).
 pub const MAX_SIZE: u64 = 1 << 53;
 
+/// Why a size is refused, naming it as written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SizeError {
+    #[error("`{0}` is not a size; write an integer or one with a suffix k, M or G (powers of two), e.g. 4k")]
+    NotASize(String),
+    #[error("`{0}` is too large: sizes may be at most 2^53 = {MAX_SIZE}")]
+    TooLarge(String),
+}
+
 /// Refuses a size above [`MAX_SIZE`], naming it as written.
-pub fn check_size(value: u64, written: &str) -> Result<u64, String> {
+pub fn check_size(value: u64, written: &str) -> Result<u64, SizeError> {
     if value > MAX_SIZE {
-        Err(format!(
-            "`{written}` is too large: sizes may be at most 2^53 = {MAX_SIZE}"
-        ))
+        Err(SizeError::TooLarge(written.to_string()))
     } else {
         Ok(value)
     }
 }
 
 /// Parses `1k` = 1024, `64K` = 65536, `1M` = 1048576, `2G`, or a plain non-negative integer.
-pub fn parse_size(text: &str) -> Result<u64, String> {
+pub fn parse_size(text: &str) -> Result<u64, SizeError> {
     let trimmed = text.trim();
     let (digits, shift) = match trimmed.chars().last() {
         Some('k' | 'K') => (&trimmed[..trimmed.len() - 1], 10),
@@ -25,12 +32,13 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         Some('g' | 'G') => (&trimmed[..trimmed.len() - 1], 30),
         _ => (trimmed, 0),
     };
-    let value: u64 = digits.trim().parse().map_err(|_| {
-        format!("`{text}` is not a size; write an integer or one with a suffix k, M or G (powers of two), e.g. 4k")
-    })?;
+    let value: u64 = digits
+        .trim()
+        .parse()
+        .map_err(|_| SizeError::NotASize(text.to_string()))?;
     let value = value
         .checked_mul(1u64 << shift)
-        .ok_or_else(|| format!("`{text}` is too large: sizes may be at most 2^53 = {MAX_SIZE}"))?;
+        .ok_or_else(|| SizeError::TooLarge(text.to_string()))?;
     check_size(value, trimmed)
 }
 
@@ -61,7 +69,8 @@ mod tests {
     #[test]
     fn garbage_is_refused_with_a_hint() {
         let err = parse_size("4x").unwrap_err();
-        assert!(err.contains("suffix k, M or G"), "{err}");
+        assert_eq!(err, SizeError::NotASize("4x".into()));
+        assert!(err.to_string().contains("suffix k, M or G"), "{err}");
         assert!(parse_size("k").is_err());
         assert!(parse_size("-1k").is_err());
         assert!(parse_size("99999999999999999G").is_err());
@@ -71,7 +80,7 @@ mod tests {
     fn absurd_sizes_are_refused_with_the_limit() {
         assert_eq!(parse_size("8388608G"), Ok(MAX_SIZE));
         let err = parse_size("8388609G").unwrap_err();
-        assert!(err.contains("at most 2^53"), "{err}");
+        assert!(err.to_string().contains("at most 2^53"), "{err}");
         assert!(check_size(u64::MAX, "18446744073709551615").is_err());
     }
 

@@ -392,7 +392,7 @@ impl Plugin {
         let spec = self
             .stage(stage)
             .ok_or_else(|| format!("plugin `{}` has no stage `{stage}`", self.manifest.name))?;
-        let params = spec.resolve_params(given)?;
+        let params = spec.resolve_params(given).map_err(|err| err.to_string())?;
         let request = attnbench_sdk::StageRequest {
             node: format!("{}/{stage}", self.manifest.name),
             stage: stage.to_string(),

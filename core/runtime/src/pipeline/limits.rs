@@ -7,7 +7,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use attnbench_sdk::{ParamSpec, ParamType};
+use attnbench_sdk::{ParamSpec, ParamType, ValueError};
 use serde_json::{Map, Value};
 
 use super::spans::SpanIndex;
@@ -299,14 +299,16 @@ pub fn matrix_nodes(lengths: impl IntoIterator<Item = usize>) -> u128 {
 
 /// Refuses numbers a stage cannot mean: sizes past 2⁵³ (the SDK's size limit; a size written
 /// with a suffix is checked when it is parsed, a plain number only here).
-pub fn check_number(param: &ParamSpec, value: &Value) -> Result<(), String> {
+pub fn check_number(param: &ParamSpec, value: &Value) -> Result<(), ValueError> {
     check_value(&param.ty, value)
 }
 
-fn check_value(ty: &ParamType, value: &Value) -> Result<(), String> {
+fn check_value(ty: &ParamType, value: &Value) -> Result<(), ValueError> {
     match (ty, value) {
         (ParamType::Size, Value::Number(number)) => match number.as_u64() {
-            Some(size) => attnbench_sdk::parse_size(&size.to_string()).map(drop),
+            Some(size) => attnbench_sdk::parse_size(&size.to_string())
+                .map(drop)
+                .map_err(ValueError::Size),
             None => Ok(()),
         },
         (ParamType::List(item), Value::Array(items)) => {
