@@ -152,15 +152,19 @@ pub fn check(
     );
     report.record(
         "manifest is valid",
-        plugin.manifest.validate().map(|_| {
-            let stages: Vec<String> = plugin
-                .manifest
-                .stages
-                .iter()
-                .map(|s| format!("{} ({}, {})", s.name, s.cache_scope, s.isolation))
-                .collect();
-            format!("stages: {}", stages.join(", "))
-        }),
+        plugin
+            .manifest
+            .validate()
+            .map_err(|err| err.to_string())
+            .map(|_| {
+                let stages: Vec<String> = plugin
+                    .manifest
+                    .stages
+                    .iter()
+                    .map(|s| format!("{} ({}, {})", s.name, s.cache_scope, s.isolation))
+                    .collect();
+                format!("stages: {}", stages.join(", "))
+            }),
     );
     let scratch = match tempfile::tempdir() {
         Ok(dir) => dir,

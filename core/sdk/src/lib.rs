@@ -48,8 +48,8 @@ pub use export::Plugin;
 pub use failure::{types_failures, FailureKind, StageFailure};
 pub use host::Host;
 pub use manifest::{
-    kinds, CacheScope, Isolation, ParamIs, ParamSpec, ParamType, ParamsError, PluginManifest,
-    StageSpec, ValueError, KERNEL_PARAMS,
+    kinds, CacheScope, Isolation, ManifestError, ParamIs, ParamSpec, ParamType, ParamsError,
+    PluginManifest, StageSpec, ValueError, KERNEL_PARAMS,
 };
 pub use request::{InputArtifact, StageRequest};
 /// Re-exported so that a plugin can depend on this crate alone; derive with

@@ -59,50 +59,72 @@ impl PluginManifest {
 
     /// Checks what the host relies on: names usable in `uses:`, unique stages and parameters,
     /// defaults of the declared type.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), ManifestError> {
         check_name("plugin name", &self.name)?;
         if self.version.trim().is_empty() {
-            return Err(format!("plugin `{}` declares an empty version", self.name));
+            return Err(ManifestError::NoVersion(self.name.clone()));
         }
         if self.stages.is_empty() {
-            return Err(format!("plugin `{}` declares no stages", self.name));
+            return Err(ManifestError::NoStages(self.name.clone()));
         }
         let mut seen = std::collections::BTreeSet::new();
         for stage in &self.stages {
             check_name("stage name", &stage.name)?;
             if !seen.insert(&stage.name) {
-                return Err(format!("stage `{}` is declared twice", stage.name));
+                return Err(ManifestError::StageTwice(stage.name.clone()));
             }
             let mut params = std::collections::BTreeSet::new();
             for param in &stage.params {
                 check_name("parameter name", &param.name)?;
                 if !params.insert(&param.name) {
-                    return Err(format!(
-                        "stage `{}` declares parameter `{}` twice",
-                        stage.name, param.name
-                    ));
+                    return Err(ManifestError::ParamTwice {
+                        stage: stage.name.clone(),
+                        param: param.name.clone(),
+                    });
                 }
                 if let Some(default) = &param.default {
-                    param.ty.coerce(default).map_err(|err| {
-                        format!(
-                            "stage `{}` parameter `{}`: default {err}",
-                            stage.name, param.name
-                        )
-                    })?;
+                    param
+                        .ty
+                        .coerce(default)
+                        .map_err(|source| ManifestError::Default {
+                            stage: stage.name.clone(),
+                            param: param.name.clone(),
+                            source,
+                        })?;
                 }
             }
             if stage.timeout_s.is_some_and(|t| t.is_nan() || t <= 0.0) {
-                return Err(format!(
-                    "stage `{}` declares a timeout that is not positive",
-                    stage.name
-                ));
+                return Err(ManifestError::Timeout(stage.name.clone()));
             }
         }
         Ok(())
     }
 }
 
-fn check_name(what: &str, name: &str) -> Result<(), String> {
+/// What is wrong with a plugin's manifest.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ManifestError {
+    #[error("{what} `{name}` must start with a letter and use only letters, digits, `_` and `-`")]
+    Name { what: &'static str, name: String },
+    #[error("plugin `{0}` declares an empty version")]
+    NoVersion(String),
+    #[error("plugin `{0}` declares no stages")]
+    NoStages(String),
+    #[error("stage `{0}` is declared twice")]
+    StageTwice(String),
+    #[error("stage `{stage}` declares parameter `{param}` twice")]
+    ParamTwice { stage: String, param: String },
+    #[error("stage `{stage}` parameter `{param}`: default {source}")]
+    Default {
+        stage: String,
+        param: String,
+        source: ValueError,
+    },
+    #[error("stage `{0}` declares a timeout that is not positive")]
+    Timeout(String),
+}
+
+fn check_name(what: &'static str, name: &str) -> Result<(), ManifestError> {
     let ok = !name.is_empty()
         && name
             .chars()
@@ -111,9 +133,10 @@ fn check_name(what: &str, name: &str) -> Result<(), String> {
     if ok {
         Ok(())
     } else {
-        Err(format!(
-            "{what} `{name}` must start with a letter and use only letters, digits, `_` and `-`"
-        ))
+        Err(ManifestError::Name {
+            what,
+            name: name.to_string(),
+        })
     }
 }
 
@@ -689,14 +712,15 @@ mod tests {
         assert_eq!(good.validate(), Ok(()));
         let bad_default = PluginManifest::new("demo", "0.1.0")
             .stage(StageSpec::new("run").param(ParamSpec::new("n", ParamType::Int).default("x")));
-        assert!(bad_default
-            .validate()
-            .unwrap_err()
-            .contains("parameter `n`"));
+        assert!(matches!(
+            bad_default.validate(),
+            Err(ManifestError::Default { param, .. }) if param == "n"
+        ));
         let bad_name = PluginManifest::new("de mo", "0.1.0").stage(StageSpec::new("run"));
-        assert!(bad_name
-            .validate()
-            .unwrap_err()
-            .contains("must start with a letter"));
+        let err = bad_name.validate().unwrap_err();
+        assert!(
+            err.to_string().contains("must start with a letter"),
+            "{err}"
+        );
     }
 }

@@ -212,7 +212,7 @@ fn parse_manifest(json: &str) -> Result<PluginManifest, String> {
         return Err(message.to_string());
     }
     let manifest: PluginManifest = serde_json::from_value(value).map_err(|err| err.to_string())?;
-    manifest.validate()?;
+    manifest.validate().map_err(|err| err.to_string())?;
     Ok(manifest)
 }
 
