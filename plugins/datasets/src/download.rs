@@ -47,6 +47,10 @@ pub struct Fetched {
     pub downloaded: bool,
 }
 
+fn partial_failed(err: partial::PartialError) -> PluginError {
+    PluginError::failed(err.to_string())
+}
+
 /// Why one attempt failed, and whether another could succeed.
 enum Attempt {
     Retry(String),
@@ -64,16 +68,14 @@ pub fn fetch(url: &str, dir: &Path, rules: &Rules, host: &Host) -> Result<Fetche
     let start = Url::parse(url)
         .map_err(|err| PluginError::failed(format!("shard URL `{url}` is not a URL: {err}")))?;
     std::fs::create_dir_all(dir).map_err(|err| PluginError::io(dir, err))?;
-    let private = partial::private_folder(dir).map_err(PluginError::failed)?;
+    let private = partial::private_folder(dir).map_err(partial_failed)?;
     let name = local_name(url);
     let target = dir.join(&name);
     let partial_path = private.join(&name);
     // One download of a shard at a time, across nodes and runs: the others wait, then reuse it.
     let lock_path = private.join(format!("{name}.lock"));
-    let lock = partial::open(&lock_path).map_err(PluginError::failed)?;
-    if !partial::lock(&lock, &lock_path, POLL, || host.is_cancelled())
-        .map_err(PluginError::failed)?
-    {
+    let lock = partial::open(&lock_path).map_err(partial_failed)?;
+    if !partial::lock(&lock, &lock_path, POLL, || host.is_cancelled()).map_err(partial_failed)? {
         return Err(PluginError::failed(cancelled(url, None)));
     }
     if let Some(found) = reuse(&target, url, rules, host)? {
@@ -124,7 +126,7 @@ pub fn fetch(url: &str, dir: &Path, rules: &Rules, host: &Host) -> Result<Fetche
             }
         }
     };
-    let mut file = partial::open(&partial_path).map_err(PluginError::failed)?;
+    let mut file = partial::open(&partial_path).map_err(partial_failed)?;
     let actual = sha256_of(&mut file, &partial_path)?;
     let bytes = file
         .metadata()
@@ -210,7 +212,7 @@ async fn download_once(
     let url = start.as_str();
     let fatal_io =
         |err: std::io::Error| Attempt::Fatal(format!("{}: {err}", partial_path.display()));
-    let mut file = partial::open(partial_path).map_err(Attempt::Fatal)?;
+    let mut file = partial::open(partial_path).map_err(|err| Attempt::Fatal(err.to_string()))?;
     let mut offset = file.metadata().map_err(fatal_io)?.len();
     if offset > rules.max_bytes {
         file.set_len(0).map_err(fatal_io)?;

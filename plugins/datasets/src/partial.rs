@@ -11,43 +11,63 @@ use std::time::Duration;
 /// The private folder's name inside the downloads folder.
 pub const FOLDER: &str = ".partial";
 
+/// Why the private folder or one of its files is refused.
+#[derive(Debug, thiserror::Error)]
+pub enum PartialError {
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{} is a symbolic link; the folder for partial downloads must be a real directory of yours (remove the link)", .0.display())]
+    FolderLink(PathBuf),
+    #[error("{} is not a directory; it is where partial downloads go (remove it)", .0.display())]
+    NotAFolder(PathBuf),
+    #[error("{} is open to other users (mode {mode:04o}); partial downloads need a folder only you can use (chmod 700 {})", path.display(), path.display())]
+    OpenToOthers { path: PathBuf, mode: u32 },
+    #[error("{} is a symbolic link; refusing to write a download through it (remove the link)", .0.display())]
+    FileLink(PathBuf),
+    #[error("{} is not a regular file; refusing to write a download into it (remove it)", .0.display())]
+    NotAFile(PathBuf),
+    #[error("{} has {links} hard links; refusing to write a download into a file reachable from elsewhere (remove it)", path.display())]
+    HardLinks { path: PathBuf, links: u64 },
+    #[error("{} belongs to user {owner}, not to the user downloading ({me}); remove it", path.display())]
+    Owner { path: PathBuf, owner: u32, me: u32 },
+}
+
+fn io_at(path: &Path) -> impl FnOnce(std::io::Error) -> PartialError + '_ {
+    move |source| PartialError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
 /// Creates (0700) or checks the private folder under `downloads` and returns its path.
-pub fn private_folder(downloads: &Path) -> Result<PathBuf, String> {
+pub fn private_folder(downloads: &Path) -> Result<PathBuf, PartialError> {
     let dir = downloads.join(FOLDER);
     if let Err(err) = DirBuilder::new().mode(0o700).create(&dir) {
         if err.kind() != std::io::ErrorKind::AlreadyExists {
-            return Err(format!("{}: {err}", dir.display()));
+            return Err(io_at(&dir)(err));
         }
     }
-    let meta =
-        std::fs::symlink_metadata(&dir).map_err(|err| format!("{}: {err}", dir.display()))?;
+    let meta = std::fs::symlink_metadata(&dir).map_err(io_at(&dir))?;
     if meta.file_type().is_symlink() {
-        return Err(format!(
-            "{} is a symbolic link; the folder for partial downloads must be a real directory of yours (remove the link)",
-            dir.display()
-        ));
+        return Err(PartialError::FolderLink(dir));
     }
     if !meta.is_dir() {
-        return Err(format!(
-            "{} is not a directory; it is where partial downloads go (remove it)",
-            dir.display()
-        ));
+        return Err(PartialError::NotAFolder(dir));
     }
     check_owner(&dir, &meta)?;
     let mode = meta.mode() & 0o7777;
     if mode & 0o077 != 0 {
-        return Err(format!(
-            "{} is open to other users (mode {mode:04o}); partial downloads need a folder only you can use (chmod 700 {})",
-            dir.display(),
-            dir.display()
-        ));
+        return Err(PartialError::OpenToOthers { path: dir, mode });
     }
     Ok(dir)
 }
 
 /// Opens (creating, 0600) a regular file of the private folder for reading and writing, refusing
 /// a symbolic link or a file with other names, and keeping what it holds.
-pub fn open(path: &Path) -> Result<File, String> {
+pub fn open(path: &Path) -> Result<File, PartialError> {
     let file = OpenOptions::new()
         .read(true)
         .write(true)
@@ -57,30 +77,21 @@ pub fn open(path: &Path) -> Result<File, String> {
         .open(path)
         .map_err(|err| {
             if err.raw_os_error() == Some(libc::ELOOP) {
-                format!(
-                    "{} is a symbolic link; refusing to write a download through it (remove the link)",
-                    path.display()
-                )
+                PartialError::FileLink(path.to_path_buf())
             } else {
-                format!("{}: {err}", path.display())
+                io_at(path)(err)
             }
         })?;
-    let meta = file
-        .metadata()
-        .map_err(|err| format!("{}: {err}", path.display()))?;
+    let meta = file.metadata().map_err(io_at(path))?;
     if !meta.is_file() {
-        return Err(format!(
-            "{} is not a regular file; refusing to write a download into it (remove it)",
-            path.display()
-        ));
+        return Err(PartialError::NotAFile(path.to_path_buf()));
     }
     // A second name is another way to reach a file outside the folder.
     if meta.nlink() > 1 {
-        return Err(format!(
-            "{} has {} hard links; refusing to write a download into a file reachable from elsewhere (remove it)",
-            path.display(),
-            meta.nlink()
-        ));
+        return Err(PartialError::HardLinks {
+            path: path.to_path_buf(),
+            links: meta.nlink(),
+        });
     }
     check_owner(path, &meta)?;
     Ok(file)
@@ -93,26 +104,26 @@ pub fn lock(
     path: &Path,
     poll: Duration,
     cancelled: impl Fn() -> bool,
-) -> Result<bool, String> {
+) -> Result<bool, PartialError> {
     loop {
         match file.try_lock() {
             Ok(()) => return Ok(true),
             Err(TryLockError::WouldBlock) if cancelled() => return Ok(false),
             Err(TryLockError::WouldBlock) => std::thread::sleep(poll),
-            Err(TryLockError::Error(err)) => return Err(format!("{}: {err}", path.display())),
+            Err(TryLockError::Error(err)) => return Err(io_at(path)(err)),
         }
     }
 }
 
-fn check_owner(path: &Path, meta: &std::fs::Metadata) -> Result<(), String> {
+fn check_owner(path: &Path, meta: &std::fs::Metadata) -> Result<(), PartialError> {
     // SAFETY: geteuid has no preconditions and cannot fail.
     let me = unsafe { libc::geteuid() };
     if meta.uid() != me {
-        return Err(format!(
-            "{} belongs to user {}, not to the user downloading ({me}); remove it",
-            path.display(),
-            meta.uid()
-        ));
+        return Err(PartialError::Owner {
+            path: path.to_path_buf(),
+            owner: meta.uid(),
+            me,
+        });
     }
     Ok(())
 }
@@ -133,14 +144,17 @@ mod tests {
         let link = dir.join("shard");
         std::os::unix::fs::symlink(&victim, &link).unwrap();
         let err = open(&link).unwrap_err();
-        assert!(err.contains("symbolic link"), "{err}");
+        assert!(matches!(err, PartialError::FileLink(_)), "{err}");
         std::fs::remove_file(&link).unwrap();
         std::fs::hard_link(&victim, &link).unwrap();
         let err = open(&link).unwrap_err();
-        assert!(err.contains("hard links"), "{err}");
+        assert!(
+            matches!(err, PartialError::HardLinks { links: 2, .. }),
+            "{err}"
+        );
         assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
-        let err = private_folder(&root).unwrap_err();
+        let err = private_folder(&root).unwrap_err().to_string();
         assert!(
             err.contains("mode 0755") && err.contains("chmod 700"),
             "{err}"
@@ -161,12 +175,12 @@ mod tests {
             asked.set(asked.get() + 1);
             asked.get() > 3
         });
-        assert_eq!(got, Ok(false));
+        assert!(matches!(got, Ok(false)));
         drop(holder);
-        assert_eq!(
+        assert!(matches!(
             lock(&waiter, &path, Duration::from_millis(1), || true),
             Ok(true)
-        );
+        ));
         std::fs::remove_dir_all(&root).unwrap();
     }
 
@@ -177,7 +191,7 @@ mod tests {
         std::fs::create_dir(&elsewhere).unwrap();
         std::os::unix::fs::symlink(&elsewhere, root.join(FOLDER)).unwrap();
         let err = private_folder(&root).unwrap_err();
-        assert!(err.contains("symbolic link"), "{err}");
+        assert!(matches!(err, PartialError::FolderLink(_)), "{err}");
         std::fs::remove_dir_all(&root).unwrap();
     }
 
