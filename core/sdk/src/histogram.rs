@@ -14,6 +14,29 @@ pub struct Bucket {
     pub weight: f64,
 }
 
+/// What is wrong with a histogram file.
+#[derive(Debug, thiserror::Error)]
+pub enum HistogramError {
+    #[error("not JSON: {0}")]
+    NotJson(serde_json::Error),
+    #[error("expected a JSON object mapping \"[lo,hi)\" to weights")]
+    NotAnObject,
+    #[error("bucket `{bucket}`: `{part}` is too large")]
+    TooLarge { bucket: String, part: String },
+    #[error("bucket `{0}` must hold two integers, like \"[64,96)\"")]
+    NotTwoIntegers(String),
+    #[error("bucket `{0}` ends before it starts")]
+    Reversed(String),
+    #[error("bucket `{bucket}`: the weight must be a non-negative number, found {found}")]
+    Weight { bucket: String, found: String },
+    #[error("the histogram has no buckets")]
+    NoBuckets,
+    #[error("the histogram's weights sum to zero")]
+    ZeroWeight,
+    #[error("every bucket holds only zero-length documents")]
+    OnlyEmptyDocuments,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct Histogram {
     pub buckets: Vec<Bucket>,
@@ -22,36 +45,33 @@ pub struct Histogram {
 impl Histogram {
     /// Parses LongCA-bench's format: a JSON object whose keys hold two integers and whose values
     /// are non-negative weights, in file order.
-    pub fn from_longca_json(text: &str) -> Result<Histogram, String> {
-        let value: Value = serde_json::from_str(text).map_err(|err| format!("not JSON: {err}"))?;
-        let map = value
-            .as_object()
-            .ok_or("expected a JSON object mapping \"[lo,hi)\" to weights")?;
+    pub fn from_longca_json(text: &str) -> Result<Histogram, HistogramError> {
+        let value: Value = serde_json::from_str(text).map_err(HistogramError::NotJson)?;
+        let map = value.as_object().ok_or(HistogramError::NotAnObject)?;
         let mut buckets = Vec::with_capacity(map.len());
         for (key, weight) in map {
             let numbers: Vec<u64> = key
                 .split(|c: char| !c.is_ascii_digit())
                 .filter(|part| !part.is_empty())
                 .map(|part| {
-                    part.parse::<u64>()
-                        .map_err(|_| format!("bucket `{key}`: `{part}` is too large"))
+                    part.parse::<u64>().map_err(|_| HistogramError::TooLarge {
+                        bucket: key.clone(),
+                        part: part.to_string(),
+                    })
                 })
                 .collect::<Result<_, _>>()?;
             let [lo, hi] = numbers[..] else {
-                return Err(format!(
-                    "bucket `{key}` must hold two integers, like \"[64,96)\""
-                ));
+                return Err(HistogramError::NotTwoIntegers(key.clone()));
             };
             if hi < lo {
-                return Err(format!("bucket `{key}` ends before it starts"));
+                return Err(HistogramError::Reversed(key.clone()));
             }
             let weight = weight
                 .as_f64()
                 .filter(|w| w.is_finite() && *w >= 0.0)
-                .ok_or_else(|| {
-                    format!(
-                        "bucket `{key}`: the weight must be a non-negative number, found {weight}"
-                    )
+                .ok_or_else(|| HistogramError::Weight {
+                    bucket: key.clone(),
+                    found: weight.to_string(),
                 })?;
             buckets.push(Bucket { lo, hi, weight });
         }
@@ -60,15 +80,15 @@ impl Histogram {
         Ok(histogram)
     }
 
-    fn check(&self) -> Result<(), String> {
+    fn check(&self) -> Result<(), HistogramError> {
         if self.buckets.is_empty() {
-            return Err("the histogram has no buckets".into());
+            return Err(HistogramError::NoBuckets);
         }
         if self.buckets.iter().map(|b| b.weight).sum::<f64>() <= 0.0 {
-            return Err("the histogram's weights sum to zero".into());
+            return Err(HistogramError::ZeroWeight);
         }
         if self.buckets.iter().all(|b| b.hi == 0) {
-            return Err("every bucket holds only zero-length documents".into());
+            return Err(HistogramError::OnlyEmptyDocuments);
         }
         Ok(())
     }
@@ -143,24 +163,15 @@ mod tests {
 
     #[test]
     fn malformed_histograms_are_refused_with_the_reason() {
-        assert!(Histogram::from_longca_json("[1, 2]")
-            .unwrap_err()
-            .contains("JSON object"));
-        assert!(Histogram::from_longca_json(r#"{"[1,2,3)": 1}"#)
-            .unwrap_err()
-            .contains("two integers"));
-        assert!(Histogram::from_longca_json(r#"{"[9,2)": 1}"#)
-            .unwrap_err()
-            .contains("ends before"));
-        assert!(Histogram::from_longca_json(r#"{"[1,2)": -1}"#)
-            .unwrap_err()
-            .contains("non-negative"));
-        assert!(Histogram::from_longca_json(r#"{"[1,2)": 0}"#)
-            .unwrap_err()
-            .contains("sum to zero"));
-        assert!(Histogram::from_longca_json("{}")
-            .unwrap_err()
-            .contains("no buckets"));
+        use HistogramError as E;
+        let refused = |text: &str| Histogram::from_longca_json(text).unwrap_err();
+        assert!(matches!(refused("[1, 2]"), E::NotAnObject));
+        assert!(refused("[1, 2]").to_string().contains("JSON object"));
+        assert!(matches!(refused(r#"{"[1,2,3)": 1}"#), E::NotTwoIntegers(key) if key == "[1,2,3)"));
+        assert!(matches!(refused(r#"{"[9,2)": 1}"#), E::Reversed(key) if key == "[9,2)"));
+        assert!(matches!(refused(r#"{"[1,2)": -1}"#), E::Weight { .. }));
+        assert!(matches!(refused(r#"{"[1,2)": 0}"#), E::ZeroWeight));
+        assert!(matches!(refused("{}"), E::NoBuckets));
     }
 
     #[test]
