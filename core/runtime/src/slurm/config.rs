@@ -50,16 +50,16 @@ pub struct ExecutorSection {
 
 impl ExecutorSection {
     /// Reads a section from its JSON form: `slurm`, `local` or a mapping of the fields above.
-    pub fn from_value(value: &Value) -> Result<ExecutorSection, String> {
+    pub fn from_value(value: &Value) -> Result<ExecutorSection, SectionError> {
         if let Value::String(kind) = value {
             return serde_json::from_value::<ExecutorKind>(value.clone())
                 .map(|kind| ExecutorSection {
                     kind: Some(kind),
                     ..ExecutorSection::default()
                 })
-                .map_err(|_| format!("`{kind}` is not an executor; expected `local` or `slurm`"));
+                .map_err(|_| SectionError::NotAnExecutor(kind.clone()));
         }
-        serde_json::from_value::<ExecutorSection>(value.clone()).map_err(|err| err.to_string())
+        serde_json::from_value::<ExecutorSection>(value.clone()).map_err(SectionError::Fields)
     }
 
     /// This section with `under`'s fields filling what it leaves unset.
@@ -113,7 +113,7 @@ pub fn user_config_path() -> Option<PathBuf> {
 }
 
 /// The `executor:` section of the user's config file; none when the file does not exist.
-pub fn user_section() -> Result<ExecutorSection, String> {
+pub fn user_section() -> Result<ExecutorSection, ConfigError> {
     let Some(path) = user_config_path() else {
         return Ok(ExecutorSection::default());
     };
@@ -122,15 +122,44 @@ pub fn user_section() -> Result<ExecutorSection, String> {
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
             return Ok(ExecutorSection::default())
         }
-        Err(err) => return Err(format!("cannot read {}: {err}", path.display())),
+        Err(source) => return Err(ConfigError::Unreadable { path, source }),
     };
-    let document: Value = serde_norway::from_str(&text)
-        .map_err(|err| format!("{}: invalid YAML: {err}", path.display()))?;
+    let document: Value = match serde_norway::from_str(&text) {
+        Ok(document) => document,
+        Err(source) => return Err(ConfigError::Yaml { path, source }),
+    };
     match document.get("executor") {
         None | Some(Value::Null) => Ok(ExecutorSection::default()),
         Some(value) => ExecutorSection::from_value(value)
-            .map_err(|err| format!("{}: `executor`: {err}", path.display())),
+            .map_err(|source| ConfigError::Section { path, source }),
     }
+}
+
+/// What is wrong with an `executor:` section.
+#[derive(Debug, thiserror::Error)]
+pub enum SectionError {
+    #[error("`{0}` is not an executor; expected `local` or `slurm`")]
+    NotAnExecutor(String),
+    /// An unknown field or a value of the wrong form (a duration that does not parse…).
+    #[error("{0}")]
+    Fields(serde_json::Error),
+}
+
+/// Why the user's config file cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {}: {source}", path.display())]
+    Unreadable {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}: invalid YAML: {source}", path.display())]
+    Yaml {
+        path: PathBuf,
+        source: serde_norway::Error,
+    },
+    #[error("{}: `executor`: {source}", path.display())]
+    Section { path: PathBuf, source: SectionError },
 }
 
 /// Durations as humans write them (`30m`, `2s`), for optional fields.
@@ -177,10 +206,16 @@ mod tests {
     #[test]
     fn bad_sections_name_what_is_wrong() {
         let kind = ExecutorSection::from_value(&json!("k8s")).unwrap_err();
-        assert!(kind.contains("`k8s` is not an executor"), "{kind}");
+        assert!(
+            matches!(&kind, SectionError::NotAnExecutor(k) if k == "k8s"),
+            "{kind}"
+        );
         let field = ExecutorSection::from_value(&json!({"partiton": "gpu"})).unwrap_err();
-        assert!(field.contains("partiton"), "{field}");
+        assert!(field.to_string().contains("partiton"), "{field}");
         let time = ExecutorSection::from_value(&json!({"poll": "soon"})).unwrap_err();
-        assert!(time.contains("`soon` is not a duration"), "{time}");
+        assert!(
+            time.to_string().contains("`soon` is not a duration"),
+            "{time}"
+        );
     }
 }
