@@ -18,7 +18,7 @@ use crate::launch::RankInfo;
 use crate::local::Tokens;
 use crate::methods::{Groups, Rank};
 use crate::nccl::NcclGroup;
-use crate::processes::RankProblem;
+use crate::processes::{RankError, RankProblem};
 
 /// Everything a GPU rank needs; read by `attnbench-cp-rank` (`"kind": "gpu"`).
 #[derive(Serialize, Deserialize)]
@@ -93,11 +93,10 @@ pub fn read_f32(dir: &Path, name: &str) -> Result<Vec<f32>, String> {
 }
 
 /// Runs this process's rank of `job` and writes its result.
-pub fn rank_main(text: &[u8], path: &Path) -> Result<(), String> {
-    let job: GpuJob = serde_json::from_slice(text)
-        .map_err(|err| format!("{}: not a GPU job: {err}", path.display()))?;
+pub fn rank_main(text: &[u8], path: &Path) -> Result<(), RankError> {
+    let job: GpuJob = serde_json::from_slice(text).map_err(RankError::job(path, "a GPU job"))?;
     let info = RankInfo::from_env()?;
-    select_gpu(&info)?;
+    select_gpu(&info).map_err(RankError::Work)?;
     crate::processes::run_rank_catching(&job.results, info.rank, || run(&job, &info))
 }
 
@@ -115,7 +114,7 @@ fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, String> {
     attnbench_sdk::libraries::require("libcuda", "NVIDIA driver")?;
     attnbench_sdk::libraries::require("libnccl", "NCCL")?;
     let problem = &job.problem;
-    problem.check_world(info)?;
+    problem.check_world(info).map_err(|err| err.to_string())?;
     let setup = &problem.setup;
     let layout = &setup.layout;
     let (element, input) = match problem.dtype {

@@ -42,20 +42,40 @@ pub fn first_host(nodelist: &str) -> Option<String> {
     }
 }
 
+/// Why this process's launcher variables name no rank.
+#[derive(Debug, PartialEq, thiserror::Error)]
+pub enum LauncherError {
+    #[error("{name}={value} is not a number")]
+    NotANumber { name: &'static str, value: String },
+    #[error("MASTER_PORT={0} is not a port")]
+    NotAPort(String),
+    #[error("{launcher}: rank {rank} of {world} ranks")]
+    RankOutOfRange {
+        launcher: &'static str,
+        rank: usize,
+        world: usize,
+    },
+    #[error("no launcher variables found: set RANK and WORLD_SIZE (with MASTER_ADDR and MASTER_PORT), or start the ranks with srun, mpirun or torchrun")]
+    Missing,
+}
+
 impl RankInfo {
     /// From this process's environment.
-    pub fn from_env() -> Result<RankInfo, String> {
+    pub fn from_env() -> Result<RankInfo, LauncherError> {
         RankInfo::from_vars(&std::env::vars().collect())
     }
 
-    pub fn from_vars(vars: &HashMap<String, String>) -> Result<RankInfo, String> {
+    pub fn from_vars(vars: &HashMap<String, String>) -> Result<RankInfo, LauncherError> {
         let get = |name: &str| vars.get(name).map(String::as_str);
-        let number = |name: &str| -> Result<Option<usize>, String> {
+        let number = |name: &'static str| -> Result<Option<usize>, LauncherError> {
             get(name)
                 .map(|v| {
                     v.trim()
                         .parse::<usize>()
-                        .map_err(|_| format!("{name}={v} is not a number"))
+                        .map_err(|_| LauncherError::NotANumber {
+                            name,
+                            value: v.to_string(),
+                        })
                 })
                 .transpose()
         };
@@ -77,7 +97,11 @@ impl RankInfo {
                 continue;
             };
             if world == 0 || rank >= world {
-                return Err(format!("{source}: rank {rank} of {world} ranks"));
+                return Err(LauncherError::RankOutOfRange {
+                    launcher: source,
+                    rank,
+                    world,
+                });
             }
             let slurm_host = || {
                 get("SLURM_JOB_NODELIST")
@@ -92,7 +116,7 @@ impl RankInfo {
                 Some(port) => port
                     .trim()
                     .parse()
-                    .map_err(|_| format!("MASTER_PORT={port} is not a port"))?,
+                    .map_err(|_| LauncherError::NotAPort(port.to_string()))?,
                 None => DEFAULT_PORT,
             };
             return Ok(RankInfo {
@@ -104,7 +128,7 @@ impl RankInfo {
                 source,
             });
         }
-        Err("no launcher variables found: set RANK and WORLD_SIZE (with MASTER_ADDR and MASTER_PORT), or start the ranks with srun, mpirun or torchrun".into())
+        Err(LauncherError::Missing)
     }
 }
 
@@ -169,11 +193,12 @@ mod tests {
     #[test]
     fn nonsense_is_one_sentence() {
         let error = RankInfo::from_vars(&vars(&[("RANK", "4"), ("WORLD_SIZE", "4")])).unwrap_err();
-        assert_eq!(error, "torchrun: rank 4 of 4 ranks");
+        assert_eq!(error.to_string(), "torchrun: rank 4 of 4 ranks");
         let error = RankInfo::from_vars(&vars(&[])).unwrap_err();
-        assert!(error.contains("srun, mpirun or torchrun"), "{error}");
+        assert_eq!(error, LauncherError::Missing);
+        assert!(error.to_string().contains("srun, mpirun or torchrun"));
         let error = RankInfo::from_vars(&vars(&[("RANK", "x"), ("WORLD_SIZE", "4")])).unwrap_err();
-        assert_eq!(error, "RANK=x is not a number");
+        assert_eq!(error.to_string(), "RANK=x is not a number");
     }
 
     #[test]

@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::comm::Group;
 use crate::launch::RankInfo;
+use crate::processes::RankError;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -310,9 +311,9 @@ pub fn run_rank(job: &LinksJob, info: &RankInfo) -> Result<RankLinks, String> {
 }
 
 /// Runs this process's rank of the links job in `text` (from `path`) and writes its result.
-pub fn rank_main(text: &[u8], path: &Path) -> Result<(), String> {
-    let job: LinksJob = serde_json::from_slice(text)
-        .map_err(|err| format!("{}: not a links job: {err}", path.display()))?;
+pub fn rank_main(text: &[u8], path: &Path) -> Result<(), RankError> {
+    let job: LinksJob =
+        serde_json::from_slice(text).map_err(RankError::job(path, "a links job"))?;
     let info = RankInfo::from_env()?;
     crate::processes::run_rank_catching(&job.results, info.rank, || run_rank(&job, &info))
 }

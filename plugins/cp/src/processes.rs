@@ -16,8 +16,10 @@ use attnbench_sdk::mask::MaskSet;
 use attnbench_sdk::reference::{Element, Inputs, Shape};
 use serde::{Deserialize, Serialize};
 
-use crate::launch::RankInfo;
+use crate::launch::{LauncherError, RankInfo};
+use crate::layout::LayoutError;
 use crate::methods::Setup;
+use crate::tcp::JoinError;
 use crate::threads::{self, Outcome, RankResult};
 
 /// What every rank of a context-parallel job computes, on CPUs or GPUs: the method and the
@@ -45,13 +47,14 @@ impl RankProblem {
     }
 
     /// The launcher started as many ranks as the method's groups need.
-    pub fn check_world(&self, info: &RankInfo) -> Result<(), String> {
+    pub fn check_world(&self, info: &RankInfo) -> Result<(), RankError> {
         let needed = self.setup.layout.world();
         if info.world != needed {
-            return Err(format!(
-                "{} ranks were started ({}), the job needs {needed}",
-                info.world, info.source
-            ));
+            return Err(RankError::World {
+                started: info.world,
+                launcher: info.source,
+                needed,
+            });
         }
         Ok(())
     }
@@ -107,38 +110,78 @@ pub fn open_attention(path: &Path, kernel: &str) -> Result<Backend, AttentionErr
     Ok(backend)
 }
 
-impl RankProblem {
-    fn inputs(&self) -> Result<Inputs, String> {
-        Ok(Inputs::random_as(&self.shape(), self.seed, self.dtype))
+/// Why one rank stopped without a result. Its process prints this as its last line and exits
+/// non-zero; the launcher relays that line.
+#[derive(Debug, thiserror::Error)]
+pub enum RankError {
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}: not {what}: {source}", path.display())]
+    Job {
+        path: PathBuf,
+        /// `a job`, `a links job`, `a GPU job`.
+        what: &'static str,
+        source: serde_json::Error,
+    },
+    #[error(transparent)]
+    Launcher(#[from] LauncherError),
+    #[error("{started} ranks were started ({launcher}), the job needs {needed}")]
+    World {
+        started: usize,
+        launcher: &'static str,
+        needed: usize,
+    },
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    #[error(transparent)]
+    Join(#[from] JoinError),
+    #[error(transparent)]
+    Attention(#[from] AttentionError),
+    /// cudarc or the GPU store unwound (a missing library, a broken or exhausted GPU).
+    #[error("rank {rank} stopped: {message}")]
+    Panicked { rank: usize, message: String },
+    /// The method's own steps — exchanges, blocks, device work — failed, as they say.
+    #[error("{0}")]
+    Work(String),
+}
+
+impl RankError {
+    pub(crate) fn job(path: &Path, what: &'static str) -> impl FnOnce(serde_json::Error) -> Self {
+        let path = path.to_path_buf();
+        move |source| RankError::Job { path, what, source }
     }
 }
 
 /// Runs this process's rank of the job at `path`: a context-parallel attention job, or a links
 /// job (`"kind": "links"`, see `links`).
-pub fn rank_main(path: &Path) -> Result<(), String> {
-    let text = std::fs::read(path).map_err(|err| format!("{}: {err}", path.display()))?;
-    let kind: serde_json::Value = serde_json::from_slice(&text)
-        .map_err(|err| format!("{}: not a job: {err}", path.display()))?;
+pub fn rank_main(path: &Path) -> Result<(), RankError> {
+    let text = std::fs::read(path).map_err(|source| RankError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let kind: serde_json::Value =
+        serde_json::from_slice(&text).map_err(RankError::job(path, "a job"))?;
     match kind.get("kind").and_then(|k| k.as_str()) {
         Some("links") => return crate::links::rank_main(&text, path),
         Some("gpu") => return crate::gpu_rank::rank_main(&text, path),
         _ => {}
     }
-    let job: Job = serde_json::from_slice(&text)
-        .map_err(|err| format!("{}: not a job: {err}", path.display()))?;
+    let job: Job = serde_json::from_slice(&text).map_err(RankError::job(path, "a job"))?;
     let info = RankInfo::from_env()?;
     let problem = &job.problem;
     problem.check_world(&info)?;
     let shape = problem.shape();
-    threads::check(&problem.setup, &shape).map_err(|err| err.to_string())?;
-    let inputs = problem.inputs()?;
-    let world = crate::tcp::join(&info).map_err(|err| err.to_string())?;
+    threads::check(&problem.setup, &shape)?;
+    let inputs = Inputs::random_as(&shape, problem.seed, problem.dtype);
+    let world = crate::tcp::join(&info)?;
     let attention = job
         .attention
         .as_ref()
         .map(|(path, kernel)| open_attention(path, kernel))
-        .transpose()
-        .map_err(|err| err.to_string())?;
+        .transpose()?;
     let result = threads::run_rank(
         world,
         info.rank,
@@ -148,18 +191,25 @@ pub fn rank_main(path: &Path) -> Result<(), String> {
         &inputs,
         problem.backward,
         attention.as_ref(),
-    )?;
+    )
+    .map_err(RankError::Work)?;
     write_rank_result(&job.results, info.rank, &result)
 }
 
 /// Writes rank `rank`'s result as `rank-<rank>.json` in `dir`, whole or not at all.
-fn write_rank_result(dir: &Path, rank: usize, result: &impl Serialize) -> Result<(), String> {
-    let bytes = serde_json::to_vec(result).map_err(|err| err.to_string())?;
+fn write_rank_result(dir: &Path, rank: usize, result: &impl Serialize) -> Result<(), RankError> {
     let target = dir.join(format!("rank-{rank}.json"));
+    let bytes = serde_json::to_vec(result).map_err(|err| RankError::Io {
+        path: target.clone(),
+        source: err.into(),
+    })?;
     let partial = target.with_extension("partial");
     std::fs::write(&partial, bytes)
         .and_then(|_| std::fs::rename(&partial, &target))
-        .map_err(|err| format!("{}: {err}", target.display()))
+        .map_err(|source| RankError::Io {
+            path: target,
+            source,
+        })
 }
 
 /// Runs `work` as rank `rank` and writes what it returns (see [`write_rank_result`]). cudarc
@@ -169,16 +219,18 @@ pub fn run_rank_catching<T: Serialize>(
     dir: &Path,
     rank: usize,
     work: impl FnOnce() -> Result<T, String>,
-) -> Result<(), String> {
-    let result =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)).unwrap_or_else(|panic| {
-            let text = panic
+) -> Result<(), RankError> {
+    let result = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)) {
+        Ok(done) => done.map_err(RankError::Work)?,
+        Err(panic) => {
+            let message = panic
                 .downcast_ref::<String>()
                 .cloned()
                 .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_default();
-            Err(format!("rank {rank} stopped: {text}"))
-        })?;
+            return Err(RankError::Panicked { rank, message });
+        }
+    };
     write_rank_result(dir, rank, &result)
 }
 

@@ -810,3 +810,36 @@ fn the_model_slows_the_slowest_rank_by_the_shardings_imbalance() {
         Err(LayoutError::Seqlen { unit: 800, .. })
     ));
 }
+
+#[test]
+fn a_rank_names_the_job_file_it_cannot_read() {
+    use crate::processes::RankError;
+    let dir = std::env::temp_dir().join(format!("attnbench-cp-rank-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let missing = dir.join("missing.json");
+    let error = crate::rank_main(&missing).unwrap_err();
+    assert!(
+        matches!(error, RankError::Io { ref path, .. } if *path == missing),
+        "{error}"
+    );
+    for (text, what) in [
+        ("[1", "a job"),
+        (r#"{"kind": "links"}"#, "a links job"),
+        (r#"{"kind": "gpu"}"#, "a GPU job"),
+    ] {
+        let file = dir.join("job.json");
+        std::fs::write(&file, text).unwrap();
+        let error = crate::rank_main(&file).unwrap_err();
+        assert!(
+            matches!(error, RankError::Job { what: w, .. } if w == what),
+            "{error}"
+        );
+        assert!(
+            error
+                .to_string()
+                .starts_with(&format!("{}: not {what}: ", file.display())),
+            "{error}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
