@@ -350,21 +350,37 @@ struct Wire {
     harness: Harness,
 }
 
-impl TryFrom<Wire> for Measurement {
-    type Error = String;
+/// Why a stored record cannot be read as a [`Measurement`].
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    #[error("record version {0} is newer than this attnbench reads ({RECORD_VERSION}): upgrade attnbench to read it")]
+    Newer(u32),
+    #[error("the record names no dtype")]
+    NoDtype,
+    #[error("a version-1 record needs its `environment`")]
+    NoEnvironment,
+    #[error("environment.context_parallel is not an object")]
+    CpNotAnObject,
+    /// A version-1 section that does not parse: `environment`, `environment.context_parallel`.
+    #[error("{section}: {source}")]
+    Section {
+        section: &'static str,
+        source: serde_json::Error,
+    },
+}
 
-    fn try_from(wire: Wire) -> Result<Measurement, String> {
+impl TryFrom<Wire> for Measurement {
+    type Error = RecordError;
+
+    fn try_from(wire: Wire) -> Result<Measurement, RecordError> {
         let version = wire.record_version.unwrap_or(1);
         if version > RECORD_VERSION {
-            return Err(format!(
-                "record version {version} is newer than this attnbench reads ({RECORD_VERSION}): \
-                 upgrade attnbench to read it"
-            ));
+            return Err(RecordError::Newer(version));
         }
         let dtype = wire
             .dtype
             .or(wire.shape.dtype)
-            .ok_or("the record names no dtype")?;
+            .ok_or(RecordError::NoDtype)?;
         let shape = Shape {
             heads_q: wire.shape.heads_q,
             heads_kv: wire.shape.heads_kv,
@@ -400,7 +416,7 @@ impl TryFrom<Wire> for Measurement {
         if let Some(environment) = wire.environment {
             legacy::split(environment, &mut record)?;
         } else if version == 1 {
-            return Err("a version-1 record needs its `environment`".into());
+            return Err(RecordError::NoEnvironment);
         }
         Ok(record)
     }
@@ -449,13 +465,17 @@ mod legacy {
     pub(super) fn split(
         mut environment: Map<String, Value>,
         record: &mut Measurement,
-    ) -> Result<(), String> {
+    ) -> Result<(), RecordError> {
         let machine: Map<String, Value> = MACHINE
             .iter()
             .filter_map(|key| environment.remove(*key).map(|v| (key.to_string(), v)))
             .collect();
-        record.machine = serde_json::from_value(Value::Object(machine))
-            .map_err(|err| format!("environment: {err}"))?;
+        record.machine = serde_json::from_value(Value::Object(machine)).map_err(|source| {
+            RecordError::Section {
+                section: "environment",
+                source,
+            }
+        })?;
         if let Some(Value::Object(phases)) = environment.remove("phases") {
             record.phases = phases;
         }
@@ -499,10 +519,12 @@ mod legacy {
 
     /// Version 1's `context_parallel` object: threads and processes wrote each rank's first-run
     /// seconds (`forward_s_per_rank`), NCCL runs a `ranks` list.
-    fn cp_run(mut cp: Value) -> Result<CpRun, String> {
-        let object = cp
-            .as_object_mut()
-            .ok_or("environment.context_parallel is not an object")?;
+    fn cp_run(mut cp: Value) -> Result<CpRun, RecordError> {
+        let section = |source| RecordError::Section {
+            section: "environment.context_parallel",
+            source,
+        };
+        let object = cp.as_object_mut().ok_or(RecordError::CpNotAnObject)?;
         if !object.contains_key("ranks") {
             let seconds = |key: &str| -> Vec<f64> {
                 object
@@ -529,7 +551,7 @@ mod legacy {
                 .collect();
             object.insert(
                 "ranks".into(),
-                serde_json::to_value(ranks).map_err(|err| err.to_string())?,
+                serde_json::to_value(ranks).map_err(section)?,
             );
         }
         for key in ["bytes_sent_forward", "bytes_sent_backward"] {
@@ -537,7 +559,7 @@ mod legacy {
                 object.insert(key.into(), Value::Array(vec![Value::Number(total)]));
             }
         }
-        serde_json::from_value(cp).map_err(|err| format!("environment.context_parallel: {err}"))
+        serde_json::from_value(cp).map_err(section)
     }
 }
 

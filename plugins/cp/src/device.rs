@@ -10,11 +10,13 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use attnbench_sdk::attention::{AttentionCall, Backend, DType, HostBlock, Memory};
+use attnbench_sdk::attention::{AttentionCall, AttentionError, Backend, DType, HostBlock, Memory};
+use attnbench_sdk::libraries::MissingLibrary;
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
-    PushKernelArg,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DriverError,
+    LaunchConfig, PushKernelArg,
 };
+use cudarc::nccl::result::NcclError;
 
 use crate::local::{Partial, Span, Store};
 
@@ -99,8 +101,41 @@ impl Spans {
     }
 }
 
+/// Why a GPU rank's step failed, named by what it was doing.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    #[error(transparent)]
+    Library(#[from] MissingLibrary),
+    #[error("{what}: {error}")]
+    Driver { what: String, error: DriverError },
+    #[error("NVRTC could not compile the store's kernels: {0}")]
+    Compile(cudarc::nvrtc::CompileError),
+    #[error("NCCL {what}: {error:?}")]
+    Nccl { what: String, error: NcclError },
+    #[error("the group's first member sent an NCCL id of {0} bytes, not 128")]
+    NcclId(usize),
+}
+
+impl GpuError {
+    /// A driver error while doing `what`.
+    pub fn driver(what: impl Into<String>) -> impl FnOnce(DriverError) -> GpuError {
+        move |error| GpuError::Driver {
+            what: what.into(),
+            error,
+        }
+    }
+
+    /// An NCCL error while doing `what`.
+    pub fn nccl(what: impl Into<String>) -> impl FnOnce(NcclError) -> GpuError {
+        move |error| GpuError::Nccl {
+            what: what.into(),
+            error,
+        }
+    }
+}
+
 /// The value of a driver call, or an unwinding with what failed (see the module's documentation).
-pub fn check<T>(what: &str, result: Result<T, cudarc::driver::DriverError>) -> T {
+pub fn check<T>(what: &str, result: Result<T, DriverError>) -> T {
     result.unwrap_or_else(|err| panic!("{what}: {err}"))
 }
 
@@ -121,24 +156,21 @@ impl DeviceStore {
         stream: Arc<CudaStream>,
         backend: Backend,
         input: DType,
-    ) -> Result<DeviceStore, String> {
+    ) -> Result<DeviceStore, GpuError> {
         let (major, minor) = ctx
             .compute_capability()
-            .map_err(|err| format!("compute capability: {err}"))?;
+            .map_err(GpuError::driver("compute capability"))?;
         let options = cudarc::nvrtc::CompileOptions {
             arch: Some(Box::leak(format!("sm_{major}{minor}").into_boxed_str())),
             ..Default::default()
         };
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, options)
-            .map_err(|err| format!("NVRTC could not compile the store's kernels: {err}"))?;
+        let ptx =
+            cudarc::nvrtc::compile_ptx_with_opts(SOURCE, options).map_err(GpuError::Compile)?;
         let module = ctx
             .load_module(ptx)
-            .map_err(|err| format!("loading the store's kernels: {err}"))?;
-        let function = |name: &str| {
-            module
-                .load_function(name)
-                .map_err(|err| format!("{name}: {err}"))
-        };
+            .map_err(GpuError::driver("loading the store's kernels"))?;
+        let function =
+            |name: &'static str| module.load_function(name).map_err(GpuError::driver(name));
         Ok(DeviceStore {
             stream,
             kernels: Kernels {
@@ -159,9 +191,9 @@ impl DeviceStore {
     }
 
     /// `call` on the backend, timed.
-    fn run_block(&self, call: &AttentionCall<'_>) -> Result<(), String> {
+    fn run_block(&self, call: &AttentionCall<'_>) -> Result<(), AttentionError> {
         let start = Spans::mark(&self.stream);
-        self.backend.call(call).map_err(|err| err.to_string())?;
+        self.backend.call(call)?;
         self.blocks.push(start, Spans::mark(&self.stream));
         Ok(())
     }
@@ -352,7 +384,7 @@ impl Store for DeviceStore {
         (q, k, v): (&DeviceValues, &DeviceValues, &DeviceValues),
         out: &mut DeviceValues,
         lse: &mut DeviceValues,
-    ) -> Result<(), String> {
+    ) -> Result<(), AttentionError> {
         let s = &self.stream;
         let mut call = self.call(block, false);
         call.q = q.address(s, spans.rows.start, 2) as *const _;
@@ -370,7 +402,7 @@ impl Store for DeviceStore {
         (q, k, v): (&DeviceValues, &DeviceValues, &DeviceValues),
         (out, lse, d_out): (&DeviceValues, &DeviceValues, &DeviceValues),
         dq: &mut DeviceValues,
-    ) -> Result<(DeviceValues, DeviceValues), String> {
+    ) -> Result<(DeviceValues, DeviceValues), AttentionError> {
         let s = &self.stream;
         let (dk, dv) = (
             self.uninitialised(spans.keys.len(), Kind::Accumulator),

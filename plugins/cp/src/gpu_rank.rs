@@ -8,12 +8,13 @@ use std::path::{Path, PathBuf};
 
 use attnbench_sdk::attention::{Backend, DType};
 use attnbench_sdk::reference::{Element, HeadMasks, RandomInputs, Tensor};
+use attnbench_sdk::PluginError;
 use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
 use cudarc::driver::CudaContext;
 use serde::{Deserialize, Serialize};
 
 use crate::comm::{rank_groups, Communicator};
-use crate::device::{DeviceStore, DeviceValues, Kind};
+use crate::device::{DeviceStore, DeviceValues, GpuError, Kind};
 use crate::launch::RankInfo;
 use crate::local::Tokens;
 use crate::methods::{Groups, Rank};
@@ -55,7 +56,7 @@ pub struct GpuRankResult {
 /// Restricts this process to its GPU before CUDA starts: under a launcher that already gave
 /// each rank one GPU (`CUDA_VISIBLE_DEVICES` naming one), that one; else the `LOCAL_RANK`-th of
 /// those visible.
-fn select_gpu(info: &RankInfo) -> Result<(), String> {
+fn select_gpu(info: &RankInfo) -> Result<(), RankError> {
     let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
     let chosen = match visible.as_deref() {
         Some(list) if !list.contains(',') && !list.trim().is_empty() => return Ok(()),
@@ -63,11 +64,9 @@ fn select_gpu(info: &RankInfo) -> Result<(), String> {
             .split(',')
             .nth(info.local_rank)
             .map(str::to_string)
-            .ok_or_else(|| {
-                format!(
-                    "LOCAL_RANK {} but CUDA_VISIBLE_DEVICES={list} names fewer GPUs",
-                    info.local_rank
-                )
+            .ok_or_else(|| RankError::Visible {
+                local_rank: info.local_rank,
+                visible: list.to_string(),
             })?,
         _ => info.local_rank.to_string(),
     };
@@ -77,15 +76,16 @@ fn select_gpu(info: &RankInfo) -> Result<(), String> {
 }
 
 /// Writes `values` as little-endian f32 to `dir/name`.
-fn write_f32(dir: &Path, name: &str, values: &[f32]) -> Result<(), String> {
+fn write_f32(dir: &Path, name: &str, values: &[f32]) -> Result<(), RankError> {
     let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-    std::fs::write(dir.join(name), bytes).map_err(|err| format!("{}: {err}", dir.display()))
+    let path = dir.join(name);
+    std::fs::write(&path, bytes).map_err(|source| RankError::Io { path, source })
 }
 
 /// Reads a file [`write_f32`] wrote.
-pub fn read_f32(dir: &Path, name: &str) -> Result<Vec<f32>, String> {
-    let bytes =
-        std::fs::read(dir.join(name)).map_err(|err| format!("{}/{name}: {err}", dir.display()))?;
+pub fn read_f32(dir: &Path, name: &str) -> Result<Vec<f32>, PluginError> {
+    let path = dir.join(name);
+    let bytes = std::fs::read(&path).map_err(|err| PluginError::io(&path, err))?;
     Ok(bytes
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
@@ -96,51 +96,50 @@ pub fn read_f32(dir: &Path, name: &str) -> Result<Vec<f32>, String> {
 pub fn rank_main(text: &[u8], path: &Path) -> Result<(), RankError> {
     let job: GpuJob = serde_json::from_slice(text).map_err(RankError::job(path, "a GPU job"))?;
     let info = RankInfo::from_env()?;
-    select_gpu(&info).map_err(RankError::Work)?;
+    select_gpu(&info)?;
     crate::processes::run_rank_catching(&job.results, info.rank, || run(&job, &info))
 }
 
 fn seconds_between(
     start: &cudarc::driver::CudaEvent,
     end: &cudarc::driver::CudaEvent,
-) -> Result<f64, String> {
+) -> Result<f64, GpuError> {
     start
         .elapsed_ms(end)
         .map(|ms| ms as f64 * 1e-3)
-        .map_err(|err| format!("timing events: {err}"))
+        .map_err(GpuError::driver("timing events"))
 }
 
-fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, String> {
-    attnbench_sdk::libraries::require("libcuda", "NVIDIA driver")?;
-    attnbench_sdk::libraries::require("libnccl", "NCCL")?;
+fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, RankError> {
+    attnbench_sdk::libraries::require("libcuda", "NVIDIA driver").map_err(GpuError::from)?;
+    attnbench_sdk::libraries::require("libnccl", "NCCL").map_err(GpuError::from)?;
     let problem = &job.problem;
-    problem.check_world(info).map_err(|err| err.to_string())?;
+    problem.check_world(info)?;
     let setup = &problem.setup;
     let layout = &setup.layout;
     let (element, input) = match problem.dtype {
         Element::Bf16 => (Element::Bf16, DType::Bf16),
         Element::F16 => (Element::F16, DType::F16),
-        Element::F32 => return Err("dtype `f32`: GPU ranks take bf16 or fp16".into()),
+        Element::F32 => return Err(RankError::GpuDtype),
     };
     let shape = problem.shape();
-    crate::threads::check(setup, &shape).map_err(|err| err.to_string())?;
+    crate::threads::check(setup, &shape)?;
     let w = info.rank;
 
     // The TCP mesh carries the NCCL ids; the host groups name each NCCL group's members.
-    let world = crate::tcp::join(info).map_err(|err| err.to_string())?;
+    let world = crate::tcp::join(info)?;
     let [everyone, ulysses_host, ring_host] = rank_groups(&world, layout, w);
 
-    let ctx = CudaContext::new(0).map_err(|err| format!("cannot open the rank's GPU: {err}"))?;
+    let ctx = CudaContext::new(0).map_err(GpuError::driver("cannot open the rank's GPU"))?;
     // Every stream order here is explicit (events between the compute and NCCL streams).
     // SAFETY: no buffer exists yet.
     unsafe { ctx.disable_event_tracking() };
-    let device = ctx.name().map_err(|err| format!("device name: {err}"))?;
+    let device = ctx.name().map_err(GpuError::driver("device name"))?;
     let stream = |what: &str| {
         ctx.new_stream()
-            .map_err(|err| format!("{what} stream: {err}"))
+            .map_err(GpuError::driver(format!("{what} stream")))
     };
-    let backend =
-        Backend::open(&job.attention.0, &job.attention.1).map_err(|err| err.to_string())?;
+    let backend = Backend::open(&job.attention.0, &job.attention.1)?;
     let store = DeviceStore::new(&ctx, stream("compute")?, backend, input)?;
     let world_nccl = NcclGroup::join(&everyone, stream("world")?, &store)?;
     let ulysses = NcclGroup::join(&ulysses_host, stream("Ulysses")?, &store)?;
@@ -178,7 +177,7 @@ fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, String> {
         store
             .stream
             .record_event(Some(CU_EVENT_DEFAULT))
-            .map_err(|err| format!("timing event: {err}"))
+            .map_err(GpuError::driver("timing event"))
     };
     let (mut forward_s, mut backward_s) = (Vec::new(), Vec::new());
     let (mut forward_parts_s, mut backward_parts_s) = (Vec::new(), Vec::new());
@@ -224,7 +223,7 @@ fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, String> {
     world_nccl.barrier();
     let (forward, grads) = last.expect("at least the warm-up ran");
     let dir = &job.results;
-    let write = |name: &str, tokens: &Tokens<DeviceValues>| -> Result<Tokens<String>, String> {
+    let write = |name: &str, tokens: &Tokens<DeviceValues>| -> Result<Tokens<String>, RankError> {
         let file = format!("rank-{w}-{name}.f32");
         write_f32(dir, &file, &store.download_f32(&tokens.data))?;
         Ok(tokens.like(file))
@@ -239,7 +238,7 @@ fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, String> {
         out: write("out", &forward.out)?,
         lse: write("lse", &forward.lse)?,
         grads: grads
-            .map(|g| -> Result<[Tokens<String>; 3], String> {
+            .map(|g| -> Result<[Tokens<String>; 3], RankError> {
                 Ok([
                     write("dq", &g.dq)?,
                     write("dk", &g.dk)?,

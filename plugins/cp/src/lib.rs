@@ -36,6 +36,7 @@ use attnbench_sdk::{
     write_json, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError,
     PluginManifest, StageRequest, StageSpec,
 };
+use device::GpuError;
 use links::Collective;
 use protocol::{pass_times, CpBench, Ranks};
 use serde::Deserialize;
@@ -494,7 +495,7 @@ impl GpuRun<'_> {
         let tolerance = self.element.tolerance();
         let n = setup.layout.world();
         // The stage starts every rank on this machine, one GPU each.
-        let gpus = gpu_count().map_err(PluginError::failed)?;
+        let gpus = gpu_count().map_err(|err| PluginError::failed(err.to_string()))?;
         if n > gpus {
             return Err(PluginError::Params(format!(
                 "world {n}: one GPU per rank, and the driver lists {gpus} here; set `world` to at most {gpus}"
@@ -532,9 +533,7 @@ impl GpuRun<'_> {
         });
         let read =
             |tokens: &local::Tokens<String>| -> Result<local::Tokens<Vec<f32>>, PluginError> {
-                gpu_rank::read_f32(&ranks_dir, &tokens.data)
-                    .map(|values| tokens.like(values))
-                    .map_err(PluginError::failed)
+                gpu_rank::read_f32(&ranks_dir, &tokens.data).map(|values| tokens.like(values))
             };
         for result in &results {
             threads::scatter(&mut out, &read(&result.out)?, s, d);
@@ -897,11 +896,11 @@ struct LinksParams {
 }
 
 /// GPUs the driver lists, or why there are none to use.
-fn gpu_count() -> Result<usize, String> {
+fn gpu_count() -> Result<usize, GpuError> {
     attnbench_sdk::libraries::require("libcuda", "NVIDIA driver")?;
     cudarc::driver::CudaContext::device_count()
         .map(|n| n.max(0) as usize)
-        .map_err(|err| format!("cannot count the GPUs: {err}"))
+        .map_err(GpuError::driver("cannot count the GPUs"))
 }
 
 fn links_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginError> {
@@ -924,7 +923,7 @@ fn links_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginError
             p.min_bytes, p.max_bytes
         )));
     }
-    let gpus = gpu_count().map_err(PluginError::failed)?;
+    let gpus = gpu_count().map_err(|err| PluginError::failed(err.to_string()))?;
     let ranks = if p.ranks == 0 { gpus } else { p.ranks };
     if ranks == 0 || ranks > gpus {
         return Err(PluginError::Params(format!(

@@ -15,6 +15,7 @@ use cudarc::nccl::{Comm, ReduceOp};
 use serde::{Deserialize, Serialize};
 
 use crate::comm::Group;
+use crate::device::GpuError;
 use crate::launch::RankInfo;
 use crate::processes::RankError;
 
@@ -140,10 +141,6 @@ pub struct RankLinks {
     pub timed: Vec<Timed>,
 }
 
-fn driver_failed(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> String {
-    move |err| format!("{what}: {err}")
-}
-
 /// One call of `collective` from `send` into `receive` on the communicator's stream. All-to-all
 /// runs as ranks − 1 pairwise exchanges (send to me + s, receive from me − s) and a local copy.
 fn issue(
@@ -152,9 +149,9 @@ fn issue(
     stream: &Arc<CudaStream>,
     send: &CudaSlice<f32>,
     receive: &mut CudaSlice<f32>,
-) -> Result<(), String> {
+) -> Result<(), GpuError> {
     let (me, n) = (comm.rank(), comm.world_size());
-    let failed = || crate::nccl::failed(collective.name());
+    let failed = || GpuError::nccl(collective.name());
     match collective {
         Collective::AllGather => comm.all_gather(send, receive).map(drop).map_err(failed()),
         Collective::ReduceScatter => comm
@@ -181,7 +178,7 @@ fn issue(
             let own = send.slice(me * chunk..(me + 1) * chunk);
             stream
                 .memcpy_dtod(&own, &mut receive.slice_mut(me * chunk..(me + 1) * chunk))
-                .map_err(driver_failed("all-to-all's local chunk"))?;
+                .map_err(GpuError::driver("all-to-all's local chunk"))?;
             for step in 1..n {
                 let (to, from) = ((me + step) % n, (me + n - step) % n);
                 let outgoing = send.slice(to * chunk..(to + 1) * chunk);
@@ -203,64 +200,63 @@ fn time_calls(
     stream: &Arc<CudaStream>,
     send: &CudaSlice<f32>,
     receive: &mut CudaSlice<f32>,
-) -> Result<f64, String> {
+) -> Result<f64, GpuError> {
     use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
     let start = stream
         .record_event(Some(CU_EVENT_DEFAULT))
-        .map_err(driver_failed("timing event"))?;
+        .map_err(GpuError::driver("timing event"))?;
     for _ in 0..reps {
         issue(collective, comm, stream, send, receive)?;
     }
     let end = stream
         .record_event(Some(CU_EVENT_DEFAULT))
-        .map_err(driver_failed("timing event"))?;
+        .map_err(GpuError::driver("timing event"))?;
     let ms = start
         .elapsed_ms(&end)
-        .map_err(driver_failed("timing event"))?;
+        .map_err(GpuError::driver("timing event"))?;
     Ok(ms as f64 * 1e-3 / reps as f64)
 }
 
 /// The largest of every rank's `seconds`.
-fn slowest(comm: &Comm, stream: &Arc<CudaStream>, seconds: f64) -> Result<f64, String> {
+fn slowest(comm: &Comm, stream: &Arc<CudaStream>, seconds: f64) -> Result<f64, GpuError> {
     let mine = stream
         .clone_htod(&[seconds as f32])
-        .map_err(driver_failed("agreement buffer"))?;
+        .map_err(GpuError::driver("agreement buffer"))?;
     let mut all = stream
         .alloc_zeros::<f32>(1)
-        .map_err(driver_failed("agreement buffer"))?;
+        .map_err(GpuError::driver("agreement buffer"))?;
     comm.all_reduce(&mine, &mut all, &ReduceOp::Max)
-        .map_err(crate::nccl::failed("agreement"))?;
+        .map_err(GpuError::nccl("agreement"))?;
     let all = stream
         .clone_dtoh(&all)
-        .map_err(driver_failed("agreement buffer"))?;
+        .map_err(GpuError::driver("agreement buffer"))?;
     Ok(all[0] as f64)
 }
 
 /// Runs this process's rank of `job`: joins the others, then every collective at every size,
 /// checked once, then timed.
-pub fn run_rank(job: &LinksJob, info: &RankInfo) -> Result<RankLinks, String> {
-    attnbench_sdk::libraries::require("libcuda", "NVIDIA driver")?;
-    attnbench_sdk::libraries::require("libnccl", "NCCL")?;
+pub fn run_rank(job: &LinksJob, info: &RankInfo) -> Result<RankLinks, RankError> {
+    attnbench_sdk::libraries::require("libcuda", "NVIDIA driver").map_err(GpuError::from)?;
+    attnbench_sdk::libraries::require("libnccl", "NCCL").map_err(GpuError::from)?;
     if info.world != job.ranks {
-        return Err(format!(
-            "{} ranks were started ({}), the job needs {}",
-            info.world, info.source, job.ranks
-        ));
+        return Err(RankError::World {
+            started: info.world,
+            launcher: info.source,
+            needed: job.ranks,
+        });
     }
-    let ctx = CudaContext::new(info.local_rank).map_err(|err| {
-        format!(
-            "cannot open GPU {} (LOCAL_RANK) for rank {}: {err}",
-            info.local_rank, info.rank
-        )
-    })?;
-    let device = ctx.name().map_err(driver_failed("device name"))?;
-    let stream = ctx.new_stream().map_err(driver_failed("stream"))?;
-    let world = crate::tcp::join(info).map_err(|err| err.to_string())?;
+    let ctx = CudaContext::new(info.local_rank).map_err(GpuError::driver(format!(
+        "cannot open GPU {} (LOCAL_RANK) for rank {}",
+        info.local_rank, info.rank
+    )))?;
+    let device = ctx.name().map_err(GpuError::driver("device name"))?;
+    let stream = ctx.new_stream().map_err(GpuError::driver("stream"))?;
+    let world = crate::tcp::join(info)?;
     let id = crate::nccl::group_id(&Group::new(world, (0..info.world).collect(), info.rank, 0))?;
     let comm = Comm::from_rank(stream.clone(), info.rank, info.world, id)
-        .map_err(crate::nccl::failed("communicator"))?;
+        .map_err(GpuError::nccl("communicator"))?;
     let nccl_version =
-        cudarc::nccl::result::get_nccl_version().map_err(crate::nccl::failed("version"))?;
+        cudarc::nccl::result::get_nccl_version().map_err(GpuError::nccl("version"))?;
     let mut timed = Vec::new();
     for &collective in &job.collectives {
         for &bytes in &job.sizes {
@@ -269,23 +265,24 @@ pub fn run_rank(job: &LinksJob, info: &RankInfo) -> Result<RankLinks, String> {
             let values: Vec<f32> = (0..sent).map(|i| pattern(info.rank, i)).collect();
             let send = stream
                 .clone_htod(&values)
-                .map_err(driver_failed("send buffer"))?;
+                .map_err(GpuError::driver("send buffer"))?;
             let mut receive = stream
                 .alloc_zeros::<f32>(received)
-                .map_err(driver_failed("receive buffer"))?;
+                .map_err(GpuError::driver("receive buffer"))?;
             issue(collective, &comm, &stream, &send, &mut receive)?;
             let got = stream
                 .clone_dtoh(&receive)
-                .map_err(driver_failed("receive buffer"))?;
+                .map_err(GpuError::driver("receive buffer"))?;
             let want = expected(collective, info.rank, info.world, count);
             if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i]) {
-                return Err(format!(
-                    "{} of {bytes} bytes: rank {} received {} at element {i}, expected {}",
-                    collective.name(),
-                    info.rank,
-                    got[i],
-                    want[i]
-                ));
+                return Err(RankError::Received {
+                    collective: collective.name(),
+                    bytes,
+                    rank: info.rank,
+                    element: i,
+                    got: got[i],
+                    want: want[i],
+                });
             }
             let once = time_calls(1, collective, &comm, &stream, &send, &mut receive)?;
             // Every rank must make the same number of calls, or the last ones wait forever
@@ -294,7 +291,7 @@ pub fn run_rank(job: &LinksJob, info: &RankInfo) -> Result<RankLinks, String> {
             let reps = ((5e-3 / once.max(1e-7)) as usize).clamp(1, 200);
             let mut samples = (0..job.samples.max(1))
                 .map(|_| time_calls(reps, collective, &comm, &stream, &send, &mut receive))
-                .collect::<Result<Vec<f64>, String>>()?;
+                .collect::<Result<Vec<f64>, GpuError>>()?;
             samples.sort_by(f64::total_cmp);
             timed.push(Timed {
                 collective,

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
-use attnbench_sdk::attention::{Backend, HostBlock, RowIntervals};
+use attnbench_sdk::attention::{AttentionError, Backend, HostBlock, RowIntervals};
 use attnbench_sdk::mask::Mask;
 
 /// The memory a rank's tensors live in and the arithmetic the methods do on them.
@@ -40,7 +40,7 @@ pub trait Store {
         qkv: (&Self::Values, &Self::Values, &Self::Values),
         out: &mut Self::Values,
         lse: &mut Self::Values,
-    ) -> Result<(), String>;
+    ) -> Result<(), AttentionError>;
     /// The block's dQ into `dq[spans.rows]` and its dK and dV (keys × head_dim each, for the
     /// block's KV heads), given the rows' final O and LSE and dO.
     fn backward(
@@ -50,7 +50,7 @@ pub trait Store {
         qkv: (&Self::Values, &Self::Values, &Self::Values),
         done: (&Self::Values, &Self::Values, &Self::Values),
         dq: &mut Self::Values,
-    ) -> Result<(Self::Values, Self::Values), String>;
+    ) -> Result<(Self::Values, Self::Values), AttentionError>;
 }
 
 /// Tokens of one side of a block: their global positions and, per head, their vectors.
@@ -229,7 +229,7 @@ impl Problem<'_> {
         q: &Tokens<S::Values>,
         k: &Tokens<S::Values>,
         v: &Tokens<S::Values>,
-    ) -> Result<Partial<S::Values>, String> {
+    ) -> Result<Partial<S::Values>, AttentionError> {
         let mut result = Partial::empty(store, q.heads.len(), q.len(), self.head_dim);
         self.each_call(q, k, |block, span| {
             store.forward(
@@ -253,7 +253,7 @@ impl Problem<'_> {
         v: &Tokens<S::Values>,
         done: &Partial<S::Values>,
         d_out: &S::Values,
-    ) -> Result<BlockGrads<S::Values>, String> {
+    ) -> Result<BlockGrads<S::Values>, AttentionError> {
         let mut grads = BlockGrads {
             dq: store.zeros(store.len(&q.data)),
             dk: store.zeros(store.len(&k.data)),
@@ -281,8 +281,8 @@ impl Problem<'_> {
         &self,
         q: &Tokens<V>,
         kv: &Tokens<V>,
-        mut work: impl FnMut(&HostBlock<'_>, Span) -> Result<(), String>,
-    ) -> Result<(), String> {
+        mut work: impl FnMut(&HostBlock<'_>, Span) -> Result<(), AttentionError>,
+    ) -> Result<(), AttentionError> {
         let (d, ql, kl) = (self.head_dim, q.len(), kv.len());
         for call in self.cached_calls(q, kv).iter() {
             let block = HostBlock {
@@ -370,7 +370,7 @@ impl Store for HostStore<'_> {
         (q, k, v): (&Vec<f64>, &Vec<f64>, &Vec<f64>),
         out: &mut Vec<f64>,
         lse: &mut Vec<f64>,
-    ) -> Result<(), String> {
+    ) -> Result<(), AttentionError> {
         let qkv = (
             &q[spans.rows.clone()],
             &k[spans.keys.clone()],
@@ -378,9 +378,7 @@ impl Store for HostStore<'_> {
         );
         let (out, lse) = (&mut out[spans.rows.clone()], &mut lse[spans.lse.clone()]);
         match self.backend {
-            Some(backend) => backend
-                .forward_host(block, qkv, out, lse)
-                .map_err(|err| err.to_string()),
+            Some(backend) => backend.forward_host(block, qkv, out, lse),
             None => {
                 block.forward(qkv.0, qkv.1, qkv.2, out, lse);
                 Ok(())
@@ -395,7 +393,7 @@ impl Store for HostStore<'_> {
         (q, k, v): (&Vec<f64>, &Vec<f64>, &Vec<f64>),
         (out, lse, d_out): (&Vec<f64>, &Vec<f64>, &Vec<f64>),
         dq: &mut Vec<f64>,
-    ) -> Result<(Vec<f64>, Vec<f64>), String> {
+    ) -> Result<(Vec<f64>, Vec<f64>), AttentionError> {
         let qkv = (
             &q[spans.rows.clone()],
             &k[spans.keys.clone()],
@@ -409,9 +407,9 @@ impl Store for HostStore<'_> {
         let dq = &mut dq[spans.rows.clone()];
         let (mut dk, mut dv) = (vec![0.0; spans.keys.len()], vec![0.0; spans.keys.len()]);
         match self.backend {
-            Some(backend) => backend
-                .backward_host(block, qkv, out, lse, d_out, (dq, &mut dk, &mut dv))
-                .map_err(|err| err.to_string())?,
+            Some(backend) => {
+                backend.backward_host(block, qkv, out, lse, d_out, (dq, &mut dk, &mut dv))?
+            }
             None => block.backward(qkv, out, lse, d_out, dq, &mut dk, &mut dv),
         }
         Ok((dk, dv))

@@ -12,6 +12,17 @@ use crate::comm::Communicator;
 use crate::layout::{Layout, LayoutError};
 use crate::local::{Partial, Problem, Store, Tokens};
 use crate::sharding::Sharding;
+use attnbench_sdk::attention::AttentionError;
+
+/// Why a method could not run on a rank: its groups do not fit the heads, or a local attention
+/// call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum MethodError {
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    #[error(transparent)]
+    Attention(#[from] AttentionError),
+}
 
 attnbench_sdk::named_enum! {
     /// The five context-parallel methods, as the `method` parameter and records name them.
@@ -270,8 +281,8 @@ impl<S: Store> RingStep<'_, S> {
         q: &Tokens<S::Values>,
         k: &Tokens<S::Values>,
         v: &Tokens<S::Values>,
-    ) -> Result<Partial<S::Values>, String> {
-        self.problem.forward(self.store, q, k, v)
+    ) -> Result<Partial<S::Values>, MethodError> {
+        Ok(self.problem.forward(self.store, q, k, v)?)
     }
 
     /// The K and V block of ring member `source`, received from member `from` (a [`pack`]ed
@@ -298,7 +309,7 @@ impl<S: Store> RingStep<'_, S> {
         q: &Tokens<S::Values>,
         k: &Tokens<S::Values>,
         v: &Tokens<S::Values>,
-    ) -> Result<Partial<S::Values>, String> {
+    ) -> Result<Partial<S::Values>, MethodError> {
         let (r, n, d) = (self.comm.rank(), self.comm.size(), self.d());
         let mut done = None;
         let (mut k_now, mut v_now) = (k.clone(), v.clone());
@@ -331,7 +342,7 @@ impl<S: Store> RingStep<'_, S> {
         v: &Tokens<S::Values>,
         done: &Partial<S::Values>,
         d_out: &S::Values,
-    ) -> Result<Grads<S::Values>, String> {
+    ) -> Result<Grads<S::Values>, MethodError> {
         let store = self.store;
         let (r, n) = (self.comm.rank(), self.comm.size());
         let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
@@ -387,7 +398,7 @@ impl<S: Store> RingStep<'_, S> {
         q: &Tokens<S::Values>,
         k: &Tokens<S::Values>,
         v: &Tokens<S::Values>,
-    ) -> Result<Partial<S::Values>, String> {
+    ) -> Result<Partial<S::Values>, MethodError> {
         let d = self.d();
         let mut done = None;
         for (k_block, v_block) in self.gathered(k, v) {
@@ -404,7 +415,7 @@ impl<S: Store> RingStep<'_, S> {
         v: &Tokens<S::Values>,
         done: &Partial<S::Values>,
         d_out: &S::Values,
-    ) -> Result<Grads<S::Values>, String> {
+    ) -> Result<Grads<S::Values>, MethodError> {
         let store = self.store;
         // K and V are gathered again rather than kept from the forward pass.
         let mut dq = store.zeros(store.len(&q.data));
@@ -439,7 +450,7 @@ impl<S: Store> RingStep<'_, S> {
         q: &Tokens<S::Values>,
         k: &Tokens<S::Values>,
         v: &Tokens<S::Values>,
-    ) -> Result<Partial<S::Values>, String> {
+    ) -> Result<Partial<S::Values>, MethodError> {
         let (m, d) = (self.windows, self.d());
         let (j, a, w) = self.place();
         let store = self.store;
@@ -492,7 +503,7 @@ impl<S: Store> RingStep<'_, S> {
         v: &Tokens<S::Values>,
         done: &Partial<S::Values>,
         d_out: &S::Values,
-    ) -> Result<Grads<S::Values>, String> {
+    ) -> Result<Grads<S::Values>, MethodError> {
         let store = self.store;
         let m = self.windows;
         let (j, a, w) = self.place();
@@ -576,7 +587,7 @@ impl<S: Store> RingStep<'_, S> {
         q: &Tokens<S::Values>,
         k: &Tokens<S::Values>,
         v: &Tokens<S::Values>,
-    ) -> Result<Partial<S::Values>, String> {
+    ) -> Result<Partial<S::Values>, MethodError> {
         match method {
             Method::Ulysses => self.forward_block(q, k, v),
             Method::RingP2p | Method::Usp => self.p2p_forward(q, k, v),
@@ -590,7 +601,7 @@ impl<S: Store> RingStep<'_, S> {
         method: Method,
         saved: &Saved<S::Values>,
         d_out: &S::Values,
-    ) -> Result<Grads<S::Values>, String> {
+    ) -> Result<Grads<S::Values>, MethodError> {
         let (q, k, v, done) = (&saved.q, &saved.k, &saved.v, &saved.done);
         match method {
             Method::Ulysses => {
@@ -695,11 +706,10 @@ impl<'a> Rank<'a> {
         q: &Tokens<S::Values>,
         k: &Tokens<S::Values>,
         v: &Tokens<S::Values>,
-    ) -> Result<Forward<S::Values>, String> {
+    ) -> Result<Forward<S::Values>, MethodError> {
         let layout = &self.setup.layout;
         let d = self.problem.head_dim;
-        let repeat = kv_repeat(self.heads_q, self.heads_kv, layout.ulysses)
-            .map_err(|err| err.to_string())?;
+        let repeat = kv_repeat(self.heads_q, self.heads_kv, layout.ulysses)?;
         let (k, v) = (
             repeat_heads(store, k, repeat, d),
             repeat_heads(store, v, repeat, d),
@@ -744,7 +754,7 @@ impl<'a> Rank<'a> {
         groups: &Groups<S::Values>,
         saved: &Saved<S::Values>,
         d_out: &Tokens<S::Values>,
-    ) -> Result<Gradients<S::Values>, String> {
+    ) -> Result<Gradients<S::Values>, MethodError> {
         let layout = &self.setup.layout;
         let d = self.problem.head_dim;
         let piece_of = self.piece_of();

@@ -14,21 +14,16 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView};
 use cudarc::nccl::{Comm, Id, ReduceOp};
 
 use crate::comm::{Communicator, Group};
-use crate::device::{check, DeviceStore, DeviceValues, Kind, Spans};
+use crate::device::{check, DeviceStore, DeviceValues, GpuError, Kind, Spans};
 
 /// Tag of the TCP message that carries a group's NCCL id.
 const NCCL_ID: u32 = 0xfffe;
 
-/// An NCCL error as a message that says what was being done.
-pub fn failed(what: &str) -> impl Fn(cudarc::nccl::result::NcclError) -> String + '_ {
-    move |err| format!("NCCL {what}: {err:?}")
-}
-
 /// The NCCL id of the group `host` spans: made by its first member, handed to the others over
 /// the TCP mesh `host` runs on.
-pub fn group_id(host: &Group) -> Result<Id, String> {
+pub fn group_id(host: &Group) -> Result<Id, GpuError> {
     if host.rank() == 0 {
-        let id = Id::new().map_err(failed("unique id"))?;
+        let id = Id::new().map_err(GpuError::nccl("unique id"))?;
         let bytes: Vec<f64> = id.internal().iter().map(|&b| b as f64).collect();
         for member in 1..host.size() {
             host.send(member, NCCL_ID, bytes.clone());
@@ -38,10 +33,7 @@ pub fn group_id(host: &Group) -> Result<Id, String> {
         let bytes = host.take(0, NCCL_ID);
         let mut internal = [0 as std::ffi::c_char; 128];
         if bytes.len() != internal.len() {
-            return Err(format!(
-                "the group's first member sent an NCCL id of {} bytes, not 128",
-                bytes.len()
-            ));
+            return Err(GpuError::NcclId(bytes.len()));
         }
         for (slot, byte) in internal.iter_mut().zip(bytes) {
             *slot = byte as std::ffi::c_char;
@@ -79,10 +71,11 @@ impl<'a> NcclGroup<'a> {
         host: &Group,
         stream: Arc<CudaStream>,
         store: &'a DeviceStore,
-    ) -> Result<NcclGroup<'a>, String> {
+    ) -> Result<NcclGroup<'a>, GpuError> {
         let id = group_id(host)?;
-        let comm = Comm::from_rank(stream.clone(), host.rank(), host.size(), id)
-            .map_err(|err| format!("NCCL communicator of {} ranks: {err:?}", host.size()))?;
+        let comm = Comm::from_rank(stream.clone(), host.rank(), host.size(), id).map_err(
+            GpuError::nccl(format!("communicator of {} ranks", host.size())),
+        )?;
         Ok(NcclGroup {
             comm,
             stream,

@@ -16,11 +16,12 @@ use attnbench_sdk::mask::MaskSet;
 use attnbench_sdk::reference::{Element, Inputs, Shape};
 use serde::{Deserialize, Serialize};
 
+use crate::device::GpuError;
 use crate::launch::{LauncherError, RankInfo};
 use crate::layout::LayoutError;
-use crate::methods::Setup;
+use crate::methods::{MethodError, Setup};
 use crate::tcp::JoinError;
-use crate::threads::{self, Outcome, RankResult};
+use crate::threads::{self, Outcome, PassError, RankResult};
 
 /// What every rank of a context-parallel job computes, on CPUs or GPUs: the method and the
 /// problem (inputs are drawn from the seed, so every rank draws the same).
@@ -143,9 +144,24 @@ pub enum RankError {
     /// cudarc or the GPU store unwound (a missing library, a broken or exhausted GPU).
     #[error("rank {rank} stopped: {message}")]
     Panicked { rank: usize, message: String },
-    /// The method's own steps — exchanges, blocks, device work — failed, as they say.
-    #[error("{0}")]
-    Work(String),
+    #[error(transparent)]
+    Method(#[from] MethodError),
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+    #[error("LOCAL_RANK {local_rank} but CUDA_VISIBLE_DEVICES={visible} names fewer GPUs")]
+    Visible { local_rank: usize, visible: String },
+    #[error("dtype `f32`: GPU ranks take bf16 or fp16")]
+    GpuDtype,
+    /// A collective's check of what arrived (`cp/links`).
+    #[error("{collective} of {bytes} bytes: rank {rank} received {got} at element {element}, expected {want}")]
+    Received {
+        collective: &'static str,
+        bytes: u64,
+        rank: usize,
+        element: usize,
+        got: f32,
+        want: f32,
+    },
 }
 
 impl RankError {
@@ -191,8 +207,7 @@ pub fn rank_main(path: &Path) -> Result<(), RankError> {
         &inputs,
         problem.backward,
         attention.as_ref(),
-    )
-    .map_err(RankError::Work)?;
+    )?;
     write_rank_result(&job.results, info.rank, &result)
 }
 
@@ -218,10 +233,10 @@ fn write_rank_result(dir: &Path, rank: usize, result: &impl Serialize) -> Result
 pub fn run_rank_catching<T: Serialize>(
     dir: &Path,
     rank: usize,
-    work: impl FnOnce() -> Result<T, String>,
+    work: impl FnOnce() -> Result<T, RankError>,
 ) -> Result<(), RankError> {
     let result = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)) {
-        Ok(done) => done.map_err(RankError::Work)?,
+        Ok(done) => done?,
         Err(panic) => {
             let message = panic
                 .downcast_ref::<String>()
@@ -322,14 +337,13 @@ fn free_port() -> Result<u16, LaunchError> {
 
 /// Starts every rank of `job` (written at `path`) as a process on this machine and gathers their
 /// results; their logs go into the job's results folder.
-pub fn run(job: &Job, path: &Path, timeout: Duration) -> Result<Outcome, String> {
+pub fn run(job: &Job, path: &Path, timeout: Duration) -> Result<Outcome, PassError> {
     let problem = &job.problem;
     let shape = problem.shape();
-    threads::check(&problem.setup, &shape).map_err(|err| err.to_string())?;
+    threads::check(&problem.setup, &shape)?;
     let n = problem.setup.layout.world();
-    start_ranks(path, n, &job.results, timeout).map_err(|err| err.to_string())?;
-    let results: Vec<RankResult> =
-        read_rank_results(&job.results, n).map_err(|err| err.to_string())?;
+    start_ranks(path, n, &job.results, timeout)?;
+    let results: Vec<RankResult> = read_rank_results(&job.results, n)?;
     Ok(threads::assemble(&shape, results, problem.backward))
 }
 

@@ -69,7 +69,7 @@ impl<'a> CpBench<'a> {
                 processes::run(job, path, std::time::Duration::from_secs(600))
             }
         };
-        outcome.map_err(PluginError::failed)
+        outcome.map_err(|err| PluginError::failed(err.to_string()))
     }
 }
 

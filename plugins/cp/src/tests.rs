@@ -202,7 +202,8 @@ fn sizes_that_do_not_shard_are_refused_with_a_reason() {
     let inputs = Inputs::random(&shape, 1, false);
     let error = threads::run(&setup, &shape, &set, &inputs, false, None)
         .err()
-        .unwrap();
+        .unwrap()
+        .to_string();
     assert!(
         error.contains("6 query heads cannot be split over 4 Ulysses ranks"),
         "{error}"
@@ -452,7 +453,7 @@ mod kinds {
     use super::Typed;
     use crate::device::Kind::{self, Accumulator, Input};
     use crate::local::{HostStore, Partial, Span, Store};
-    use attnbench_sdk::attention::HostBlock;
+    use attnbench_sdk::attention::{AttentionError, HostBlock};
     use std::ops::Range;
 
     const HOST: HostStore<'static> = HostStore { backend: None };
@@ -524,7 +525,7 @@ mod kinds {
             (q, k, v): (&Typed, &Typed, &Typed),
             out: &mut Typed,
             lse: &mut Typed,
-        ) -> Result<(), String> {
+        ) -> Result<(), AttentionError> {
             for x in [q, k, v] {
                 expect(Input, x, "a block's Q, K or V");
             }
@@ -541,7 +542,7 @@ mod kinds {
             (q, k, v): (&Typed, &Typed, &Typed),
             (out, lse, d_out): (&Typed, &Typed, &Typed),
             dq: &mut Typed,
-        ) -> Result<(Typed, Typed), String> {
+        ) -> Result<(Typed, Typed), AttentionError> {
             for x in [q, k, v, d_out] {
                 expect(Input, x, "a block's Q, K, V or dO");
             }

@@ -16,7 +16,8 @@ use crate::local::{HostStore, Tokens};
 
 /// A rank's tokens on the host.
 type HostTokens = Tokens<Vec<f64>>;
-use crate::methods::{Groups, Rank, Setup};
+use crate::methods::{Groups, MethodError, Rank, Setup};
+use crate::processes::LaunchError;
 
 /// Global outputs and per-rank traffic and times.
 pub struct Outcome {
@@ -109,7 +110,7 @@ pub fn run_rank(
     inputs: &Inputs,
     backward: bool,
     attention: Option<&Backend>,
-) -> Result<RankResult, String> {
+) -> Result<RankResult, MethodError> {
     let layout = &setup.layout;
     let head_masks = HeadMasks::new(set, shape);
     let [everyone, ulysses, ring] = rank_groups(&world, layout, w);
@@ -152,6 +153,19 @@ pub fn run_rank(
     })
 }
 
+/// Why a pass of the ranks gave no outcome.
+#[derive(Debug, thiserror::Error)]
+pub enum PassError {
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    #[error(transparent)]
+    Method(#[from] MethodError),
+    #[error("rank {0} panicked")]
+    Panicked(usize),
+    #[error(transparent)]
+    Launch(#[from] LaunchError),
+}
+
 /// All ranks as threads of this process.
 pub fn run(
     setup: &Setup,
@@ -160,11 +174,11 @@ pub fn run(
     inputs: &Inputs,
     backward: bool,
     attention: Option<&Backend>,
-) -> Result<Outcome, String> {
-    check(setup, shape).map_err(|err| err.to_string())?;
+) -> Result<Outcome, PassError> {
+    check(setup, shape)?;
     let n = setup.layout.world();
     let world = World::new(n);
-    let results: Vec<Result<RankResult, String>> = std::thread::scope(|scope| {
+    let results: Vec<Result<RankResult, PassError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..n)
             .map(|w| {
                 let world = world.clone();
@@ -175,7 +189,11 @@ pub fn run(
             .collect();
         handles
             .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err("a rank panicked".into())))
+            .enumerate()
+            .map(|(w, h)| match h.join() {
+                Ok(result) => result.map_err(PassError::from),
+                Err(_) => Err(PassError::Panicked(w)),
+            })
             .collect()
     });
     Ok(assemble(

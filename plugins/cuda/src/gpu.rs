@@ -15,7 +15,8 @@ use serde_json::Value;
 
 /// Opens `stem` under the names cudarc tries, or says which library is missing (a stage error).
 pub fn require_library(stem: &str, what: &str) -> Result<(), PluginError> {
-    attnbench_sdk::libraries::require(stem, what).map_err(PluginError::failed)
+    attnbench_sdk::libraries::require(stem, what)
+        .map_err(|err| PluginError::failed(err.to_string()))
 }
 
 /// Bytes held now and at most since the last [`MemoryTracker::reset_peak`], over every [`Buffer`].

@@ -267,7 +267,7 @@ pub(super) fn check_timeout(
     match limits::timeout(timeout?) {
         Ok(timeout) => Some(timeout),
         Err(err) => {
-            checker.at_value(&["stages", stage_name, "timeout"], err, None);
+            checker.at_value(&["stages", stage_name, "timeout"], err.to_string(), None);
             None
         }
     }

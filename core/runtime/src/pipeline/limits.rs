@@ -203,23 +203,47 @@ fn allowed_timeouts() -> String {
     )
 }
 
+/// Why a stage's timeout or matrix size is refused.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum LimitError {
+    #[error("`timeout: {text}` is not a duration ({reason}); write seconds (`90`) or a duration (`90s`, `5m`)")]
+    NotADuration { text: String, reason: String },
+    #[error("`timeout` must be a duration, found {found}; write seconds (`90`) or a duration (`90s`, `5m`)")]
+    TimeoutType { found: String },
+    #[error(
+        "`timeout: {shown}` is outside the allowed range {}",
+        allowed_timeouts()
+    )]
+    TimeoutRange { shown: String },
+    #[error("the plugin declares a timeout of {seconds} s, outside the allowed range {}; set the stage's `timeout:`", allowed_timeouts())]
+    DeclaredTimeout { seconds: f64 },
+    #[error("the matrix of stage `{stage}` has {} nodes ({axes}), more than the limit of {} nodes per plan", thousands(*.nodes), thousands(u128::from(MAX_NODES)))]
+    Matrix {
+        stage: String,
+        nodes: u128,
+        /// Each axis and its length, `mask: 12 × seqlen: 7`.
+        axes: String,
+    },
+}
+
 /// A stage's `timeout`: seconds (`90`, `2.5`) or a duration (`90s`, `5m`), within
 /// [`MIN_TIMEOUT`]..=[`MAX_TIMEOUT`].
-pub fn timeout(value: &Value) -> Result<Duration, String> {
+pub fn timeout(value: &Value) -> Result<Duration, LimitError> {
     let seconds = match value {
         Value::Number(number) => number.as_f64(),
         Value::String(text) => match humantime::parse_duration(text.trim()) {
             Ok(duration) => Some(duration.as_secs_f64()),
             Err(err) => {
-                return Err(format!(
-                    "`timeout: {text}` is not a duration ({err}); write seconds (`90`) or a duration (`90s`, `5m`)"
-                ))
+                return Err(LimitError::NotADuration {
+                    text: text.clone(),
+                    reason: err.to_string(),
+                })
             }
         },
         other => {
-            return Err(format!(
-                "`timeout` must be a duration, found {other}; write seconds (`90`) or a duration (`90s`, `5m`)"
-            ))
+            return Err(LimitError::TimeoutType {
+                found: other.to_string(),
+            })
         }
     };
     let shown = match value {
@@ -229,25 +253,15 @@ pub fn timeout(value: &Value) -> Result<Duration, String> {
     seconds
         .and_then(|s| Duration::try_from_secs_f64(s).ok())
         .filter(|d| (MIN_TIMEOUT..=MAX_TIMEOUT).contains(d))
-        .ok_or_else(|| {
-            format!(
-                "`timeout: {shown}` is outside the allowed range {}",
-                allowed_timeouts()
-            )
-        })
+        .ok_or(LimitError::TimeoutRange { shown })
 }
 
 /// A plugin's declared `timeout_s`, which is not the user's to fix but must not panic either.
-pub fn declared_timeout(seconds: f64) -> Result<Duration, String> {
+pub fn declared_timeout(seconds: f64) -> Result<Duration, LimitError> {
     Duration::try_from_secs_f64(seconds)
         .ok()
         .filter(|d| (MIN_TIMEOUT..=MAX_TIMEOUT).contains(d))
-        .ok_or_else(|| {
-            format!(
-                "the plugin declares a timeout of {seconds} s, outside the allowed range {}; set the stage's `timeout:`",
-                allowed_timeouts()
-            )
-        })
+        .ok_or(LimitError::DeclaredTimeout { seconds })
 }
 
 /// Every key given twice in one mapping: the document is ambiguous, so nothing else is checked.
@@ -271,7 +285,7 @@ pub fn duplicate_keys(file: &Path, spans: &SpanIndex) -> Vec<Diagnostic> {
 }
 
 /// Refuses a stage's `matrix` whose axes multiply past [`MAX_NODES`], naming each axis' length.
-pub fn matrix_size(stage_name: &str, matrix: &Map<String, Value>) -> Result<(), String> {
+pub fn matrix_size(stage_name: &str, matrix: &Map<String, Value>) -> Result<(), LimitError> {
     let length = |values: &Value| values.as_array().map_or(1, Vec::len);
     let nodes = matrix_nodes(matrix.values().map(length));
     if nodes <= u128::from(MAX_NODES) {
@@ -281,12 +295,11 @@ pub fn matrix_size(stage_name: &str, matrix: &Map<String, Value>) -> Result<(), 
         .iter()
         .map(|(key, values)| format!("{key}: {}", length(values)))
         .collect();
-    Err(format!(
-        "the matrix of stage `{stage_name}` has {} nodes ({}), more than the limit of {} nodes per plan",
-        thousands(nodes),
-        axes.join(" × "),
-        thousands(u128::from(MAX_NODES))
-    ))
+    Err(LimitError::Matrix {
+        stage: stage_name.to_string(),
+        nodes,
+        axes: axes.join(" × "),
+    })
 }
 
 /// Nodes of a matrix with axes of these lengths, exactly (u128 cannot overflow for any matrix a
@@ -350,8 +363,10 @@ mod tests {
             json!("8days"),
         ] {
             let err = timeout(&bad).unwrap_err();
+            let in_range_words = err.to_string().contains("allowed range 1ms to 7days");
             assert!(
-                err.contains("allowed range 1ms to 7days") || err.contains("not a duration"),
+                matches!(err, LimitError::TimeoutRange { .. }) && in_range_words
+                    || matches!(err, LimitError::NotADuration { .. }),
                 "{bad}: {err}"
             );
         }

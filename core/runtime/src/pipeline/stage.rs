@@ -172,7 +172,7 @@ pub(super) fn check_stage(
         Some(Value::Object(raw_matrix)) => {
             // Before anything is coerced: a 70 KB file can spell out a matrix of 10⁷ nodes.
             if let Err(err) = limits::matrix_size(stage_name, raw_matrix) {
-                checker.at_key(&["stages", stage_name, "matrix"], err, None);
+                checker.at_key(&["stages", stage_name, "matrix"], err.to_string(), None);
                 return None;
             }
             for (key, values) in raw_matrix {
