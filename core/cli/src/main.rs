@@ -227,7 +227,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::SlurmTask { tasks, index } => {
-            attnbench_runtime::slurm::task::run_task(&tasks, index).map_err(anyhow::Error::msg)?;
+            attnbench_runtime::slurm::task::run_task(&tasks, index)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Run {

@@ -59,7 +59,7 @@ pub(super) fn run_as_job(
     let minutes = resources.minutes;
     let end = queue
         .run(spec, stage, resources)
-        .map_err(NodeFailure::Error)?;
+        .map_err(|err| NodeFailure::Error(err.to_string()))?;
     if !end.job.is_empty() {
         *record = Some(SlurmRecord {
             job: end.job.clone(),

@@ -2,8 +2,60 @@
 //! jobs' states, `scancel` to stop them. Job states are read from `scontrol -o show job`, which
 //! needs no accounting database (`sacct` does).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
+
+/// Why a Slurm job could not be submitted, asked about or run.
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    #[error("cannot run {program}: {source}")]
+    Spawn {
+        program: &'static str,
+        source: std::io::Error,
+    },
+    #[error("sbatch refused the job: {0}")]
+    Refused(String),
+    #[error("sbatch printed no job id: `{0}`")]
+    NoJobId(String),
+    #[error("scontrol show job {job}: {stderr}")]
+    Query { job: String, stderr: String },
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}: not a task file: {source}", path.display())]
+    TaskFile {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+    #[error("no --index given and SLURM_ARRAY_TASK_ID is not set")]
+    NoIndex,
+    #[error("{} holds {count} tasks; there is no task {index}", path.display())]
+    NoTask {
+        path: PathBuf,
+        count: usize,
+        index: usize,
+    },
+    #[error("encoding {what}: {source}")]
+    Encode {
+        what: &'static str,
+        source: serde_json::Error,
+    },
+    #[error("the Slurm queue has stopped")]
+    QueueStopped,
+    #[error("the Slurm queue stopped before the job ended")]
+    QueueStoppedBeforeEnd,
+}
+
+impl JobError {
+    pub(super) fn io(path: &Path) -> impl FnOnce(std::io::Error) -> JobError + '_ {
+        move |source| JobError::Io {
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+}
 
 /// What the resources of one job are; nodes with equal resources share a job array.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -163,18 +215,23 @@ pub fn sbatch_args(
 }
 
 /// Submits `script` with `args`: the array's job id, or what `sbatch` said.
-pub fn submit(args: &[String], script: &Path) -> Result<String, String> {
+pub fn submit(args: &[String], script: &Path) -> Result<String, JobError> {
     let output = Command::new("sbatch")
         .args(args)
         .arg(script)
         .output()
-        .map_err(|err| format!("cannot run sbatch: {err}"))?;
+        .map_err(|source| JobError::Spawn {
+            program: "sbatch",
+            source,
+        })?;
     let stdout = String::from_utf8_lossy(&output.stdout);
     if !output.status.success() {
         let stderr = String::from_utf8_lossy(&output.stderr);
-        return Err(format!(
-            "sbatch refused the job: {}",
-            stderr.trim().trim_start_matches("sbatch: error: ")
+        return Err(JobError::Refused(
+            stderr
+                .trim()
+                .trim_start_matches("sbatch: error: ")
+                .to_string(),
         ));
     }
     // `--parsable` prints `id` or `id;cluster`.
@@ -185,23 +242,29 @@ pub fn submit(args: &[String], script: &Path) -> Result<String, String> {
         .unwrap_or_default()
         .to_string();
     if id.is_empty() || !id.chars().all(|c| c.is_ascii_digit()) {
-        return Err(format!("sbatch printed no job id: `{}`", stdout.trim()));
+        return Err(JobError::NoJobId(stdout.trim().to_string()));
     }
     Ok(id)
 }
 
 /// The states of array `job`'s tasks; `None` when Slurm no longer knows the job.
-pub fn query(job: &str) -> Result<Option<Vec<TaskState>>, String> {
+pub fn query(job: &str) -> Result<Option<Vec<TaskState>>, JobError> {
     let output = Command::new("scontrol")
         .args(["-o", "show", "job", job])
         .output()
-        .map_err(|err| format!("cannot run scontrol: {err}"))?;
+        .map_err(|source| JobError::Spawn {
+            program: "scontrol",
+            source,
+        })?;
     if !output.status.success() {
         let stderr = String::from_utf8_lossy(&output.stderr);
         if stderr.contains("Invalid job id") {
             return Ok(None);
         }
-        return Err(format!("scontrol show job {job}: {}", stderr.trim()));
+        return Err(JobError::Query {
+            job: job.to_string(),
+            stderr: stderr.trim().to_string(),
+        });
     }
     Ok(Some(parse_array(&String::from_utf8_lossy(&output.stdout))))
 }

@@ -16,6 +16,7 @@ use std::sync::Mutex;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+pub use commands::JobError;
 use commands::{JobState, Resources, TaskState};
 use config::SlurmSettings;
 use task::{Outcome, TaskSpec};
@@ -122,7 +123,12 @@ impl SlurmQueue {
 
     /// Runs `spec`, a node of pipeline stage `stage`, as a job with `resources`, and waits for
     /// it to end.
-    pub fn run(&self, spec: TaskSpec, stage: &str, resources: Resources) -> Result<JobEnd, String> {
+    pub fn run(
+        &self,
+        spec: TaskSpec,
+        stage: &str,
+        resources: Resources,
+    ) -> Result<JobEnd, JobError> {
         let (reply, ended) = mpsc::channel();
         let request = Request {
             spec,
@@ -137,11 +143,9 @@ impl SlurmQueue {
             Err(_) => false,
         };
         if !sent {
-            return Err("the Slurm queue has stopped".into());
+            return Err(JobError::QueueStopped);
         }
-        ended
-            .recv()
-            .map_err(|_| "the Slurm queue stopped before the job ended".to_string())
+        ended.recv().map_err(|_| JobError::QueueStoppedBeforeEnd)
     }
 
     /// Ends the queue once its jobs have ended.
@@ -311,6 +315,7 @@ impl Queue {
                 });
             }
             Err(reason) => {
+                let reason = reason.to_string();
                 for request in requests {
                     let _ = request.reply.send(not_submitted(reason.clone()));
                 }
@@ -397,8 +402,8 @@ fn write_wave(
     requests: &[Request],
     exe: &Path,
     env: &[(String, String)],
-) -> Result<PathBuf, String> {
-    std::fs::create_dir_all(dir).map_err(|err| format!("{}: {err}", dir.display()))?;
+) -> Result<PathBuf, JobError> {
+    std::fs::create_dir_all(dir).map_err(JobError::io(dir))?;
     let specs: Vec<&TaskSpec> = requests.iter().map(|r| &r.spec).collect();
     let tasks = dir.join("tasks.json");
     task::write_whole(&tasks, &specs)?;
@@ -414,7 +419,7 @@ fn write_wave(
         quote(&tasks.display().to_string())
     ));
     let path = dir.join("job.sh");
-    std::fs::write(&path, script).map_err(|err| format!("{}: {err}", path.display()))?;
+    std::fs::write(&path, script).map_err(JobError::io(&path))?;
     Ok(path)
 }
 

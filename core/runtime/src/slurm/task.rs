@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use attnbench_sdk::{FailureKind, StageFailure};
 use serde::{Deserialize, Serialize};
 
+use super::JobError;
 use crate::host::node_sink::NodeSink;
 use crate::host::plugin::Plugin;
 use crate::stop::StopToken;
@@ -58,29 +59,30 @@ impl Outcome {
 
 /// Runs task `index` of the task file `tasks` (`SLURM_ARRAY_TASK_ID` when `index` is `None`).
 /// An error means the task never ran its stage; the stage's own failures are outcomes.
-pub fn run_task(tasks: &Path, index: Option<usize>) -> Result<(), String> {
-    let text = std::fs::read(tasks).map_err(|err| format!("{}: {err}", tasks.display()))?;
-    let specs: Vec<TaskSpec> = serde_json::from_slice(&text)
-        .map_err(|err| format!("{}: not a task file: {err}", tasks.display()))?;
+pub fn run_task(tasks: &Path, index: Option<usize>) -> Result<(), JobError> {
+    let text = std::fs::read(tasks).map_err(JobError::io(tasks))?;
+    let specs: Vec<TaskSpec> =
+        serde_json::from_slice(&text).map_err(|source| JobError::TaskFile {
+            path: tasks.to_path_buf(),
+            source,
+        })?;
     let index = match index {
         Some(index) => index,
         None => std::env::var("SLURM_ARRAY_TASK_ID")
             .ok()
             .and_then(|v| v.parse().ok())
-            .ok_or("no --index given and SLURM_ARRAY_TASK_ID is not set")?,
+            .ok_or(JobError::NoIndex)?,
     };
-    let spec = specs.get(index).ok_or_else(|| {
-        format!(
-            "{} holds {} tasks; there is no task {index}",
-            tasks.display(),
-            specs.len()
-        )
+    let spec = specs.get(index).ok_or_else(|| JobError::NoTask {
+        path: tasks.to_path_buf(),
+        count: specs.len(),
+        index,
     })?;
     let log = OpenOptions::new()
         .create(true)
         .append(true)
         .open(&spec.log)
-        .map_err(|err| format!("{}: {err}", spec.log.display()))?;
+        .map_err(JobError::io(&spec.log))?;
     redirect_output(&log);
     let stop = StopToken::new();
     // `scancel` sends SIGTERM first: the stage may see it through `is_cancelled`.
@@ -126,10 +128,13 @@ fn redirect_output(log: &File) {
 }
 
 /// Writes `value` as JSON at `path`, whole or not at all.
-pub(super) fn write_whole(path: &Path, value: &impl Serialize) -> Result<(), String> {
-    let bytes = serde_json::to_vec(value).map_err(|err| err.to_string())?;
+pub(super) fn write_whole(path: &Path, value: &impl Serialize) -> Result<(), JobError> {
+    let bytes = serde_json::to_vec(value).map_err(|source| JobError::Encode {
+        what: "a Slurm task file",
+        source,
+    })?;
     let partial = path.with_extension("partial");
     std::fs::write(&partial, bytes)
         .and_then(|_| std::fs::rename(&partial, path))
-        .map_err(|err| format!("{}: {err}", path.display()))
+        .map_err(JobError::io(path))
 }
