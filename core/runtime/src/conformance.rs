@@ -273,7 +273,9 @@ fn mask_input(
         "sparse_block": 32, "min_block": 16, "heads_q": SHAPE.heads_q, "heads_kv": SHAPE.heads_kv,
     }))
     .map_err(|err| err.to_string())?;
-    let result = masks.call("generate", &params, SEED, &dir, Vec::new())?;
+    let result = masks
+        .call("generate", &params, SEED, &dir, Vec::new())
+        .map_err(|err| err.to_string())?;
     Ok(vec![InputArtifact {
         node: format!("masks[mask={pattern}]"),
         uses: "masks/generate".into(),

@@ -44,6 +44,22 @@ pub enum LoadError {
     Changed(PathBuf),
 }
 
+/// Why a stage called directly (not as a pipeline node) gave no result.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    #[error("plugin `{plugin}` has no stage `{stage}`")]
+    NoStage { plugin: String, stage: String },
+    #[error(transparent)]
+    Params(#[from] attnbench_sdk::ParamsError),
+    #[error("encoding the request: {0}")]
+    Request(serde_json::Error),
+    /// The stage ran and failed; its message says why.
+    #[error("{0}")]
+    Stage(String),
+    #[error("malformed result: {0}")]
+    Result(serde_json::Error),
+}
+
 /// A plugin library: its manifest always, its code once a stage runs in this process. Loaded
 /// libraries stay loaded for the life of the process.
 pub struct Plugin {
@@ -388,11 +404,12 @@ impl Plugin {
         seed: u64,
         output_dir: &Path,
         inputs: Vec<attnbench_sdk::InputArtifact>,
-    ) -> Result<serde_json::Value, String> {
-        let spec = self
-            .stage(stage)
-            .ok_or_else(|| format!("plugin `{}` has no stage `{stage}`", self.manifest.name))?;
-        let params = spec.resolve_params(given).map_err(|err| err.to_string())?;
+    ) -> Result<serde_json::Value, CallError> {
+        let spec = self.stage(stage).ok_or_else(|| CallError::NoStage {
+            plugin: self.manifest.name.clone(),
+            stage: stage.to_string(),
+        })?;
+        let params = spec.resolve_params(given)?;
         let request = attnbench_sdk::StageRequest {
             node: format!("{}/{stage}", self.manifest.name),
             stage: stage.to_string(),
@@ -403,7 +420,7 @@ impl Plugin {
             plugins: Default::default(),
             cache_dir: None,
         };
-        let request = serde_json::to_string(&request).map_err(|err| err.to_string())?;
+        let request = serde_json::to_string(&request).map_err(CallError::Request)?;
         let text = self
             .run(
                 stage,
@@ -412,7 +429,7 @@ impl Plugin {
                     plugin: &self.manifest.name,
                 },
             )
-            .map_err(|failure| failure.message)?;
-        serde_json::from_str(&text).map_err(|err| format!("malformed result: {err}"))
+            .map_err(|failure| CallError::Stage(failure.message))?;
+        serde_json::from_str(&text).map_err(CallError::Result)
     }
 }
