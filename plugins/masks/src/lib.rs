@@ -70,7 +70,8 @@ impl Plugin for Masks {
             .and_then(Value::as_str)
             .unwrap_or("synthetic");
         let histogram = resolve_histogram(distribution, &request)?;
-        let set = generate(&params, &histogram, request.seed).map_err(PluginError::Params)?;
+        let set = generate(&params, &histogram, request.seed)
+            .map_err(|err| PluginError::Params(err.to_string()))?;
         let area: u64 = set.masks.iter().map(|m| m.area()).sum();
         let slices: usize = set.masks.iter().map(|m| m.slices.len()).sum();
         host.debug(&format!(

@@ -6,7 +6,7 @@
 //! `k < g ∨ q < g ∨ |q − k| ≤ W`).
 
 use attnbench_sdk::histogram::{Bucket, Histogram};
-use attnbench_sdk::mask::{window_slices, HeadScope, Mask, MaskSet, Slice, SliceKind};
+use attnbench_sdk::mask::{window_slices, HeadScope, Mask, MaskError, MaskSet, Slice, SliceKind};
 use attnbench_sdk::rng::PyRandom;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
@@ -110,16 +110,53 @@ impl Params {
 
 type Drawn = Map<String, Value>;
 
+/// Why a pattern cannot be drawn with these parameters.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum GenerateError {
+    #[error("seqlen must be positive")]
+    EmptySequence,
+    #[error("long documents need 0 ≤ short_fraction ≤ 1 and 0 < long_min ≤ long_max")]
+    LongDocuments,
+    #[error("prefix {prefix} is longer than the sequence ({seqlen})")]
+    Prefix { prefix: u64, seqlen: u64 },
+    #[error("drawing the global tokens needs seqlen ≥ 6 (got {seqlen}); set global_tokens")]
+    GlobalDraw { seqlen: u64 },
+    #[error("global_tokens {global} exceeds the sequence ({seqlen})")]
+    GlobalTokens { global: u64, seqlen: u64 },
+    #[error(
+        "block_causal_document needs seqlen ({seqlen}) to be a multiple of block_size ({block})"
+    )]
+    BlockSize { seqlen: u64, block: u64 },
+    #[error("density must be in (0, 1], got {0}")]
+    Density(f64),
+    #[error("sparse_block must be between 1 and seqlen ({seqlen}), got {block}")]
+    SparseBlock { block: u64, seqlen: u64 },
+    #[error("heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv})")]
+    Heads { heads_q: u64, heads_kv: u64 },
+    #[error("{blocks} blocks of at least {min_block} tokens do not fit in {seqlen}")]
+    MinBlock {
+        blocks: u64,
+        min_block: u64,
+        seqlen: u64,
+    },
+    #[error(transparent)]
+    Mask(#[from] MaskError),
+}
+
 /// Generates `params.mask` from `histogram` with a generator seeded by `seed`.
-pub fn generate(params: &Params, histogram: &Histogram, seed: u64) -> Result<MaskSet, String> {
+pub fn generate(
+    params: &Params,
+    histogram: &Histogram,
+    seed: u64,
+) -> Result<MaskSet, GenerateError> {
     let s = params.seqlen;
     if s == 0 {
-        return Err("seqlen must be positive".into());
+        return Err(GenerateError::EmptySequence);
     }
     let mut rng = PyRandom::new(seed);
     let mut drawn = Drawn::new();
     let mut documents = Vec::new();
-    let square = |slices: Vec<Slice>| Mask::square(s, slices).map_err(|err| err.to_string());
+    let square = |slices: Vec<Slice>| Mask::square(s, slices);
     let (scope, masks) = match params.mask {
         Pattern::Full => (
             HeadScope::Shared,
@@ -146,9 +183,7 @@ pub fn generate(params: &Params, histogram: &Histogram, seed: u64) -> Result<Mas
                 || params.long_min == 0
                 || params.long_max < params.long_min
             {
-                return Err(
-                    "long documents need 0 ≤ short_fraction ≤ 1 and 0 < long_min ≤ long_max".into(),
-                );
+                return Err(GenerateError::LongDocuments);
             }
             let short_total = (params.short_fraction * s as f64).floor() as u64;
             documents = histogram.sample_documents(short_total, &mut rng);
@@ -202,7 +237,10 @@ pub fn generate(params: &Params, histogram: &Histogram, seed: u64) -> Result<Mas
                 rng.randint(1, s as i64) as u64
             };
             if p > s {
-                return Err(format!("prefix {p} is longer than the sequence ({s})"));
+                return Err(GenerateError::Prefix {
+                    prefix: p,
+                    seqlen: s,
+                });
             }
             drawn.insert("prefix".into(), json!(p));
             (HeadScope::Shared, vec![square(prefix_slices(0, s, p))?])
@@ -228,14 +266,15 @@ pub fn generate(params: &Params, histogram: &Histogram, seed: u64) -> Result<Mas
                 params.global_tokens as u64
             } else {
                 if s / 3 < 2 {
-                    return Err(format!(
-                        "drawing the global tokens needs seqlen ≥ 6 (got {s}); set global_tokens"
-                    ));
+                    return Err(GenerateError::GlobalDraw { seqlen: s });
                 }
                 rng.randint(1, (s / 3 - 1) as i64).max(1) as u64
             };
             if g > s {
-                return Err(format!("global_tokens {g} exceeds the sequence ({s})"));
+                return Err(GenerateError::GlobalTokens {
+                    global: g,
+                    seqlen: s,
+                });
             }
             let w = if params.global_window >= 0 {
                 params.global_window
@@ -254,9 +293,10 @@ pub fn generate(params: &Params, histogram: &Histogram, seed: u64) -> Result<Mas
         Pattern::BlockCausalDocument => {
             let b = params.block_size;
             if b == 0 || !s.is_multiple_of(b) {
-                return Err(format!(
-                    "block_causal_document needs seqlen ({s}) to be a multiple of block_size ({b})"
-                ));
+                return Err(GenerateError::BlockSize {
+                    seqlen: s,
+                    block: b,
+                });
             }
             let mut remaining = s / b;
             let mut slices = Vec::new();
@@ -385,16 +425,16 @@ fn block_sparse(
     params: &Params,
     rng: &mut PyRandom,
     drawn: &mut Drawn,
-) -> Result<(HeadScope, Vec<Mask>), String> {
+) -> Result<(HeadScope, Vec<Mask>), GenerateError> {
     let s = params.seqlen;
     if !(params.density > 0.0 && params.density <= 1.0) {
-        return Err(format!("density must be in (0, 1], got {}", params.density));
+        return Err(GenerateError::Density(params.density));
     }
     if params.sparse_block == 0 || params.sparse_block > s {
-        return Err(format!(
-            "sparse_block must be between 1 and seqlen ({s}), got {}",
-            params.sparse_block
-        ));
+        return Err(GenerateError::SparseBlock {
+            block: params.sparse_block,
+            seqlen: s,
+        });
     }
     let scope = params.sparse_scope;
     let count = match scope {
@@ -403,10 +443,10 @@ fn block_sparse(
         HeadScope::PerHead => params.heads_q,
     };
     if params.heads_kv == 0 || !params.heads_q.is_multiple_of(params.heads_kv) {
-        return Err(format!(
-            "heads_q ({}) must be a multiple of heads_kv ({})",
-            params.heads_q, params.heads_kv
-        ));
+        return Err(GenerateError::Heads {
+            heads_q: params.heads_q,
+            heads_kv: params.heads_kv,
+        });
     }
     let variable = params.mask == Pattern::BlockSparseVariable;
     let n = if variable {
@@ -415,10 +455,11 @@ fn block_sparse(
         s.div_ceil(params.sparse_block)
     };
     if variable && n.saturating_mul(params.min_block) > s {
-        return Err(format!(
-            "{n} blocks of at least {} tokens do not fit in {s}",
-            params.min_block
-        ));
+        return Err(GenerateError::MinBlock {
+            blocks: n,
+            min_block: params.min_block,
+            seqlen: s,
+        });
     }
     let keep = ((params.density * n as f64).floor() as u64).clamp(1, n);
     drawn.insert("blocks".into(), json!(n));
@@ -462,7 +503,7 @@ fn block_sparse(
                 }
             }
         }
-        masks.push(Mask::square(s, slices).map_err(|err| err.to_string())?);
+        masks.push(Mask::square(s, slices)?);
     }
     let area: u64 = masks.iter().map(Mask::area).sum();
     drawn.insert(

@@ -185,18 +185,30 @@ fn block_sparse_keeps_the_stated_fraction_per_row() {
 fn impossible_requests_are_refused_with_the_reason() {
     let synthetic = Histogram::synthetic();
     let err = generate(&params("block_causal_document", 1000), &synthetic, 0).unwrap_err();
-    assert!(err.contains("multiple of block_size"), "{err}");
+    assert_eq!(
+        err,
+        GenerateError::BlockSize {
+            seqlen: 1000,
+            block: 1024
+        }
+    );
+    assert!(err.to_string().contains("multiple of block_size"), "{err}");
     let err = generate(&params("global_sliding_window", 4), &synthetic, 0).unwrap_err();
-    assert!(err.contains("seqlen ≥ 6"), "{err}");
-    assert!(generate(&params("causal", 0), &synthetic, 0)
-        .unwrap_err()
-        .contains("positive"));
+    assert_eq!(err, GenerateError::GlobalDraw { seqlen: 4 });
+    assert!(err.to_string().contains("seqlen ≥ 6"), "{err}");
+    let err = generate(&params("causal", 0), &synthetic, 0).unwrap_err();
+    assert_eq!(err, GenerateError::EmptySequence);
     let mut p = params("block_sparse_uniform", 1024);
     p.density = 0.0;
-    assert!(generate(&p, &synthetic, 0).unwrap_err().contains("density"));
+    assert_eq!(
+        generate(&p, &synthetic, 0).unwrap_err(),
+        GenerateError::Density(0.0)
+    );
     let mut p = params("prefix_lm_causal", 100);
     p.prefix = 200;
-    assert!(generate(&p, &synthetic, 0)
-        .unwrap_err()
-        .contains("longer than the sequence"));
+    let err = generate(&p, &synthetic, 0).unwrap_err();
+    assert!(
+        err.to_string().contains("longer than the sequence"),
+        "{err}"
+    );
 }
