@@ -266,8 +266,7 @@ fn attention_library(
 fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginError> {
     let p: Params = request.params()?;
     let set = request.mask_set()?;
-    set.check_heads(p.heads_q as u64, p.heads_kv as u64, p.head_dim as u64)
-        .map_err(PluginError::Params)?;
+    set.check_heads(p.heads_q as u64, p.heads_kv as u64, p.head_dim as u64)?;
     let (method, placement) = (p.method, p.placement);
     let shape = Shape {
         heads_q: p.heads_q,

@@ -112,8 +112,7 @@ fn benchmark(
         params.common.heads_q as u64,
         params.common.heads_kv as u64,
         params.common.head_dim as u64,
-    )
-    .map_err(PluginError::Params)?;
+    )?;
     let shape = params.common.shape(set.seqlen as usize);
     let threads = if params.threads == 0 {
         std::thread::available_parallelism()

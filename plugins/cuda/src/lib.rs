@@ -276,8 +276,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         p.common.heads_q as u64,
         p.common.heads_kv as u64,
         p.common.head_dim as u64,
-    )
-    .map_err(PluginError::Params)?;
+    )?;
     let shape = p.common.shape(set.seqlen as usize);
     let harness = p.common.harness.apply(default_harness());
     let kernel = match (p.kernel, p.backward, p.instructions) {

@@ -197,8 +197,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         p.common.heads_q as u64,
         p.common.heads_kv as u64,
         p.common.head_dim as u64,
-    )
-    .map_err(PluginError::Params)?;
+    )?;
     let element = p.common.dtype;
     let shape = p.common.shape(set.seqlen as usize);
     let harness = p.common.harness.apply(default_harness());

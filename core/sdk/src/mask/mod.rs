@@ -22,7 +22,7 @@ mod window;
 use serde::{Deserialize, Serialize};
 
 pub use encode::{BlockMask, Dense, FlashMask, NotExpressible, Tile, Varlen};
-pub use set::{HeadScope, MaskSet};
+pub use set::{HeadScope, HeadsError, MaskSet};
 pub use window::window_slices;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

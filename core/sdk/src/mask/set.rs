@@ -9,6 +9,33 @@ use serde_json::{Map, Value};
 use super::{Flops, Mask};
 use crate::PluginError;
 
+/// Why a kernel's head counts do not fit a mask set.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HeadsError {
+    #[error("heads_q ({heads_q}) must be a positive multiple of heads_kv ({heads_kv}), and head_dim positive")]
+    Counts { heads_q: u64, heads_kv: u64 },
+    #[error("{seqlen} tokens with {heads_q} query heads of dimension {head_dim} make more FLOPs than the 2^64 − 1 they are counted in; use fewer tokens or heads")]
+    Flops {
+        seqlen: u64,
+        heads_q: u64,
+        head_dim: u64,
+    },
+    #[error("the mask set has {masks} masks ({scope:?}) but {heads_q} heads_q / {heads_kv} heads_kv need {expected}; give masks/generate the same heads")]
+    Masks {
+        masks: usize,
+        scope: HeadScope,
+        heads_q: u64,
+        heads_kv: u64,
+        expected: u64,
+    },
+}
+
+impl From<HeadsError> for PluginError {
+    fn from(err: HeadsError) -> PluginError {
+        PluginError::Params(err.to_string())
+    }
+}
+
 crate::named_enum! {
     /// Which heads each mask of a set applies to.
     pub enum HeadScope {
@@ -56,9 +83,14 @@ impl MaskSet {
     }
 
     /// Checks a kernel's head counts against each other and against this set's scope.
-    pub fn check_heads(&self, heads_q: u64, heads_kv: u64, head_dim: u64) -> Result<(), String> {
+    pub fn check_heads(
+        &self,
+        heads_q: u64,
+        heads_kv: u64,
+        head_dim: u64,
+    ) -> Result<(), HeadsError> {
         if heads_q == 0 || heads_kv == 0 || head_dim == 0 || !heads_q.is_multiple_of(heads_kv) {
-            return Err(format!("heads_q ({heads_q}) must be a positive multiple of heads_kv ({heads_kv}), and head_dim positive"));
+            return Err(HeadsError::Counts { heads_q, heads_kv });
         }
         let expected = match self.scope {
             HeadScope::Shared => 1,
@@ -66,17 +98,20 @@ impl MaskSet {
             HeadScope::PerHead => heads_q,
         };
         if self.checked_flops(heads_q, heads_kv, head_dim).is_none() {
-            return Err(format!(
-                "{} tokens with {heads_q} query heads of dimension {head_dim} make more FLOPs than the 2^64 − 1 they are counted in; use fewer tokens or heads",
-                self.seqlen
-            ));
+            return Err(HeadsError::Flops {
+                seqlen: self.seqlen,
+                heads_q,
+                head_dim,
+            });
         }
         if self.masks.len() as u64 != expected {
-            return Err(format!(
-                "the mask set has {} masks ({:?}) but {heads_q} heads_q / {heads_kv} heads_kv need {expected}; give masks/generate the same heads",
-                self.masks.len(),
-                self.scope
-            ));
+            return Err(HeadsError::Masks {
+                masks: self.masks.len(),
+                scope: self.scope,
+                heads_q,
+                heads_kv,
+                expected,
+            });
         }
         Ok(())
     }

@@ -185,7 +185,11 @@ fn areas_at_two_to_the_32_tokens_do_not_overflow() {
         masks: vec![causal],
     };
     let err = set.check_heads(64, 8, 128).unwrap_err();
-    assert!(err.contains("more FLOPs than the 2^64 − 1"), "{err}");
+    assert!(matches!(err, super::HeadsError::Flops { .. }), "{err:?}");
+    assert!(
+        err.to_string().contains("more FLOPs than the 2^64 − 1"),
+        "{err}"
+    );
     assert_eq!(set.checked_area_over_heads(64, 8), None);
 }
 
