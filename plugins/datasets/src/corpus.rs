@@ -29,13 +29,10 @@ impl Counter {
         }
     }
 
-    fn count(&self, text: &str) -> Result<u64, String> {
+    fn count(&self, text: &str) -> tokenizers::Result<u64> {
         match self {
             Counter::Whitespace => Ok(text.split_whitespace().count() as u64),
-            Counter::Tokenizer(tokenizer) => tokenizer
-                .encode(text, false)
-                .map(|e| e.len() as u64)
-                .map_err(|err| err.to_string()),
+            Counter::Tokenizer(tokenizer) => tokenizer.encode(text, false).map(|e| e.len() as u64),
         }
     }
 }

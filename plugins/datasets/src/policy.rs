@@ -55,8 +55,32 @@ pub fn host_matches(pattern: &str, url: &Url) -> bool {
     }
 }
 
+/// A `redirect_hosts` entry that names no host.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{0}` is not a host; write `cdn.example.org`, `cdn.example.org:8443` or `*.example.org` (no scheme or path)")]
+pub struct HostPatternError(pub String);
+
+/// Why a `206` answer cannot continue a partial download.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RangeError {
+    #[error("it has no Content-Range")]
+    Missing,
+    #[error("its Content-Range `{0}` is malformed")]
+    Malformed(String),
+    #[error("its Content-Range `{value}` starts at byte {start}, not at {offset} where the partial download ends")]
+    Start {
+        value: String,
+        start: u64,
+        offset: u64,
+    },
+    #[error("its Content-Range `{0}` stops before the end of the file")]
+    Short(String),
+    #[error("its Content-Range `{value}` disagrees with Content-Length {length}")]
+    Length { value: String, length: u64 },
+}
+
 /// Checks a `redirect_hosts` entry; the error says what a valid one looks like.
-pub fn check_host_pattern(pattern: &str) -> Result<(), String> {
+pub fn check_host_pattern(pattern: &str) -> Result<(), HostPatternError> {
     let (name, _) = split_port(pattern);
     let bare = name.strip_prefix("*.").unwrap_or(name);
     let valid = !bare.is_empty()
@@ -67,9 +91,7 @@ pub fn check_host_pattern(pattern: &str) -> Result<(), String> {
     if valid && !pattern.ends_with(':') {
         Ok(())
     } else {
-        Err(format!(
-            "`{pattern}` is not a host; write `cdn.example.org`, `cdn.example.org:8443` or `*.example.org` (no scheme or path)"
-        ))
+        Err(HostPatternError(pattern.to_string()))
     }
 }
 
@@ -101,9 +123,9 @@ pub fn check_content_range(
     header: Option<&str>,
     offset: u64,
     length: Option<u64>,
-) -> Result<Continuation, String> {
-    let value = header.ok_or_else(|| "it has no Content-Range".to_string())?;
-    let malformed = || format!("its Content-Range `{value}` is malformed");
+) -> Result<Continuation, RangeError> {
+    let value = header.ok_or(RangeError::Missing)?;
+    let malformed = || RangeError::Malformed(value.to_string());
     let spec = value.trim().strip_prefix("bytes ").ok_or_else(malformed)?;
     let (range, total) = spec.split_once('/').ok_or_else(malformed)?;
     let (start, end) = range.split_once('-').ok_or_else(malformed)?;
@@ -117,22 +139,23 @@ pub fn check_content_range(
         return Err(malformed());
     }
     if start != offset {
-        return Err(format!(
-            "its Content-Range `{value}` starts at byte {start}, not at {offset} where the partial download ends"
-        ));
+        return Err(RangeError::Start {
+            value: value.to_string(),
+            start,
+            offset,
+        });
     }
     if let Some(total) = total {
         if end + 1 != total {
-            return Err(format!(
-                "its Content-Range `{value}` stops before the end of the file"
-            ));
+            return Err(RangeError::Short(value.to_string()));
         }
     }
     if let Some(length) = length {
         if length != end - start + 1 {
-            return Err(format!(
-                "its Content-Range `{value}` disagrees with Content-Length {length}"
-            ));
+            return Err(RangeError::Length {
+                value: value.to_string(),
+                length,
+            });
         }
     }
     Ok(Continuation {
@@ -237,8 +260,14 @@ mod tests {
         );
         let wrong_start = check_content_range(Some("bytes 0-199/200"), 100, Some(200)).unwrap_err();
         assert!(
-            wrong_start.contains("starts at byte 0, not at 100"),
+            wrong_start
+                .to_string()
+                .contains("starts at byte 0, not at 100"),
             "{wrong_start}"
+        );
+        assert_eq!(
+            check_content_range(Some("bytes 100-149/200"), 100, Some(50)),
+            Err(RangeError::Short("bytes 100-149/200".into()))
         );
         assert!(check_content_range(None, 100, Some(100)).is_err());
         assert!(check_content_range(Some("bytes 100-149/200"), 100, Some(50)).is_err());
