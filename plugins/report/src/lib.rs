@@ -79,9 +79,11 @@ impl Plugin for Report {
         let mut render = |charts: Vec<plots::Chart>| -> Result<Vec<(String, String)>, PluginError> {
             let mut rendered = Vec::new();
             for chart in charts {
-                let svg = plots::render_svg(&chart).map_err(PluginError::failed)?;
+                let svg = plots::render_svg(&chart)
+                    .map_err(|err| PluginError::failed(err.to_string()))?;
                 let png = format!("plots/{}.png", chart.id);
-                plots::render_png(&chart, &dir.join(&png)).map_err(PluginError::failed)?;
+                plots::render_png(&chart, &dir.join(&png))
+                    .map_err(|err| PluginError::failed(err.to_string()))?;
                 pngs.push(png);
                 rendered.push((chart.title, svg));
             }

@@ -231,8 +231,19 @@ pub fn prediction_charts(predictions: &[Prediction]) -> Vec<Chart> {
         .collect()
 }
 
-fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, chart: &Chart) -> Result<(), String> {
-    let error = |err: DrawingAreaErrorKind<DB::ErrorType>| format!("{}: {err}", chart.title);
+/// A chart plotters could not draw, and what it said (its error type differs per backend).
+#[derive(Debug, thiserror::Error)]
+#[error("{chart}: {reason}")]
+pub struct PlotError {
+    pub chart: String,
+    pub reason: String,
+}
+
+fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, chart: &Chart) -> Result<(), PlotError> {
+    let error = |err: DrawingAreaErrorKind<DB::ErrorType>| PlotError {
+        chart: chart.title.clone(),
+        reason: err.to_string(),
+    };
     root.fill(&WHITE).map_err(error)?;
     let points = || chart.series.iter().flat_map(|s| s.points.iter());
     let x_min = points().map(|p| p.x).fold(f64::INFINITY, f64::min);
@@ -311,7 +322,7 @@ fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, chart: &Chart) -> Res
     root.present().map_err(error)
 }
 
-pub fn render_svg(chart: &Chart) -> Result<String, String> {
+pub fn render_svg(chart: &Chart) -> Result<String, PlotError> {
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
@@ -320,7 +331,7 @@ pub fn render_svg(chart: &Chart) -> Result<String, String> {
     Ok(svg)
 }
 
-pub fn render_png(chart: &Chart, path: &Path) -> Result<(), String> {
+pub fn render_png(chart: &Chart, path: &Path) -> Result<(), PlotError> {
     let root = BitMapBackend::new(path, SIZE).into_drawing_area();
     draw(&root, chart)
 }
