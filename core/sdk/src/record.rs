@@ -350,9 +350,9 @@ struct Wire {
     harness: Harness,
 }
 
-/// Why a stored record cannot be read as a [`Measurement`].
+/// Why a stored measurement record cannot be read as a [`Measurement`].
 #[derive(Debug, thiserror::Error)]
-pub enum RecordError {
+pub enum WireError {
     #[error("record version {0} is newer than this attnbench reads ({RECORD_VERSION}): upgrade attnbench to read it")]
     Newer(u32),
     #[error("the record names no dtype")]
@@ -370,17 +370,14 @@ pub enum RecordError {
 }
 
 impl TryFrom<Wire> for Measurement {
-    type Error = RecordError;
+    type Error = WireError;
 
-    fn try_from(wire: Wire) -> Result<Measurement, RecordError> {
+    fn try_from(wire: Wire) -> Result<Measurement, WireError> {
         let version = wire.record_version.unwrap_or(1);
         if version > RECORD_VERSION {
-            return Err(RecordError::Newer(version));
+            return Err(WireError::Newer(version));
         }
-        let dtype = wire
-            .dtype
-            .or(wire.shape.dtype)
-            .ok_or(RecordError::NoDtype)?;
+        let dtype = wire.dtype.or(wire.shape.dtype).ok_or(WireError::NoDtype)?;
         let shape = Shape {
             heads_q: wire.shape.heads_q,
             heads_kv: wire.shape.heads_kv,
@@ -416,7 +413,7 @@ impl TryFrom<Wire> for Measurement {
         if let Some(environment) = wire.environment {
             legacy::split(environment, &mut record)?;
         } else if version == 1 {
-            return Err(RecordError::NoEnvironment);
+            return Err(WireError::NoEnvironment);
         }
         Ok(record)
     }
@@ -465,13 +462,13 @@ mod legacy {
     pub(super) fn split(
         mut environment: Map<String, Value>,
         record: &mut Measurement,
-    ) -> Result<(), RecordError> {
+    ) -> Result<(), WireError> {
         let machine: Map<String, Value> = MACHINE
             .iter()
             .filter_map(|key| environment.remove(*key).map(|v| (key.to_string(), v)))
             .collect();
         record.machine = serde_json::from_value(Value::Object(machine)).map_err(|source| {
-            RecordError::Section {
+            WireError::Section {
                 section: "environment",
                 source,
             }
@@ -519,12 +516,12 @@ mod legacy {
 
     /// Version 1's `context_parallel` object: threads and processes wrote each rank's first-run
     /// seconds (`forward_s_per_rank`), NCCL runs a `ranks` list.
-    fn cp_run(mut cp: Value) -> Result<CpRun, RecordError> {
-        let section = |source| RecordError::Section {
+    fn cp_run(mut cp: Value) -> Result<CpRun, WireError> {
+        let section = |source| WireError::Section {
             section: "environment.context_parallel",
             source,
         };
-        let object = cp.as_object_mut().ok_or(RecordError::CpNotAnObject)?;
+        let object = cp.as_object_mut().ok_or(WireError::CpNotAnObject)?;
         if !object.contains_key("ranks") {
             let seconds = |key: &str| -> Vec<f64> {
                 object
