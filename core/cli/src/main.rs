@@ -283,10 +283,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             let registry = Registry::discover(&cli.plugin_dirs);
             let plan = load_plan(&pipeline, &registry)?;
             let cache = open_cache(&cli.cache)?;
-            println!(
-                "{}",
-                explain(&plan, &cache, &node).map_err(anyhow::Error::msg)?
-            );
+            println!("{}", explain(&plan, &cache, &node)?);
             Ok(ExitCode::SUCCESS)
         }
         Command::Plugin { command } => plugin_kit::run(command),

@@ -69,8 +69,26 @@ pub fn node_states(plan: &Plan, cache: &Cache) -> Vec<NodeState> {
     states
 }
 
+/// A node name that selects no node of the plan, or more than one.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SelectError {
+    #[error("pipeline `{pipeline}` has no node `{node}`{hint} (`attnbench plan` lists them)")]
+    NoNode {
+        pipeline: String,
+        node: String,
+        /// `; did you mean `…`?` when a node id is close, else empty.
+        hint: String,
+    },
+    #[error("`{node}` names {count} nodes, e.g. {examples}; give one node id")]
+    Many {
+        node: String,
+        count: usize,
+        examples: String,
+    },
+}
+
 /// Why `node` (an id, or a stage with one node) will or will not run.
-pub fn explain(plan: &Plan, cache: &Cache, node: &str) -> Result<String, String> {
+pub fn explain(plan: &Plan, cache: &Cache, node: &str) -> Result<String, SelectError> {
     let selected = plan.select(node);
     let index = match selected.as_slice() {
         [one] => *one,
@@ -79,10 +97,11 @@ pub fn explain(plan: &Plan, cache: &Cache, node: &str) -> Result<String, String>
             let hint = nearest(node, ids)
                 .map(|id| format!("; did you mean `{id}`?"))
                 .unwrap_or_default();
-            return Err(format!(
-                "pipeline `{}` has no node `{node}`{hint} (`attnbench plan` lists them)",
-                plan.pipeline.name
-            ));
+            return Err(SelectError::NoNode {
+                pipeline: plan.pipeline.name.clone(),
+                node: node.to_string(),
+                hint,
+            });
         }
         many => {
             let examples: Vec<&str> = many
@@ -90,11 +109,11 @@ pub fn explain(plan: &Plan, cache: &Cache, node: &str) -> Result<String, String>
                 .take(3)
                 .map(|&i| plan.nodes[i].id.as_str())
                 .collect();
-            return Err(format!(
-                "`{node}` names {} nodes, e.g. {}; give one node id",
-                many.len(),
-                examples.join(", ")
-            ));
+            return Err(SelectError::Many {
+                node: node.to_string(),
+                count: many.len(),
+                examples: examples.join(", "),
+            });
         }
     };
     let states = node_states(plan, cache);
