@@ -22,6 +22,7 @@ extern crate self as attnbench_sdk;
 mod artifact;
 pub mod attention;
 pub mod bench;
+pub mod decode;
 pub mod environment;
 mod error;
 mod export;

@@ -1,0 +1,130 @@
+use super::*;
+use crate::reference::Element;
+
+fn problem(kv_lens: &[u64], queries: u64, page: Option<u64>) -> DecodeProblem {
+    DecodeProblem::new(kv_lens.to_vec(), queries, (4, 2, 8), page).unwrap()
+}
+
+fn max_difference(a: &Partial, b: &Partial) -> f64 {
+    let finite = |x: f64| if x.is_finite() { x } else { 0.0 };
+    a.out
+        .iter()
+        .zip(&b.out)
+        .chain(a.lse.iter().zip(&b.lse))
+        .map(|(x, y)| (finite(*x) - finite(*y)).abs())
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn the_mask_view_gives_each_query_its_prefix_of_its_own_sequence() {
+    let p = problem(&[5, 3], 2, None);
+    let mask = p.mask().unwrap();
+    assert_eq!((mask.seqlen_q, mask.seqlen_k), (4, 8));
+    // Sequence 0: queries see keys 0..=3 and 0..=4; sequence 1 (keys 5..8): 5..=6 and 5..=7.
+    let allowed: Vec<Vec<u64>> = (0..4)
+        .map(|q| (0..8).filter(|&k| mask.allows(q, k)).collect())
+        .collect();
+    assert_eq!(
+        allowed,
+        [
+            vec![0, 1, 2, 3],
+            vec![0, 1, 2, 3, 4],
+            vec![5, 6],
+            vec![5, 6, 7]
+        ]
+    );
+    assert_eq!(mask.area(), 4 + 5 + 2 + 3);
+    assert_eq!(p.flops(), 4 * 14 * 4 * 8);
+    // K and V: 8 keys × 2 heads × 8; Q and O: 4 rows × 4 heads × 8; bf16.
+    assert_eq!(p.bytes(2), (2 * 8 * 2 * 8 + 2 * 4 * 4 * 8) * 2);
+}
+
+#[test]
+fn split_kv_merged_by_lse_equals_the_whole_softmax() {
+    let p = problem(&[37, 5, 64], 3, None);
+    let inputs = DecodeInputs::random(&p, 7, Element::Bf16);
+    let whole = reference(&p, &inputs);
+    for splits in [1, 2, 3, 8, 64] {
+        let split = split_kv(&p, &inputs, splits);
+        assert!(max_difference(&whole, &split) < 1e-12, "{splits} splits");
+    }
+}
+
+#[test]
+fn merging_is_order_free_and_empty_partials_change_nothing() {
+    let p = problem(&[40], 1, None);
+    let inputs = DecodeInputs::random(&p, 3, Element::F32);
+    let parts: Vec<Partial> = (0..4)
+        .map(|s| attend(&p, &inputs, |_| split_range(40, 4, s)))
+        .collect();
+    let d = p.head_dim as usize;
+    let mut forward = Partial::empty(&p);
+    for part in &parts {
+        forward.merge(part, d);
+    }
+    let mut backward = Partial::empty(&p);
+    for part in parts.iter().rev() {
+        backward.merge(part, d);
+    }
+    // A tree: (0 + 1) + (2 + 3).
+    let (mut left, mut right) = (parts[0].clone(), parts[2].clone());
+    left.merge(&parts[1], d);
+    right.merge(&parts[3], d);
+    left.merge(&right, d);
+    left.merge(&Partial::empty(&p), d);
+    for other in [&backward, &left] {
+        assert!(max_difference(&forward, other) < 1e-12);
+    }
+    assert!(max_difference(&forward, &reference(&p, &inputs)) < 1e-12);
+}
+
+#[test]
+fn a_paged_cache_holds_the_same_keys_in_a_shuffled_pool() {
+    let p = problem(&[33, 70, 16], 2, Some(16));
+    let table = p.page_table(11).unwrap();
+    assert_eq!(
+        table.pages.iter().map(Vec::len).collect::<Vec<_>>(),
+        [3, 5, 1]
+    );
+    assert_eq!(table.pool_pages, 9);
+    let mut every: Vec<u32> = table.pages.concat();
+    every.sort_unstable();
+    assert_eq!(every, (0..9).collect::<Vec<u32>>());
+    assert_ne!(
+        table.pages.concat(),
+        (0..9).collect::<Vec<u32>>(),
+        "pages are dealt at random"
+    );
+    let inputs = DecodeInputs::random(&p, 5, Element::Bf16);
+    let pool = table.to_pool(&p, &inputs.k);
+    assert_eq!(pool.len(), 9 * 16 * 2 * 8);
+    assert_eq!(table.from_pool(&p, &pool), inputs.k);
+    assert_eq!(problem(&[10], 1, None).page_table(11), None);
+}
+
+#[test]
+fn impossible_problems_are_refused_with_the_reason() {
+    let heads = (4, 2, 8);
+    assert_eq!(
+        DecodeProblem::new(vec![], 1, heads, None),
+        Err(DecodeError::EmptyBatch)
+    );
+    assert_eq!(
+        DecodeProblem::new(vec![8], 17, heads, None),
+        Err(DecodeError::Queries(17))
+    );
+    assert_eq!(
+        DecodeProblem::new(vec![8, 2], 4, heads, None),
+        Err(DecodeError::ShortCache {
+            index: 1,
+            kv_len: 2,
+            queries: 4
+        })
+    );
+    assert_eq!(
+        DecodeProblem::new(vec![8], 1, heads, Some(32)),
+        Err(DecodeError::PageSize(32))
+    );
+    let err = DecodeProblem::new(vec![8], 1, (6, 4, 8), None).unwrap_err();
+    assert!(err.to_string().contains("multiple of heads_kv"), "{err}");
+}
