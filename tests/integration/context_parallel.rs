@@ -223,3 +223,31 @@ fn an_attention_backend_no_plugin_offers_is_refused_before_anything_runs() {
         "{said}"
     );
 }
+
+#[test]
+fn decoding_across_ranks_is_exact_and_sends_one_partial_per_rank() {
+    let sandbox = Sandbox::new();
+    let pipeline = workspace_root().join("pipelines/decode-cp-cpu.yaml");
+    let run = sandbox.run(&["run", pipeline.to_str().unwrap(), "-q"]);
+    assert!(run.status.success(), "{}", stderr(&run));
+    let record = sandbox.last_record();
+    let nodes = record["nodes"].as_array().unwrap();
+    assert_eq!(nodes.len(), 2 * 3 * 2);
+    for node in nodes {
+        let path = std::path::Path::new(node["artifact"].as_str().unwrap()).join("decode.json");
+        let result: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        assert_eq!(result["passed"], true, "{}: {result}", node["id"]);
+        assert!(result["max_error"].as_f64().unwrap() < 1e-9, "{result}");
+        let world = result["world"].as_u64().unwrap();
+        let depth = result["depth"].as_u64().unwrap();
+        match result["method"].as_str().unwrap() {
+            "tree" => assert_eq!(depth, (world as f64).log2().ceil() as u64),
+            _ => assert_eq!(depth, world - 1),
+        }
+        let predicted = result["predicted"].as_array().unwrap();
+        let at_1024 = predicted.last().unwrap();
+        assert_eq!(at_1024["gpus"], 1024);
+        assert!(at_1024["tree_s"].as_f64().unwrap() < at_1024["ring_s"].as_f64().unwrap());
+    }
+}

@@ -266,6 +266,11 @@ impl StageSpec {
         self
     }
 
+    /// Several parameters at once, in order: a set that stages share.
+    pub fn with_params(self, params: impl IntoIterator<Item = ParamSpec>) -> Self {
+        params.into_iter().fold(self, StageSpec::param)
+    }
+
     pub fn param(mut self, param: ParamSpec) -> Self {
         self.params.push(param);
         self

@@ -7,6 +7,7 @@
 
 mod balance;
 mod comm;
+mod decode;
 mod device;
 mod gpu_rank;
 mod launch;
@@ -118,11 +119,7 @@ impl Plugin for Cp {
                     .param(ParamSpec::new("dtype", ParamType::one_of(Element::NAMES)).default("bf16"))
                     .param(ParamSpec::new("kernel_tflops", ParamType::Float).default(0.0).doc("The attention kernel's measured TFLOP/s; 0: sdpa-flash (FA2) on one H200 at 8K tokens, full mask, as measured by pipelines/dense-kernels.yaml (351 forward, 296 backward)."))
                     .param(ParamSpec::new("worlds", ParamType::List(Box::new(ParamType::Int))).default(json!([8, 16, 32, 64, 128, 256, 512, 1024])))
-                    .param(ParamSpec::new("gpus_per_node", ParamType::Int).default(8))
-                    .param(ParamSpec::new("nvlink_gbs", ParamType::Float).default(370.0).doc("NVLink bandwidth per GPU, GB/s; with a cp/links node in `needs`, its measured send/recv ring's instead (and its latency for nvlink_latency_us)."))
-                    .param(ParamSpec::new("infiniband_gbs", ParamType::Float).default(48.0).doc("InfiniBand bandwidth per GPU, GB/s."))
-                    .param(ParamSpec::new("nvlink_latency_us", ParamType::Float).default(5.0))
-                    .param(ParamSpec::new("infiniband_latency_us", ParamType::Float).default(10.0))
+                    .with_params(link_params())
                     .param(ParamSpec::new("placement", ParamType::one_of(Placement::NAMES)).default("ulysses_inner").doc("Which group is made of consecutive ranks (on one node first)."))
                     .param(ParamSpec::new("sharding", ParamType::one_of(ShardingKind::NAMES)).default("zigzag").doc("How the sequence is dealt over each ring: its imbalance on the mask (most loaded rank over the mean) slows the slowest rank's compute."))
                     .param(ParamSpec::new("stripe", ParamType::Int).default(1).doc("`striped`: the stripe's width in tokens."))
@@ -130,6 +127,7 @@ impl Plugin for Cp {
                     .output("predictions")
                     .cache_scope(CacheScope::Pure),
             )
+            .stage(decode::spec().with_params(link_params()))
     }
 
     fn run(stage: &str, request: StageRequest, host: &Host) -> Result<Value, PluginError> {
@@ -137,9 +135,10 @@ impl Plugin for Cp {
             "threads" => threads_stage(&request, host),
             "model" => model_stage(&request),
             "links" => links_stage(&request, host),
+            "decode" => decode::stage(&request),
             other => Err(PluginError::UnknownStage {
                 stage: other.into(),
-                known: "threads, links, model".into(),
+                known: "threads, links, model, decode".into(),
             }),
         }
     }
@@ -261,6 +260,17 @@ fn attention_library(
         ))
     })?;
     Ok(Some((path.clone(), kernel.to_string())))
+}
+
+/// The machine the cost models assume: GPUs per node and the links' bandwidths and latencies.
+fn link_params() -> Vec<ParamSpec> {
+    vec![
+        ParamSpec::new("gpus_per_node", ParamType::Int).default(8),
+        ParamSpec::new("nvlink_gbs", ParamType::Float).default(370.0).doc("NVLink bandwidth per GPU, GB/s; with a cp/links node in `needs`, its measured send/recv ring's instead (and its latency for nvlink_latency_us)."),
+        ParamSpec::new("infiniband_gbs", ParamType::Float).default(48.0).doc("InfiniBand bandwidth per GPU, GB/s."),
+        ParamSpec::new("nvlink_latency_us", ParamType::Float).default(5.0),
+        ParamSpec::new("infiniband_latency_us", ParamType::Float).default(10.0),
+    ]
 }
 
 fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginError> {
