@@ -258,6 +258,17 @@ impl Partial {
     pub fn values(&self) -> usize {
         self.out.len() + self.lse.len()
     }
+
+    /// Largest absolute difference over O and LSE. Rows that saw no key on both sides (LSE −∞)
+    /// agree; one side −∞ and the other finite is an infinite difference, not a match.
+    pub fn max_difference(&self, other: &Partial) -> f64 {
+        self.out
+            .iter()
+            .zip(&other.out)
+            .chain(self.lse.iter().zip(&other.lse))
+            .map(|(x, y)| if x == y { 0.0 } else { (x - y).abs() })
+            .fold(0.0, f64::max)
+    }
 }
 
 /// The packed inputs of a decode problem.

@@ -5,16 +5,6 @@ fn problem(kv_lens: &[u64], queries: u64, page: Option<u64>) -> DecodeProblem {
     DecodeProblem::new(kv_lens.to_vec(), queries, (4, 2, 8), page).unwrap()
 }
 
-fn max_difference(a: &Partial, b: &Partial) -> f64 {
-    let finite = |x: f64| if x.is_finite() { x } else { 0.0 };
-    a.out
-        .iter()
-        .zip(&b.out)
-        .chain(a.lse.iter().zip(&b.lse))
-        .map(|(x, y)| (finite(*x) - finite(*y)).abs())
-        .fold(0.0, f64::max)
-}
-
 #[test]
 fn the_mask_view_gives_each_query_its_prefix_of_its_own_sequence() {
     let p = problem(&[5, 3], 2, None);
@@ -46,7 +36,7 @@ fn split_kv_merged_by_lse_equals_the_whole_softmax() {
     let whole = reference(&p, &inputs);
     for splits in [1, 2, 3, 8, 64] {
         let split = split_kv(&p, &inputs, splits);
-        assert!(max_difference(&whole, &split) < 1e-12, "{splits} splits");
+        assert!(whole.max_difference(&split) < 1e-12, "{splits} splits");
     }
 }
 
@@ -73,9 +63,9 @@ fn merging_is_order_free_and_empty_partials_change_nothing() {
     left.merge(&right, d);
     left.merge(&Partial::empty(&p), d);
     for other in [&backward, &left] {
-        assert!(max_difference(&forward, other) < 1e-12);
+        assert!(forward.max_difference(other) < 1e-12);
     }
-    assert!(max_difference(&forward, &reference(&p, &inputs)) < 1e-12);
+    assert!(forward.max_difference(&reference(&p, &inputs)) < 1e-12);
 }
 
 #[test]

@@ -246,14 +246,7 @@ pub fn stage(request: &StageRequest) -> Result<Value, PluginError> {
     let outcome = run(&problem, &inputs, p.method, p.world);
     let seconds = start.elapsed().as_secs_f64();
     let whole = reference(&problem, &inputs);
-    let finite = |x: f64| if x.is_finite() { x } else { 0.0 };
-    let max_error = whole
-        .out
-        .iter()
-        .zip(&outcome.partial.out)
-        .chain(whole.lse.iter().zip(&outcome.partial.lse))
-        .map(|(x, y)| (finite(*x) - finite(*y)).abs())
-        .fold(0.0, f64::max);
+    let max_error = whole.max_difference(&outcome.partial);
     let machine = Machine {
         gpus_per_node: p.gpus_per_node,
         nvlink: p.nvlink_gbs * 1e9,

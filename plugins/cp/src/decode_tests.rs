@@ -5,16 +5,6 @@ fn problem() -> DecodeProblem {
     DecodeProblem::new(vec![61, 5, 130], 3, (4, 2, 8), None).unwrap()
 }
 
-fn max_difference(a: &Partial, b: &Partial) -> f64 {
-    let finite = |x: f64| if x.is_finite() { x } else { 0.0 };
-    a.out
-        .iter()
-        .zip(&b.out)
-        .chain(a.lse.iter().zip(&b.lse))
-        .map(|(x, y)| (finite(*x) - finite(*y)).abs())
-        .fold(0.0, f64::max)
-}
-
 #[test]
 fn tree_and_ring_decoding_are_exact_at_any_world_size() {
     let p = problem();
@@ -23,7 +13,7 @@ fn tree_and_ring_decoding_are_exact_at_any_world_size() {
     for method in [DecodeMethod::Tree, DecodeMethod::Ring] {
         for world in [1, 2, 3, 5, 8] {
             let outcome = run(&p, &inputs, method, world);
-            let error = max_difference(&whole, &outcome.partial);
+            let error = whole.max_difference(&outcome.partial);
             assert!(error < 1e-12, "{method} at {world} ranks: {error}");
         }
     }
