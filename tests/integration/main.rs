@@ -14,6 +14,7 @@ mod python;
 mod quickstart;
 mod report;
 mod scheduling;
+mod shapes;
 mod slurm;
 mod sparse;
 mod validation;

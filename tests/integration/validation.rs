@@ -435,6 +435,7 @@ fn every_shipped_pipeline_plans() {
             "dense-kernels.yaml",
             "context-parallel-gpu.yaml",
             "naive-gpu.yaml",
+            "model-shapes.yaml",
         ]
         .contains(&&*name)
         {

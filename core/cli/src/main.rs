@@ -121,6 +121,8 @@ enum Command {
         #[command(subcommand)]
         command: mask_cmd::MaskCommand,
     },
+    /// The model shapes a stage's `shape:` can name: heads and head dims of published models.
+    Shapes,
     /// Check this machine: plugins, cache, CPU, GPU driver and libraries.
     Doctor,
     /// Serve nodes of one plugin for a host process (started by `run`; not for direct use).
@@ -168,6 +170,28 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+/// `attnbench shapes`: one line per preset, and where its numbers come from.
+fn print_shapes() {
+    use attnbench_sdk::shapes::MODEL_SHAPES;
+    println!(
+        "{:<16} {:>7} {:>8} {:>8} {:>10}  model (source)",
+        "shape", "heads_q", "heads_kv", "head_dim", "head_dim_v"
+    );
+    for shape in MODEL_SHAPES {
+        println!(
+            "{:<16} {:>7} {:>8} {:>8} {:>10}  {} ({})",
+            shape.name,
+            shape.heads_q,
+            shape.heads_kv,
+            shape.head_dim,
+            shape.head_dim_v,
+            shape.model,
+            shape.source
+        );
+    }
+    println!("\nuse one in any kernel or context-parallel stage: `with: {{shape: llama3-70b}}`, or `matrix: {{shape: [llama3-8b, qwen3-32b]}}`");
 }
 
 /// Leaves `value` to the operating system instead of freeing it piece by piece: a plan of
@@ -292,6 +316,10 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Mask { command } => mask_cmd::run(command, &cli.plugin_dirs),
         Command::Report(args) => report_cmd::run(args, &cli.plugin_dirs),
         Command::Compare(args) => compare_cmd::run(args),
+        Command::Shapes => {
+            print_shapes();
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Doctor => doctor::run(&cli.plugin_dirs, &open_cache(&cli.cache)?),
     }
 }

@@ -130,11 +130,11 @@ pub fn run(command: PluginsCommand, plugin_dirs: &[PathBuf]) -> Result<ExitCode>
                     println!("  {}", stage.doc);
                 }
                 for param in &stage.params {
-                    let default = param
-                        .default
-                        .as_ref()
-                        .map(|d| format!(" = {d}"))
-                        .unwrap_or_else(|| " (required)".into());
+                    let default = match &param.default {
+                        Some(d) => format!(" = {d}"),
+                        None if param.optional => " (optional)".into(),
+                        None => " (required)".into(),
+                    };
                     println!(
                         "  {:<16} {:<14}{default}  {}",
                         param.name,

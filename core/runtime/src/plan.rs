@@ -8,7 +8,7 @@ use attnbench_sdk::{format_size, ParamType};
 use serde_json::{Map, Value};
 
 use crate::diagnostic::{Diagnostic, Origin};
-use crate::pipeline::{Pipeline, PipelineError, Stage, MAX_NODES};
+use crate::pipeline::{presets, Pipeline, PipelineError, Stage, MAX_NODES};
 
 /// A node's parameters: its stage's sorted parameters, shared by all its nodes, with the node's
 /// own matrix values in place. A full map per node was 4 KB for a stage of two dozen parameters.
@@ -140,6 +140,11 @@ impl Plan {
                     let mut node_coords = coords.clone();
                     for ((axis, &index), key) in axes.iter().zip(&at).zip(&keys) {
                         params.own.push((key.clone(), axis.values[index].clone()));
+                        for (param, value) in
+                            presets::node_params(&stage.spec, key, &axis.values[index])
+                        {
+                            params.own.push((Arc::from(param), value));
+                        }
                         if !node_coords.iter().any(|(k, _)| *k == axis.key) {
                             node_coords.push((axis.key.clone(), axis.shown[index].clone()));
                         }

@@ -9,7 +9,7 @@ use super::*;
 use crate::host::plugin::Registry;
 
 /// `gen/masks` (mask, seqlen) → `bench/run` (kernel, one node per mask node) → `bench/report`
-/// (collects every run). The pipeline checker's tests use it too.
+/// (collects every run); `model/attend` takes model shapes. The pipeline checker's tests use it too.
 pub(crate) fn registry() -> Registry {
     let masks = PluginManifest::new("gen", "0").stage(
         StageSpec::new("masks")
@@ -31,7 +31,16 @@ pub(crate) fn registry() -> Registry {
                 .param(ParamSpec::new("title", ParamType::String).default(""))
                 .input(kinds::MEASUREMENT),
         );
-    Registry::of_manifests(vec![masks, bench])
+    let model = PluginManifest::new("model", "0").stage(
+        StageSpec::new("attend")
+            .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
+            .param(ParamSpec::new("heads_kv", ParamType::Int).default(8))
+            .param(ParamSpec::new("head_dim", ParamType::Int).default(128))
+            .param(attnbench_sdk::shapes::shape_param())
+            .input(kinds::MASK)
+            .output(kinds::MEASUREMENT),
+    );
+    Registry::of_manifests(vec![masks, bench, model])
 }
 
 pub(crate) fn plan(text: &str) -> Result<Plan, PipelineError> {

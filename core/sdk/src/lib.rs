@@ -39,6 +39,7 @@ mod record;
 pub mod reference;
 mod request;
 pub mod rng;
+pub mod shapes;
 mod size;
 mod suggest;
 

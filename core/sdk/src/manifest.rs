@@ -324,6 +324,7 @@ impl StageSpec {
         let mut params = Map::new();
         for param in &self.params {
             let value = match given.get(&param.name).or(param.default.as_ref()) {
+                None if param.optional => continue,
                 Some(value) => param
                     .ty
                     .coerce(value)
@@ -339,6 +340,15 @@ impl StageSpec {
                 }
             };
             params.insert(param.name.clone(), value);
+        }
+        if let Some(preset) = params
+            .get(crate::shapes::SHAPE_PARAM)
+            .and_then(Value::as_str)
+            .and_then(crate::shapes::find)
+        {
+            for (param, value) in preset.apply_to(self, |p| given.get(p))? {
+                params.insert(param.into(), value);
+            }
         }
         params.sort_keys();
         Ok(params)
@@ -418,6 +428,10 @@ pub struct ParamSpec {
         deserialize_with = "present"
     )]
     pub default: Option<Value>,
+    /// Neither required nor defaulted: a node that does not set it has no such key (so adding
+    /// an optional parameter leaves existing cache keys as they were).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub optional: bool,
     #[serde(default)]
     pub doc: String,
 }
@@ -433,8 +447,14 @@ impl ParamSpec {
             name: name.into(),
             ty,
             default: None,
+            optional: false,
             doc: String::new(),
         }
+    }
+
+    pub fn optional(mut self) -> Self {
+        self.optional = true;
+        self
     }
 
     pub fn default(mut self, value: impl Into<Value>) -> Self {
@@ -505,6 +525,8 @@ pub enum ParamsError {
     Invalid { param: String, source: ValueError },
     #[error("parameter `{param}` ({ty}) is required")]
     Required { param: String, ty: String },
+    #[error(transparent)]
+    Preset(#[from] crate::shapes::PresetError),
 }
 
 impl ParamType {

@@ -207,6 +207,7 @@ pub fn spec() -> StageSpec {
         .param(ParamSpec::new("heads_q", ParamType::Int).default(8))
         .param(ParamSpec::new("heads_kv", ParamType::Int).default(2))
         .param(ParamSpec::new("head_dim", ParamType::Int).default(16))
+                        .param(attnbench_sdk::shapes::shape_param())
         .param(ParamSpec::new("dtype", ParamType::one_of(Element::NAMES)).default("bf16").doc("Inputs are rounded to it; bytes are counted in it."))
         .param(ParamSpec::new("page_size", ParamType::Int).default(0).doc("0: each sequence's cache contiguous; 16 or 64: in pages of a shuffled pool, read back through the page table."))
         .param(ParamSpec::new("worlds", ParamType::List(Box::new(ParamType::Int))).default(json!([8, 16, 32, 64, 128, 256, 512, 1024])).doc("GPU counts the cost model predicts both methods' step time at."))

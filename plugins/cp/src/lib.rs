@@ -86,6 +86,7 @@ impl Plugin for Cp {
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(8))
                         .param(ParamSpec::new("heads_kv", ParamType::Int).default(4))
                         .param(ParamSpec::new("head_dim", ParamType::Int).default(16))
+                        .param(attnbench_sdk::shapes::shape_param())
                         .param(ParamSpec::new("dtype", ParamType::one_of(Element::NAMES)).default("bf16").doc("Inputs are rounded to it; bytes are counted in it."))
                         .param(ParamSpec::new("outputs", ParamType::Bool).default(false).doc("Also write the gathered outputs (out.f32, lse.f32 and, with a backward, dq/dk/dv.f32) for checking (threads and processes backends).")),
                 )
@@ -116,6 +117,7 @@ impl Plugin for Cp {
                     .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
                     .param(ParamSpec::new("heads_kv", ParamType::Int).default(8))
                     .param(ParamSpec::new("head_dim", ParamType::Int).default(128))
+                        .param(attnbench_sdk::shapes::shape_param())
                     .param(ParamSpec::new("dtype", ParamType::one_of(Element::NAMES)).default("bf16"))
                     .param(ParamSpec::new("kernel_tflops", ParamType::Float).default(0.0).doc("The attention kernel's measured TFLOP/s; 0: sdpa-flash (FA2) on one H200 at 8K tokens, full mask, as measured by pipelines/dense-kernels.yaml (351 forward, 296 backward)."))
                     .param(ParamSpec::new("worlds", ParamType::List(Box::new(ParamType::Int))).default(json!([8, 16, 32, 64, 128, 256, 512, 1024])))

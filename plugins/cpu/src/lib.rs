@@ -62,6 +62,7 @@ impl Plugin for Cpu {
                     .param(ParamSpec::new("heads_q", ParamType::Int).default(64).doc("Query heads."))
                     .param(ParamSpec::new("heads_kv", ParamType::Int).default(8).doc("Key/value heads (GQA when fewer than heads_q)."))
                     .param(ParamSpec::new("head_dim", ParamType::Int).default(128).doc("Head dimension."))
+                        .param(attnbench_sdk::shapes::shape_param())
                     .param(ParamSpec::new("dtype", Element::param_type(&[Element::F32, Element::Bf16])).default("f32").doc("Input precision (bf16 rounds the inputs; arithmetic is f32, or f64 for naive)."))
                     .param(ParamSpec::new("threads", ParamType::Int).default(0).doc("Threads for the tiled kernel (0 = one per CPU)."))
                     .param(ParamSpec::new("check", ParamType::one_of(Check::NAMES)).default("auto").doc(

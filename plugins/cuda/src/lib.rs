@@ -90,6 +90,7 @@ impl Plugin for Cuda {
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
                         .param(ParamSpec::new("heads_kv", ParamType::Int).default(8))
                         .param(ParamSpec::new("head_dim", ParamType::Int).default(128))
+                        .param(attnbench_sdk::shapes::shape_param())
                         .param(ParamSpec::new("dtype", ParamType::one_of(Element::NAMES)).default("bf16"))
                         .param(ParamSpec::new("outputs", ParamType::Bool).default(false).doc("Also write out.f32 and lse.f32."))
                         .param(ParamSpec::new("check_max_seqlen", ParamType::Size).default("2k").doc("Longest sequence whose every output is checked against the f64 reference before timing; longer ones check 16 rows of every head against an independent per-row reference.")),
@@ -105,6 +106,7 @@ impl Plugin for Cuda {
                     .param(ParamSpec::new("heads_q", ParamType::Int).default(8))
                     .param(ParamSpec::new("heads_kv", ParamType::Int).default(2))
                     .param(ParamSpec::new("head_dim", ParamType::Int).default(128))
+                        .param(attnbench_sdk::shapes::shape_param())
                     .param(ParamSpec::new("dtype", Element::param_type(&[Element::Bf16, Element::F16])).default("bf16"))
                     .param(ParamSpec::new("block", ParamType::Size).default(256).doc("Rows (and keys) of each block: two chunks of half as many tokens."))
                     .input(kinds::MASK)

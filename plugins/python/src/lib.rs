@@ -104,6 +104,7 @@ impl Plugin for Python {
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
                         .param(ParamSpec::new("heads_kv", ParamType::Int).default(8))
                         .param(ParamSpec::new("head_dim", ParamType::Int).default(128))
+                        .param(attnbench_sdk::shapes::shape_param())
                         .param(ParamSpec::new("dtype", ParamType::one_of(Element::NAMES)).default("bf16"))
                         .param(ParamSpec::new("outputs", ParamType::Bool).default(false).doc("Also write out.f32, lse.f32 (and dq/dk/dv.f32) when the inputs are the SDK's (up to check_max_seqlen)."))
                         .param(ParamSpec::new("gqa", ParamType::one_of(Gqa::NAMES)).default("native").doc("How the SDPA kernels get grouped K and V: `native` passes the KV heads with enable_gqa; `expand` repeats them to every query head once, before the timed region, as a model that keeps them expanded would. Other kernels take `native` only."))

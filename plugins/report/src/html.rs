@@ -194,11 +194,12 @@ fn measurements(out: &mut String, rows: &[Row]) {
             None => row.status.clone(),
         };
         out.push_str(&format!(
-            "<tr><td>{}</td><td>{}</td><td class=num>{}</td><td>{}</td><td>{}:{}×{} {}</td><td class=\"{}\">{status}</td><td class=num>{throughput}</td><td class=num>{time}</td><td class=num>{reps}</td><td class=num>{memory}</td><td>{correct}</td></tr>",
+            "<tr><td>{}</td><td>{}</td><td class=num>{}</td><td>{}</td><td>{}{}:{}×{} {}</td><td class=\"{}\">{status}</td><td class=num>{throughput}</td><td class=num>{time}</td><td class=num>{reps}</td><td class=num>{memory}</td><td>{correct}</td></tr>",
             escape(&row.kernel),
             escape(&row.mask),
             format_size(row.seqlen),
             escape(&row.direction),
+            row.shape.as_ref().map(|s| format!("{} ", escape(s))).unwrap_or_default(),
             row.heads_q,
             row.heads_kv,
             row.head_dim,

@@ -16,6 +16,8 @@ pub struct Row {
     pub heads_q: u64,
     pub heads_kv: u64,
     pub head_dim: u64,
+    /// The model preset the node named (`shape:`), if any.
+    pub shape: Option<String>,
     pub dtype: String,
     pub status: String,
     pub reason: Option<String>,
@@ -47,7 +49,7 @@ fn status_name(status: MeasureStatus) -> String {
         .unwrap_or_else(|| "error".into())
 }
 
-pub fn from_measurement(node: &str, m: Measurement) -> Row {
+pub fn from_measurement(input: &InputArtifact, m: Measurement) -> Row {
     let max_error = m.correctness.as_ref().map(|c| {
         c.errors
             .values()
@@ -61,7 +63,7 @@ pub fn from_measurement(node: &str, m: Measurement) -> Row {
         None => m.kernel,
     };
     Row {
-        node: node.to_string(),
+        node: input.node.clone(),
         kernel,
         mask: m.mask.pattern,
         seqlen: m.mask.seqlen,
@@ -69,6 +71,7 @@ pub fn from_measurement(node: &str, m: Measurement) -> Row {
         heads_q: m.shape.heads_q as u64,
         heads_kv: m.shape.heads_kv as u64,
         head_dim: m.shape.head_dim as u64,
+        shape: preset_of(input),
         dtype: m.dtype.to_string(),
         status: status_name(m.status),
         reason: m.reason,
@@ -106,6 +109,12 @@ fn described(m: &Measurement) -> Vec<(String, String)> {
     entries
 }
 
+/// The `shape:` preset a node named.
+fn preset_of(input: &InputArtifact) -> Option<String> {
+    let preset = input.params.get(attnbench_sdk::shapes::SHAPE_PARAM)?;
+    preset.as_str().map(String::from)
+}
+
 /// A node that failed before it could write a measurement (crashed, timed out, …).
 pub fn from_failure(input: &InputArtifact) -> Row {
     let text = |key: &str| -> Option<String> {
@@ -134,6 +143,7 @@ pub fn from_failure(input: &InputArtifact) -> Row {
         heads_q: number("heads_q"),
         heads_kv: number("heads_kv"),
         head_dim: number("head_dim"),
+        shape: preset_of(input),
         dtype: text("dtype").unwrap_or_default(),
         status: input.status.clone(),
         reason: input.error.clone(),
@@ -192,7 +202,7 @@ pub fn collect(inputs: &[InputArtifact]) -> Result<Vec<Row>, String> {
         };
         let measurement: Measurement = serde_json::from_slice(&bytes)
             .map_err(|err| format!("{}: not a measurement record: {err}", path.display()))?;
-        rows.push(from_measurement(&input.node, measurement));
+        rows.push(from_measurement(input, measurement));
     }
     rows.sort_by(|a, b| {
         (&a.mask, &a.direction, &a.kernel, a.seqlen).cmp(&(

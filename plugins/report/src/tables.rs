@@ -4,7 +4,7 @@ use attnbench_sdk::format_size;
 
 use crate::rows::Row;
 
-const COLUMNS: [&str; 27] = [
+const COLUMNS: [&str; 28] = [
     "node",
     "kernel",
     "mask",
@@ -15,6 +15,7 @@ const COLUMNS: [&str; 27] = [
     "heads_q",
     "heads_kv",
     "head_dim",
+    "shape",
     "dtype",
     "status",
     "reason",
@@ -63,6 +64,7 @@ pub fn csv(rows: &[Row]) -> String {
             row.heads_q.to_string(),
             row.heads_kv.to_string(),
             row.head_dim.to_string(),
+            field(row.shape.as_ref()),
             row.dtype.clone(),
             row.status.clone(),
             field(row.reason.as_ref()),

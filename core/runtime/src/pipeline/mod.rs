@@ -27,6 +27,7 @@ mod check;
 mod checker;
 pub(crate) mod limits;
 mod overrides;
+pub(crate) mod presets;
 mod resolve;
 pub(crate) mod spans;
 mod stage;

@@ -5,7 +5,7 @@ use serde_json::{Map, Value};
 
 use super::check::{check_needs, check_timeout};
 use super::checker::Checker;
-use super::{limits, Stage, STAGE_KEYS};
+use super::{limits, presets, Stage, STAGE_KEYS};
 use crate::diagnostic::suggestion;
 use crate::key::canonical;
 
@@ -239,10 +239,14 @@ pub(super) fn check_stage(
         ),
     }
 
+    let mut written = defaults.clone();
+    written.extend(with);
+    presets::check_presets(checker, stage_name, &spec, &written, &matrix, &mut params);
+
     for param in &spec.params {
         let set =
             params.contains_key(&param.name) || matrix.iter().any(|(key, _)| key == &param.name);
-        if !set {
+        if !set && !param.optional {
             checker.at_key(
                 &at,
                 format!(
