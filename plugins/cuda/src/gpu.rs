@@ -10,7 +10,9 @@ use attnbench_sdk::measure::{GpuRun, Harness, Timing};
 use attnbench_sdk::PluginError;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{
+    CudaContext, CudaSlice, CudaStream, DeviceRepr, PushKernelArg, ValidAsZeroBits,
+};
 use serde_json::Value;
 
 /// Opens `stem` under the names cudarc tries, or says which library is missing (a stage error).
@@ -85,7 +87,17 @@ pub struct Gpu {
     /// Where compiled PTX is kept between processes: `nvrtc/` in the host's cache folder, set by
     /// each stage that gets one; without it kernels are compiled once per process.
     pub ptx_cache: Option<std::path::PathBuf>,
+    /// The spin kernel [`Gpu::time`] runs before each start event, compiled on first use.
+    host_lead: Option<cudarc::driver::CudaFunction>,
 }
+
+/// A one-thread kernel that spins for a number of GPU clock cycles.
+const HOST_LEAD_SOURCE: &str = "extern \"C\" __global__ void host_lead(long long cycles) {\n    long long start = clock64();\n    while (clock64() - start < cycles) {}\n}\n";
+
+/// GPU clock cycles spun between the flush and the start event (about 1 ms at 2 GHz): the host
+/// enqueues the whole repetition meanwhile, so the timed region holds the kernels alone, as the
+/// Python peers' harness does (`HOST_LEAD_CYCLES` in the bridge).
+const HOST_LEAD_CYCLES: i64 = 2_000_000;
 
 impl Gpu {
     pub fn open() -> Result<Gpu, PluginError> {
@@ -109,6 +121,7 @@ impl Gpu {
             memory: Arc::default(),
             flush,
             ptx_cache: None,
+            host_lead: None,
         })
     }
 
@@ -234,8 +247,9 @@ impl Gpu {
             .map_err(failed("memory info"))
     }
 
-    /// Times `work` with the harness: before each repetition the L2 is flushed (outside the timed
-    /// region); device events bracket the call.
+    /// Times `work` with the harness: before each repetition the L2 is flushed and the GPU spins
+    /// for about a millisecond (both outside the timed region), so that device events bracket the
+    /// kernels and not the host's launch work.
     pub fn time(
         &mut self,
         harness: &Harness,
@@ -244,6 +258,22 @@ impl Gpu {
         let events = |ctx: &Arc<CudaContext>| ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
         let start = events(&self.ctx).map_err(failed("event"))?;
         let end = events(&self.ctx).map_err(failed("event"))?;
+        let lead = match self.host_lead.clone() {
+            Some(function) => function,
+            None => {
+                let module = self.compile("the timing spin kernel", HOST_LEAD_SOURCE)?;
+                let function = module
+                    .load_function("host_lead")
+                    .map_err(failed("the timing spin kernel"))?;
+                self.host_lead = Some(function.clone());
+                function
+            }
+        };
+        let one_thread = cudarc::driver::LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut failure: Option<PluginError> = None;
         let timing = harness.time_with(|| {
             if failure.is_some() {
@@ -252,6 +282,10 @@ impl Gpu {
             let rep = (|| -> Result<f64, PluginError> {
                 let failed = failed("timing");
                 self.stream.memset_zeros(&mut self.flush).map_err(&failed)?;
+                let mut spin = self.stream.launch_builder(&lead);
+                spin.arg(&HOST_LEAD_CYCLES);
+                // SAFETY: the kernel takes one i64 and touches no memory.
+                unsafe { spin.launch(one_thread) }.map_err(&failed)?;
                 start.record(&self.stream).map_err(&failed)?;
                 work(self)?;
                 end.record(&self.stream).map_err(&failed)?;

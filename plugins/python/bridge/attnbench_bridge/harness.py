@@ -351,14 +351,24 @@ def peak_memory(torch: Any, device: Any, step: Callable) -> dict:
             "method": "torch.cuda.max_memory_allocated around one call"}
 
 
+# GPU clock cycles the device spins after the flush (about 1 ms at 2 GHz), so that the host has
+# enqueued the whole step before the start event is reached.
+HOST_LEAD_CYCLES = 2_000_000
+
+
 def event_rep(torch: Any, device: Any, step: Callable) -> Callable[[], float]:
-    """One timed repetition on a CUDA device (seconds): a flush of twice the L2, then `step`
-    between CUDA events. scripts/peer-plain.py times the peers' plain loops with it too."""
+    """One timed repetition on a CUDA device (seconds): a flush of twice the L2, a spin that puts
+    the GPU ahead of the host, then `step` between CUDA events. Without the spin the GPU idles
+    from the start event until Python has launched the step: 50–150 µs for some peers, 5–12% of a
+    1 ms kernel, and more or less of it depending on how busy the process is. A model's training
+    loop runs ahead of its GPU, so the kernel's own time is what counts. scripts/peer-plain.py
+    times the peers' plain loops with it too."""
     flush = torch.empty(l2_flush_bytes(torch, device), dtype=torch.uint8, device=device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def rep() -> float:
         flush.zero_()  # evicts the inputs from L2, outside the timed region
+        torch.cuda._sleep(HOST_LEAD_CYCLES)
         start.record()
         step()
         end.record()
