@@ -35,6 +35,7 @@ fn block_sparse_host_work() {
         heads_kv: 1,
         seqlen: 32 << 10,
         head_dim: 128,
+        head_dim_v: None,
     };
     let slices: usize = set.masks.iter().map(|m| m.slices.len()).sum();
     let masks = HeadMasks::new(&set, &shape);
@@ -86,7 +87,7 @@ fn main() {
     for (label, seqlen) in [("768K", 768u64 << 10), ("4M", 4u64 << 20)] {
         let (time, (documents, flops)) = best(5, || {
             let set = generate(&params(seqlen), &histogram, 42).expect("causal_document generates");
-            let flops = Flops::of(set.masks[0].area(), 64, 128);
+            let flops = Flops::of(set.masks[0].area(), 64, 128, 128);
             (set.documents.len(), flops)
         });
         println!(

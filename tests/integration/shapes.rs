@@ -101,3 +101,28 @@ fn a_value_that_contradicts_the_preset_is_refused_naming_both() {
     );
     assert!(!sandbox.cache().join("runs").exists(), "nothing ran");
 }
+
+#[test]
+fn deepseek_v3_runs_with_its_own_value_head_dim_where_a_kernel_takes_one() {
+    let sandbox = Sandbox::new();
+    let pipeline = PIPELINE
+        .replace("shape: [llama3-8b, gemma3-27b]", "shape: [deepseek-v3]")
+        .replace("seqlen: 128", "seqlen: 64");
+    sandbox.write("p.yaml", &pipeline);
+    let output = sandbox.run(&["run", "p.yaml", "-q"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let (_, m) = measurements(&sandbox.last_record(), "bench").remove(0);
+    let shape = &m["shape"];
+    assert_eq!(
+        [
+            &shape["heads_q"],
+            &shape["heads_kv"],
+            &shape["head_dim"],
+            &shape["head_dim_v"]
+        ],
+        [128, 128, 192, 128]
+    );
+    assert_eq!(m["correctness"]["passed"], true, "{m}");
+    // FLOPs: 2 · area · heads · (192 + 128), the causal area of 64 tokens being 64·65/2.
+    assert_eq!(m["flops"], 2 * (64 * 65 / 2) * 128 * (192 + 128));
+}

@@ -24,6 +24,7 @@ const SHAPE: Shape = Shape {
     heads_kv: 1,
     seqlen: SEQLEN as usize,
     head_dim: 32,
+    head_dim_v: None,
 };
 const SEED: u64 = 1234;
 const TIMEOUT: Duration = Duration::from_secs(120);

@@ -99,6 +99,11 @@ impl Plan {
             let mut template = stage.params.clone();
             for axis in &axes {
                 template.insert(axis.key.clone(), Value::Null);
+                for value in axis.values {
+                    for (param, _) in presets::node_params(&stage.spec, &axis.key, value) {
+                        template.entry(param).or_insert(Value::Null);
+                    }
+                }
             }
             template.sort_keys();
             let template = Arc::new(template);

@@ -28,6 +28,7 @@ fn cell(set: &MaskSet, direction: Direction) -> Cell<'_> {
             heads_kv: 2,
             seqlen: 48,
             head_dim: 8,
+            head_dim_v: None,
         },
         element: Element::Bf16,
         direction,

@@ -130,7 +130,7 @@ impl DecodeProblem {
     /// Forward FLOPs, `4 · area · heads_q · head_dim`, as for prefill.
     pub fn flops(&self) -> u64 {
         let area = self.mask().map(|m| m.area()).unwrap_or(u64::MAX);
-        crate::mask::Flops::of(area, self.heads_q, self.head_dim).fwd
+        crate::mask::Flops::of(area, self.heads_q, self.head_dim, self.head_dim).fwd
     }
 
     /// Bytes a kernel must move at least: K and V read once per KV head, Q read and O written

@@ -332,6 +332,9 @@ pub struct KernelParams {
     pub heads_q: usize,
     pub heads_kv: usize,
     pub head_dim: usize,
+    /// Absent: equal to `head_dim`.
+    #[serde(default)]
+    pub head_dim_v: Option<usize>,
     pub dtype: crate::reference::Element,
     pub outputs: bool,
     #[serde(flatten)]
@@ -345,12 +348,8 @@ impl KernelParams {
 
     /// The problem's layout for a mask of `seqlen` tokens.
     pub fn shape(&self, seqlen: usize) -> crate::reference::Shape {
-        crate::reference::Shape {
-            heads_q: self.heads_q,
-            heads_kv: self.heads_kv,
-            seqlen,
-            head_dim: self.head_dim,
-        }
+        crate::reference::Shape::new(self.heads_q, self.heads_kv, seqlen, self.head_dim)
+            .with_value_dim(self.head_dim_v)
     }
 }
 

@@ -93,7 +93,8 @@ impl Measurement {
         harness: Harness,
     ) -> Measurement {
         let (heads_q, heads_kv) = (shape.heads_q as u64, shape.heads_kv as u64);
-        let flops = set.flops(heads_q, heads_kv, shape.head_dim as u64);
+        let (head_dim, value_dim) = (shape.head_dim as u64, shape.value_dim() as u64);
+        let flops = set.flops(heads_q, heads_kv, head_dim, value_dim);
         Measurement {
             record_version: RECORD_VERSION,
             kernel: kernel.to_string(),
@@ -384,6 +385,7 @@ impl TryFrom<Wire> for Measurement {
             // Version 1 took it from the mask.
             seqlen: wire.shape.seqlen.unwrap_or(wire.mask.seqlen as usize),
             head_dim: wire.shape.head_dim,
+            head_dim_v: wire.shape.head_dim_v,
         };
         let mut record = Measurement {
             record_version: version,
@@ -425,6 +427,8 @@ struct WireShape {
     heads_q: usize,
     heads_kv: usize,
     head_dim: usize,
+    #[serde(default)]
+    head_dim_v: Option<usize>,
     #[serde(default)]
     seqlen: Option<usize>,
     #[serde(default)]

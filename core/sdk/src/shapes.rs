@@ -123,7 +123,14 @@ pub fn shape_param() -> ParamSpec {
     let names = MODEL_SHAPES.iter().map(|shape| shape.name.to_string());
     ParamSpec::new(SHAPE_PARAM, ParamType::Enum(names.collect()))
         .optional()
-        .doc("A model's attention shape by name (`attnbench shapes` lists them): sets heads_q, heads_kv and head_dim; values written beside it must agree.")
+        .doc("A model's attention shape by name (`attnbench shapes` lists them): sets heads_q, heads_kv, head_dim and head_dim_v where the stage has them; values written beside it must agree.")
+}
+
+/// The optional `head_dim_v` parameter of a kernel stage: the value head dim, when it differs.
+pub fn value_dim_param() -> ParamSpec {
+    ParamSpec::new("head_dim_v", ParamType::Int)
+        .optional()
+        .doc("Value (and output) head dim where it differs from head_dim (MLA: head_dim 192, head_dim_v 128); absent: equal.")
 }
 
 /// Why a preset cannot set a stage's parameters.

@@ -285,6 +285,7 @@ fn threads_stage(request: &StageRequest, host: &Host) -> Result<Value, PluginErr
         heads_kv: p.heads_kv,
         seqlen: set.seqlen as usize,
         head_dim: p.head_dim,
+        head_dim_v: None,
     };
     let work = || sharding::row_work(&set, p.heads_q as u64, p.heads_kv as u64);
     let setup = setup(

@@ -44,6 +44,7 @@ impl RankProblem {
             heads_kv: self.heads_kv,
             seqlen: self.mask.seqlen as usize,
             head_dim: self.head_dim,
+            head_dim_v: None,
         }
     }
 

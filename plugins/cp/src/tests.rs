@@ -52,6 +52,7 @@ fn shape_for(world: usize) -> Shape {
         heads_kv,
         seqlen: SEQLEN,
         head_dim: 8,
+        head_dim_v: None,
     }
 }
 
@@ -197,6 +198,7 @@ fn sizes_that_do_not_shard_are_refused_with_a_reason() {
         heads_kv: 3,
         seqlen: SEQLEN,
         head_dim: 8,
+        head_dim_v: None,
     };
     let set = mask("causal");
     let inputs = Inputs::random(&shape, 1, false);
@@ -306,6 +308,7 @@ fn the_model_sets_measured_gpu_cells_beside_its_predictions() {
             heads_kv: 2,
             seqlen: set.seqlen as usize,
             head_dim: 8,
+            head_dim_v: None,
         };
         let mut m = Measurement::for_kernel(
             "cp-ring_p2p",

@@ -62,6 +62,7 @@ impl Plugin for Cpu {
                     .param(ParamSpec::new("heads_q", ParamType::Int).default(64).doc("Query heads."))
                     .param(ParamSpec::new("heads_kv", ParamType::Int).default(8).doc("Key/value heads (GQA when fewer than heads_q)."))
                     .param(ParamSpec::new("head_dim", ParamType::Int).default(128).doc("Head dimension."))
+                        .param(attnbench_sdk::shapes::value_dim_param())
                         .param(attnbench_sdk::shapes::shape_param())
                     .param(ParamSpec::new("dtype", Element::param_type(&[Element::F32, Element::Bf16])).default("f32").doc("Input precision (bf16 rounds the inputs; arithmetic is f32, or f64 for naive)."))
                     .param(ParamSpec::new("threads", ParamType::Int).default(0).doc("Threads for the tiled kernel (0 = one per CPU)."))
@@ -260,13 +261,16 @@ fn unprepared() -> PluginError {
 fn memory(params: &Params, shape: &Shape, threads: usize) -> Memory {
     let float = 4u64;
     let q = shape.q_len() as u64 * float;
-    let kv = shape.kv_len() as u64 * float;
+    let k = shape.kv_len() as u64 * float;
+    let v = shape.v_len() as u64 * float;
+    let out = shape.out_len() as u64 * float;
     let lse = (shape.heads_q * shape.seqlen) as u64 * float;
     let backward = params.common.backward();
-    let inputs = q + 2 * kv + if backward { 2 * q + lse } else { 0 };
-    let outputs = if backward { q + 2 * kv } else { q + lse };
+    // Backward inputs: dO, O and the LSE; its outputs dQ, dK, dV.
+    let inputs = q + k + v + if backward { 2 * out + lse } else { 0 };
+    let outputs = if backward { q + k + v } else { out + lse };
     let scratch = match params.kernel {
-        Kernel::Naive => naive::score_bytes(shape) + if backward { q + 2 * kv } else { 0 },
+        Kernel::Naive => naive::score_bytes(shape) + if backward { q + k + v } else { 0 },
         Kernel::Tiled => threads as u64 * tiled::workspace_bytes_per_thread(),
     };
     Memory {

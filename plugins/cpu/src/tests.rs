@@ -32,6 +32,7 @@ const SHAPE: Shape = Shape {
     heads_kv: 2,
     seqlen: 200,
     head_dim: 16,
+    head_dim_v: None,
 };
 
 #[test]
@@ -73,28 +74,36 @@ fn tiled_and_naive_agree_on_every_catalogue_mask_forward_and_backward() {
 
 #[test]
 fn naive_gradients_match_finite_differences() {
-    let shape = Shape {
-        heads_q: 2,
-        heads_kv: 1,
-        seqlen: 24,
-        head_dim: 8,
-    };
+    // Equal head dims, and a value dim of half the query/key dim (as MLA's 128 of 192).
+    for (head_dim_v, v_index) in [(None, 191), (Some(4), 90)] {
+        let shape = Shape {
+            heads_q: 2,
+            heads_kv: 1,
+            seqlen: 24,
+            head_dim: 8,
+            head_dim_v,
+        };
+        finite_differences(&shape, v_index);
+    }
+}
+
+fn finite_differences(shape: &Shape, v_index: usize) {
     let set =
         single(Mask::square(24, vec![Slice::new([0, 24], [0, 24], SliceKind::Causal)]).unwrap());
-    let masks = HeadMasks::new(&set, &shape);
-    let inputs = Inputs::random(&shape, 3, false);
-    let forward = naive::forward(&shape, &masks, &inputs);
-    let grads = naive::backward(&shape, &masks, &inputs, &forward);
+    let masks = HeadMasks::new(&set, shape);
+    let inputs = Inputs::random(shape, 3, false);
+    let forward = naive::forward(shape, &masks, &inputs);
+    let grads = naive::backward(shape, &masks, &inputs, &forward);
     // L = Σ O ∘ dO, so dL/dx is what backward returns for dO.
     let loss = |inputs: &Inputs| -> f64 {
-        let out = naive::forward(&shape, &masks, inputs).out;
+        let out = naive::forward(shape, &masks, inputs).out;
         out.iter()
             .zip(&inputs.d_out)
             .map(|(o, g)| *o as f64 * *g as f64)
             .sum()
     };
     let eps = 1e-2f32;
-    for (which, index) in [(0, 5), (0, 300), (1, 17), (1, 150), (2, 9), (2, 191)] {
+    for (which, index) in [(0, 5), (0, 300), (1, 17), (1, 150), (2, 9), (2, v_index)] {
         let mut plus = inputs.clone();
         let mut minus = inputs.clone();
         let (p, m, analytic) = match which {
@@ -107,8 +116,58 @@ fn naive_gradients_match_finite_differences() {
         let numeric = (loss(&plus) - loss(&minus)) / (2.0 * eps as f64);
         assert!(
             (numeric - analytic as f64).abs() < 2e-3 * (1.0 + numeric.abs()),
-            "input {which}[{index}]: numeric {numeric}, analytic {analytic}"
+            "{shape:?}, input {which}[{index}]: numeric {numeric}, analytic {analytic}"
         );
+    }
+}
+
+#[test]
+fn a_value_dim_apart_from_the_head_dim_runs_through_both_kernels_and_the_check() {
+    let shape = Shape {
+        head_dim_v: Some(8),
+        ..SHAPE
+    };
+    let histogram = Histogram {
+        buckets: vec![Bucket {
+            lo: 1,
+            hi: 70,
+            weight: 1.0,
+        }],
+    };
+    for pattern in ["full", "causal_document", "share_question"] {
+        let set = generate(&mask_params(pattern, 200), &histogram, 5).unwrap();
+        let masks = HeadMasks::new(&set, &shape);
+        let inputs = Inputs::random(&shape, 11, false);
+        assert_eq!(
+            (inputs.v.len(), inputs.d_out.len()),
+            (2 * 200 * 8, 4 * 200 * 8)
+        );
+        let reference = naive::forward(&shape, &masks, &inputs);
+        assert_eq!(reference.out.len(), shape.out_len());
+        let fast = tiled::forward(&shape, &masks, &inputs, 3);
+        assert!(
+            relative_error(&fast.out, &reference.out) < 1e-4,
+            "{pattern}: out"
+        );
+        assert!(
+            relative_error(&fast.lse, &reference.lse) < 1e-5,
+            "{pattern}: lse"
+        );
+        let expected = naive::backward(&shape, &masks, &inputs, &reference);
+        let grads = tiled::backward(&shape, &masks, &inputs, &fast, 3);
+        assert_eq!(grads.dv.len(), shape.v_len());
+        for (name, a, b) in [
+            ("dq", &grads.dq, &expected.dq),
+            ("dk", &grads.dk, &expected.dk),
+            ("dv", &grads.dv, &expected.dv),
+        ] {
+            assert!(relative_error(a, b) < 1e-4, "{pattern}: {name}");
+        }
+        let rows = sample_rows(200, 16);
+        let (out, lse, dq) = reference_rows(&shape, &masks, &inputs, &rows, true);
+        assert!(relative_error(&pick_rows(&shape, &reference.out, &rows, 8), &out) < 1e-6);
+        assert!(relative_error(&pick_rows(&shape, &reference.lse, &rows, 1), &lse) < 1e-6);
+        assert!(relative_error(&pick_rows(&shape, &expected.dq, &rows, 16), &dq) < 1e-5);
     }
 }
 
@@ -131,6 +190,7 @@ fn rows_without_keys_give_zero_and_minus_infinity_never_nan() {
         heads_kv: 2,
         seqlen: 70,
         head_dim: 8,
+        head_dim_v: None,
     };
     let set =
         single(Mask::square(70, vec![Slice::new([0, 70], [0, 66], SliceKind::Causal)]).unwrap());

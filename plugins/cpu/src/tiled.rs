@@ -44,12 +44,12 @@ fn prepare(masks: &HeadMasks) -> Vec<Option<MaskTiles>> {
 
 /// The query rows of head `h`, and the key and value rows of its KV head.
 fn head_view<'a>(shape: &Shape, inputs: &'a Inputs, h: usize) -> (&'a [f32], &'a [f32], &'a [f32]) {
-    let (s, d) = (shape.seqlen, shape.head_dim);
+    let (s, d, dv) = (shape.seqlen, shape.head_dim, shape.value_dim());
     let kv = shape.kv_head(h);
     (
         &inputs.q[h * s * d..(h + 1) * s * d],
         &inputs.k[kv * s * d..(kv + 1) * s * d],
-        &inputs.v[kv * s * d..(kv + 1) * s * d],
+        &inputs.v[kv * s * dv..(kv + 1) * s * dv],
     )
 }
 
@@ -103,9 +103,10 @@ fn tile_scores(
 }
 
 pub fn forward(shape: &Shape, masks: &HeadMasks, inputs: &Inputs, threads: usize) -> Forward {
-    let (s, d) = (shape.seqlen, shape.head_dim);
+    // Output rows have the value dim.
+    let (s, d) = (shape.seqlen, shape.value_dim());
     let tiles = prepare(masks);
-    let mut out = vec![0f32; shape.q_len()];
+    let mut out = vec![0f32; shape.out_len()];
     let mut lse = vec![f32::NEG_INFINITY; shape.heads_q * s];
     let mut jobs = Vec::new();
     for (h, (out_head, lse_head)) in out.chunks_mut(s * d).zip(lse.chunks_mut(s)).enumerate() {
@@ -178,15 +179,15 @@ pub fn backward(
     forward: &Forward,
     threads: usize,
 ) -> Grads {
-    let (s, d) = (shape.seqlen, shape.head_dim);
+    let (s, d, dv) = (shape.seqlen, shape.head_dim, shape.value_dim());
     let scale = shape.scale();
     let tiles = prepare(masks);
     // D_i = dO_i · O_i, the row term of the softmax gradient.
     let delta: Vec<f32> = (0..shape.heads_q * s)
         .map(|row| {
             dot(
-                &inputs.d_out[row * d..(row + 1) * d],
-                &forward.out[row * d..(row + 1) * d],
+                &inputs.d_out[row * dv..(row + 1) * dv],
+                &forward.out[row * dv..(row + 1) * dv],
             )
         })
         .collect();
@@ -201,7 +202,7 @@ pub fn backward(
         tile_scores(shape, q, k, (r0, r1), (c0, c1), full, &mask.rows, p);
         for r in r0..r1 {
             let lse = forward.lse[h * s + r];
-            let d_out = &inputs.d_out[(h * s + r) * d..(h * s + r + 1) * d];
+            let d_out = &inputs.d_out[(h * s + r) * dv..(h * s + r + 1) * dv];
             for c in c0..c1 {
                 let at = (r - r0) * TILE + (c - c0);
                 let score = p[at];
@@ -213,7 +214,7 @@ pub fn backward(
                 ds[at] = if p[at] == 0.0 {
                     0.0
                 } else {
-                    p[at] * (dot(d_out, &v[c * d..(c + 1) * d]) - delta[h * s + r]) * scale
+                    p[at] * (dot(d_out, &v[c * dv..(c + 1) * dv]) - delta[h * s + r]) * scale
                 };
             }
         }
@@ -221,12 +222,13 @@ pub fn backward(
     };
 
     let mut dk = vec![0f32; shape.kv_len()];
-    let mut dv = vec![0f32; shape.kv_len()];
+    let mut d_values = vec![0f32; shape.v_len()];
     let mut jobs = Vec::new();
-    for (kv, (dk_head, dv_head)) in dk.chunks_mut(s * d).zip(dv.chunks_mut(s * d)).enumerate() {
+    let heads = dk.chunks_mut(s * d).zip(d_values.chunks_mut(s * dv));
+    for (kv, (dk_head, dv_head)) in heads.enumerate() {
         for (kt, (dk_tile, dv_tile)) in dk_head
             .chunks_mut(TILE * d)
-            .zip(dv_head.chunks_mut(TILE * d))
+            .zip(dv_head.chunks_mut(TILE * dv))
             .enumerate()
         {
             jobs.push((kv, kt, dk_tile, dv_tile));
@@ -242,12 +244,12 @@ pub fn backward(
             for &(qt, full) in &mask.columns[kt] {
                 let (r0, r1, c0, c1) = tile_grads(h, qt as usize, kt, full, &mut p, &mut ds);
                 for r in r0..r1 {
-                    let d_out = &inputs.d_out[(h * s + r) * d..(h * s + r + 1) * d];
+                    let d_out = &inputs.d_out[(h * s + r) * dv..(h * s + r + 1) * dv];
                     let query = &inputs.q[(h * s + r) * d..(h * s + r + 1) * d];
                     for c in c0..c1 {
                         let at = (r - r0) * TILE + (c - c0);
                         if p[at] != 0.0 {
-                            axpy(p[at], d_out, &mut dv_tile[(c - c0) * d..(c - c0 + 1) * d]);
+                            axpy(p[at], d_out, &mut dv_tile[(c - c0) * dv..(c - c0 + 1) * dv]);
                             axpy(ds[at], query, &mut dk_tile[(c - c0) * d..(c - c0 + 1) * d]);
                         }
                     }
@@ -287,7 +289,11 @@ pub fn backward(
             }
         }
     });
-    Grads { dq, dk, dv }
+    Grads {
+        dq,
+        dk,
+        dv: d_values,
+    }
 }
 
 /// Bytes of scratch the tiled kernel holds per thread.

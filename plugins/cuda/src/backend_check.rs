@@ -87,6 +87,7 @@ fn check_block(
         heads_kv: p.heads_kv,
         seqlen: p.block,
         head_dim: p.head_dim,
+        head_dim_v: None,
     };
     let inputs = Inputs::random_as(&shape, seed, element);
     let (q_n, kv_n, lse_n) = (shape.q_len(), shape.kv_len(), p.heads_q * p.block);

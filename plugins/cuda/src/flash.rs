@@ -1363,6 +1363,7 @@ mod tests {
             heads_kv: 2,
             seqlen: s as usize,
             head_dim: 64,
+            head_dim_v: None,
         };
         let from_slices = tables(&MaskTiles::of_set(&HeadMasks::new(&set, &shape)));
         let all: Vec<u32> = (0..s as u32).collect();
@@ -1558,6 +1559,7 @@ mod tests {
             heads_kv: 1,
             seqlen: s as usize,
             head_dim: 64,
+            head_dim_v: None,
         };
         let rows_of = |params: &Params| {
             let set = generate(params, &histogram, 3).expect("a catalogue mask");

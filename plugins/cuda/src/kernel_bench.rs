@@ -56,6 +56,12 @@ fn unprepared() -> PluginError {
 
 impl KernelBench for CudaBench<'_> {
     fn unsupported(&self, cell: &Cell<'_>) -> Option<String> {
+        if let Some(value_dim) = cell.shape.head_dim_v {
+            return Some(format!(
+                "the cuda kernels take one head dim for Q, K and V; head_dim_v {value_dim} differs from head_dim {}",
+                cell.shape.head_dim
+            ));
+        }
         self.flash()
             .then(|| flash::unsupported(&cell.shape, cell.element))
             .flatten()

@@ -90,6 +90,7 @@ impl Plugin for Cuda {
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
                         .param(ParamSpec::new("heads_kv", ParamType::Int).default(8))
                         .param(ParamSpec::new("head_dim", ParamType::Int).default(128))
+                        .param(attnbench_sdk::shapes::value_dim_param())
                         .param(attnbench_sdk::shapes::shape_param())
                         .param(ParamSpec::new("dtype", ParamType::one_of(Element::NAMES)).default("bf16"))
                         .param(ParamSpec::new("outputs", ParamType::Bool).default(false).doc("Also write out.f32 and lse.f32."))
@@ -202,6 +203,7 @@ fn gemm(request: &StageRequest) -> Result<Value, PluginError> {
                 heads_kv: 1,
                 seqlen: count,
                 head_dim: 1,
+                head_dim_v: None,
             };
             element.encode(&Inputs::random_as(&shape, 11, element).q)
         };

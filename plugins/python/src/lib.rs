@@ -104,6 +104,7 @@ impl Plugin for Python {
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
                         .param(ParamSpec::new("heads_kv", ParamType::Int).default(8))
                         .param(ParamSpec::new("head_dim", ParamType::Int).default(128))
+                        .param(attnbench_sdk::shapes::value_dim_param())
                         .param(attnbench_sdk::shapes::shape_param())
                         .param(ParamSpec::new("dtype", ParamType::one_of(Element::NAMES)).default("bf16"))
                         .param(ParamSpec::new("outputs", ParamType::Bool).default(false).doc("Also write out.f32, lse.f32 (and dq/dk/dv.f32) when the inputs are the SDK's (up to check_max_seqlen)."))
@@ -232,6 +233,10 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         p.common.direction,
         harness.clone(),
     );
+    if let Some(value_dim) = shape.head_dim_v {
+        let reason = format!("the bridge hands its kernels one head dim for Q, K and V; head_dim_v {value_dim} differs from head_dim {}", shape.head_dim);
+        return measurement.unsupported(reason).write(&request.output_dir);
+    }
     let on_gpu = p.device == Device::Cuda && p.kernel != PyKernel::Numpy;
 
     // Up to check_max_seqlen the worker reads the SDK's inputs and writes every output.

@@ -164,7 +164,8 @@ pub struct Mask {
     pub slices: Vec<Slice>,
 }
 
-/// FLOPs of attention over a mask: `fwd = 4·area·h_q·d`, `bwd = 2.5·fwd`, `fwd_bwd = 3.5·fwd`.
+/// FLOPs of attention over a mask: `fwd = 2·area·h_q·(d_qk + d_v)` (S = QKᵀ and O = PV; with
+/// equal head dims `4·area·h_q·d`), `bwd = 2.5·fwd`, `fwd_bwd = 3.5·fwd`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Flops {
     pub fwd: u64,
@@ -175,8 +176,9 @@ pub struct Flops {
 impl Flops {
     /// `area` counted over the query heads (`heads_q`), as LongCA-bench counts them; `None`
     /// when a count does not fit in 64 bits (about 1.8·10¹⁹).
-    pub fn checked_of(area: u64, heads_q: u64, head_dim: u64) -> Option<Flops> {
-        let fwd = 4 * u128::from(area) * u128::from(heads_q) * u128::from(head_dim);
+    pub fn checked_of(area: u64, heads_q: u64, head_dim: u64, value_dim: u64) -> Option<Flops> {
+        let dims = u128::from(head_dim) + u128::from(value_dim);
+        let fwd = 2 * u128::from(area) * u128::from(heads_q) * dims;
         Some(Flops {
             fwd: u64::try_from(fwd).ok()?,
             bwd: u64::try_from(fwd / 2 * 5).ok()?,
@@ -186,8 +188,8 @@ impl Flops {
 
     /// Like [`Flops::checked_of`], saturating at `u64::MAX` instead of wrapping: kernels check
     /// with [`MaskSet::check_heads`] first, which refuses counts that do not fit.
-    pub fn of(area: u64, heads_q: u64, head_dim: u64) -> Flops {
-        Flops::checked_of(area, heads_q, head_dim).unwrap_or(Flops {
+    pub fn of(area: u64, heads_q: u64, head_dim: u64, value_dim: u64) -> Flops {
+        Flops::checked_of(area, heads_q, head_dim, value_dim).unwrap_or(Flops {
             fwd: u64::MAX,
             bwd: u64::MAX,
             fwd_bwd: u64::MAX,

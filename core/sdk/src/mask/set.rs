@@ -153,8 +153,13 @@ impl MaskSet {
         u64::try_from(total).ok()
     }
 
-    pub fn flops(&self, heads_q: u64, heads_kv: u64, head_dim: u64) -> Flops {
-        Flops::of(self.area_over_heads(heads_q, heads_kv), 1, head_dim)
+    pub fn flops(&self, heads_q: u64, heads_kv: u64, head_dim: u64, value_dim: u64) -> Flops {
+        Flops::of(
+            self.area_over_heads(heads_q, heads_kv),
+            1,
+            head_dim,
+            value_dim,
+        )
     }
 
     /// `None` when a FLOPs count does not fit in 64 bits.
@@ -162,6 +167,7 @@ impl MaskSet {
         Flops::checked_of(
             self.checked_area_over_heads(heads_q, heads_kv)?,
             1,
+            head_dim,
             head_dim,
         )
     }

@@ -148,10 +148,13 @@ fn overlapping_slices_are_counted_once() {
 
 #[test]
 fn flops_follow_the_papers_accounting() {
-    let flops = Flops::of(33_558_528, 64, 128);
+    let flops = Flops::of(33_558_528, 64, 128, 128);
     assert_eq!(flops.fwd, 1_099_645_845_504);
     assert_eq!(flops.bwd, flops.fwd * 5 / 2);
     assert_eq!(flops.fwd_bwd, flops.fwd * 7 / 2);
+    // MLA's head dims: QKᵀ over 192, PV over 128.
+    let mla = Flops::of(1000, 128, 192, 128);
+    assert_eq!(mla.fwd, 2 * 1000 * 128 * (192 + 128));
 }
 
 #[test]
@@ -174,8 +177,8 @@ fn areas_at_two_to_the_32_tokens_do_not_overflow() {
     assert!(matches!(err, MaskError::TooLarge { .. }), "{err}");
     assert!(err.to_string().contains("more than the 2^64 − 1"), "{err}");
     // FLOPs over heads are checked, and saturate instead of wrapping where unchecked.
-    assert_eq!(Flops::checked_of(causal.area(), 64, 128), None);
-    assert_eq!(Flops::of(causal.area(), 64, 128).fwd, u64::MAX);
+    assert_eq!(Flops::checked_of(causal.area(), 64, 128, 128), None);
+    assert_eq!(Flops::of(causal.area(), 64, 128, 128).fwd, u64::MAX);
     let set = MaskSet {
         pattern: "causal".into(),
         seqlen: s,

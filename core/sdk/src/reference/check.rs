@@ -45,16 +45,15 @@ pub fn check(
         CheckMode::Sampled { rows } => {
             let rows = sample_rows(shape.seqlen, rows);
             let (out, lse, dq) = reference_rows(shape, masks, inputs, &rows, grads.is_some());
-            let d = shape.head_dim;
             let mut errors = Map::new();
             let mut error = |name: &str, data: &[f32], width: usize, expected: &[f32]| {
                 let picked = pick_rows(shape, data, &rows, width);
                 errors.insert(name.into(), json!(relative_error(&picked, expected)));
             };
-            error("out", &forward.out, d, &out);
+            error("out", &forward.out, shape.value_dim(), &out);
             error("lse", &forward.lse, 1, &lse);
             if let Some(grads) = grads {
-                error("dq", &grads.dq, d, &dq);
+                error("dq", &grads.dq, shape.head_dim, &dq);
             }
             let what = if grads.is_some() {
                 "O, LSE, dQ"
@@ -162,7 +161,7 @@ fn head_rows(
     with_dq: bool,
     h: usize,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    let (s, d) = (shape.seqlen, shape.head_dim);
+    let (s, d, dv) = (shape.seqlen, shape.head_dim, shape.value_dim());
     let scale = shape.scale() as f64;
     let (mut out, mut lse, mut dq) = (Vec::new(), Vec::new(), Vec::new());
     let kv = shape.kv_head(h);
@@ -198,23 +197,23 @@ fn head_rows(
         } else {
             max + total.ln()
         };
-        let mut o = vec![0f64; d];
+        let mut o = vec![0f64; dv];
         for (&k, score) in keys.iter().zip(&scores) {
             let p = (score - row_lse).exp();
             for (x, v) in o
                 .iter_mut()
-                .zip(&inputs.v[(kv * s + k) * d..(kv * s + k + 1) * d])
+                .zip(&inputs.v[(kv * s + k) * dv..(kv * s + k + 1) * dv])
             {
                 *x += p * *v as f64;
             }
         }
         if with_dq {
-            let d_out = &inputs.d_out[(h * s + q) * d..(h * s + q + 1) * d];
+            let d_out = &inputs.d_out[(h * s + q) * dv..(h * s + q + 1) * dv];
             let delta: f64 = d_out.iter().zip(&o).map(|(a, b)| *a as f64 * b).sum();
             let mut g = vec![0f64; d];
             for (&k, score) in keys.iter().zip(&scores) {
                 let p = (score - row_lse).exp();
-                let value = &inputs.v[(kv * s + k) * d..(kv * s + k + 1) * d];
+                let value = &inputs.v[(kv * s + k) * dv..(kv * s + k + 1) * dv];
                 let dp: f64 = d_out
                     .iter()
                     .zip(value)

@@ -4,8 +4,9 @@
 //!
 //! The tensors of one attention problem and how they are laid out.
 //!
-//! Q, O, dO, dQ: `[heads_q][seqlen][head_dim]`; K, V, dK, dV: `[heads_kv][seqlen][head_dim]`;
-//! LSE: `[heads_q][seqlen]`. Query head `h` reads KV head `h / (heads_q / heads_kv)` (GQA).
+//! Q, dQ: `[heads_q][seqlen][head_dim]`; K, dK: `[heads_kv][seqlen][head_dim]`; V, dV:
+//! `[heads_kv][seqlen][value_dim]`; O, dO: `[heads_q][seqlen][value_dim]`; LSE: `[heads_q][seqlen]`.
+//! The value dim is the head dim unless `head_dim_v` says otherwise (MLA: 192 and 128). Query head `h` reads KV head `h / (heads_q / heads_kv)` (GQA).
 //! Convention everywhere: a row with no allowed key has output 0 and LSE −∞ (never NaN), and
 //! contributes nothing to the gradients.
 
@@ -27,10 +28,25 @@ pub struct Shape {
     pub heads_q: usize,
     pub heads_kv: usize,
     pub seqlen: usize,
+    /// Query and key head dim.
     pub head_dim: usize,
+    /// Value (and output) head dim where it differs from `head_dim`; `None`: equal.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_dim_v: Option<usize>,
 }
 
 impl Shape {
+    /// A shape whose values have the head dim of queries and keys.
+    pub const fn new(heads_q: usize, heads_kv: usize, seqlen: usize, head_dim: usize) -> Shape {
+        Shape {
+            heads_q,
+            heads_kv,
+            seqlen,
+            head_dim,
+            head_dim_v: None,
+        }
+    }
+
     pub fn group(&self) -> usize {
         self.heads_q / self.heads_kv
     }
@@ -43,12 +59,41 @@ impl Shape {
         1.0 / (self.head_dim as f32).sqrt()
     }
 
+    /// Value and output head dim.
+    pub fn value_dim(&self) -> usize {
+        self.head_dim_v.unwrap_or(self.head_dim)
+    }
+
+    /// `head_dim_v` as a shape keeps it: `None` when it equals `head_dim`.
+    pub fn with_value_dim(mut self, value_dim: Option<usize>) -> Shape {
+        self.head_dim_v = value_dim.filter(|&v| v != self.head_dim);
+        self
+    }
+
+    /// Values of Q (and dQ).
     pub fn q_len(&self) -> usize {
         self.heads_q * self.seqlen * self.head_dim
     }
 
+    /// Values of K (and dK).
     pub fn kv_len(&self) -> usize {
         self.heads_kv * self.seqlen * self.head_dim
+    }
+
+    /// Values of V (and dV).
+    pub fn v_len(&self) -> usize {
+        self.heads_kv * self.seqlen * self.value_dim()
+    }
+
+    /// Values of O (and dO).
+    pub fn out_len(&self) -> usize {
+        self.heads_q * self.seqlen * self.value_dim()
+    }
+
+    /// Where Q, K, V and dO start in the one stream of seeded values.
+    fn tensor_starts(&self) -> [usize; 4] {
+        let (q, k, v) = (self.q_len(), self.kv_len(), self.v_len());
+        [0, q, q + k, q + k + v]
     }
 }
 
@@ -179,12 +224,12 @@ impl Inputs {
             });
             out
         };
-        let (q_len, kv_len) = (shape.q_len(), shape.kv_len());
+        let [q, k, v, d_out] = shape.tensor_starts();
         Inputs {
-            q: fill(0, q_len),
-            k: fill(q_len, kv_len),
-            v: fill(q_len + kv_len, kv_len),
-            d_out: fill(q_len + 2 * kv_len, q_len),
+            q: fill(q, shape.q_len()),
+            k: fill(k, shape.kv_len()),
+            v: fill(v, shape.v_len()),
+            d_out: fill(d_out, shape.out_len()),
         }
     }
 }
@@ -234,14 +279,14 @@ impl RandomInputs {
     /// `positions`, head-major: `[heads][positions][head_dim]`, as cut from the whole tensor.
     pub fn shard(&self, tensor: Tensor, heads: &[usize], positions: &[u32]) -> Vec<f32> {
         let s = &self.shape;
-        let (q_len, kv_len) = (s.q_len(), s.kv_len());
-        let first = match tensor {
-            Tensor::Q => 0,
-            Tensor::K => q_len,
-            Tensor::V => q_len + kv_len,
-            Tensor::DOut => q_len + 2 * kv_len,
-        } as u64;
-        let d = s.head_dim;
+        let [q, k, v, d_out] = s.tensor_starts();
+        let (first, d) = match tensor {
+            Tensor::Q => (q, s.head_dim),
+            Tensor::K => (k, s.head_dim),
+            Tensor::V => (v, s.value_dim()),
+            Tensor::DOut => (d_out, s.value_dim()),
+        };
+        let first = first as u64;
         let mut out = vec![0.0f32; heads.len() * positions.len() * d];
         std::thread::scope(|scope| {
             for (&h, chunk) in heads.iter().zip(out.chunks_mut(positions.len() * d)) {
@@ -397,6 +442,7 @@ mod tests {
             heads_kv: 2,
             seqlen: 37,
             head_dim: 8,
+            head_dim_v: None,
         };
         let whole = Inputs::random_as(&shape, 11, Element::Bf16);
         let draws = RandomInputs::new(&shape, 11, Element::Bf16);
@@ -434,6 +480,7 @@ mod tests {
             heads_kv: 3,
             seqlen: 40,
             head_dim: 8,
+            head_dim_v: None,
         };
         let slices = vec![
             Slice::new([0, 25], [0, 25], SliceKind::Causal),
@@ -466,6 +513,7 @@ mod tests {
             heads_kv: 2,
             seqlen: 4096,
             head_dim: 32,
+            head_dim_v: None,
         };
         let mut state = 11u64 ^ 0x9E37_79B9_7F4A_7C15;
         let mut next = move || {

@@ -8,9 +8,10 @@ pub fn score_bytes(shape: &Shape) -> u64 {
     (shape.seqlen as u64).pow(2) * 8
 }
 
-fn row<'a>(data: &'a [f32], head: usize, position: usize, shape: &Shape) -> &'a [f32] {
-    let start = (head * shape.seqlen + position) * shape.head_dim;
-    &data[start..start + shape.head_dim]
+/// Row `position` of `head` in a tensor of rows of `width` values.
+fn row(data: &[f32], head: usize, position: usize, seqlen: usize, width: usize) -> &[f32] {
+    let start = (head * seqlen + position) * width;
+    &data[start..start + width]
 }
 
 fn dot64(a: &[f32], b: &[f32]) -> f64 {
@@ -31,10 +32,10 @@ fn probabilities(
     scores.fill(f64::NEG_INFINITY);
     masks.set.masks[masks.index_of_head[h]].for_each_row(|q, intervals| {
         let q = q as usize;
-        let query = row(&inputs.q, h, q, shape);
+        let query = row(&inputs.q, h, q, s, shape.head_dim);
         for &(a, b) in intervals {
             for k in a as usize..b as usize {
-                scores[q * s + k] = dot64(query, row(&inputs.k, kv, k, shape)) * scale;
+                scores[q * s + k] = dot64(query, row(&inputs.k, kv, k, s, shape.head_dim)) * scale;
             }
         }
     });
@@ -93,8 +94,8 @@ pub fn forward_with_threads(
     inputs: &Inputs,
     threads: usize,
 ) -> Forward {
-    let (s, d) = (shape.seqlen, shape.head_dim);
-    let mut out = vec![0f32; shape.q_len()];
+    let (s, d) = (shape.seqlen, shape.value_dim());
+    let mut out = vec![0f32; shape.out_len()];
     let mut lse_out = vec![f32::NEG_INFINITY; shape.heads_q * s];
     let heads: Vec<_> = out
         .chunks_mut(s * d)
@@ -112,7 +113,7 @@ pub fn forward_with_threads(
                 for k in 0..s {
                     let weight = p[q * s + k];
                     if weight != 0.0 {
-                        for (a, value) in acc.iter_mut().zip(row(&inputs.v, kv, k, shape)) {
+                        for (a, value) in acc.iter_mut().zip(row(&inputs.v, kv, k, s, d)) {
                             *a += weight * *value as f64;
                         }
                     }
@@ -141,15 +142,15 @@ pub fn backward_with_threads(
     forward: &Forward,
     threads: usize,
 ) -> Grads {
-    let (s, d) = (shape.seqlen, shape.head_dim);
+    let (s, d, dv_dim) = (shape.seqlen, shape.head_dim, shape.value_dim());
     let scale = shape.scale() as f64;
     let group = shape.group();
     let mut dq = vec![0f64; shape.q_len()];
     let mut dk = vec![0f64; shape.kv_len()];
-    let mut dv = vec![0f64; shape.kv_len()];
+    let mut dv = vec![0f64; shape.v_len()];
     let groups: Vec<_> = dq
         .chunks_mut(group * s * d)
-        .zip(dk.chunks_mut(s * d).zip(dv.chunks_mut(s * d)))
+        .zip(dk.chunks_mut(s * d).zip(dv.chunks_mut(s * dv_dim)))
         .enumerate()
         .collect();
     spread(groups, threads, |groups| {
@@ -159,20 +160,21 @@ pub fn backward_with_threads(
                 probabilities(shape, masks, inputs, h, &mut p);
                 let dq = &mut dq[(h - kv * group) * s * d..(h - kv * group + 1) * s * d];
                 for q in 0..s {
-                    let d_out = row(&inputs.d_out, h, q, shape);
-                    let delta = dot64(d_out, row(&forward.out, h, q, shape));
+                    let d_out = row(&inputs.d_out, h, q, s, dv_dim);
+                    let delta = dot64(d_out, row(&forward.out, h, q, s, dv_dim));
+                    let query = row(&inputs.q, h, q, s, d);
                     for k in 0..s {
                         let weight = p[q * s + k];
                         if weight == 0.0 {
                             continue;
                         }
-                        let value = row(&inputs.v, kv, k, shape);
-                        let dp = dot64(d_out, value);
+                        let dp = dot64(d_out, row(&inputs.v, kv, k, s, dv_dim));
                         let ds = weight * (dp - delta) * scale;
-                        let (key, query) =
-                            (row(&inputs.k, kv, k, shape), row(&inputs.q, h, q, shape));
+                        for (slot, g) in dv[k * dv_dim..(k + 1) * dv_dim].iter_mut().zip(d_out) {
+                            *slot += weight * *g as f64;
+                        }
+                        let key = row(&inputs.k, kv, k, s, d);
                         for i in 0..d {
-                            dv[k * d + i] += weight * d_out[i] as f64;
                             dq[q * d + i] += ds * key[i] as f64;
                             dk[k * d + i] += ds * query[i] as f64;
                         }
