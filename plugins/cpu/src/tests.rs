@@ -5,7 +5,7 @@ use serde_json::Map;
 
 use attnbench_sdk::reference::{self as naive, relative_error};
 
-use crate::problem::{HeadMasks, Inputs, Shape};
+use crate::problem::{Forward, Grads, HeadMasks, Inputs, Shape};
 use crate::tiled;
 use attnbench_sdk::reference::{pick_rows, reference_rows, sample_rows};
 
@@ -35,40 +35,50 @@ const SHAPE: Shape = Shape {
     head_dim_v: None,
 };
 
-#[test]
-fn tiled_and_naive_agree_on_every_catalogue_mask_forward_and_backward() {
-    let histogram = Histogram {
+fn documents() -> Histogram {
+    Histogram {
         buckets: vec![Bucket {
             lo: 1,
             hi: 70,
             weight: 1.0,
         }],
-    };
+    }
+}
+
+/// Checks the tiled kernel against the naive one on `pattern`, forward and backward; returns
+/// the inputs, the naive forward and gradients, and the masks.
+fn tiled_against_naive(shape: &Shape, pattern: &str) -> (Inputs, Forward, Grads, MaskSet) {
+    let set = generate(&mask_params(pattern, 200), &documents(), 5)
+        .unwrap_or_else(|err| panic!("{pattern}: {err}"));
+    let masks = HeadMasks::new(&set, shape);
+    let inputs = Inputs::random(shape, 11, false);
+    let reference = naive::forward(shape, &masks, &inputs);
+    let fast = tiled::forward(shape, &masks, &inputs, 3);
+    assert!(
+        relative_error(&fast.out, &reference.out) < 1e-4,
+        "{pattern}: out"
+    );
+    assert!(
+        relative_error(&fast.lse, &reference.lse) < 1e-5,
+        "{pattern}: lse"
+    );
+    let expected = naive::backward(shape, &masks, &inputs, &reference);
+    let grads = tiled::backward(shape, &masks, &inputs, &fast, 3);
+    for (name, a, b) in [
+        ("dq", &grads.dq, &expected.dq),
+        ("dk", &grads.dk, &expected.dk),
+        ("dv", &grads.dv, &expected.dv),
+    ] {
+        let error = relative_error(a, b);
+        assert!(error < 1e-4, "{pattern}: {name} error {error}");
+    }
+    (inputs, reference, expected, set)
+}
+
+#[test]
+fn tiled_and_naive_agree_on_every_catalogue_mask_forward_and_backward() {
     for pattern in Pattern::NAMES {
-        let set = generate(&mask_params(pattern, 200), &histogram, 5)
-            .unwrap_or_else(|err| panic!("{pattern}: {err}"));
-        let masks = HeadMasks::new(&set, &SHAPE);
-        let inputs = Inputs::random(&SHAPE, 11, false);
-        let reference = naive::forward(&SHAPE, &masks, &inputs);
-        let fast = tiled::forward(&SHAPE, &masks, &inputs, 3);
-        assert!(
-            relative_error(&fast.out, &reference.out) < 1e-4,
-            "{pattern}: out"
-        );
-        assert!(
-            relative_error(&fast.lse, &reference.lse) < 1e-5,
-            "{pattern}: lse"
-        );
-        let expected = naive::backward(&SHAPE, &masks, &inputs, &reference);
-        let grads = tiled::backward(&SHAPE, &masks, &inputs, &fast, 3);
-        for (name, a, b) in [
-            ("dq", &grads.dq, &expected.dq),
-            ("dk", &grads.dk, &expected.dk),
-            ("dv", &grads.dv, &expected.dv),
-        ] {
-            let error = relative_error(a, b);
-            assert!(error < 1e-4, "{pattern}: {name} error {error}");
-        }
+        tiled_against_naive(&SHAPE, pattern);
     }
 }
 
@@ -127,42 +137,17 @@ fn a_value_dim_apart_from_the_head_dim_runs_through_both_kernels_and_the_check()
         head_dim_v: Some(8),
         ..SHAPE
     };
-    let histogram = Histogram {
-        buckets: vec![Bucket {
-            lo: 1,
-            hi: 70,
-            weight: 1.0,
-        }],
-    };
     for pattern in ["full", "causal_document", "share_question"] {
-        let set = generate(&mask_params(pattern, 200), &histogram, 5).unwrap();
-        let masks = HeadMasks::new(&set, &shape);
-        let inputs = Inputs::random(&shape, 11, false);
+        let (inputs, reference, expected, set) = tiled_against_naive(&shape, pattern);
         assert_eq!(
             (inputs.v.len(), inputs.d_out.len()),
             (2 * 200 * 8, 4 * 200 * 8)
         );
-        let reference = naive::forward(&shape, &masks, &inputs);
-        assert_eq!(reference.out.len(), shape.out_len());
-        let fast = tiled::forward(&shape, &masks, &inputs, 3);
-        assert!(
-            relative_error(&fast.out, &reference.out) < 1e-4,
-            "{pattern}: out"
+        assert_eq!(
+            (reference.out.len(), expected.dv.len()),
+            (shape.out_len(), shape.v_len())
         );
-        assert!(
-            relative_error(&fast.lse, &reference.lse) < 1e-5,
-            "{pattern}: lse"
-        );
-        let expected = naive::backward(&shape, &masks, &inputs, &reference);
-        let grads = tiled::backward(&shape, &masks, &inputs, &fast, 3);
-        assert_eq!(grads.dv.len(), shape.v_len());
-        for (name, a, b) in [
-            ("dq", &grads.dq, &expected.dq),
-            ("dk", &grads.dk, &expected.dk),
-            ("dv", &grads.dv, &expected.dv),
-        ] {
-            assert!(relative_error(a, b) < 1e-4, "{pattern}: {name}");
-        }
+        let masks = HeadMasks::new(&set, &shape);
         let rows = sample_rows(200, 16);
         let (out, lse, dq) = reference_rows(&shape, &masks, &inputs, &rows, true);
         assert!(relative_error(&pick_rows(&shape, &reference.out, &rows, 8), &out) < 1e-6);
@@ -216,14 +201,7 @@ fn rows_without_keys_give_zero_and_minus_infinity_never_nan() {
 
 #[test]
 fn the_sampled_reference_agrees_with_the_naive_kernel() {
-    let histogram = Histogram {
-        buckets: vec![Bucket {
-            lo: 1,
-            hi: 70,
-            weight: 1.0,
-        }],
-    };
-    let set = generate(&mask_params("share_question", 200), &histogram, 2).unwrap();
+    let set = generate(&mask_params("share_question", 200), &documents(), 2).unwrap();
     let masks = HeadMasks::new(&set, &SHAPE);
     let inputs = Inputs::random(&SHAPE, 4, false);
     let forward = naive::forward(&SHAPE, &masks, &inputs);
