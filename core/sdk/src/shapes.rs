@@ -12,6 +12,9 @@ use crate::manifest::{ParamSpec, ParamType, StageSpec};
 /// The parameter that names a preset.
 pub const SHAPE_PARAM: &str = "shape";
 
+/// The parameters a preset sets, in the order of [`ModelShape::params`].
+pub const PRESET_PARAMS: [&str; 4] = ["heads_q", "heads_kv", "head_dim", "head_dim_v"];
+
 /// One model's attention layout, as its published configuration gives it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ModelShape {
@@ -154,12 +157,8 @@ pub enum PresetError {
 impl ModelShape {
     /// The parameters a preset sets, by name.
     pub fn params(&self) -> [(&'static str, u64); 4] {
-        [
-            ("heads_q", self.heads_q),
-            ("heads_kv", self.heads_kv),
-            ("head_dim", self.head_dim),
-            ("head_dim_v", self.head_dim_v),
-        ]
+        let values = [self.heads_q, self.heads_kv, self.head_dim, self.head_dim_v];
+        std::array::from_fn(|i| (PRESET_PARAMS[i], values[i]))
     }
 
     /// What the preset sets on `stage`: each of its parameters the stage declares. `given` says

@@ -28,7 +28,7 @@ pub(super) fn check_presets(
     };
     let mut path = vec!["stages", stage_name];
     path.extend(&at);
-    for (param, _) in shapes::MODEL_SHAPES[0].params() {
+    for param in shapes::PRESET_PARAMS {
         if spec.find_param(param).is_some() && axis(param).is_some() {
             checker.at_key(
                 &["stages", stage_name, "matrix", param],
