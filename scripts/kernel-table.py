@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Prints one run's kernel measurements as a Markdown table: a row per mask (and length), a column
 per kernel, each cell forward / backward median TFLOP/s. `–` is a direction the kernel does not
-run (its record says why), `✗` a figure whose correctness check failed, `oom` out of memory.
+run (its record says why), `✗` a figure whose correctness check failed, `oom` out of memory, `°` a
+cell that started on an idle GPU (its clocks boost above what sustained work holds under the
+power cap, so the figure can read high).
 
     scripts/kernel-table.py [CACHE_DIR] [RUN_ID] [--kernels a,b,...]
     (defaults: $ATTNBENCH_CACHE or ./artifacts, the latest run, every kernel in the run's order)
@@ -34,7 +36,13 @@ def cell(m):
         return "–"
     value = m["tflops"]["p50"]
     figure = f"{value:.0f}" if value >= 10 else f"{value:.3g}"
+    figure += "°" if started_idle(m) else ""
     return figure if (m.get("correctness") or {}).get("passed", True) else figure + " ✗"
+
+
+def started_idle(m):
+    before = ((m.get("gpu") or {}).get("clocks_before") or {}).get("throttle_reasons") or []
+    return "gpu_idle" in before
 
 
 def row_of(node, nodes, m):
@@ -73,6 +81,8 @@ def main():
         cells = [f"{cell(found.get((row, k, 'fwd')))} / {cell(found.get((row, k, 'bwd')))}" for k in columns]
         cells = ["" if c == " / " else c for c in cells]
         print(f"| {row[0]} | {row[1]} | " + (f"{row[2]} | " if settings else "") + " | ".join(cells) + " |")
+    if any(started_idle(m) for m in found.values()):
+        print("\n°: started on an idle GPU; boost clocks can make it read high (the record's `gpu.clocks_before`).")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
     scripts/peer-plain.py [CACHE_DIR] [RUN_ID] [--reps N] [--rounds R] [--kernels flex,fa4,cudnn,flashinfer]
         [--seqlen S] [--masks causal,...] [--direction fwd|bwd] [--match REGEX] [--storage bhsd|bshd]
         [--harness-storage auto|bshd|bhsd] [--lse] [--flex-block 128|64|32|16] [--flex-form mask_mod|kv_blocks]
-    (defaults: $ATTNBENCH_CACHE or ./artifacts, the latest run, 20 reps, 5 rounds, every kernel, mask and direction)
+    (defaults: $ATTNBENCH_CACHE or ./artifacts, the latest run, 20 reps, 6 rounds, every kernel, mask and direction)
 
 For every measurement of those kernels in the run whose mask has a closed form here (for flex,
 all 12 static masks: document ids and index arithmetic; for the other peers, full, causal, the
@@ -54,7 +54,7 @@ def arguments():
     parser.add_argument("cache", nargs="?", default=os.environ.get("ATTNBENCH_CACHE", "artifacts"))
     parser.add_argument("run", nargs="?", help="run id (default: the latest)")
     parser.add_argument("--reps", type=int, default=20, help="repetitions per round and side")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds, alternating the harness and the plain loop")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds, alternating the harness and the plain loop (and which goes first)")
     parser.add_argument("--kernels", default=",".join(PEERS), help="comma-separated, of " + ", ".join(PEERS))
     parser.add_argument("--seqlen", type=int, action="append", help="only the cells of this length (repeatable)")
     parser.add_argument("--storage", choices=("bhsd", "bshd"), default="bhsd",
@@ -157,12 +157,18 @@ def sm_clock():
 def side_by_side(harness, plain, reps, rounds):
     """The harness's repetition and the plain loop's, alternating in rounds in one process on the
     same GPU: a difference that survives this is the adapter's, not the machine's state between two
-    runs. Returns (median of the harness's round medians, the plain loop's, (low, high) of their
-    ratio over the rounds, SM clocks seen)."""
+    runs. The side that goes first alternates too: under a power cap the clock falls while a
+    round runs, and a fixed order would hand one side the cooler start every time. Returns (median
+    of the harness's round medians, the plain loop's, (low, high) of their ratio over the rounds,
+    SM clocks seen)."""
     ours, theirs, clocks = [], [], []
-    for _ in range(rounds):
-        ours.append(median_of(lambda: harness() * 1e3, reps))
-        theirs.append(median_of(plain, reps))
+    for round_index in range(rounds):
+        if round_index % 2 == 0:
+            ours.append(median_of(lambda: harness() * 1e3, reps))
+            theirs.append(median_of(plain, reps))
+        else:
+            theirs.append(median_of(plain, reps))
+            ours.append(median_of(lambda: harness() * 1e3, reps))
         clocks.append(sm_clock())
     ratios = [b / a for a, b in zip(ours, theirs)]  # the harness's speed over the plain loop's
     return statistics.median(ours), statistics.median(theirs), (min(ratios), max(ratios)), clocks
