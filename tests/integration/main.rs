@@ -6,6 +6,7 @@ mod cache_common;
 mod cache_transfer;
 mod context_parallel;
 mod datasets;
+mod decode;
 mod faults;
 mod gpu;
 mod plugin_kit;

@@ -24,6 +24,8 @@ pub const PAGE_SIZES: [u64; 2] = [16, 64];
 pub enum DecodeError {
     #[error("a decode batch needs at least one sequence")]
     EmptyBatch,
+    #[error("kv_len must be at least 1 token")]
+    EmptyCache,
     #[error("queries must be 1 to {MAX_QUERIES} new tokens per sequence, got {0}")]
     Queries(u64),
     #[error("sequence {index} has {kv_len} KV tokens, fewer than its {queries} new tokens")]
@@ -90,6 +92,33 @@ impl DecodeProblem {
         };
         problem.mask()?;
         Ok(problem)
+    }
+
+    /// The batch the decode stages describe: `batch` sequences whose KV lengths step down from
+    /// `kv_len` by `kv_len / batch` (never under `queries`), so one step mixes long and short
+    /// caches as a serving batch does; `page_size` 0 keeps each cache contiguous.
+    pub fn stepped(
+        batch: usize,
+        kv_len: u64,
+        queries: u64,
+        heads: (u64, u64, u64),
+        page_size: u64,
+    ) -> Result<DecodeProblem, DecodeError> {
+        if batch == 0 {
+            return Err(DecodeError::EmptyBatch);
+        }
+        if kv_len == 0 {
+            return Err(DecodeError::EmptyCache);
+        }
+        let kv_lens = (0..batch as u64)
+            .map(|b| (kv_len - b * (kv_len / batch as u64)).max(queries))
+            .collect();
+        DecodeProblem::new(
+            kv_lens,
+            queries,
+            heads,
+            (page_size > 0).then_some(page_size),
+        )
     }
 
     pub fn batch(&self) -> usize {

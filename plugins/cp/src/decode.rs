@@ -220,21 +220,15 @@ pub fn spec() -> StageSpec {
 /// with each rank's sent values against the formula.
 pub fn stage(request: &StageRequest) -> Result<Value, PluginError> {
     let p: DecodeParams = request.params()?;
-    if p.world == 0 || p.batch == 0 {
-        return Err(PluginError::Params(format!(
-            "world ({}) and batch ({}) must be at least 1",
-            p.world, p.batch
-        )));
+    if p.world == 0 {
+        return Err(PluginError::Params("world must be at least 1 rank".into()));
     }
-    let kv_lens: Vec<u64> = (0..p.batch as u64)
-        .map(|b| (p.kv_len - b * (p.kv_len / p.batch as u64)).max(p.queries))
-        .collect();
-    let page = (p.page_size > 0).then_some(p.page_size);
-    let problem = DecodeProblem::new(
-        kv_lens,
+    let problem = DecodeProblem::stepped(
+        p.batch,
+        p.kv_len,
         p.queries,
         (p.heads_q, p.heads_kv, p.head_dim),
-        page,
+        p.page_size,
     )
     .map_err(|err| PluginError::Params(err.to_string()))?;
     let mut inputs = DecodeInputs::random(&problem, request.seed, p.dtype);
@@ -275,7 +269,7 @@ pub fn stage(request: &StageRequest) -> Result<Value, PluginError> {
         "world": p.world,
         "kv_lens": problem.kv_lens,
         "queries": p.queries,
-        "page_size": page,
+        "page_size": problem.page_size,
         "flops": problem.flops(),
         "bytes": problem.bytes(element_bytes),
         "depth": depth(p.method, p.world),

@@ -1,7 +1,8 @@
 //! `cpu/benchmark`: attention on the CPU for any mask the IR can express — the naive reference
 //! kernel and the tiled multi-threaded one — timed with the SDK's harness and checked against a
-//! reference before it is timed.
+//! reference before it is timed. `cpu/decode`: a split-KV decode step on CPU threads.
 
+pub mod decode;
 pub mod problem;
 pub mod tiled;
 
@@ -74,6 +75,7 @@ impl Plugin for Cpu {
                     .param(ParamSpec::new("outputs", ParamType::Bool).default(false).doc("Also write the output tensors (out.f32, lse.f32 and, with a backward, dq/dk/dv.f32) for checking."))
                     .measures_masks(),
             )
+            .stage(decode::spec())
             .attention_kernel("reference")
     }
 
@@ -90,11 +92,15 @@ impl Plugin for Cpu {
     }
 
     fn run(stage: &str, request: StageRequest, host: &Host) -> Result<Value, PluginError> {
-        if stage != "benchmark" {
-            return Err(PluginError::UnknownStage {
-                stage: stage.into(),
-                known: "benchmark".into(),
-            });
+        match stage {
+            "benchmark" => {}
+            "decode" => return decode::stage(&request),
+            _ => {
+                return Err(PluginError::UnknownStage {
+                    stage: stage.into(),
+                    known: "benchmark, decode".into(),
+                })
+            }
         }
         let params: Params = request.params()?;
         let set = request.mask_set()?;

@@ -1,7 +1,25 @@
 //! The problem's layout comes from the SDK's reference module; this adds the vector helpers the
-//! tiled kernel's inner loops use.
+//! kernels' inner loops use and their work queue.
+
+use std::sync::Mutex;
 
 pub use attnbench_sdk::reference::{Forward, Grads, HeadMasks, Inputs, Shape};
+
+/// Runs `work` on every job, spread over `threads` threads that take jobs from one queue.
+pub fn parallel<J: Send>(jobs: Vec<J>, threads: usize, work: impl Fn(J) + Sync) {
+    let queue = Mutex::new(jobs);
+    std::thread::scope(|scope| {
+        for _ in 0..threads.max(1) {
+            scope.spawn(|| loop {
+                let job = queue.lock().ok().and_then(|mut q| q.pop());
+                match job {
+                    Some(job) => work(job),
+                    None => break,
+                }
+            });
+        }
+    });
+}
 
 /// `Σ a·b` with eight independent accumulators, so the compiler can vectorise it.
 #[inline]

@@ -4,11 +4,9 @@
 //! backward pass recomputes probabilities from the LSE, in two deterministic passes (dK/dV by key
 //! tile, then dQ by query tile) that need no atomics. Work is spread over threads by tile.
 
-use std::sync::Mutex;
-
 use attnbench_sdk::mask::BlockMask;
 
-use crate::problem::{axpy, dot, Forward, Grads, HeadMasks, Inputs, Shape};
+use crate::problem::{axpy, dot, parallel, Forward, Grads, HeadMasks, Inputs, Shape};
 
 pub const TILE: usize = 64;
 
@@ -51,22 +49,6 @@ fn head_view<'a>(shape: &Shape, inputs: &'a Inputs, h: usize) -> (&'a [f32], &'a
         &inputs.k[kv * s * d..(kv + 1) * s * d],
         &inputs.v[kv * s * dv..(kv + 1) * s * dv],
     )
-}
-
-/// Runs `work` on every job, spread over `threads` threads.
-fn parallel<J: Send>(jobs: Vec<J>, threads: usize, work: impl Fn(J) + Sync) {
-    let queue = Mutex::new(jobs);
-    std::thread::scope(|scope| {
-        for _ in 0..threads.max(1) {
-            scope.spawn(|| loop {
-                let job = queue.lock().ok().and_then(|mut q| q.pop());
-                match job {
-                    Some(job) => work(job),
-                    None => break,
-                }
-            });
-        }
-    });
 }
 
 /// Scores of a tile: `scores[r·TILE + c] = scale · q_r·k_c`, −∞ where the mask forbids.
