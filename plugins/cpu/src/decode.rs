@@ -10,7 +10,9 @@
 
 use std::time::Instant;
 
-use attnbench_sdk::decode::{reference, split_range, DecodeInputs, DecodeProblem, PageTable};
+use attnbench_sdk::decode::{
+    reference, split_range, DecodeInputs, DecodeProblem, PageTable, Partial,
+};
 
 use crate::problem::{axpy, dot, parallel};
 use attnbench_sdk::measure::{Harness, HarnessParams, Quantiles};
@@ -62,6 +64,8 @@ pub fn spec() -> StageSpec {
         .param(ParamSpec::new("check", ParamType::Bool).default(true).doc("Compare O and LSE with the f64 reference before timing."))
         .output("decode")
         .cache_scope(CacheScope::Machine)
+        // A timing shares the cores with nothing else.
+        .exclusive()
 }
 
 /// The split count for `problem` on `threads` threads: enough work items to give every thread
@@ -120,6 +124,17 @@ impl Cache<'_> {
 pub struct DecodeOutput {
     pub out: Vec<f32>,
     pub lse: Vec<f32>,
+}
+
+impl DecodeOutput {
+    /// Widened to the reference's form, to compare with [`Partial::max_difference`].
+    pub fn to_partial(&self) -> Partial {
+        let widen = |values: &[f32]| values.iter().map(|&x| f64::from(x)).collect();
+        Partial {
+            out: widen(&self.out),
+            lse: widen(&self.lse),
+        }
+    }
 }
 
 /// One decode step: every (sequence, KV head, split) on `threads` threads, then the merge.
@@ -332,19 +347,7 @@ pub fn stage(request: &StageRequest) -> Result<Value, PluginError> {
     let correctness = if p.check {
         let output = decode(&problem, &inputs.q, &cache, splits, threads);
         let whole = reference(&problem, &inputs);
-        let max_error = output
-            .out
-            .iter()
-            .zip(&whole.out)
-            .chain(output.lse.iter().zip(&whole.lse))
-            .map(|(&x, &y)| {
-                if f64::from(x) == y {
-                    0.0
-                } else {
-                    (f64::from(x) - y).abs()
-                }
-            })
-            .fold(0.0, f64::max);
+        let max_error = whole.max_difference(&output.to_partial());
         json!({"reference": "f64 over every key (decode::reference)", "checked": "O and LSE of every row",
                "max_error": max_error, "tolerance": tolerance, "passed": max_error <= tolerance})
     } else {
