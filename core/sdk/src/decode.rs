@@ -381,6 +381,42 @@ pub fn attend(
     partial
 }
 
+/// The step cut to KV head 0 and its group of query heads, with its inputs: a check of a long
+/// cache at 1/heads_kv of the reference's cost. In the packed layouts both are prefixes, as are
+/// the group's rows of a kernel's O and LSE (`[..values]` of [`Partial::out`], `[..rows]` of
+/// its LSE, with the returned problem's sizes).
+pub fn first_group(
+    problem: &DecodeProblem,
+    inputs: &DecodeInputs,
+) -> (DecodeProblem, DecodeInputs) {
+    let group = DecodeProblem {
+        heads_q: problem.heads_q / problem.heads_kv,
+        heads_kv: 1,
+        ..problem.clone()
+    };
+    let (q_len, kv_len) = (
+        (group.heads_q * group.rows() * group.head_dim) as usize,
+        (group.keys() * group.head_dim) as usize,
+    );
+    let inputs = DecodeInputs {
+        q: inputs.q[..q_len].to_vec(),
+        k: inputs.k[..kv_len].to_vec(),
+        v: inputs.v[..kv_len].to_vec(),
+    };
+    (group, inputs)
+}
+
+impl Partial {
+    /// The first `problem`'s rows of this partial (see [`first_group`]).
+    pub fn prefix(&self, problem: &DecodeProblem) -> Partial {
+        let rows = (problem.heads_q * problem.rows()) as usize;
+        Partial {
+            out: self.out[..rows * problem.head_dim as usize].to_vec(),
+            lse: self.lse[..rows].to_vec(),
+        }
+    }
+}
+
 /// The whole step's O and LSE, every key at once.
 pub fn reference(problem: &DecodeProblem, inputs: &DecodeInputs) -> Partial {
     attend(problem, inputs, |b| 0..problem.kv_lens[b])

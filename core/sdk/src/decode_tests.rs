@@ -118,3 +118,31 @@ fn impossible_problems_are_refused_with_the_reason() {
     let err = DecodeProblem::new(vec![8], 1, (6, 4, 8), None).unwrap_err();
     assert!(err.to_string().contains("multiple of heads_kv"), "{err}");
 }
+
+#[test]
+fn the_first_group_is_the_whole_steps_first_rows() {
+    let whole = DecodeProblem::new(vec![40, 9], 2, (8, 4, 8), None).unwrap();
+    let inputs = DecodeInputs::random(&whole, 5, Element::F32);
+    let (group, group_inputs) = first_group(&whole, &inputs);
+    assert_eq!((group.heads_q, group.heads_kv), (2, 1));
+    let expected = reference(&whole, &inputs).prefix(&group);
+    assert_eq!(
+        reference(&group, &group_inputs).max_difference(&expected),
+        0.0
+    );
+}
+
+#[test]
+fn stepped_batches_mix_long_and_short_caches() {
+    let stepped = DecodeProblem::stepped(4, 1000, 3, (8, 2, 16), 16).unwrap();
+    assert_eq!(stepped.kv_lens, vec![1000, 750, 500, 250]);
+    assert_eq!(stepped.page_size, Some(16));
+    assert_eq!(
+        DecodeProblem::stepped(0, 1000, 1, (8, 2, 16), 0),
+        Err(DecodeError::EmptyBatch)
+    );
+    assert_eq!(
+        DecodeProblem::stepped(2, 0, 1, (8, 2, 16), 0),
+        Err(DecodeError::EmptyCache)
+    );
+}

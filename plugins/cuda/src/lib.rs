@@ -2,10 +2,12 @@
 //! cuBLAS — timed with the GPU variant of the harness.
 //!
 //! Stages: `devices` (what `attnbench doctor` shows), `gemm` (a cuBLAS GEMM: the harness against
-//! the machine's ceiling) and `benchmark` (attention kernels over any mask of the IR). On a
-//! machine without a GPU the plugin loads, and its stages fail with one sentence.
+//! the machine's ceiling), `benchmark` (attention kernels over any mask of the IR) and `decode`
+//! (a split-KV decode step). On a machine without a GPU the plugin loads, and its stages fail
+//! with one sentence.
 
 mod backend_check;
+mod decode;
 mod flash;
 mod gpu;
 mod kernel_bench;
@@ -35,6 +37,7 @@ struct State {
     gpu: Gpu,
     naive: Option<naive::Kernels>,
     flash: Option<flash::Kernels>,
+    decode: Option<decode::Kernels>,
 }
 
 static STATE: Mutex<Option<State>> = Mutex::new(None);
@@ -48,6 +51,7 @@ fn with_gpu<T>(work: impl FnOnce(&mut State) -> Result<T, PluginError>) -> Resul
             gpu: Gpu::open()?,
             naive: None,
             flash: None,
+            decode: None,
         });
     }
     work(guard.as_mut().expect("initialised above"))
@@ -114,6 +118,7 @@ impl Plugin for Cuda {
                     .isolation(Isolation::Worker)
                     .cache_scope(CacheScope::Machine),
             )
+            .stage(decode::spec())
             .attention_kernel("flash")
     }
 
@@ -159,9 +164,18 @@ impl Plugin for Cuda {
             "gemm" => gemm(&request),
             "benchmark" => benchmark(&request, host),
             "backend-check" => backend_check::run(&request),
+            "decode" => with_gpu(|state| {
+                let kernels = match state.decode.take() {
+                    Some(kernels) => kernels,
+                    None => decode::compile(&state.gpu)?,
+                };
+                let result = decode::run(&mut state.gpu, &kernels, &request);
+                state.decode = Some(kernels);
+                result
+            }),
             other => Err(PluginError::UnknownStage {
                 stage: other.into(),
-                known: "devices, gemm, benchmark, backend-check".into(),
+                known: "devices, gemm, benchmark, backend-check, decode".into(),
             }),
         }
     }

@@ -193,6 +193,24 @@ impl Element {
                 .collect(),
         }
     }
+
+    /// Values back from little-endian bytes of this type (what a kernel wrote).
+    pub fn decode(self, bytes: &[u8]) -> Vec<f32> {
+        match self {
+            Element::F32 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            Element::Bf16 => bytes
+                .chunks_exact(2)
+                .map(|b| f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16))
+                .collect(),
+            Element::F16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
+                .collect(),
+        }
+    }
 }
 
 impl Inputs {
@@ -535,6 +553,19 @@ mod tests {
             assert!(
                 *tensor == expected,
                 "{name} differs from the sequential stream"
+            );
+        }
+    }
+
+    #[test]
+    fn decode_reads_back_what_encode_wrote() {
+        let values = [0.0f32, -1.5, 0.1, 3.0e-3, 65504.0];
+        for element in [Element::F32, Element::Bf16, Element::F16] {
+            let rounded: Vec<f32> = values.iter().map(|&v| element.round(v)).collect();
+            assert_eq!(
+                element.decode(&element.encode(&values)),
+                rounded,
+                "{element}"
             );
         }
     }

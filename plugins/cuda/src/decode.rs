@@ -1,0 +1,451 @@
+//! `cuda/decode`: one decode step of a batch through attnbench's split-KV kernel
+//! (`kernels/decode.cu`), timed with the GPU harness and checked against the f64 reference. A
+//! decode step is bound by memory, so the record puts the bytes the step must move over its time
+//! beside the device's own copy bandwidth, measured in the same stage with the same harness.
+
+use std::sync::Arc;
+
+use attnbench_sdk::decode::{first_group, reference, DecodeInputs, DecodeProblem, Partial};
+use attnbench_sdk::measure::{Harness, HarnessParams, Quantiles};
+use attnbench_sdk::nvml;
+use attnbench_sdk::reference::Element;
+use attnbench_sdk::{
+    write_json, CacheScope, Isolation, ParamSpec, ParamType, PluginError, StageRequest, StageSpec,
+};
+use cudarc::driver::{CudaModule, DeviceRepr, LaunchConfig, PushKernelArg};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::gpu::{failed, Buffer, Gpu};
+
+const SOURCE: &str = include_str!("../kernels/decode.cu");
+
+/// Query rows one block of the split kernel takes (its `ROWS`): 8 when the KV head's group of
+/// rows fits (GQA 8 with one new token), else 16, so few rows do not pay for sixteen.
+fn rows_per_block(group_rows: u64) -> u64 {
+    if group_rows <= 8 {
+        8
+    } else {
+        16
+    }
+}
+/// Warps of the split kernel's blocks (`WARPS` in decode.cu).
+const WARPS: u32 = 4;
+/// Fewest keys a split gets when the count is chosen: shorter ones cost more in the merge and
+/// block start than their parallelism gains.
+pub const MIN_SPLIT_KEYS: u64 = 256;
+/// Blocks of the split kernel that fit an SM at once, by its registers (sm_90, 128 threads):
+/// about 120 a thread with 8 rows (four blocks), 168 with 16 (three). The split count aims for
+/// one full wave of them.
+fn resident_blocks(block_rows: u64) -> u64 {
+    if block_rows <= 8 {
+        4
+    } else {
+        3
+    }
+}
+
+/// Multiply-adds of the f64 reference (two a key a row a dimension) above which `check: auto`
+/// checks KV head 0's group of rows rather than every row: about ten seconds on one core.
+const FULL_CHECK_WORK: u64 = 10_000_000_000;
+
+attnbench_sdk::named_enum! {
+    /// How much of the step's output is compared with the f64 reference before timing.
+    pub enum Check { Auto = "auto", Full = "full", Group = "group", Off = "off" }
+}
+
+/// The kernels' one argument, as `DecodeArgs` in decode.cu lays it out (its size is checked on
+/// both sides).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DecodeArgs {
+    q: u64,
+    k: u64,
+    v: u64,
+    part_out: u64,
+    part_lse: u64,
+    out: u64,
+    lse: u64,
+    kv_lens: u64,
+    key_offsets: u64,
+    page_offsets: u64,
+    pages: u64,
+    batch: u32,
+    heads_kv: u32,
+    group: u32,
+    queries: u32,
+    splits: u32,
+    row_tiles: u32,
+    rows: u32,
+    page_size: u32,
+    keys: u64,
+    scale_log2: f32,
+    pad: u32,
+}
+const _: () = assert!(std::mem::size_of::<DecodeArgs>() == 136);
+// SAFETY: plain `#[repr(C)]` data of the layout the kernels read; its addresses are device
+// pointers that outlive every launch (the buffers are held until the stream is synchronised).
+unsafe impl DeviceRepr for DecodeArgs {}
+
+/// `cuda/decode`'s parameters.
+#[derive(Deserialize)]
+pub struct DecodeParams {
+    batch: usize,
+    kv_len: u64,
+    queries: u64,
+    heads_q: u64,
+    heads_kv: u64,
+    head_dim: u64,
+    dtype: Element,
+    page_size: u64,
+    splits: u64,
+    check: Check,
+    #[serde(flatten)]
+    harness: HarnessParams,
+}
+
+/// `cuda/decode` as the manifest declares it.
+pub fn spec() -> StageSpec {
+    Harness::gpu()
+        .declare(StageSpec::new("decode"))
+        .doc("Times one decode step of a batch with attnbench's split-KV (Flash-Decoding) kernel, checked against the f64 reference; records latency and the bandwidth reached beside the device's copy bandwidth.")
+        .param(ParamSpec::new("batch", ParamType::Int).default(8).doc("Sequences; their KV lengths are kv_len, kv_len − kv_len/batch, … (each its own)."))
+        .param(ParamSpec::new("kv_len", ParamType::Size).default("32k").doc("The longest sequence's KV tokens, the new ones included."))
+        .param(ParamSpec::new("queries", ParamType::Int).default(1).doc("New tokens per sequence (1–16), causal among themselves."))
+        .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
+        .param(ParamSpec::new("heads_kv", ParamType::Int).default(8))
+        .param(ParamSpec::new("head_dim", ParamType::Int).default(128).doc("64 or 128."))
+        .param(ParamSpec::new("dtype", Element::param_type(&[Element::Bf16, Element::F16])).default("bf16"))
+        .param(ParamSpec::new("page_size", ParamType::Int).default(0).doc("0: each sequence's cache contiguous; 16 or 64: pages of a shuffled pool, read through the page table."))
+        .param(ParamSpec::new("splits", ParamType::Int).default(0).doc("KV splits per sequence; 0 chooses from the KV length and the multiprocessors (the record says how)."))
+        .param(ParamSpec::new("check", ParamType::one_of(Check::NAMES)).default("auto").doc("O and LSE against the f64 reference before timing: `full` every row, `group` KV head 0's group of rows (1/heads_kv of the cost), `auto` full unless the reference would take more than about ten seconds."))
+        .output("decode")
+        .cache_scope(CacheScope::Machine)
+        .isolation(Isolation::Worker)
+        .exclusive()
+        .needs_gpu()
+        .timeout_s(1800.0)
+}
+
+/// The split count for `problem` on a device with `multiprocessors` SMs: enough blocks for one
+/// wave of resident blocks, no split under [`MIN_SPLIT_KEYS`] keys of the longest
+/// sequence. Returns the count and why.
+pub fn choose_splits(problem: &DecodeProblem, multiprocessors: u64) -> (u64, String) {
+    let group_rows = problem.heads_q / problem.heads_kv * problem.queries;
+    let block_rows = rows_per_block(group_rows);
+    let blocks = problem.batch() as u64 * problem.heads_kv * group_rows.div_ceil(block_rows);
+    let per_sm = resident_blocks(block_rows);
+    let wanted = (per_sm * multiprocessors).div_ceil(blocks).max(1);
+    let longest = problem.kv_lens.iter().copied().max().unwrap_or(1);
+    let cap = longest.div_ceil(MIN_SPLIT_KEYS).max(1);
+    let splits = wanted.min(cap);
+    let why = format!(
+        "{blocks} blocks unsplit for {multiprocessors} SMs want {wanted} splits for {per_sm} blocks an SM \
+         (one wave); splits of at least {MIN_SPLIT_KEYS} keys allow {cap}"
+    );
+    (splits, why)
+}
+
+/// The compiled decode kernels, kept for the worker's life.
+pub struct Kernels {
+    module: Arc<CudaModule>,
+}
+
+pub fn compile(gpu: &Gpu) -> Result<Kernels, PluginError> {
+    Ok(Kernels {
+        module: gpu.compile("the decode kernels", SOURCE)?,
+    })
+}
+
+/// What stays on the device for the timed repetitions.
+struct Device {
+    _buffers: Vec<Buffer<u8>>,
+    _index: Vec<Buffer<u32>>,
+    _offsets: Buffer<u64>,
+    out: Buffer<u8>,
+    lse: Buffer<f32>,
+    _parts: (Buffer<f32>, Buffer<f32>),
+    args: DecodeArgs,
+}
+
+fn upload(
+    gpu: &Gpu,
+    problem: &DecodeProblem,
+    inputs: &DecodeInputs,
+    element: Element,
+    splits: u64,
+    seed: u64,
+) -> Result<Device, PluginError> {
+    let stream = &gpu.stream;
+    let table = problem.page_table(seed);
+    let (k, v) = match &table {
+        Some(table) => (
+            table.to_pool(problem, &inputs.k),
+            table.to_pool(problem, &inputs.v),
+        ),
+        None => (inputs.k.clone(), inputs.v.clone()),
+    };
+    let q = gpu.upload("Q", &element.encode(&inputs.q))?;
+    let k = gpu.upload("K", &element.encode(&k))?;
+    let v = gpu.upload("V", &element.encode(&v))?;
+    let kv_lens: Vec<u32> = problem.kv_lens.iter().map(|&l| l as u32).collect();
+    let key_offsets: Vec<u64> = (0..problem.batch())
+        .map(|b| problem.key_offset(b))
+        .collect();
+    let (page_offsets, pages): (Vec<u32>, Vec<u32>) = match &table {
+        Some(table) => {
+            let offsets = table.pages.iter().scan(0u32, |at, p| {
+                let here = *at;
+                *at += p.len() as u32;
+                Some(here)
+            });
+            (offsets.collect(), table.pages.concat())
+        }
+        None => (vec![0], vec![0]),
+    };
+    let kv_lens = gpu.upload("KV lengths", &kv_lens)?;
+    let page_offsets = gpu.upload("page offsets", &page_offsets)?;
+    let pages = gpu.upload("page table", &pages)?;
+    let key_offsets = gpu.upload("key offsets", &key_offsets)?;
+    let d = problem.head_dim;
+    let group = problem.heads_q / problem.heads_kv;
+    let group_rows = group * problem.queries;
+    let items = problem.batch() as u64 * problem.heads_kv * splits * group_rows;
+    let part_out = gpu.alloc::<f32>("split partial O", (items * d) as usize)?;
+    let part_lse = gpu.alloc::<f32>("split partial LSE", items as usize)?;
+    let rows = problem.heads_q * problem.rows();
+    let out = gpu.alloc::<u8>("O", (rows * d) as usize * element.bytes())?;
+    let lse = gpu.alloc::<f32>("LSE", rows as usize)?;
+    let args = DecodeArgs {
+        q: q.address(stream),
+        k: k.address(stream),
+        v: v.address(stream),
+        part_out: part_out.address(stream),
+        part_lse: part_lse.address(stream),
+        out: out.address(stream),
+        lse: lse.address(stream),
+        kv_lens: kv_lens.address(stream),
+        key_offsets: key_offsets.address(stream),
+        page_offsets: page_offsets.address(stream),
+        pages: pages.address(stream),
+        batch: problem.batch() as u32,
+        heads_kv: problem.heads_kv as u32,
+        group: group as u32,
+        queries: problem.queries as u32,
+        splits: splits as u32,
+        row_tiles: group_rows.div_ceil(rows_per_block(group_rows)) as u32,
+        rows: problem.rows() as u32,
+        page_size: problem.page_size.unwrap_or(0) as u32,
+        keys: problem.keys(),
+        scale_log2: std::f32::consts::LOG2_E / (d as f32).sqrt(),
+        pad: 0,
+    };
+    Ok(Device {
+        _buffers: vec![q, k, v],
+        _index: vec![kv_lens, page_offsets, pages],
+        _offsets: key_offsets,
+        out,
+        lse,
+        _parts: (part_out, part_lse),
+        args,
+    })
+}
+
+/// The kernels' names for an element type and head dim (`decode_split_bf16_128`, …), or why
+/// there are none.
+fn variant(element: Element, head_dim: u64) -> Result<String, String> {
+    match (element, head_dim) {
+        (Element::Bf16 | Element::F16, 64 | 128) => Ok(format!("{element}_{head_dim}")),
+        _ => Err(format!(
+            "the decode kernel is compiled for bf16/fp16 at head_dim 64 and 128, not {element} at {head_dim}"
+        )),
+    }
+}
+
+/// One step: the split kernel, then the merge.
+fn launch(
+    gpu: &Gpu,
+    kernels: &Kernels,
+    (name, head_dim): (&str, u32),
+    args: &DecodeArgs,
+) -> Result<(), PluginError> {
+    let load = |function: &str| {
+        kernels
+            .module
+            .load_function(function)
+            .map_err(failed("the decode kernels"))
+    };
+    let block_rows = rows_per_block(u64::from(args.group * args.queries));
+    let (split, merge) = (
+        load(&format!("decode_split_{name}_r{block_rows}"))?,
+        load(&format!("decode_merge_{name}"))?,
+    );
+    let split_grid = LaunchConfig {
+        grid_dim: (args.splits, args.heads_kv * args.row_tiles, args.batch),
+        block_dim: (WARPS * 32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let merge_grid = LaunchConfig {
+        grid_dim: (args.group * args.queries, args.heads_kv, args.batch),
+        block_dim: (head_dim, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut first = gpu.stream.launch_builder(&split);
+    first.arg(args);
+    // SAFETY: `args` holds live device buffers sized by `upload` for this grid.
+    unsafe { first.launch(split_grid) }.map_err(failed("the decode split kernel"))?;
+    let mut second = gpu.stream.launch_builder(&merge);
+    second.arg(args);
+    // SAFETY: as above; the merge reads what the split kernel wrote, in stream order.
+    unsafe { second.launch(merge_grid) }.map_err(failed("the decode merge kernel"))?;
+    Ok(())
+}
+
+/// Device-to-device copy bandwidth, bytes read plus written per second, over `bytes` (at least
+/// twice the L2, so the copy runs from memory), the median repetition under `harness`.
+fn copy_bandwidth(gpu: &mut Gpu, bytes: usize, harness: &Harness) -> Result<f64, PluginError> {
+    let bytes = bytes.max(2 * gpu.l2_bytes());
+    let source = gpu.alloc::<u8>("copy source", bytes)?;
+    let mut target = gpu.alloc::<u8>("copy target", bytes)?;
+    let timing = gpu.time(harness, |gpu| {
+        gpu.stream
+            .memcpy_dtod(&source.slice, &mut target.slice)
+            .map_err(failed("device copy"))
+    })?;
+    let median = Quantiles::of(&timing.samples).map_or(f64::INFINITY, |q| q.p50);
+    Ok(2.0 * bytes as f64 / median)
+}
+
+/// Runs `cuda/decode` on the worker's GPU.
+pub fn run(gpu: &mut Gpu, kernels: &Kernels, request: &StageRequest) -> Result<Value, PluginError> {
+    let p: DecodeParams = request.params()?;
+    let problem = DecodeProblem::stepped(
+        p.batch,
+        p.kv_len,
+        p.queries,
+        (p.heads_q, p.heads_kv, p.head_dim),
+        p.page_size,
+    )
+    .map_err(|err| PluginError::Params(err.to_string()))?;
+    let name = match variant(p.dtype, p.head_dim) {
+        Ok(name) => name,
+        Err(reason) => {
+            let result =
+                json!({"kernel": "cuda-decode", "status": "unsupported", "reason": reason});
+            write_json(&request.output_dir, "decode.json", &result)?;
+            return Ok(result);
+        }
+    };
+    let kernel = (name.as_str(), p.head_dim as u32);
+    let multiprocessors = gpu.describe().multiprocessors.unwrap_or(1).max(1) as u64;
+    let (splits, splits_reason) = match p.splits {
+        0 => choose_splits(&problem, multiprocessors),
+        n => (n, "set by the pipeline".to_string()),
+    };
+    let inputs = DecodeInputs::random(&problem, request.seed, p.dtype);
+    let device = upload(gpu, &problem, &inputs, p.dtype, splits, request.seed)?;
+    let work = 2 * problem.keys() * problem.heads_q * problem.queries * problem.head_dim;
+    let check = match p.check {
+        Check::Auto if work > FULL_CHECK_WORK => Check::Group,
+        Check::Auto => Check::Full,
+        chosen => chosen,
+    };
+    let correctness = if check == Check::Off {
+        json!({"checked": "off"})
+    } else {
+        launch(gpu, kernels, kernel, &device.args)?;
+        let out = p.dtype.decode(&gpu.download(&device.out)?);
+        let lse = gpu.download(&device.lse)?;
+        let ours = Partial {
+            out: out.iter().map(|&x| f64::from(x)).collect(),
+            lse: lse.iter().map(|&x| f64::from(x)).collect(),
+        };
+        let (max_error, checked) = if check == Check::Full {
+            (
+                reference(&problem, &inputs).max_difference(&ours),
+                "O and LSE of every row",
+            )
+        } else {
+            let (group, group_inputs) = first_group(&problem, &inputs);
+            let error = reference(&group, &group_inputs).max_difference(&ours.prefix(&group));
+            (
+                error,
+                "O and LSE of every row of KV head 0's group of query heads",
+            )
+        };
+        let tolerance = p.dtype.tolerance();
+        json!({"reference": "f64 over every key (decode::reference)", "checked": checked,
+               "max_error": max_error, "tolerance": tolerance, "passed": max_error <= tolerance})
+    };
+    let harness = p.harness.apply(Harness::gpu());
+    let clocks_before = nvml::clocks();
+    let timing = gpu.time(&harness, |gpu| launch(gpu, kernels, kernel, &device.args))?;
+    let clocks_after = nvml::clocks();
+    let times = Quantiles::of(&timing.samples)
+        .ok_or_else(|| PluginError::failed("no repetition was timed"))?;
+    let bytes = problem.bytes(p.dtype.bytes() as u64);
+    drop(device);
+    let copy = copy_bandwidth(gpu, bytes as usize, &harness)?;
+    let bandwidth = bytes as f64 / times.p50;
+    let result = json!({
+        "kernel": "cuda-decode",
+        "status": "ok",
+        "dtype": p.dtype,
+        "kv_lens": problem.kv_lens,
+        "queries": p.queries,
+        "heads_q": p.heads_q,
+        "heads_kv": p.heads_kv,
+        "head_dim": p.head_dim,
+        "page_size": problem.page_size,
+        "splits": splits,
+        "splits_reason": splits_reason,
+        "flops": problem.flops(),
+        "bytes": bytes,
+        "bytes_counted": "K and V read once per KV head, Q read and O written once, in the inputs' type",
+        "time_s": times,
+        "latency_us": times.p50 * 1e6,
+        "bandwidth_gbs": bandwidth / 1e9,
+        "copy_gbs": copy / 1e9,
+        "copy_counted": "bytes read plus bytes written per second by a device-to-device copy of at least twice the L2",
+        "of_copy_bandwidth": bandwidth / copy,
+        "tflops": problem.flops() as f64 / times.p50 / 1e12,
+        "correctness": correctness,
+        "timing": timing,
+        "harness": harness,
+        "device": gpu.describe(),
+        "clocks_before": clocks_before,
+        "clocks_after": clocks_after,
+    });
+    write_json(&request.output_dir, "decode.json", &result)?;
+    Ok(result)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_fill_one_wave_without_splits_under_the_minimum() {
+        // 8 sequences × 8 KV heads, 8 rows a group: 64 blocks; 132 SMs hold 4 each.
+        let long = DecodeProblem::stepped(8, 64 * 1024, 1, (64, 8, 128), 0).unwrap();
+        assert_eq!(choose_splits(&long, 132).0, 9);
+        // 16 rows a group (2 new tokens) take 16-row blocks, three an SM.
+        let two = DecodeProblem::stepped(8, 64 * 1024, 2, (64, 8, 128), 0).unwrap();
+        assert_eq!(choose_splits(&two, 132).0, 7);
+        // A 1K cache caps the count at 4 splits of 256 keys.
+        let short = DecodeProblem::stepped(1, 1024, 1, (64, 8, 128), 0).unwrap();
+        assert_eq!(choose_splits(&short, 132).0, 4);
+    }
+
+    #[test]
+    fn kernels_exist_for_16_bit_types_at_head_dims_64_and_128() {
+        assert_eq!(variant(Element::Bf16, 128).unwrap(), "bf16_128");
+        assert_eq!(variant(Element::F16, 64).unwrap(), "fp16_64");
+        let refused = variant(Element::Bf16, 96).unwrap_err();
+        assert!(
+            refused.contains("head_dim 64 and 128") && refused.contains("96"),
+            "{refused}"
+        );
+        assert!(variant(Element::F32, 128).is_err());
+    }
+}
