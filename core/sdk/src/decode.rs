@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::mask::{Mask, MaskError, Slice, SliceKind};
 use crate::rng::PyRandom;
+use crate::{ParamSpec, ParamType, StageSpec};
 
 /// New tokens per sequence a decode step may have (speculative decoding verifies up to 16).
 pub const MAX_QUERIES: u64 = 16;
@@ -190,6 +191,86 @@ impl DecodeProblem {
             pages,
         })
     }
+}
+
+/// The batch a decode stage describes, read from the parameters [`declare_batch`] declares
+/// (`#[serde(flatten)]` it into the stage's own).
+#[derive(Debug, Clone, Deserialize)]
+pub struct BatchParams {
+    pub batch: usize,
+    pub kv_len: u64,
+    pub queries: u64,
+    pub heads_q: u64,
+    pub heads_kv: u64,
+    pub head_dim: u64,
+    pub page_size: u64,
+}
+
+impl BatchParams {
+    /// The step these parameters describe ([`DecodeProblem::stepped`]).
+    pub fn problem(&self) -> Result<DecodeProblem, DecodeError> {
+        DecodeProblem::stepped(
+            self.batch,
+            self.kv_len,
+            self.queries,
+            (self.heads_q, self.heads_kv, self.head_dim),
+            self.page_size,
+        )
+    }
+}
+
+/// Declares the parameters of [`BatchParams`] on `stage`, with a stage's own defaults for the
+/// batch, the longest cache and the heads `(heads_q, heads_kv, head_dim)`.
+pub fn declare_batch(
+    stage: StageSpec,
+    batch: usize,
+    kv_len: &str,
+    heads: (u64, u64, u64),
+) -> StageSpec {
+    stage
+        .param(ParamSpec::new("batch", ParamType::Int).default(batch).doc("Sequences; their KV lengths are kv_len, kv_len − kv_len/batch, … (each its own)."))
+        .param(ParamSpec::new("kv_len", ParamType::Size).default(kv_len).doc("The longest sequence's KV tokens, the new ones included."))
+        .param(ParamSpec::new("queries", ParamType::Int).default(1).doc("New tokens per sequence (1–16, as speculative decoding verifies several), causal among themselves."))
+        .param(ParamSpec::new("heads_q", ParamType::Int).default(heads.0))
+        .param(ParamSpec::new("heads_kv", ParamType::Int).default(heads.1))
+        .param(ParamSpec::new("head_dim", ParamType::Int).default(heads.2))
+        .param(ParamSpec::new("page_size", ParamType::Int).default(0).doc("0: each sequence's cache contiguous; 16 or 64: pages of a shuffled pool, read through the page table."))
+}
+
+/// What every decode measurement records about its step and speed: the batch, FLOPs, the bytes
+/// the step must move (in `element_bytes` a value), the time quantiles, latency, the bandwidth
+/// reached and its share of the machine's copy bandwidth (`copy_bytes_per_s`, bytes read plus
+/// written per second); then the keys of the stage's `own` object.
+pub fn step_record(
+    problem: &DecodeProblem,
+    element_bytes: u64,
+    times: &crate::measure::Quantiles,
+    copy_bytes_per_s: f64,
+    own: serde_json::Value,
+) -> serde_json::Value {
+    let bytes = problem.bytes(element_bytes);
+    let bandwidth = bytes as f64 / times.p50;
+    let mut record = serde_json::json!({
+        "kv_lens": problem.kv_lens,
+        "queries": problem.queries,
+        "heads_q": problem.heads_q,
+        "heads_kv": problem.heads_kv,
+        "head_dim": problem.head_dim,
+        "page_size": problem.page_size,
+        "flops": problem.flops(),
+        "bytes": bytes,
+        "bytes_counted": format!("K and V read once per KV head, Q read and O written once, {element_bytes} bytes a value"),
+        "time_s": times,
+        "latency_us": times.p50 * 1e6,
+        "bandwidth_gbs": bandwidth / 1e9,
+        "copy_gbs": copy_bytes_per_s / 1e9,
+        "of_copy_bandwidth": bandwidth / copy_bytes_per_s,
+        "tflops": problem.flops() as f64 / times.p50 / 1e12,
+    });
+    if let (Some(map), serde_json::Value::Object(own)) = (record.as_object_mut(), own) {
+        map.extend(own);
+    }
+    record
 }
 
 /// A paged cache's pages: sequence `b`'s logical page `p` lives in pool page `pages[b][p]`.

@@ -12,7 +12,10 @@
 
 use std::sync::Arc;
 
-use attnbench_sdk::decode::{attend, reference, split_range, DecodeInputs, DecodeProblem, Partial};
+use attnbench_sdk::decode::{
+    attend, declare_batch, reference, split_range, BatchParams, DecodeInputs, DecodeProblem,
+    Partial,
+};
 use attnbench_sdk::reference::Element;
 use attnbench_sdk::{
     write_json, CacheScope, ParamSpec, ParamType, PluginError, StageRequest, StageSpec,
@@ -178,14 +181,9 @@ pub fn decode_seconds(
 pub struct DecodeParams {
     method: DecodeMethod,
     world: usize,
-    batch: usize,
-    kv_len: u64,
-    queries: u64,
-    heads_q: u64,
-    heads_kv: u64,
-    head_dim: u64,
     dtype: Element,
-    page_size: u64,
+    #[serde(flatten)]
+    shape: BatchParams,
     worlds: Vec<usize>,
     memory_gbs: f64,
     gpus_per_node: usize,
@@ -197,19 +195,12 @@ pub struct DecodeParams {
 
 /// `cp/decode` as the manifest declares it.
 pub fn spec() -> StageSpec {
-    StageSpec::new("decode")
+    declare_batch(StageSpec::new("decode"), 4, "4k", (8, 2, 16))
         .doc("Decodes a batch with each sequence's KV cache split over ranks (threads), the partials combined by a tree or a ring: outputs checked against the f64 reference, each rank's sent values against the formula.")
         .param(ParamSpec::new("method", ParamType::one_of(DecodeMethod::NAMES)).default("tree").doc("`tree`: partials combined by a binary tree (Tree Attention, ⌈log₂ world⌉ rounds); `ring`: passed along the ring, merged at each hop (world − 1 sends in a row)."))
         .param(ParamSpec::new("world", ParamType::Int).default(4).doc("Ranks, each holding a contiguous shard of every sequence's KV cache."))
-        .param(ParamSpec::new("batch", ParamType::Int).default(4).doc("Sequences; their KV lengths are kv_len, kv_len − kv_len/batch, … (each its own)."))
-        .param(ParamSpec::new("kv_len", ParamType::Size).default("4k").doc("The longest sequence's KV tokens, the new ones included."))
-        .param(ParamSpec::new("queries", ParamType::Int).default(1).doc("New tokens per sequence (1–16; more than one as speculative decoding verifies them), causal among themselves."))
-        .param(ParamSpec::new("heads_q", ParamType::Int).default(8))
-        .param(ParamSpec::new("heads_kv", ParamType::Int).default(2))
-        .param(ParamSpec::new("head_dim", ParamType::Int).default(16))
                         .param(attnbench_sdk::shapes::shape_param())
         .param(ParamSpec::new("dtype", ParamType::one_of(Element::NAMES)).default("bf16").doc("Inputs are rounded to it; bytes are counted in it."))
-        .param(ParamSpec::new("page_size", ParamType::Int).default(0).doc("0: each sequence's cache contiguous; 16 or 64: in pages of a shuffled pool, read back through the page table."))
         .param(ParamSpec::new("worlds", ParamType::List(Box::new(ParamType::Int))).default(json!([8, 16, 32, 64, 128, 256, 512, 1024])).doc("GPU counts the cost model predicts both methods' step time at."))
         .param(ParamSpec::new("memory_gbs", ParamType::Float).default(4800.0).doc("Memory bandwidth per GPU for the model, GB/s (a decode step reads its cache share at it; 4800: the H200's published HBM3e figure)."))
         .output("decode")
@@ -223,14 +214,10 @@ pub fn stage(request: &StageRequest) -> Result<Value, PluginError> {
     if p.world == 0 {
         return Err(PluginError::Params("world must be at least 1 rank".into()));
     }
-    let problem = DecodeProblem::stepped(
-        p.batch,
-        p.kv_len,
-        p.queries,
-        (p.heads_q, p.heads_kv, p.head_dim),
-        p.page_size,
-    )
-    .map_err(|err| PluginError::Params(err.to_string()))?;
+    let problem = p
+        .shape
+        .problem()
+        .map_err(|err| PluginError::Params(err.to_string()))?;
     let mut inputs = DecodeInputs::random(&problem, request.seed, p.dtype);
     if let Some(table) = problem.page_table(request.seed) {
         // What a paged kernel reads: the cache through its page table.
@@ -268,7 +255,7 @@ pub fn stage(request: &StageRequest) -> Result<Value, PluginError> {
         "method": p.method,
         "world": p.world,
         "kv_lens": problem.kv_lens,
-        "queries": p.queries,
+        "queries": problem.queries,
         "page_size": problem.page_size,
         "flops": problem.flops(),
         "bytes": problem.bytes(element_bytes),

@@ -11,7 +11,8 @@
 use std::time::Instant;
 
 use attnbench_sdk::decode::{
-    reference, split_range, DecodeInputs, DecodeProblem, PageTable, Partial,
+    declare_batch, reference, split_range, step_record, BatchParams, DecodeInputs, DecodeProblem,
+    PageTable, Partial,
 };
 
 use crate::problem::{axpy, dot, parallel};
@@ -33,32 +34,21 @@ const KEY_BLOCK: usize = 32;
 /// `cpu/decode`'s parameters.
 #[derive(Deserialize)]
 pub struct DecodeParams {
-    batch: usize,
-    kv_len: u64,
-    queries: u64,
-    heads_q: u64,
-    heads_kv: u64,
-    head_dim: u64,
-    page_size: u64,
     splits: u64,
     threads: usize,
     check: bool,
+    #[serde(flatten)]
+    shape: BatchParams,
     #[serde(flatten)]
     harness: HarnessParams,
 }
 
 /// `cpu/decode` as the manifest declares it.
 pub fn spec() -> StageSpec {
+    let stage = declare_batch(StageSpec::new("decode"), 4, "4k", (8, 2, 64));
     Harness::default()
-        .declare(StageSpec::new("decode"))
+        .declare(stage)
         .doc("Times one decode step of a batch with a split-KV (Flash-Decoding) kernel on CPU threads, checked against the f64 reference; records latency and the bandwidth it reached beside the machine's copy bandwidth.")
-        .param(ParamSpec::new("batch", ParamType::Int).default(4).doc("Sequences; their KV lengths are kv_len, kv_len − kv_len/batch, … (each its own)."))
-        .param(ParamSpec::new("kv_len", ParamType::Size).default("4k").doc("The longest sequence's KV tokens, the new ones included."))
-        .param(ParamSpec::new("queries", ParamType::Int).default(1).doc("New tokens per sequence (1–16, as speculative decoding verifies several), causal among themselves."))
-        .param(ParamSpec::new("heads_q", ParamType::Int).default(8))
-        .param(ParamSpec::new("heads_kv", ParamType::Int).default(2))
-        .param(ParamSpec::new("head_dim", ParamType::Int).default(64))
-        .param(ParamSpec::new("page_size", ParamType::Int).default(0).doc("0: each sequence's cache contiguous; 16 or 64: pages of a shuffled pool, read through the page table."))
         .param(ParamSpec::new("splits", ParamType::Int).default(0).doc("KV splits per sequence; 0 chooses from the threads and the KV length (the record says how)."))
         .param(ParamSpec::new("threads", ParamType::Int).default(0).doc("Threads (0 = one per CPU)."))
         .param(ParamSpec::new("check", ParamType::Bool).default(true).doc("Compare O and LSE with the f64 reference before timing."))
@@ -312,14 +302,10 @@ fn copy_bandwidth(bytes: usize, threads: usize, harness: &Harness) -> f64 {
 /// Runs `cpu/decode`.
 pub fn stage(request: &StageRequest) -> Result<Value, PluginError> {
     let p: DecodeParams = request.params()?;
-    let problem = DecodeProblem::stepped(
-        p.batch,
-        p.kv_len,
-        p.queries,
-        (p.heads_q, p.heads_kv, p.head_dim),
-        p.page_size,
-    )
-    .map_err(|err| PluginError::Params(err.to_string()))?;
+    let problem = p
+        .shape
+        .problem()
+        .map_err(|err| PluginError::Params(err.to_string()))?;
     let threads = match p.threads {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
@@ -366,33 +352,23 @@ pub fn stage(request: &StageRequest) -> Result<Value, PluginError> {
         .ok_or_else(|| PluginError::failed("no repetition was timed"))?;
     let bytes = problem.bytes(4);
     let copy = copy_bandwidth((bytes as usize).max(1 << 20), threads, &harness);
-    let bandwidth = bytes as f64 / times.p50;
-    let result = json!({
-        "kernel": "cpu-split-kv",
-        "kv_lens": problem.kv_lens,
-        "queries": p.queries,
-        "heads_q": p.heads_q,
-        "heads_kv": p.heads_kv,
-        "head_dim": p.head_dim,
-        "page_size": problem.page_size,
-        "splits": splits,
-        "splits_reason": splits_reason,
-        "threads": threads,
-        "flops": problem.flops(),
-        "bytes": bytes,
-        "bytes_counted": "K and V read once per KV head, Q read and O written once, f32",
-        "time_s": times,
-        "latency_us": times.p50 * 1e6,
-        "bandwidth_gbs": bandwidth / 1e9,
-        "copy_gbs": copy / 1e9,
-        "copy_counted": "bytes read plus bytes written per second, copying at least the step's bytes with the same threads",
-        "of_copy_bandwidth": bandwidth / copy,
-        "tflops": problem.flops() as f64 / times.p50 / 1e12,
-        "correctness": correctness,
-        "timing": timing,
-        "timed_s": timed_s,
-        "harness": harness,
-    });
+    let result = step_record(
+        &problem,
+        4,
+        &times,
+        copy,
+        json!({
+            "kernel": "cpu-split-kv",
+            "splits": splits,
+            "splits_reason": splits_reason,
+            "threads": threads,
+            "copy_counted": "bytes read plus bytes written per second, copying at least the step's bytes with the same threads",
+            "correctness": correctness,
+            "timing": timing,
+            "timed_s": timed_s,
+            "harness": harness,
+        }),
+    );
     write_json(&request.output_dir, "decode.json", &result)?;
     Ok(result)
 }

@@ -64,7 +64,7 @@ __device__ void decode_split(const DecodeArgs a) {
     // 8 + 33 KB at D = 128 (under the 48 KB of static shared memory); the queries' tile holds the
     // warps' merged O once the keys are done.
     __shared__ float q_tile[ROWS][D];
-    __shared__ unsigned short k_tile[WARPS][TILE][D + 2];  // + 2: lanes reading rows hit distinct banks
+    __shared__ __align__(16) unsigned short k_tile[WARPS][TILE][D + 2];  // + 2: lanes reading rows hit distinct banks
     __shared__ float warp_high[WARPS][ROWS], warp_sum[WARPS][ROWS];
     float (*warp_out)[D] = q_tile;
 

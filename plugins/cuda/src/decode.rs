@@ -5,14 +5,17 @@
 
 use std::sync::Arc;
 
-use attnbench_sdk::decode::{first_group, reference, DecodeInputs, DecodeProblem, Partial};
+use attnbench_sdk::decode::{
+    declare_batch, first_group, reference, step_record, BatchParams, DecodeInputs, DecodeProblem,
+    Partial,
+};
 use attnbench_sdk::measure::{Harness, HarnessParams, Quantiles};
 use attnbench_sdk::nvml;
 use attnbench_sdk::reference::Element;
 use attnbench_sdk::{
     write_json, CacheScope, Isolation, ParamSpec, ParamType, PluginError, StageRequest, StageSpec,
 };
-use cudarc::driver::{CudaModule, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaModule, DeviceRepr, LaunchConfig, PushKernelArg};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -34,14 +37,14 @@ const WARPS: u32 = 4;
 /// Fewest keys a split gets when the count is chosen: shorter ones cost more in the merge and
 /// block start than their parallelism gains.
 pub const MIN_SPLIT_KEYS: u64 = 256;
-/// Blocks of the split kernel that fit an SM at once, by its registers (sm_90, 128 threads):
-/// about 120 a thread with 8 rows (four blocks), 168 with 16 (three). The split count aims for
-/// one full wave of them.
-fn resident_blocks(block_rows: u64) -> u64 {
-    if block_rows <= 8 {
-        4
-    } else {
-        3
+/// Blocks of the split kernel that fit an SM at once, by its registers (sm_90, 128 threads, as
+/// ptxas reports them): with 8 rows about 120 a thread at d 128 (four blocks) and 96 at d 64
+/// (five); with 16 rows 168 (three). The split count aims for one full wave of them.
+fn resident_blocks(block_rows: u64, head_dim: u64) -> u64 {
+    match (block_rows, head_dim) {
+        (8, 64) => 5,
+        (8, _) => 4,
+        _ => 3,
     }
 }
 
@@ -90,33 +93,22 @@ unsafe impl DeviceRepr for DecodeArgs {}
 /// `cuda/decode`'s parameters.
 #[derive(Deserialize)]
 pub struct DecodeParams {
-    batch: usize,
-    kv_len: u64,
-    queries: u64,
-    heads_q: u64,
-    heads_kv: u64,
-    head_dim: u64,
     dtype: Element,
-    page_size: u64,
     splits: u64,
     check: Check,
+    #[serde(flatten)]
+    shape: BatchParams,
     #[serde(flatten)]
     harness: HarnessParams,
 }
 
 /// `cuda/decode` as the manifest declares it.
 pub fn spec() -> StageSpec {
+    let stage = declare_batch(StageSpec::new("decode"), 8, "32k", (64, 8, 128));
     Harness::gpu()
-        .declare(StageSpec::new("decode"))
+        .declare(stage)
         .doc("Times one decode step of a batch with attnbench's split-KV (Flash-Decoding) kernel, checked against the f64 reference; records latency and the bandwidth reached beside the device's copy bandwidth.")
-        .param(ParamSpec::new("batch", ParamType::Int).default(8).doc("Sequences; their KV lengths are kv_len, kv_len − kv_len/batch, … (each its own)."))
-        .param(ParamSpec::new("kv_len", ParamType::Size).default("32k").doc("The longest sequence's KV tokens, the new ones included."))
-        .param(ParamSpec::new("queries", ParamType::Int).default(1).doc("New tokens per sequence (1–16), causal among themselves."))
-        .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
-        .param(ParamSpec::new("heads_kv", ParamType::Int).default(8))
-        .param(ParamSpec::new("head_dim", ParamType::Int).default(128).doc("64 or 128."))
         .param(ParamSpec::new("dtype", Element::param_type(&[Element::Bf16, Element::F16])).default("bf16"))
-        .param(ParamSpec::new("page_size", ParamType::Int).default(0).doc("0: each sequence's cache contiguous; 16 or 64: pages of a shuffled pool, read through the page table."))
         .param(ParamSpec::new("splits", ParamType::Int).default(0).doc("KV splits per sequence; 0 chooses from the KV length and the multiprocessors (the record says how)."))
         .param(ParamSpec::new("check", ParamType::one_of(Check::NAMES)).default("auto").doc("O and LSE against the f64 reference before timing: `full` every row, `group` KV head 0's group of rows (1/heads_kv of the cost), `auto` full unless the reference would take more than about ten seconds."))
         .output("decode")
@@ -134,7 +126,7 @@ pub fn choose_splits(problem: &DecodeProblem, multiprocessors: u64) -> (u64, Str
     let group_rows = problem.heads_q / problem.heads_kv * problem.queries;
     let block_rows = rows_per_block(group_rows);
     let blocks = problem.batch() as u64 * problem.heads_kv * group_rows.div_ceil(block_rows);
-    let per_sm = resident_blocks(block_rows);
+    let per_sm = resident_blocks(block_rows, problem.head_dim);
     let wanted = (per_sm * multiprocessors).div_ceil(blocks).max(1);
     let longest = problem.kv_lens.iter().copied().max().unwrap_or(1);
     let cap = longest.div_ceil(MIN_SPLIT_KEYS).max(1);
@@ -262,24 +254,37 @@ fn variant(element: Element, head_dim: u64) -> Result<String, String> {
     }
 }
 
+/// The two kernels of one variant, found once before any launch (so the timed region holds
+/// launches only), with the merge's block width.
+struct Step {
+    split: CudaFunction,
+    merge: CudaFunction,
+    head_dim: u32,
+}
+
+impl Step {
+    fn find(
+        kernels: &Kernels,
+        name: &str,
+        head_dim: u64,
+        block_rows: u64,
+    ) -> Result<Step, PluginError> {
+        let load = |function: String| {
+            kernels
+                .module
+                .load_function(&function)
+                .map_err(failed("the decode kernels"))
+        };
+        Ok(Step {
+            split: load(format!("decode_split_{name}_r{block_rows}"))?,
+            merge: load(format!("decode_merge_{name}"))?,
+            head_dim: head_dim as u32,
+        })
+    }
+}
+
 /// One step: the split kernel, then the merge.
-fn launch(
-    gpu: &Gpu,
-    kernels: &Kernels,
-    (name, head_dim): (&str, u32),
-    args: &DecodeArgs,
-) -> Result<(), PluginError> {
-    let load = |function: &str| {
-        kernels
-            .module
-            .load_function(function)
-            .map_err(failed("the decode kernels"))
-    };
-    let block_rows = rows_per_block(u64::from(args.group * args.queries));
-    let (split, merge) = (
-        load(&format!("decode_split_{name}_r{block_rows}"))?,
-        load(&format!("decode_merge_{name}"))?,
-    );
+fn launch(gpu: &Gpu, step: &Step, args: &DecodeArgs) -> Result<(), PluginError> {
     let split_grid = LaunchConfig {
         grid_dim: (args.splits, args.heads_kv * args.row_tiles, args.batch),
         block_dim: (WARPS * 32, 1, 1),
@@ -287,14 +292,14 @@ fn launch(
     };
     let merge_grid = LaunchConfig {
         grid_dim: (args.group * args.queries, args.heads_kv, args.batch),
-        block_dim: (head_dim, 1, 1),
+        block_dim: (step.head_dim, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut first = gpu.stream.launch_builder(&split);
+    let mut first = gpu.stream.launch_builder(&step.split);
     first.arg(args);
     // SAFETY: `args` holds live device buffers sized by `upload` for this grid.
     unsafe { first.launch(split_grid) }.map_err(failed("the decode split kernel"))?;
-    let mut second = gpu.stream.launch_builder(&merge);
+    let mut second = gpu.stream.launch_builder(&step.merge);
     second.arg(args);
     // SAFETY: as above; the merge reads what the split kernel wrote, in stream order.
     unsafe { second.launch(merge_grid) }.map_err(failed("the decode merge kernel"))?;
@@ -319,15 +324,11 @@ fn copy_bandwidth(gpu: &mut Gpu, bytes: usize, harness: &Harness) -> Result<f64,
 /// Runs `cuda/decode` on the worker's GPU.
 pub fn run(gpu: &mut Gpu, kernels: &Kernels, request: &StageRequest) -> Result<Value, PluginError> {
     let p: DecodeParams = request.params()?;
-    let problem = DecodeProblem::stepped(
-        p.batch,
-        p.kv_len,
-        p.queries,
-        (p.heads_q, p.heads_kv, p.head_dim),
-        p.page_size,
-    )
-    .map_err(|err| PluginError::Params(err.to_string()))?;
-    let name = match variant(p.dtype, p.head_dim) {
+    let problem = p
+        .shape
+        .problem()
+        .map_err(|err| PluginError::Params(err.to_string()))?;
+    let name = match variant(p.dtype, problem.head_dim) {
         Ok(name) => name,
         Err(reason) => {
             let result =
@@ -336,12 +337,27 @@ pub fn run(gpu: &mut Gpu, kernels: &Kernels, request: &StageRequest) -> Result<V
             return Ok(result);
         }
     };
-    let kernel = (name.as_str(), p.head_dim as u32);
     let multiprocessors = gpu.describe().multiprocessors.unwrap_or(1).max(1) as u64;
     let (splits, splits_reason) = match p.splits {
         0 => choose_splits(&problem, multiprocessors),
         n => (n, "set by the pipeline".to_string()),
     };
+    let group_rows = problem.heads_q / problem.heads_kv * problem.queries;
+    let block_rows = rows_per_block(group_rows);
+    let grid_y = problem.heads_kv * group_rows.div_ceil(block_rows);
+    if splits > u64::from(u32::MAX >> 1) || grid_y > 65535 || problem.batch() > 65535 {
+        return Err(PluginError::Params(format!(
+            "the decode grid would be {splits} splits × {grid_y} (KV heads × row tiles) × {} sequences; \
+             CUDA allows at most 2^31 − 1 × 65535 × 65535",
+            problem.batch()
+        )));
+    }
+    if let Some(&long) = problem.kv_lens.iter().find(|&&l| l > u64::from(u32::MAX)) {
+        return Err(PluginError::Params(format!(
+            "a sequence of {long} KV tokens is beyond the decode kernel's 32-bit token indices"
+        )));
+    }
+    let step = Step::find(kernels, &name, problem.head_dim, block_rows)?;
     let inputs = DecodeInputs::random(&problem, request.seed, p.dtype);
     let device = upload(gpu, &problem, &inputs, p.dtype, splits, request.seed)?;
     let work = 2 * problem.keys() * problem.heads_q * problem.queries * problem.head_dim;
@@ -353,7 +369,7 @@ pub fn run(gpu: &mut Gpu, kernels: &Kernels, request: &StageRequest) -> Result<V
     let correctness = if check == Check::Off {
         json!({"checked": "off"})
     } else {
-        launch(gpu, kernels, kernel, &device.args)?;
+        launch(gpu, &step, &device.args)?;
         let out = p.dtype.decode(&gpu.download(&device.out)?);
         let lse = gpu.download(&device.lse)?;
         let ours = Partial {
@@ -379,43 +395,33 @@ pub fn run(gpu: &mut Gpu, kernels: &Kernels, request: &StageRequest) -> Result<V
     };
     let harness = p.harness.apply(Harness::gpu());
     let clocks_before = nvml::clocks();
-    let timing = gpu.time(&harness, |gpu| launch(gpu, kernels, kernel, &device.args))?;
+    let timing = gpu.time(&harness, |gpu| launch(gpu, &step, &device.args))?;
     let clocks_after = nvml::clocks();
     let times = Quantiles::of(&timing.samples)
         .ok_or_else(|| PluginError::failed("no repetition was timed"))?;
     let bytes = problem.bytes(p.dtype.bytes() as u64);
     drop(device);
     let copy = copy_bandwidth(gpu, bytes as usize, &harness)?;
-    let bandwidth = bytes as f64 / times.p50;
-    let result = json!({
-        "kernel": "cuda-decode",
-        "status": "ok",
-        "dtype": p.dtype,
-        "kv_lens": problem.kv_lens,
-        "queries": p.queries,
-        "heads_q": p.heads_q,
-        "heads_kv": p.heads_kv,
-        "head_dim": p.head_dim,
-        "page_size": problem.page_size,
-        "splits": splits,
-        "splits_reason": splits_reason,
-        "flops": problem.flops(),
-        "bytes": bytes,
-        "bytes_counted": "K and V read once per KV head, Q read and O written once, in the inputs' type",
-        "time_s": times,
-        "latency_us": times.p50 * 1e6,
-        "bandwidth_gbs": bandwidth / 1e9,
-        "copy_gbs": copy / 1e9,
-        "copy_counted": "bytes read plus bytes written per second by a device-to-device copy of at least twice the L2",
-        "of_copy_bandwidth": bandwidth / copy,
-        "tflops": problem.flops() as f64 / times.p50 / 1e12,
-        "correctness": correctness,
-        "timing": timing,
-        "harness": harness,
-        "device": gpu.describe(),
-        "clocks_before": clocks_before,
-        "clocks_after": clocks_after,
-    });
+    let result = step_record(
+        &problem,
+        p.dtype.bytes() as u64,
+        &times,
+        copy,
+        json!({
+            "kernel": "cuda-decode",
+            "status": "ok",
+            "dtype": p.dtype,
+            "splits": splits,
+            "splits_reason": splits_reason,
+            "copy_counted": "bytes read plus bytes written per second by a device-to-device copy of at least twice the L2",
+            "correctness": correctness,
+            "timing": timing,
+            "harness": harness,
+            "device": gpu.describe(),
+            "clocks_before": clocks_before,
+            "clocks_after": clocks_after,
+        }),
+    );
     write_json(&request.output_dir, "decode.json", &result)?;
     Ok(result)
 }
