@@ -193,6 +193,71 @@ impl DecodeProblem {
     }
 }
 
+crate::named_enum! {
+    /// How much of a decode step's output is compared with the f64 reference before timing:
+    /// `full` every row, `group` KV head 0's group of query heads (1/heads_kv of the cost),
+    /// `auto` full unless that would take more than about ten seconds, `off` none.
+    pub enum StepCheck { Auto = "auto", Full = "full", Group = "group", Off = "off" }
+}
+
+/// Multiply-adds of the f64 reference (two a key, a row and a dimension) above which `auto`
+/// checks KV head 0's group only: about ten seconds on one core.
+pub const FULL_CHECK_WORK: u64 = 10_000_000_000;
+
+/// The `check` parameter of the decode stages.
+pub fn check_param() -> ParamSpec {
+    ParamSpec::new("check", ParamType::one_of(StepCheck::NAMES))
+        .default("auto")
+        .doc("O and LSE against the f64 reference before timing: `full` every row, `group` KV head 0's group of rows (1/heads_kv of the cost), `auto` full unless the reference would take more than about ten seconds, `off`.")
+}
+
+/// A kernel's O `[heads_q][rows][head_dim]` (and LSE `[heads_q][rows]`, where the kernel gives
+/// one) against the f64 reference, as `mode` says: the record's `correctness`.
+pub fn check_step(
+    problem: &DecodeProblem,
+    inputs: &DecodeInputs,
+    (out, lse): (&[f32], Option<&[f32]>),
+    mode: StepCheck,
+    tolerance: f64,
+) -> serde_json::Value {
+    let work = 2 * problem.keys() * problem.heads_q * problem.queries * problem.head_dim;
+    let (expected, checked) = match mode {
+        StepCheck::Off => return serde_json::json!({"checked": "off"}),
+        StepCheck::Full => (reference(problem, inputs), "every row"),
+        StepCheck::Auto if work <= FULL_CHECK_WORK => (reference(problem, inputs), "every row"),
+        StepCheck::Auto | StepCheck::Group => {
+            let (group, group_inputs) = first_group(problem, inputs);
+            (
+                reference(&group, &group_inputs),
+                "every row of KV head 0's group of query heads",
+            )
+        }
+    };
+    let worst = |ours: &[f32], theirs: &[f64]| {
+        ours.iter()
+            .zip(theirs)
+            .map(|(&x, &y)| {
+                if f64::from(x) == y {
+                    0.0
+                } else {
+                    (f64::from(x) - y).abs()
+                }
+            })
+            .fold(0.0, f64::max)
+    };
+    let out_error = worst(out, &expected.out);
+    let lse_error = lse.map(|lse| worst(lse, &expected.lse));
+    let passed = out_error <= tolerance && lse_error.is_none_or(|e| e <= tolerance);
+    serde_json::json!({
+        "reference": "f64 over every key (decode::reference)",
+        "checked": format!("O{} of {checked}", if lse.is_some() { " and LSE" } else { " (the kernel returns no LSE)" }),
+        "errors": {"out": out_error, "lse": lse_error},
+        "max_error": lse_error.map_or(out_error, |e| e.max(out_error)),
+        "tolerance": tolerance,
+        "passed": passed,
+    })
+}
+
 /// The batch a decode stage describes, read from the parameters [`declare_batch`] declares
 /// (`#[serde(flatten)]` it into the stage's own).
 #[derive(Debug, Clone, Deserialize)]
@@ -250,13 +315,9 @@ pub fn step_record(
 ) -> serde_json::Value {
     let bytes = problem.bytes(element_bytes);
     let bandwidth = bytes as f64 / times.p50;
-    let mut record = serde_json::json!({
-        "kv_lens": problem.kv_lens,
-        "queries": problem.queries,
-        "heads_q": problem.heads_q,
-        "heads_kv": problem.heads_kv,
-        "head_dim": problem.head_dim,
-        "page_size": problem.page_size,
+    // The problem's own fields first (kv_lens, queries, heads, page_size), as it serialises.
+    let mut record = serde_json::to_value(problem).unwrap_or_default();
+    let measured = serde_json::json!({
         "flops": problem.flops(),
         "bytes": bytes,
         "bytes_counted": format!("K and V read once per KV head, Q read and O written once, {element_bytes} bytes a value"),
@@ -267,8 +328,12 @@ pub fn step_record(
         "of_copy_bandwidth": bandwidth / copy_bytes_per_s,
         "tflops": problem.flops() as f64 / times.p50 / 1e12,
     });
-    if let (Some(map), serde_json::Value::Object(own)) = (record.as_object_mut(), own) {
-        map.extend(own);
+    if let Some(map) = record.as_object_mut() {
+        for part in [measured, own] {
+            if let serde_json::Value::Object(part) = part {
+                map.extend(part);
+            }
+        }
     }
     record
 }
@@ -464,8 +529,7 @@ pub fn attend(
 
 /// The step cut to KV head 0 and its group of query heads, with its inputs: a check of a long
 /// cache at 1/heads_kv of the reference's cost. In the packed layouts both are prefixes, as are
-/// the group's rows of a kernel's O and LSE (`[..values]` of [`Partial::out`], `[..rows]` of
-/// its LSE, with the returned problem's sizes).
+/// the group's rows of a kernel's O and LSE.
 pub fn first_group(
     problem: &DecodeProblem,
     inputs: &DecodeInputs,
@@ -485,17 +549,6 @@ pub fn first_group(
         v: inputs.v[..kv_len].to_vec(),
     };
     (group, inputs)
-}
-
-impl Partial {
-    /// The first `problem`'s rows of this partial (see [`first_group`]).
-    pub fn prefix(&self, problem: &DecodeProblem) -> Partial {
-        let rows = (problem.heads_q * problem.rows()) as usize;
-        Partial {
-            out: self.out[..rows * problem.head_dim as usize].to_vec(),
-            lse: self.lse[..rows].to_vec(),
-        }
-    }
 }
 
 /// The whole step's O and LSE, every key at once.

@@ -125,10 +125,31 @@ fn the_first_group_is_the_whole_steps_first_rows() {
     let inputs = DecodeInputs::random(&whole, 5, Element::F32);
     let (group, group_inputs) = first_group(&whole, &inputs);
     assert_eq!((group.heads_q, group.heads_kv), (2, 1));
-    let expected = reference(&whole, &inputs).prefix(&group);
+    let (whole_out, group_out) = (reference(&whole, &inputs), reference(&group, &group_inputs));
+    let values = (group.heads_q * group.rows() * group.head_dim) as usize;
+    assert_eq!(group_out.out[..], whole_out.out[..values]);
+    assert_eq!(group_out.lse[..], whole_out.lse[..group_out.lse.len()]);
+}
+
+#[test]
+fn a_step_check_fails_a_wrong_output_and_says_what_it_compared() {
+    let problem = DecodeProblem::new(vec![40, 9], 2, (8, 4, 8), None).unwrap();
+    let inputs = DecodeInputs::random(&problem, 5, Element::F32);
+    let exact = reference(&problem, &inputs);
+    let narrow = |values: &[f64]| values.iter().map(|&x| x as f32).collect::<Vec<f32>>();
+    let (mut out, lse) = (narrow(&exact.out), narrow(&exact.lse));
+    let good = check_step(&problem, &inputs, (&out, Some(&lse)), StepCheck::Full, 1e-5);
+    assert_eq!(good["passed"], true, "{good}");
+    out[3] += 0.5;
+    let bad = check_step(&problem, &inputs, (&out, None), StepCheck::Group, 1e-5);
+    assert_eq!(bad["passed"], false, "{bad}");
+    assert!(
+        bad["checked"].as_str().unwrap().contains("returns no LSE"),
+        "{bad}"
+    );
     assert_eq!(
-        reference(&group, &group_inputs).max_difference(&expected),
-        0.0
+        check_step(&problem, &inputs, (&out, None), StepCheck::Off, 0.0)["checked"],
+        "off"
     );
 }
 

@@ -11,11 +11,10 @@
 use std::time::Instant;
 
 use attnbench_sdk::decode::{
-    declare_batch, reference, split_range, step_record, BatchParams, DecodeInputs, DecodeProblem,
-    PageTable, Partial,
+    check_param, check_step, declare_batch, split_range, step_record, BatchParams, DecodeInputs,
+    DecodeProblem, PageTable, StepCheck,
 };
 
-use crate::problem::{axpy, dot, parallel};
 use attnbench_sdk::measure::{Harness, HarnessParams, Quantiles};
 use attnbench_sdk::reference::{Arithmetic, Element};
 use attnbench_sdk::{
@@ -23,6 +22,8 @@ use attnbench_sdk::{
 };
 use serde::Deserialize;
 use serde_json::{json, Value};
+
+use crate::problem::{axpy, dot, parallel};
 
 /// Fewest keys a split gets when the split count is chosen: below it the merge and the work
 /// item's start cost more than the extra parallelism gains.
@@ -36,7 +37,7 @@ const KEY_BLOCK: usize = 32;
 pub struct DecodeParams {
     splits: u64,
     threads: usize,
-    check: bool,
+    check: StepCheck,
     #[serde(flatten)]
     shape: BatchParams,
     #[serde(flatten)]
@@ -51,7 +52,7 @@ pub fn spec() -> StageSpec {
         .doc("Times one decode step of a batch with a split-KV (Flash-Decoding) kernel on CPU threads, checked against the f64 reference; records latency and the bandwidth it reached beside the machine's copy bandwidth.")
         .param(ParamSpec::new("splits", ParamType::Int).default(0).doc("KV splits per sequence; 0 chooses from the threads and the KV length (the record says how)."))
         .param(ParamSpec::new("threads", ParamType::Int).default(0).doc("Threads (0 = one per CPU)."))
-        .param(ParamSpec::new("check", ParamType::Bool).default(true).doc("Compare O and LSE with the f64 reference before timing."))
+        .param(check_param())
         .output("decode")
         .cache_scope(CacheScope::Machine)
         // A timing shares the cores with nothing else.
@@ -114,17 +115,6 @@ impl Cache<'_> {
 pub struct DecodeOutput {
     pub out: Vec<f32>,
     pub lse: Vec<f32>,
-}
-
-impl DecodeOutput {
-    /// Widened to the reference's form, to compare with [`Partial::max_difference`].
-    pub fn to_partial(&self) -> Partial {
-        let widen = |values: &[f32]| values.iter().map(|&x| f64::from(x)).collect();
-        Partial {
-            out: widen(&self.out),
-            lse: widen(&self.lse),
-        }
-    }
 }
 
 /// One decode step: every (sequence, KV head, split) on `threads` threads, then the merge.
@@ -329,15 +319,18 @@ pub fn stage(request: &StageRequest) -> Result<Value, PluginError> {
             v: &inputs.v,
         },
     };
-    let tolerance = Arithmetic::F32.tolerance();
-    let correctness = if p.check {
-        let output = decode(&problem, &inputs.q, &cache, splits, threads);
-        let whole = reference(&problem, &inputs);
-        let max_error = whole.max_difference(&output.to_partial());
-        json!({"reference": "f64 over every key (decode::reference)", "checked": "O and LSE of every row",
-               "max_error": max_error, "tolerance": tolerance, "passed": max_error <= tolerance})
+    let correctness = if p.check == StepCheck::Off {
+        check_step(&problem, &inputs, (&[], None), StepCheck::Off, 0.0)
     } else {
-        json!({"checked": "off"})
+        let output = decode(&problem, &inputs.q, &cache, splits, threads);
+        let tolerance = Arithmetic::F32.tolerance();
+        check_step(
+            &problem,
+            &inputs,
+            (&output.out, Some(&output.lse)),
+            p.check,
+            tolerance,
+        )
     };
     let harness = p.harness.apply(Harness::default());
     let started = Instant::now();

@@ -24,7 +24,14 @@ fn error_against_reference(problem: &DecodeProblem, splits: u64, threads: usize)
         },
     };
     let output = decode(problem, &inputs.q, &cache, splits, threads);
-    reference(problem, &inputs).max_difference(&output.to_partial())
+    let checked = check_step(
+        problem,
+        &inputs,
+        (&output.out, Some(&output.lse)),
+        StepCheck::Full,
+        0.0,
+    );
+    checked["max_error"].as_f64().unwrap()
 }
 
 #[test]
@@ -62,7 +69,15 @@ fn a_wrong_kernel_is_caught_by_the_same_comparison() {
         v: &short_inputs.v,
     };
     let output = decode(&short, &inputs.q, &cache, 2, 1);
-    let error = reference(&p, &inputs).max_difference(&output.to_partial());
+    let checked = check_step(
+        &p,
+        &inputs,
+        (&output.out, Some(&output.lse)),
+        StepCheck::Full,
+        Arithmetic::F32.tolerance(),
+    );
+    assert_eq!(checked["passed"], false, "{checked}");
+    let error = checked["max_error"].as_f64().unwrap();
     assert!(error > Arithmetic::F32.tolerance(), "error {error}");
 }
 

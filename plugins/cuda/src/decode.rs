@@ -6,8 +6,8 @@
 use std::sync::Arc;
 
 use attnbench_sdk::decode::{
-    declare_batch, first_group, reference, step_record, BatchParams, DecodeInputs, DecodeProblem,
-    Partial,
+    check_param, check_step, declare_batch, step_record, BatchParams, DecodeInputs, DecodeProblem,
+    StepCheck,
 };
 use attnbench_sdk::measure::{Harness, HarnessParams, Quantiles};
 use attnbench_sdk::nvml;
@@ -48,15 +48,6 @@ fn resident_blocks(block_rows: u64, head_dim: u64) -> u64 {
     }
 }
 
-/// Multiply-adds of the f64 reference (two a key a row a dimension) above which `check: auto`
-/// checks KV head 0's group of rows rather than every row: about ten seconds on one core.
-const FULL_CHECK_WORK: u64 = 10_000_000_000;
-
-attnbench_sdk::named_enum! {
-    /// How much of the step's output is compared with the f64 reference before timing.
-    pub enum Check { Auto = "auto", Full = "full", Group = "group", Off = "off" }
-}
-
 /// The kernels' one argument, as `DecodeArgs` in decode.cu lays it out (its size is checked on
 /// both sides).
 #[repr(C)]
@@ -95,7 +86,7 @@ unsafe impl DeviceRepr for DecodeArgs {}
 pub struct DecodeParams {
     dtype: Element,
     splits: u64,
-    check: Check,
+    check: StepCheck,
     #[serde(flatten)]
     shape: BatchParams,
     #[serde(flatten)]
@@ -110,7 +101,7 @@ pub fn spec() -> StageSpec {
         .doc("Times one decode step of a batch with attnbench's split-KV (Flash-Decoding) kernel, checked against the f64 reference; records latency and the bandwidth reached beside the device's copy bandwidth.")
         .param(ParamSpec::new("dtype", Element::param_type(&[Element::Bf16, Element::F16])).default("bf16"))
         .param(ParamSpec::new("splits", ParamType::Int).default(0).doc("KV splits per sequence; 0 chooses from the KV length and the multiprocessors (the record says how)."))
-        .param(ParamSpec::new("check", ParamType::one_of(Check::NAMES)).default("auto").doc("O and LSE against the f64 reference before timing: `full` every row, `group` KV head 0's group of rows (1/heads_kv of the cost), `auto` full unless the reference would take more than about ten seconds."))
+        .param(check_param())
         .output("decode")
         .cache_scope(CacheScope::Machine)
         .isolation(Isolation::Worker)
@@ -360,38 +351,19 @@ pub fn run(gpu: &mut Gpu, kernels: &Kernels, request: &StageRequest) -> Result<V
     let step = Step::find(kernels, &name, problem.head_dim, block_rows)?;
     let inputs = DecodeInputs::random(&problem, request.seed, p.dtype);
     let device = upload(gpu, &problem, &inputs, p.dtype, splits, request.seed)?;
-    let work = 2 * problem.keys() * problem.heads_q * problem.queries * problem.head_dim;
-    let check = match p.check {
-        Check::Auto if work > FULL_CHECK_WORK => Check::Group,
-        Check::Auto => Check::Full,
-        chosen => chosen,
-    };
-    let correctness = if check == Check::Off {
-        json!({"checked": "off"})
+    let correctness = if p.check == StepCheck::Off {
+        check_step(&problem, &inputs, (&[], None), StepCheck::Off, 0.0)
     } else {
         launch(gpu, &step, &device.args)?;
         let out = p.dtype.decode(&gpu.download(&device.out)?);
         let lse = gpu.download(&device.lse)?;
-        let ours = Partial {
-            out: out.iter().map(|&x| f64::from(x)).collect(),
-            lse: lse.iter().map(|&x| f64::from(x)).collect(),
-        };
-        let (max_error, checked) = if check == Check::Full {
-            (
-                reference(&problem, &inputs).max_difference(&ours),
-                "O and LSE of every row",
-            )
-        } else {
-            let (group, group_inputs) = first_group(&problem, &inputs);
-            let error = reference(&group, &group_inputs).max_difference(&ours.prefix(&group));
-            (
-                error,
-                "O and LSE of every row of KV head 0's group of query heads",
-            )
-        };
-        let tolerance = p.dtype.tolerance();
-        json!({"reference": "f64 over every key (decode::reference)", "checked": checked,
-               "max_error": max_error, "tolerance": tolerance, "passed": max_error <= tolerance})
+        check_step(
+            &problem,
+            &inputs,
+            (&out, Some(&lse)),
+            p.check,
+            p.dtype.tolerance(),
+        )
     };
     let harness = p.harness.apply(Harness::gpu());
     let clocks_before = nvml::clocks();

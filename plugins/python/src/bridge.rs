@@ -26,11 +26,12 @@ macro_rules! package_file {
 
 /// The worker's source, embedded so that the plugin library is all a user installs: the
 /// launcher and the `attnbench_bridge` package beside it, as (path in the worker's folder, text).
-const FILES: [(&str, &str); 17] = [
+const FILES: [(&str, &str); 18] = [
     ("serve_bridge.py", include_str!("../bridge/serve_bridge.py")),
     package_file!("__init__.py"),
     package_file!("checks.py"),
     package_file!("cudnn.py"),
+    package_file!("decode.py"),
     package_file!("dispatch.py"),
     package_file!("encodings.py"),
     package_file!("flash.py"),

@@ -8,6 +8,7 @@
 //! draws its own inputs and checks sampled rows against an independent f64 reference.
 
 mod bridge;
+mod decode;
 
 use std::sync::Mutex;
 
@@ -116,15 +117,17 @@ impl Plugin for Python {
                 // A hung kernel or worker ends the node, not the run; `timeout:` in a pipeline overrides.
                 .timeout_s(1800.0),
             )
+            .stage(decode::spec())
     }
 
     fn run(stage: &str, request: StageRequest, host: &Host) -> Result<Value, PluginError> {
         match stage {
             "backends" => backends(&request),
             "benchmark" => benchmark(&request, host),
+            "decode" => decode::run(&request),
             other => Err(PluginError::UnknownStage {
                 stage: other.into(),
-                known: "backends, benchmark".into(),
+                known: "backends, benchmark, decode".into(),
             }),
         }
     }

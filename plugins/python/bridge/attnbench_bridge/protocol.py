@@ -10,6 +10,7 @@ import sys
 import traceback
 from typing import Any, Tuple
 
+from .decode import decode
 from .dispatch import backends, benchmark
 from .harness import release_memory
 from .support import BadRequest, first_line, log
@@ -18,7 +19,7 @@ from .support import BadRequest, first_line, log
 PROTOCOL = 1
 
 
-OPS = {"backends": backends, "benchmark": benchmark}
+OPS = {"backends": backends, "benchmark": benchmark, "decode": decode}
 
 
 def plain(value: Any) -> Any:
@@ -49,7 +50,7 @@ def handle(line: str) -> Tuple[dict, bool]:
         return {"id": rid, "ok": True, "result": None}, True
     if op not in OPS:
         return {"id": rid, "ok": False,
-                "error": f"unknown op {op!r}; the bridge knows backends, benchmark and shutdown"}, False
+                "error": f"unknown op {op!r}; the bridge knows backends, benchmark, decode and shutdown"}, False
     params = request.get("params") or {}
     try:
         return {"id": rid, "ok": True, "result": OPS[op](params)}, False
