@@ -22,8 +22,27 @@ fn a_cpu_decode_step_is_checked_and_reports_latency_and_bandwidth() {
     );
     assert!(run.status.success(), "{}", stderr(&run));
     let record = sandbox.last_record();
-    let nodes = record["nodes"].as_array().unwrap();
+    let nodes: Vec<&serde_json::Value> = record["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|n| n["id"].as_str().unwrap().starts_with("decode"))
+        .collect();
     assert_eq!(nodes.len(), 2 * 2 * 2);
+    let report = sandbox.cache().join("reports/decode-cpu/report.html");
+    let page = std::fs::read_to_string(&report).unwrap();
+    assert!(
+        page.contains("<h2>Decoding</h2>") && page.contains("id=\"decode\""),
+        "{}",
+        report.display()
+    );
+    // Per new-token count and cache: a bandwidth and a latency chart.
+    assert_eq!(
+        page.matches("<svg").count(),
+        2 * 2 * 2,
+        "{}",
+        report.display()
+    );
     for node in nodes {
         let path = std::path::Path::new(node["artifact"].as_str().unwrap()).join("decode.json");
         let result: serde_json::Value =

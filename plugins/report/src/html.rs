@@ -44,6 +44,8 @@ pub struct Page<'a> {
     pub predictions: &'a [attnbench_sdk::measure::Prediction],
     pub comparisons: &'a [attnbench_sdk::measure::Comparison],
     pub predicted: Vec<(String, String)>,
+    pub decode_steps: &'a [crate::decode::DecodeStep],
+    pub decoding: Vec<(String, String)>,
 }
 
 /// The cost model's points, with the reason of every size a method cannot run.
@@ -251,6 +253,11 @@ pub fn render(page: &Page) -> String {
         out.push_str("<h2>Cost model against measurements</h2><p class=\"sub\">Each measured GPU cell beside the model's prediction for its method, world, groups and tokens, with compute at the cell's own kernel time (its slowest rank's): the difference is what the model says about communication. Not in kernels: the slowest rank's communication not hidden by compute plus its own merging and copying, which the model omits.</p>");
         comparisons(&mut out, page.comparisons);
     }
+    if !page.decode_steps.is_empty() {
+        out.push_str("<h2>Decoding</h2><p class=\"sub\">One decode step of a batch: the bytes it must move (K and V once per KV head, Q and O once) over its median time, beside the device's own copy bandwidth measured in the same stage.</p>");
+        figures(&mut out, &page.decoding);
+        crate::decode::table(&mut out, page.decode_steps);
+    }
     out.push_str("<h2>Support matrix</h2><p class=\"sub\">Statuses over all lengths and directions; hover a cell for the details.</p>");
     support_matrix(&mut out, page.rows);
     out.push_str("<h2>Measurements</h2>");
@@ -305,6 +312,8 @@ mod tests {
             predictions: &[predicted],
             comparisons: &[comparison],
             predicted: Vec::new(),
+            decode_steps: &[],
+            decoding: Vec::new(),
         });
         assert!(html.contains("Cost model against measurements"));
         let table = &html[html.find("id=\"against-measurements\"").unwrap()..];
@@ -326,6 +335,8 @@ mod tests {
             predictions: &[],
             comparisons: &[],
             predicted: Vec::new(),
+            decode_steps: &[],
+            decoding: Vec::new(),
         });
         assert!(!without.contains("Cost model against measurements"));
     }

@@ -2,6 +2,7 @@
 //! summary; `report/html` also draws the plots (SVG inline, PNG files) and writes one
 //! self-contained HTML file.
 
+mod decode;
 mod html;
 mod plots;
 mod rows;
@@ -24,6 +25,7 @@ fn stage(name: &str, doc: &str) -> StageSpec {
                 .doc("The report's title."),
         )
         .input("measurement")
+        .input("decode")
         .output("report")
 }
 
@@ -54,9 +56,10 @@ impl Plugin for Report {
         let rows = rows::collect(&request.inputs).map_err(PluginError::failed)?;
         let (predictions, comparisons) =
             rows::predictions(&request.inputs).map_err(PluginError::failed)?;
-        if rows.is_empty() && predictions.is_empty() {
+        let decode_steps = decode::collect(&request.inputs).map_err(PluginError::failed)?;
+        if rows.is_empty() && predictions.is_empty() && decode_steps.is_empty() {
             return Err(PluginError::Params(
-                "no measurements (or cost-model predictions) reached the report; give it `needs: {bench: all}`".into(),
+                "no measurements (or cost-model predictions, or decode steps) reached the report; give it `needs: {bench: all}`".into(),
             ));
         }
         let dir = &request.output_dir;
@@ -92,6 +95,7 @@ impl Plugin for Report {
         let throughput = render(plots::throughput_charts(&rows))?;
         let memory = render(plots::memory_charts(&rows))?;
         let predicted = render(plots::prediction_charts(&predictions))?;
+        let decoding = render(decode::charts(&decode_steps))?;
         let page = html::render(&html::Page {
             title: &title,
             rows: &rows,
@@ -100,6 +104,8 @@ impl Plugin for Report {
             predictions: &predictions,
             comparisons: &comparisons,
             predicted,
+            decode_steps: &decode_steps,
+            decoding,
         });
         write_atomically(dir, "report.html", page.as_bytes())?;
         host.info(&format!("report with {} plots", pngs.len()));

@@ -43,6 +43,8 @@ pub enum XAxis {
     Gpus,
     /// A block-sparse mask's kept fraction.
     Density,
+    /// A decode step's longest KV cache.
+    KvLength,
 }
 
 /// Registers the bundled font once per process.
@@ -68,7 +70,7 @@ fn group<'a>(
     groups
 }
 
-fn safe_id(text: &str) -> String {
+pub fn safe_id(text: &str) -> String {
     text.chars()
         .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
         .collect()
@@ -269,6 +271,7 @@ fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, chart: &Chart) -> Res
             XAxis::SequenceLength => "sequence length (tokens)",
             XAxis::Gpus => "GPUs",
             XAxis::Density => "density (kept fraction of key blocks, log scale)",
+            XAxis::KvLength => "longest KV cache (tokens)",
         })
         .y_desc(chart.y_label.as_str())
         // Label only the powers of two the sizes are.
