@@ -9,7 +9,8 @@ default `~/.cache/flashinfer`). A pipeline meets them one after another, inside 
 hold the machine alone; this makes the same calls on tiny inputs, one process per variant, so the
 compilations overlap and a pipeline started afterwards finds them all cached. The variants are
 the adapter's paths: single prefill (with and without a sliding window), documents as a ragged
-batch (with and without), the BSR and the variable block-sparse wrappers. Compile time is never
+batch (with and without), the BSR and the variable block-sparse wrappers, and the decode adapter's
+paged batch decode and causal paged prefill. Compile time is never
 part of a measurement either way (the adapter's first call is untimed); this only shortens the run.
 """
 import argparse
@@ -39,6 +40,24 @@ def variant(name, dtype_name, head_dim, heads_q, heads_kv):
         wrapper.plan(bounds, bounds, heads_q, heads_kv, head_dim, causal=True,
                      window_left=WINDOW if name.endswith("window") else -1, sm_scale=scale, q_data_type=dtype)
         wrapper.run(q, k, v, return_lse=True)
+    elif name.startswith("paged"):
+        # The decode adapter's wrappers: two sequences in 16-token pages; one new token each
+        # (batch decode) or four (causal paged prefill).
+        page, pages = 16, SEQ // 16
+        cache = tuple(torch.randn(pages, page, heads_kv, head_dim, device="cuda", dtype=dtype) for _ in range(2))
+        int32 = lambda values: torch.tensor(values, dtype=torch.int32, device="cuda")  # noqa: E731
+        layout = (int32([0, pages // 2, pages]), int32(list(range(pages))), int32([page, page]))
+        workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+        if name == "paged decode":
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+            wrapper.plan(*layout, heads_q, heads_kv, head_dim, page, pos_encoding_mode="NONE",
+                         q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
+            wrapper.run(q[:2], cache, return_lse=True)
+        else:
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+            wrapper.plan(int32([0, 4, 8]), *layout, heads_q, heads_kv, head_dim, page, causal=True,
+                         sm_scale=scale, q_data_type=dtype, kv_data_type=dtype)
+            wrapper.run(q[:8], cache, return_lse=True)
     elif name == "bsr":
         blocks = 4
         kept = torch.ones(blocks, blocks, dtype=torch.bool, device="cuda").tril()
@@ -60,7 +79,8 @@ def variant(name, dtype_name, head_dim, heads_q, heads_kv):
     return name, time.perf_counter() - start
 
 
-VARIANTS = ("single", "single window", "ragged", "ragged window", "bsr", "block sparse")
+VARIANTS = ("single", "single window", "ragged", "ragged window", "bsr", "block sparse", "paged decode",
+            "paged prefill")
 
 
 def main():
