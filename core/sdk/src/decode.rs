@@ -211,6 +211,22 @@ pub fn check_param() -> ParamSpec {
         .doc("O and LSE against the f64 reference before timing: `full` every row, `group` KV head 0's group of rows (1/heads_kv of the cost), `auto` full unless the reference would take more than about ten seconds, `off`.")
 }
 
+/// The record's `correctness` when the step is not checked.
+pub fn unchecked() -> serde_json::Value {
+    serde_json::json!({"checked": "off"})
+}
+
+/// |x − y|, with equal values (infinities included) 0 and a NaN on either side infinite.
+fn difference(x: f64, y: f64) -> f64 {
+    if x == y {
+        0.0
+    } else if x.is_nan() || y.is_nan() {
+        f64::INFINITY
+    } else {
+        (x - y).abs()
+    }
+}
+
 /// A kernel's O `[heads_q][rows][head_dim]` (and LSE `[heads_q][rows]`, where the kernel gives
 /// one) against the f64 reference, as `mode` says: the record's `correctness`.
 pub fn check_step(
@@ -222,7 +238,7 @@ pub fn check_step(
 ) -> serde_json::Value {
     let work = 2 * problem.keys() * problem.heads_q * problem.queries * problem.head_dim;
     let (expected, checked) = match mode {
-        StepCheck::Off => return serde_json::json!({"checked": "off"}),
+        StepCheck::Off => return unchecked(),
         StepCheck::Full => (reference(problem, inputs), "every row"),
         StepCheck::Auto if work <= FULL_CHECK_WORK => (reference(problem, inputs), "every row"),
         StepCheck::Auto | StepCheck::Group => {
@@ -233,20 +249,20 @@ pub fn check_step(
             )
         }
     };
-    let worst = |ours: &[f32], theirs: &[f64]| {
+    // A value the kernel did not write (a short output) or wrote as NaN is an infinite error, so a
+    // broken kernel cannot pass by omission. The group's rows are a prefix of the whole step's.
+    let worst = |ours: &[f32], theirs: &[f64], whole: u64| {
+        if ours.len() as u64 != whole {
+            return f64::INFINITY;
+        }
         ours.iter()
             .zip(theirs)
-            .map(|(&x, &y)| {
-                if f64::from(x) == y {
-                    0.0
-                } else {
-                    (f64::from(x) - y).abs()
-                }
-            })
+            .map(|(&x, &y)| difference(f64::from(x), y))
             .fold(0.0, f64::max)
     };
-    let out_error = worst(out, &expected.out);
-    let lse_error = lse.map(|lse| worst(lse, &expected.lse));
+    let rows = problem.heads_q * problem.rows();
+    let out_error = worst(out, &expected.out, rows * problem.head_dim);
+    let lse_error = lse.map(|lse| worst(lse, &expected.lse, rows));
     let passed = out_error <= tolerance && lse_error.is_none_or(|e| e <= tolerance);
     serde_json::json!({
         "reference": "f64 over every key (decode::reference)",
@@ -316,7 +332,7 @@ pub fn step_record(
     let bytes = problem.bytes(element_bytes);
     let bandwidth = bytes as f64 / times.p50;
     // The problem's own fields first (kv_lens, queries, heads, page_size), as it serialises.
-    let mut record = serde_json::to_value(problem).unwrap_or_default();
+    let mut record = serde_json::to_value(problem).expect("a DecodeProblem serialises");
     let measured = serde_json::json!({
         "flops": problem.flops(),
         "bytes": bytes,
@@ -435,13 +451,17 @@ impl Partial {
     }
 
     /// Largest absolute difference over O and LSE. Rows that saw no key on both sides (LSE −∞)
-    /// agree; one side −∞ and the other finite is an infinite difference, not a match.
+    /// agree; one side −∞ and the other finite, a NaN, or partials of different sizes are an
+    /// infinite difference, not a match.
     pub fn max_difference(&self, other: &Partial) -> f64 {
+        if self.out.len() != other.out.len() || self.lse.len() != other.lse.len() {
+            return f64::INFINITY;
+        }
         self.out
             .iter()
             .zip(&other.out)
             .chain(self.lse.iter().zip(&other.lse))
-            .map(|(x, y)| if x == y { 0.0 } else { (x - y).abs() })
+            .map(|(&x, &y)| difference(x, y))
             .fold(0.0, f64::max)
     }
 }

@@ -151,6 +151,21 @@ fn a_step_check_fails_a_wrong_output_and_says_what_it_compared() {
         check_step(&problem, &inputs, (&out, None), StepCheck::Off, 0.0)["checked"],
         "off"
     );
+    // NaN and missing values fail, however small the rest of the differences.
+    let nan = vec![f32::NAN; out.len()];
+    assert_eq!(
+        check_step(&problem, &inputs, (&nan, None), StepCheck::Full, 1.0)["passed"],
+        false
+    );
+    let short = &lse[..lse.len() - 1];
+    let checked = check_step(
+        &problem,
+        &inputs,
+        (&narrow(&exact.out), Some(short)),
+        StepCheck::Full,
+        1.0,
+    );
+    assert_eq!(checked["passed"], false, "{checked}");
 }
 
 #[test]

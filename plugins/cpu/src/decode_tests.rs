@@ -92,9 +92,11 @@ fn split_count_fills_the_threads_without_splits_under_the_minimum() {
     let long = problem(vec![64 * 1024], 1, (32, 8, 128), None);
     // 8 items for 16 threads: 4 splits give two items a thread.
     assert_eq!(choose_splits(&long, 16).0, 4);
-    // A short cache caps the count: 300 keys allow 2 splits of at least 256.
-    let short = problem(vec![300], 1, (32, 1, 128), None);
+    // A short cache caps the count: 600 keys allow 2 splits of at least 256, 300 keys one.
+    let short = problem(vec![600], 1, (32, 1, 128), None);
     assert_eq!(choose_splits(&short, 64).0, 2);
+    let shorter = problem(vec![300], 1, (32, 1, 128), None);
+    assert_eq!(choose_splits(&shorter, 64).0, 1);
     // Enough items already: no split.
     let wide = problem(vec![4096; 16], 1, (32, 8, 128), None);
     assert_eq!(choose_splits(&wide, 16).0, 1);

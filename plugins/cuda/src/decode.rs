@@ -6,8 +6,8 @@
 use std::sync::Arc;
 
 use attnbench_sdk::decode::{
-    check_param, check_step, declare_batch, step_record, BatchParams, DecodeInputs, DecodeProblem,
-    StepCheck,
+    check_param, check_step, declare_batch, step_record, unchecked, BatchParams, DecodeInputs,
+    DecodeProblem, StepCheck,
 };
 use attnbench_sdk::measure::{Harness, HarnessParams, Quantiles};
 use attnbench_sdk::nvml;
@@ -120,7 +120,7 @@ pub fn choose_splits(problem: &DecodeProblem, multiprocessors: u64) -> (u64, Str
     let per_sm = resident_blocks(block_rows, problem.head_dim);
     let wanted = (per_sm * multiprocessors).div_ceil(blocks).max(1);
     let longest = problem.kv_lens.iter().copied().max().unwrap_or(1);
-    let cap = longest.div_ceil(MIN_SPLIT_KEYS).max(1);
+    let cap = (longest / MIN_SPLIT_KEYS).max(1);
     let splits = wanted.min(cap);
     let why = format!(
         "{blocks} blocks unsplit for {multiprocessors} SMs want {wanted} splits for {per_sm} blocks an SM \
@@ -352,7 +352,7 @@ pub fn run(gpu: &mut Gpu, kernels: &Kernels, request: &StageRequest) -> Result<V
     let inputs = DecodeInputs::random(&problem, request.seed, p.dtype);
     let device = upload(gpu, &problem, &inputs, p.dtype, splits, request.seed)?;
     let correctness = if p.check == StepCheck::Off {
-        check_step(&problem, &inputs, (&[], None), StepCheck::Off, 0.0)
+        unchecked()
     } else {
         launch(gpu, &step, &device.args)?;
         let out = p.dtype.decode(&gpu.download(&device.out)?);

@@ -119,13 +119,22 @@ pub fn charts(steps: &[DecodeStep]) -> Vec<Chart> {
 pub fn table(out: &mut String, steps: &[DecodeStep]) {
     out.push_str("<table id=\"decode\"><tr><th>kernel</th><th>new tokens</th><th>cache</th><th>sequences</th><th>longest KV</th><th>latency</th><th>GB/s</th><th>of copy</th><th>check</th></tr>");
     for s in steps {
+        let of_copy = if s.copy_gbs > 0.0 {
+            format!(
+                "{:.0}% of {:.0}",
+                100.0 * s.bandwidth_gbs / s.copy_gbs,
+                s.copy_gbs
+            )
+        } else {
+            "—".to_string()
+        };
         let check = match s.passed {
             Some(true) => "passed",
             Some(false) => "FAILED",
             None => "off",
         };
         out.push_str(&format!(
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{:.1} µs</td><td>{:.1}</td><td>{:.0}% of {:.0}</td><td>{check}</td></tr>",
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{:.1} µs</td><td>{:.1}</td><td>{of_copy}</td><td>{check}</td></tr>",
             escape(&s.kernel),
             s.queries,
             escape(&s.cache),
@@ -133,8 +142,6 @@ pub fn table(out: &mut String, steps: &[DecodeStep]) {
             format_size(s.kv_len),
             s.latency_us,
             s.bandwidth_gbs,
-            100.0 * s.bandwidth_gbs / s.copy_gbs.max(f64::MIN_POSITIVE),
-            s.copy_gbs
         ));
     }
     out.push_str("</table>");

@@ -17,13 +17,16 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .checks import base_environment
-from .harness import event_rep, l2_flush_bytes, run_harness, torch_dtype
-from .support import BadRequest, Unavailable, Unsupported, _np, _package_version, log, need
+from .harness import device_bytes, event_rep, is_oom, l2_flush_bytes, release_memory, run_harness, torch_dtype
+from .support import BadRequest, OutOfMemory, Unavailable, Unsupported, _np, _package_version, first_line, log, need
 
-KERNELS = ("numpy", "sdpa", "fa4", "flashinfer")
 # A contiguous cache handed to a peer that takes pages only (FlashInfer) is cut into pages of this
 # many tokens, in order.
 IN_ORDER_PAGE = 16
+# The copy that measures the device's bandwidth moves at least the step's bytes, within these
+# bounds: bandwidth saturates far below the upper one, which keeps the copy's buffers small beside
+# a long cache.
+COPY_BYTES = (64 << 20, 1 << 30)
 
 
 @dataclass
@@ -31,6 +34,7 @@ class Step:
     kernel: str
     dtype: str
     device: str
+    bytes: int  # what the step must move, in the inputs' type (the host's DecodeProblem::bytes)
     kv_lens: List[int]
     queries: int
     heads_q: int
@@ -71,6 +75,7 @@ def parse_step(params: Any) -> Step:
     try:
         problem = params["problem"]  # the SDK's DecodeProblem as it serialises
         step = Step(kernel=params["kernel"], dtype=params["dtype"], device=params["device"],
+                    bytes=int(params["bytes"]),
                     kv_lens=[int(x) for x in problem["kv_lens"]], queries=int(problem["queries"]),
                     heads_q=int(problem["heads_q"]), heads_kv=int(problem["heads_kv"]),
                     head_dim=int(problem["head_dim"]), page_size=problem.get("page_size"),
@@ -78,9 +83,9 @@ def parse_step(params: Any) -> Step:
                     outputs_dir=params["outputs_dir"], harness=params["harness"])
     except (KeyError, TypeError, ValueError) as error:
         raise BadRequest(f"decode params: {error!r} missing or malformed") from error
-    if step.kernel not in KERNELS:
-        raise BadRequest(f"unknown decode kernel {step.kernel!r}; the bridge has {', '.join(KERNELS)}")
-    if not step.kv_lens or step.heads_q % step.heads_kv or min(step.kv_lens) < step.queries:
+    if step.kernel not in RUNNERS:
+        raise BadRequest(f"unknown decode kernel {step.kernel!r}; the bridge has {', '.join(RUNNERS)}")
+    if not step.kv_lens or step.heads_kv < 1 or step.heads_q % step.heads_kv or min(step.kv_lens) < step.queries:
         raise BadRequest("decode params: a batch, heads_q a multiple of heads_kv, and caches of at least `queries` keys")
     if (step.page_size is None) != (step.pages is None):
         raise BadRequest("decode params: page_size and pages come together")
@@ -179,7 +184,7 @@ def numpy_runner(step: Step, arrays: Dict[str, Any]) -> Runner:
         return time.perf_counter() - begin
 
     def copy(count: int) -> Tuple[float, str]:
-        source = np.ones(max(count, 64 << 20) // 4, dtype=np.float32)
+        source = np.ones(min(max(count, COPY_BYTES[0]), COPY_BYTES[1]) // 4, dtype=np.float32)
         target = np.empty_like(source)
 
         def one() -> float:
@@ -187,22 +192,28 @@ def numpy_runner(step: Step, arrays: Dict[str, Any]) -> Runner:
             np.copyto(target, source)
             return time.perf_counter() - begin
         median = sorted(run_harness(one, step.harness)["samples"])
-        return 2 * source.nbytes / median[len(median) // 2], "numpy.copyto of at least 64 MiB, one thread"
+        return 2 * source.nbytes / median[len(median) // 2], "numpy.copyto of the step's bytes (64 MiB to 1 GiB), one thread"
     return Runner(call=compute, rep=rep, copy=copy,
                   details={"backend": "numpy", "numpy": np.__version__, "cache": "paged" if step.pages else "packed"})
 
 
 def torch_copy(step: Step, torch: Any, device: Any) -> Callable[[int], Tuple[float, str]]:
     def copy(count: int) -> Tuple[float, str]:
-        count = max(count, 2 * l2_flush_bytes(torch, device))
+        count = max(min(count, COPY_BYTES[1]), COPY_BYTES[0], 2 * l2_flush_bytes(torch, device))
         source = torch.ones(count, dtype=torch.uint8, device=device)
         target = torch.empty_like(source)
         samples = sorted(run_harness(event_rep(torch, device, lambda: target.copy_(source)), step.harness)["samples"])
-        return 2 * count / samples[len(samples) // 2], "torch copy_ between device tensors of at least twice the L2"
+        return 2 * count / samples[len(samples) // 2], "torch copy_ between device tensors of the step's bytes (at least twice the L2 and 64 MiB, at most 1 GiB)"
     return copy
 
 
+def int32(torch: Any, device: Any, values: List[int]) -> Any:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
 def cuda_device(step: Step) -> Tuple[Any, Any]:
+    if step.device != "cuda":
+        raise Unsupported(f"{step.kernel} runs on a CUDA device here; this node asked for device {step.device}")
     torch = need("torch")
     if not torch.cuda.is_available():
         raise Unavailable(f"{step.kernel} needs a CUDA device; torch {torch.__version__} sees none")
@@ -238,7 +249,8 @@ def sdpa_runner(step: Step, arrays: Dict[str, Any]) -> Runner:
         return out.float().cpu().numpy(), None
     return Runner(call=call, rep=event_rep(torch, device, forward), copy=torch_copy(step, torch, device),
                   details={"backend": "torch.nn.functional.scaled_dot_product_attention", "torch": torch.__version__,
-                           "cache": f"padded to the longest cache ({longest} keys) with a boolean mask; enable_gqa"})
+                           "cache": f"padded to the longest cache ({longest} keys) with a boolean mask; enable_gqa",
+                           "backend_choice": "PyTorch's, for a boolean mask with grouped K and V (the math backend where no fused one takes both)"})
 
 
 def fa4_runner(step: Step, arrays: Dict[str, Any]) -> Runner:
@@ -249,11 +261,14 @@ def fa4_runner(step: Step, arrays: Dict[str, Any]) -> Runner:
         raise Unavailable("flash_attn.cute has no flash_attn_varlen_func")
     dtype, batch, queries = torch_dtype(torch, step.dtype), step.batch, step.queries
     q = torch.from_numpy(arrays["q"]).to(device, dtype).permute(1, 0, 2).contiguous()  # [rows, heads_q, d]
-    int32 = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
-    options = {"causal": True, "softmax_scale": step.scale, "num_splits": 0, "return_lse": True}
+    index = lambda values: int32(torch, device, values)  # noqa: E731
+    # FA4 splits the keys on sm_100 but not on Hopper ("SplitKV not supported on SM 9.0"); its own
+    # heuristic (num_splits < 1) would pick splits there and fail, so Hopper gets one.
+    splits = 1 if torch.cuda.get_device_capability(device)[0] == 9 else 0
+    options = {"causal": True, "softmax_scale": step.scale, "num_splits": splits, "return_lse": True}
     if step.pages is None:
         k, v = (torch.from_numpy(arrays[n]).to(device, dtype).permute(1, 0, 2).contiguous() for n in ("k", "v"))
-        bounds = {"cu_seqlens_q": int32([b * queries for b in range(batch + 1)]), "cu_seqlens_k": int32(step.offsets()),
+        bounds = {"cu_seqlens_q": index([b * queries for b in range(batch + 1)]), "cu_seqlens_k": index(step.offsets()),
                   "max_seqlen_q": queries, "max_seqlen_k": max(step.kv_lens)}
 
         def forward() -> Any:
@@ -261,14 +276,14 @@ def fa4_runner(step: Step, arrays: Dict[str, Any]) -> Runner:
 
         def heads(out: Any, lse: Any) -> Tuple[Any, Any]:  # [rows, H, d], [H, rows]
             return out.permute(1, 0, 2), lse
-        how = "flash_attn_varlen_func with cu_seqlens_q/k, causal (bottom-right), num_splits=0 (FA4's heuristic)"
+        how = "flash_attn_varlen_func with cu_seqlens_q/k, causal (bottom-right)"
     else:
         k, v = (torch.from_numpy(to_pool(step, arrays[n], step.page_size, step.pages)).to(device, dtype)
                 for n in ("k", "v"))
         widest = max(len(p) for p in step.pages)
-        table = int32([p + [0] * (widest - len(p)) for p in step.pages])
+        table = index([p + [0] * (widest - len(p)) for p in step.pages])
         q = q.reshape(batch, queries, step.heads_q, step.head_dim)
-        bounds = {"page_table": table, "seqused_k": int32(step.kv_lens)}
+        bounds = {"page_table": table, "seqused_k": index(step.kv_lens)}
 
         def forward() -> Any:
             return varlen(q, k, v, **bounds, **options)
@@ -276,13 +291,14 @@ def fa4_runner(step: Step, arrays: Dict[str, Any]) -> Runner:
         def heads(out: Any, lse: Any) -> Tuple[Any, Any]:  # [B, Q, H, d], [B, H, Q]
             out = out.reshape(step.rows, step.heads_q, step.head_dim).permute(1, 0, 2)
             return out, lse.permute(1, 0, 2).reshape(step.heads_q, step.rows)
-        how = f"flash_attn_varlen_func with page_table ({step.page_size}-token pages) and seqused_k, causal, num_splits=0"
+        how = f"flash_attn_varlen_func with page_table ({step.page_size}-token pages) and seqused_k, causal"
 
     def call() -> Tuple[Any, Optional[Any]]:
         out, lse = heads(*forward())
         return out.float().cpu().numpy(), lse.float().cpu().numpy()
     return Runner(call=call, rep=event_rep(torch, device, forward), copy=torch_copy(step, torch, device),
-                  details={"backend": how, "flash_attn_cute": _package_version(cute, "flash-attn-4", "flash_attn")})
+                  details={"backend": how, "num_splits": "FA4's heuristic" if splits == 0 else splits,
+                           "flash_attn_cute": _package_version(cute, "flash-attn-4", "flash_attn")})
 
 
 def flashinfer_runner(step: Step, arrays: Dict[str, Any]) -> Runner:
@@ -292,12 +308,12 @@ def flashinfer_runner(step: Step, arrays: Dict[str, Any]) -> Runner:
     page_size = step.page_size or IN_ORDER_PAGE
     pages = step.pages or in_order_pages(step, page_size)
     k, v = (torch.from_numpy(to_pool(step, arrays[n], page_size, pages)).to(device, dtype) for n in ("k", "v"))
-    int32 = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
+    index = lambda values: int32(torch, device, values)  # noqa: E731
     indptr = [0]
     for p in pages:
         indptr.append(indptr[-1] + len(p))
-    layout = (int32(indptr), int32([page for p in pages for page in p]),
-              int32([length - (len(p) - 1) * page_size for length, p in zip(step.kv_lens, pages)]))
+    layout = (index(indptr), index([page for p in pages for page in p]),
+              index([length - (len(p) - 1) * page_size for length, p in zip(step.kv_lens, pages)]))
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
     q = torch.from_numpy(arrays["q"]).to(device, dtype).permute(1, 0, 2).contiguous()  # [rows, heads_q, d]
     if queries == 1:
@@ -307,7 +323,7 @@ def flashinfer_runner(step: Step, arrays: Dict[str, Any]) -> Runner:
         how = "BatchDecodeWithPagedKVCacheWrapper"
     else:
         wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-        wrapper.plan(int32([b * queries for b in range(batch + 1)]), *layout, step.heads_q, step.heads_kv,
+        wrapper.plan(index([b * queries for b in range(batch + 1)]), *layout, step.heads_q, step.heads_kv,
                      step.head_dim, page_size, causal=True, sm_scale=step.scale, q_data_type=dtype,
                      kv_data_type=dtype)
         how = "BatchPrefillWithPagedKVCacheWrapper, causal (bottom-right)"
@@ -328,22 +344,45 @@ def flashinfer_runner(step: Step, arrays: Dict[str, Any]) -> Runner:
 RUNNERS = {"numpy": numpy_runner, "sdpa": sdpa_runner, "fa4": fa4_runner, "flashinfer": flashinfer_runner}
 
 
+def first_output(step: Step, runner_of: Callable[[], Runner]) -> Tuple[Runner, Any, Optional[Any]]:
+    """The peer made ready and its first call. A library that refuses the configuration (FA4 and
+    FlashInfer assert, or raise NotImplementedError) is `unsupported` with its words."""
+    runner = runner_of()
+    try:
+        out, lse = runner.call()
+    except (AssertionError, NotImplementedError) as error:
+        raise Unsupported(f"{step.kernel} refused the step: {type(error).__name__}: {first_line(error)}") from None
+    return runner, out, lse
+
+
 def decode(params: Any) -> dict:
     step = parse_step(params)
     log(f"decode {step.kernel} {step.dtype} batch={step.batch} longest={max(step.kv_lens)} "
         f"queries={step.queries} hq={step.heads_q} hkv={step.heads_kv} d={step.head_dim} pages={step.page_size}")
-    arrays = read_inputs(step)
+    held_before = device_bytes()
     try:
-        runner = RUNNERS[step.kernel](step, arrays)
-        out, lse = runner.call()
+        return measure(step)
+    except Unavailable as error:
+        return {"status": "unsupported", "reason": str(error), "scope": "machine"}
     except Unsupported as error:
-        return {"status": "unsupported", "reason": str(error),
-                "scope": "machine" if isinstance(error, Unavailable) else "case"}
+        return {"status": "unsupported", "reason": str(error), "scope": "case"}
+    except OutOfMemory as error:
+        return {"status": "oom", "reason": str(error)}
+    except Exception as error:
+        if not is_oom(error):
+            raise
+        return {"status": "oom", "reason": f"{step.kernel} ran out of device memory: {first_line(error)}"}
+    finally:
+        release_memory(held_before)
+
+
+def measure(step: Step) -> dict:
+    arrays = read_inputs(step)
+    runner, out, lse = first_output(step, lambda: RUNNERS[step.kernel](step, arrays))
     out.astype("<f4").tofile(os.path.join(step.outputs_dir, "out.f32"))
     if lse is not None:
         lse.astype("<f4").tofile(os.path.join(step.outputs_dir, "lse.f32"))
     timing = run_harness(runner.rep, step.harness)
-    moved = (2 * sum(step.kv_lens) * step.heads_kv + 2 * step.rows * step.heads_q) * step.head_dim
-    rate, counted = runner.copy(moved * 4)
+    rate, counted = runner.copy(step.bytes)
     return {"status": "ok", "lse": lse is not None, **timing, "copy_bytes_per_s": rate, "copy_counted": counted,
             "details": runner.details, "environment": base_environment()}
