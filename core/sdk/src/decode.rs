@@ -475,19 +475,17 @@ pub struct DecodeInputs {
 }
 
 impl DecodeInputs {
-    /// Uniform in [−1, 1), from `seed`, rounded to `element`.
+    /// Uniform in [−1, 1), from `seed`, rounded to `element`: one index-addressed stream through
+    /// Q, K and V, drawn on every core (a 1M-token batch holds billions of values).
     pub fn random(problem: &DecodeProblem, seed: u64, element: crate::reference::Element) -> Self {
-        let mut rng = PyRandom::new(seed);
-        let mut draw = |count: u64| -> Vec<f32> {
-            (0..count)
-                .map(|_| element.round((rng.random() * 2.0 - 1.0) as f32))
-                .collect()
-        };
+        let stream = crate::reference::UniformStream::new(seed, element);
         let d = problem.head_dim;
+        let q_len = problem.heads_q * problem.rows() * d;
+        let kv_len = problem.heads_kv * problem.keys() * d;
         DecodeInputs {
-            q: draw(problem.heads_q * problem.rows() * d),
-            k: draw(problem.heads_kv * problem.keys() * d),
-            v: draw(problem.heads_kv * problem.keys() * d),
+            q: stream.fill(0, q_len as usize),
+            k: stream.fill(q_len, kv_len as usize),
+            v: stream.fill(q_len + kv_len, kv_len as usize),
         }
     }
 }

@@ -224,31 +224,64 @@ impl Inputs {
     /// rounded to `element`. splitmix64's i-th value depends on i alone, so the machine's cores
     /// fill the tensors together (a billion values at 48K tokens) with the same values as one.
     pub fn random_as(shape: &Shape, seed: u64, element: Element) -> Inputs {
-        let values = RandomInputs::new(shape, seed, element);
-        let value = |index: u64| values.value(index);
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let fill = |first: usize, n: usize| {
-            let mut out = vec![0.0f32; n];
-            let per_thread = n.div_ceil(threads).max(1 << 16);
-            std::thread::scope(|scope| {
-                for (part, chunk) in out.chunks_mut(per_thread).enumerate() {
-                    let offset = first + part * per_thread;
-                    scope.spawn(move || {
-                        for (i, slot) in chunk.iter_mut().enumerate() {
-                            *slot = value((offset + i) as u64);
-                        }
-                    });
-                }
-            });
-            out
-        };
+        let stream = UniformStream::new(seed, element);
         let [q, k, v, d_out] = shape.tensor_starts();
         Inputs {
-            q: fill(q, shape.q_len()),
-            k: fill(k, shape.kv_len()),
-            v: fill(v, shape.v_len()),
-            d_out: fill(d_out, shape.out_len()),
+            q: stream.fill(q as u64, shape.q_len()),
+            k: stream.fill(k as u64, shape.kv_len()),
+            v: stream.fill(v as u64, shape.v_len()),
+            d_out: stream.fill(d_out as u64, shape.out_len()),
         }
+    }
+}
+
+/// Uniform values in [−1, 1) rounded to an element type, addressed by index (splitmix64): the
+/// i-th value depends on the seed and i alone, so any part of a tensor is made without the rest
+/// and the machine's cores fill a tensor together with the same values as one core.
+#[derive(Debug, Clone, Copy)]
+pub struct UniformStream {
+    start: u64,
+    element: Element,
+}
+
+impl UniformStream {
+    const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+
+    pub fn new(seed: u64, element: Element) -> UniformStream {
+        UniformStream {
+            start: seed ^ Self::GAMMA,
+            element,
+        }
+    }
+
+    /// The `index`-th value.
+    pub fn value(&self, index: u64) -> f32 {
+        let mut z = self
+            .start
+            .wrapping_add(index.wrapping_add(1).wrapping_mul(Self::GAMMA));
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        self.element
+            .round((z >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+    }
+
+    /// Values `first .. first + n`, on every core.
+    pub fn fill(&self, first: u64, n: usize) -> Vec<f32> {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let mut out = vec![0.0f32; n];
+        let per_thread = n.div_ceil(threads).max(1 << 16);
+        std::thread::scope(|scope| {
+            for (part, chunk) in out.chunks_mut(per_thread).enumerate() {
+                let offset = first + (part * per_thread) as u64;
+                scope.spawn(move || {
+                    for (i, slot) in chunk.iter_mut().enumerate() {
+                        *slot = self.value(offset + i as u64);
+                    }
+                });
+            }
+        });
+        out
     }
 }
 
@@ -266,31 +299,15 @@ pub enum Tensor {
 #[derive(Debug, Clone, Copy)]
 pub struct RandomInputs {
     shape: Shape,
-    start: u64,
-    element: Element,
+    stream: UniformStream,
 }
 
 impl RandomInputs {
-    const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
-
     pub fn new(shape: &Shape, seed: u64, element: Element) -> RandomInputs {
         RandomInputs {
             shape: *shape,
-            start: seed ^ Self::GAMMA,
-            element,
+            stream: UniformStream::new(seed, element),
         }
-    }
-
-    /// The `index`-th value of the stream through q, k, v and dO.
-    fn value(&self, index: u64) -> f32 {
-        let mut z = self
-            .start
-            .wrapping_add(index.wrapping_add(1).wrapping_mul(Self::GAMMA));
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        self.element
-            .round((z >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
     }
 
     /// `tensor`'s rows of `heads` (query heads for Q and dO, KV heads for K and V) at
@@ -312,7 +329,7 @@ impl RandomInputs {
                     for (row, &p) in chunk.chunks_mut(d).zip(positions) {
                         let at = first + ((h * s.seqlen + p as usize) * d) as u64;
                         for (i, slot) in row.iter_mut().enumerate() {
-                            *slot = self.value(at + i as u64);
+                            *slot = self.stream.value(at + i as u64);
                         }
                     }
                 });
