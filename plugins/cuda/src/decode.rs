@@ -19,33 +19,45 @@ use cudarc::driver::{CudaFunction, CudaModule, DeviceRepr, LaunchConfig, PushKer
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::gpu::{failed, Buffer, Gpu};
+use crate::gpu::{allow_shared, failed, Buffer, Gpu};
 
 const SOURCE: &str = include_str!("../kernels/decode.cu");
 
-/// Query rows one block of the split kernel takes (its `ROWS`): 8 when the KV head's group of
-/// rows fits (GQA 8 with one new token), else 16, so few rows do not pay for sixteen.
-fn rows_per_block(group_rows: u64) -> u64 {
-    if group_rows <= 8 {
-        8
+/// m16 tiles of query rows one block of the split kernel takes (its `MT`): one when the KV head's
+/// group of rows fits 16 (GQA 8 with one or two new tokens), else two, so few rows do not pay
+/// for 32.
+fn m_tiles(group_rows: u64) -> u64 {
+    if group_rows <= 16 {
+        1
     } else {
-        16
+        2
     }
 }
-/// Warps of the split kernel's blocks (`WARPS` in decode.cu).
-const WARPS: u32 = 4;
-/// Fewest keys a split gets when the count is chosen: shorter ones cost more in the merge and
-/// block start than their parallelism gains.
+/// Warps of the split kernel's blocks, each its own split (`WARPS` in decode.cu).
+const WARPS: u64 = 4;
+/// Keys a warp stages at once, and tiles in its ring (`TILE`, `STAGES` in decode.cu).
+const TILE: u64 = 32;
+const STAGES: u64 = 3;
+/// Fewest keys a split of the longest sequence gets when the count is chosen: shorter ones cost
+/// more in the ring's start and the merge than their parallelism gains.
 pub const MIN_SPLIT_KEYS: u64 = 256;
-/// Blocks of the split kernel that fit an SM at once, by its registers (sm_90, 128 threads, as
-/// ptxas reports them): with 8 rows about 120 a thread at d 128 (four blocks) and 96 at d 64
-/// (five); with 16 rows 168 (three). The split count aims for one full wave of them.
-fn resident_blocks(block_rows: u64, head_dim: u64) -> u64 {
-    match (block_rows, head_dim) {
-        (8, 64) => 5,
-        (8, _) => 4,
-        _ => 3,
-    }
+/// Waves of resident blocks the split count aims for: sequences of a batch differ in length, and
+/// with several waves the blocks of the short ones fill in behind the long ones' (which start
+/// first: the grid's slowest index is the sequence, longest first).
+const WAVES: u64 = 8;
+/// Beyond one wave, splits are added only while the partials they write and the merge reads
+/// stay under 1/32 of the cache's bytes (2 · rows · 4 bytes a split against 4 bytes a key).
+const MERGE_SHARE: u64 = 32;
+
+/// Dynamic shared memory of a split block: Q's rows and each warp's ring of K and V tiles, rows
+/// padded by 8 values (decode.cu's formula).
+fn shared_bytes(head_dim: u64, m_tiles: u64) -> u64 {
+    2 * (head_dim + 8) * (16 * m_tiles + 2 * WARPS * STAGES * TILE)
+}
+/// Split blocks that fit an SM at once: shared memory bounds them (228 KB an SM on Hopper,
+/// 1 KB of it reserved per block): two at d 64, one at d 128.
+fn resident_blocks(head_dim: u64, m_tiles: u64) -> u64 {
+    (228 * 1024 / (shared_bytes(head_dim, m_tiles) + 1024)).max(1)
 }
 
 /// The kernels' one argument, as `DecodeArgs` in decode.cu lays it out (its size is checked on
@@ -100,7 +112,7 @@ pub fn spec() -> StageSpec {
         .declare(stage)
         .doc("Times one decode step of a batch with attnbench's split-KV (Flash-Decoding) kernel, checked against the f64 reference; records latency and the bandwidth reached beside the device's copy bandwidth.")
         .param(ParamSpec::new("dtype", Element::param_type(&[Element::Bf16, Element::F16])).default("bf16"))
-        .param(ParamSpec::new("splits", ParamType::Int).default(0).doc("KV splits per sequence; 0 chooses from the KV length and the multiprocessors (the record says how)."))
+        .param(ParamSpec::new("splits", ParamType::Int).default(0).doc("KV splits per sequence, a multiple of 4 (each warp of a block is one); 0 chooses from the KV lengths, the rows and the multiprocessors (the record says how)."))
         .param(check_param())
         .output("decode")
         .cache_scope(CacheScope::Machine)
@@ -110,23 +122,29 @@ pub fn spec() -> StageSpec {
         .timeout_s(1800.0)
 }
 
-/// The split count for `problem` on a device with `multiprocessors` SMs: enough blocks for one
-/// wave of resident blocks, no split under [`MIN_SPLIT_KEYS`] keys of the longest
-/// sequence. Returns the count and why.
+/// The split count for `problem` on a device with `multiprocessors` SMs, a multiple of
+/// [`WARPS`] (a warp is a split): [`WAVES`] waves of resident blocks, none short of a wave for
+/// the merge's sake, with no split under [`MIN_SPLIT_KEYS`] keys of the longest sequence.
+/// Returns the count and why.
 pub fn choose_splits(problem: &DecodeProblem, multiprocessors: u64) -> (u64, String) {
     let group_rows = problem.heads_q / problem.heads_kv * problem.queries;
-    let block_rows = rows_per_block(group_rows);
-    let blocks = problem.batch() as u64 * problem.heads_kv * group_rows.div_ceil(block_rows);
-    let per_sm = resident_blocks(block_rows, problem.head_dim);
-    let wanted = (per_sm * multiprocessors).div_ceil(blocks).max(1);
+    let tiles = m_tiles(group_rows);
+    let blocks = problem.batch() as u64 * problem.heads_kv * group_rows.div_ceil(16 * tiles);
+    let per_sm = resident_blocks(problem.head_dim, tiles);
+    let wave = (per_sm * multiprocessors).div_ceil(blocks);
     let longest = problem.kv_lens.iter().copied().max().unwrap_or(1);
-    let cap = (longest / MIN_SPLIT_KEYS).max(1);
-    let splits = wanted.min(cap);
+    let key_cap = (longest / (MIN_SPLIT_KEYS * WARPS)).max(1);
+    let mean = problem.keys() / problem.batch().max(1) as u64;
+    let merge_cap = mean / (2 * MERGE_SHARE * group_rows * WARPS);
+    let per_block = (wave * WAVES).min(merge_cap.max(wave)).min(key_cap).max(1);
     let why = format!(
-        "{blocks} blocks unsplit for {multiprocessors} SMs want {wanted} splits for {per_sm} blocks an SM \
-         (one wave); splits of at least {MIN_SPLIT_KEYS} keys allow {cap}"
+        "{blocks} blocks unsplit, {per_sm} an SM on {multiprocessors} SMs: {wave} splits of {WARPS} \
+         warps fill a wave, {WAVES} waves would take {}; partials under 1/{MERGE_SHARE} of the \
+         cache allow {merge_cap} beyond one wave, splits of at least {MIN_SPLIT_KEYS} keys {key_cap}; \
+         {per_block} blocks of {WARPS} splits a sequence",
+        wave * WAVES
     );
-    (splits, why)
+    (per_block * WARPS, why)
 }
 
 /// The compiled decode kernels, kept for the worker's life.
@@ -216,7 +234,7 @@ fn upload(
         group: group as u32,
         queries: problem.queries as u32,
         splits: splits as u32,
-        row_tiles: group_rows.div_ceil(rows_per_block(group_rows)) as u32,
+        row_tiles: group_rows.div_ceil(16 * m_tiles(group_rows)) as u32,
         rows: problem.rows() as u32,
         page_size: problem.page_size.unwrap_or(0) as u32,
         keys: problem.keys(),
@@ -246,40 +264,38 @@ fn variant(element: Element, head_dim: u64) -> Result<String, String> {
 }
 
 /// The two kernels of one variant, found once before any launch (so the timed region holds
-/// launches only), with the merge's block width.
+/// launches only), with the split kernel's shared memory and the merge's block width.
 struct Step {
     split: CudaFunction,
     merge: CudaFunction,
+    shared_bytes: u32,
     head_dim: u32,
 }
 
 impl Step {
-    fn find(
-        kernels: &Kernels,
-        name: &str,
-        head_dim: u64,
-        block_rows: u64,
-    ) -> Result<Step, PluginError> {
+    fn find(kernels: &Kernels, name: &str, head_dim: u64, m_tiles: u64) -> Result<Step, PluginError> {
         let load = |function: String| {
             kernels
                 .module
                 .load_function(&function)
                 .map_err(failed("the decode kernels"))
         };
+        let shared_bytes = shared_bytes(head_dim, m_tiles) as u32;
         Ok(Step {
-            split: load(format!("decode_split_{name}_r{block_rows}"))?,
+            split: allow_shared(load(format!("decode_split_{name}_m{m_tiles}"))?, shared_bytes)?,
             merge: load(format!("decode_merge_{name}"))?,
+            shared_bytes,
             head_dim: head_dim as u32,
         })
     }
 }
 
-/// One step: the split kernel, then the merge.
+/// One step: the split kernel (a block a [`WARPS`] splits), then the merge.
 fn launch(gpu: &Gpu, step: &Step, args: &DecodeArgs) -> Result<(), PluginError> {
     let split_grid = LaunchConfig {
-        grid_dim: (args.splits, args.heads_kv * args.row_tiles, args.batch),
-        block_dim: (WARPS * 32, 1, 1),
-        shared_mem_bytes: 0,
+        grid_dim: (args.splits / WARPS as u32, args.heads_kv * args.row_tiles, args.batch),
+        block_dim: (WARPS as u32 * 32, 1, 1),
+        shared_mem_bytes: step.shared_bytes,
     };
     let merge_grid = LaunchConfig {
         grid_dim: (args.group * args.queries, args.heads_kv, args.batch),
@@ -331,15 +347,22 @@ pub fn run(gpu: &mut Gpu, kernels: &Kernels, request: &StageRequest) -> Result<V
     let multiprocessors = gpu.describe().multiprocessors.unwrap_or(1).max(1) as u64;
     let (splits, splits_reason) = match p.splits {
         0 => choose_splits(&problem, multiprocessors),
-        n => (n, "set by the pipeline".to_string()),
+        n if n % WARPS == 0 => (n, "set by the pipeline".to_string()),
+        n => {
+            return Err(PluginError::Params(format!(
+                "splits: {n} is not a multiple of {WARPS} (each of a block's {WARPS} warps is one split); \
+                 give a multiple of {WARPS}, or 0 to let the stage choose"
+            )))
+        }
     };
     let group_rows = problem.heads_q / problem.heads_kv * problem.queries;
-    let block_rows = rows_per_block(group_rows);
-    let grid_y = problem.heads_kv * group_rows.div_ceil(block_rows);
-    if splits > u64::from(u32::MAX >> 1) || grid_y > 65535 || problem.batch() > 65535 {
+    let tiles = m_tiles(group_rows);
+    let grid_y = problem.heads_kv * group_rows.div_ceil(16 * tiles);
+    if splits / WARPS > u64::from(u32::MAX >> 1) || grid_y > 65535 || problem.batch() > 65535 {
         return Err(PluginError::Params(format!(
-            "the decode grid would be {splits} splits × {grid_y} (KV heads × row tiles) × {} sequences; \
+            "the decode grid would be {} blocks of splits × {grid_y} (KV heads × row tiles) × {} sequences; \
              CUDA allows at most 2^31 − 1 × 65535 × 65535",
+            splits / WARPS,
             problem.batch()
         )));
     }
@@ -348,7 +371,7 @@ pub fn run(gpu: &mut Gpu, kernels: &Kernels, request: &StageRequest) -> Result<V
             "a sequence of {long} KV tokens is beyond the decode kernel's 32-bit token indices"
         )));
     }
-    let step = Step::find(kernels, &name, problem.head_dim, block_rows)?;
+    let step = Step::find(kernels, &name, problem.head_dim, tiles)?;
     let inputs = DecodeInputs::random(&problem, request.seed, p.dtype);
     let device = upload(gpu, &problem, &inputs, p.dtype, splits, request.seed)?;
     let correctness = if p.check == StepCheck::Off {
@@ -403,16 +426,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn splits_fill_one_wave_without_splits_under_the_minimum() {
-        // 8 sequences × 8 KV heads, 8 rows a group: 64 blocks; 132 SMs hold 4 each.
+    fn splits_fill_waves_within_the_merge_share_and_the_shortest_split() {
+        // 8 sequences × 8 KV heads, 8 rows a group: 64 blocks, one an SM at d 128 (213 KB of
+        // shared memory), 3 splits a wave; partials under 1/32 of a 4.5 · 64K-key cache allow 18.
         let long = DecodeProblem::stepped(8, 64 * 1024, 1, (64, 8, 128), 0).unwrap();
-        assert_eq!(choose_splits(&long, 132).0, 9);
-        // 16 rows a group (2 new tokens) take 16-row blocks, three an SM.
-        let two = DecodeProblem::stepped(8, 64 * 1024, 2, (64, 8, 128), 0).unwrap();
-        assert_eq!(choose_splits(&two, 132).0, 7);
-        // A 1K cache caps the count at 4 splits of 256 keys.
+        assert_eq!(choose_splits(&long, 132).0, 18 * WARPS);
+        // 32 rows (4 new tokens) allow only 4 by the merge's share; one wave takes 3.
+        let four = DecodeProblem::stepped(8, 64 * 1024, 4, (64, 8, 128), 0).unwrap();
+        assert_eq!(choose_splits(&four, 132).0, 4 * WARPS);
+        // A 1K cache caps the count at one block: 4 splits of 256 keys.
         let short = DecodeProblem::stepped(1, 1024, 1, (64, 8, 128), 0).unwrap();
-        assert_eq!(choose_splits(&short, 132).0, 4);
+        assert_eq!(choose_splits(&short, 132).0, WARPS);
+        // Two blocks an SM at d 64.
+        assert_eq!(resident_blocks(64, 1), 2);
+        assert_eq!(resident_blocks(128, 2), 1);
     }
 
     #[test]

@@ -35,7 +35,7 @@ use cudarc::driver::{
     CudaFunction, CudaModule, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
-use crate::gpu::{failed, Buffer, Gpu};
+use crate::gpu::{allow_shared, failed, Buffer, Gpu};
 
 const SOURCE: &str = include_str!("../kernels/flash.cu");
 
@@ -650,16 +650,6 @@ fn key_tile_shared_bytes(head_dim: usize, fused: bool) -> u32 {
     let rows = 2 * 2 * 32 + 2 * TILE as usize;
     let ds = if fused { 32 * TILE as usize } else { 0 };
     ((rows * head_dim + ds) * 2) as u32
-}
-
-/// `function`, allowed `bytes` of dynamic shared memory (more than the 48 KiB a kernel gets
-/// unasked).
-fn allow_shared(function: CudaFunction, bytes: u32) -> Result<CudaFunction, PluginError> {
-    use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYNAMIC_SHARED;
-    function
-        .set_attribute(MAX_DYNAMIC_SHARED, bytes as i32)
-        .map_err(failed("flash: shared memory size"))?;
-    Ok(function)
 }
 
 /// A grid of x × y 128-thread CTAs with `shared` bytes of dynamic shared memory: the backward

@@ -11,6 +11,7 @@ use attnbench_sdk::PluginError;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
 use cudarc::driver::{
+    CudaFunction,
     CudaContext, CudaSlice, CudaStream, DeviceRepr, PushKernelArg, ValidAsZeroBits,
 };
 use serde_json::Value;
@@ -78,6 +79,16 @@ pub fn failed(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Plu
     move |err| PluginError::failed(format!("{what}: {err}"))
 }
 
+/// `function`, allowed `bytes` of dynamic shared memory (more than the 48 KiB a kernel gets
+/// unasked).
+pub fn allow_shared(function: CudaFunction, bytes: u32) -> Result<CudaFunction, PluginError> {
+    use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYNAMIC_SHARED;
+    function
+        .set_attribute(MAX_DYNAMIC_SHARED, bytes as i32)
+        .map_err(failed("shared memory size of a kernel"))?;
+    Ok(function)
+}
+
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
@@ -88,7 +99,7 @@ pub struct Gpu {
     /// each stage that gets one; without it kernels are compiled once per process.
     pub ptx_cache: Option<std::path::PathBuf>,
     /// The spin kernel [`Gpu::time`] runs before each start event, compiled on first use.
-    host_lead: Option<cudarc::driver::CudaFunction>,
+    host_lead: Option<CudaFunction>,
 }
 
 /// A one-thread kernel that spins for a number of GPU clock cycles.
