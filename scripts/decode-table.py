@@ -13,7 +13,7 @@ import sys
 
 cache = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("ATTNBENCH_CACHE", "artifacts")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run_record import load_run  # noqa: E402
+from run_record import artifact, load_run  # noqa: E402
 
 
 def tokens(n):
@@ -23,8 +23,8 @@ def tokens(n):
 record = load_run(cache, sys.argv[2] if len(sys.argv) > 2 else None)
 cells, kernels, unmeasured = {}, [], []
 for node in record["nodes"]:
-    artifact = node.get("artifact")
-    path = artifact and os.path.join(artifact, "decode.json")
+    folder = artifact(cache, node)
+    path = folder and os.path.join(folder, "decode.json")
     if not path or not os.path.exists(path):
         continue
     step = json.load(open(path))

@@ -15,7 +15,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run_record import load_run  # noqa: E402
+from run_record import artifact, load_run  # noqa: E402
 
 
 def arguments():
@@ -62,7 +62,8 @@ def main():
     nodes = {n["id"]: n for n in record["nodes"]}
     found, kernels, rows = {}, [], []
     for node in record["nodes"]:
-        path = node.get("artifact") and os.path.join(node["artifact"], "measurement.json")
+        folder = artifact(args.cache, node)
+        path = folder and os.path.join(folder, "measurement.json")
         if not path or not os.path.exists(path):
             continue
         m = json.load(open(path))

@@ -10,13 +10,13 @@ import sys
 
 cache = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("ATTNBENCH_CACHE", "artifacts")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run_record import load_run  # noqa: E402
+from run_record import artifact, load_run  # noqa: E402
 
 record = load_run(cache, sys.argv[2] if len(sys.argv) > 2 else None)
 print("node\tstatus\ttflops_p50\ttime_ms_p50\tpeak_gib\tcorrect\tmax_error\tnote")
 for node in record["nodes"]:
-    artifact = node.get("artifact")
-    path = artifact and os.path.join(artifact, "measurement.json")
+    folder = artifact(cache, node)
+    path = folder and os.path.join(folder, "measurement.json")
     if not path or not os.path.exists(path):
         if node.get("status") not in ("ok", "cached"):
             print(f"{node['id']}\t{node.get('status')}\t\t\t\t\t\t{(node.get('error') or '')[:160]}")

@@ -14,3 +14,14 @@ def load_run(cache, run=None):
         which = f"run {run!r}" if run else "its latest run"
         sys.exit(f"{sys.argv[0]}: no record of {which} in the cache {cache!r} ({error}); "
                  "give the cache folder (ATTNBENCH_CACHE) and a run id from its runs/ folder")
+
+
+def artifact(cache, node):
+    """The folder of a node's cached files: where the record says, or, for a cache copied from
+    another machine (the record holds that machine's absolute paths), the same entry under `cache`."""
+    recorded = node.get("artifact")
+    if not recorded or os.path.isdir(recorded):
+        return recorded
+    key = node.get("key") or ""
+    moved = os.path.join(cache, "cache", key[:2], key, "files")
+    return moved if key and os.path.isdir(moved) else recorded
