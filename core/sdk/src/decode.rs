@@ -205,7 +205,7 @@ crate::named_enum! {
 pub const FULL_CHECK_WORK: u64 = 10_000_000_000;
 
 /// The `check` parameter of the decode stages.
-pub fn check_param() -> ParamSpec {
+fn check_param() -> ParamSpec {
     ParamSpec::new("check", ParamType::one_of(StepCheck::NAMES))
         .default("auto")
         .doc("O and LSE against the f64 reference before timing: `full` every row, `group` KV head 0's group of rows (1/heads_kv of the cost), `auto` full unless the reference would take more than about ten seconds, `off`.")
@@ -316,6 +316,31 @@ pub fn declare_batch(
         .param(ParamSpec::new("heads_kv", ParamType::Int).default(heads.1))
         .param(ParamSpec::new("head_dim", ParamType::Int).default(heads.2))
         .param(ParamSpec::new("page_size", ParamType::Int).default(0).doc("0: each sequence's cache contiguous; 16 or 64: pages of a shuffled pool, read through the page table."))
+}
+
+/// What every timed decode stage takes: the batch ([`declare_batch`]), the check and the
+/// harness's settings, declared together by [`declare_step`] (`#[serde(flatten)]` it into the
+/// stage's own parameters).
+#[derive(Debug, Clone, Deserialize)]
+pub struct StepParams {
+    pub check: StepCheck,
+    #[serde(flatten)]
+    pub batch: BatchParams,
+    #[serde(flatten)]
+    pub harness: crate::measure::HarnessParams,
+}
+
+/// A timed decode stage's shared parameters, the harness's with `harness`'s defaults.
+pub fn declare_step(
+    stage: StageSpec,
+    harness: &crate::measure::Harness,
+    batch: usize,
+    kv_len: &str,
+    heads: (u64, u64, u64),
+) -> StageSpec {
+    harness
+        .declare(declare_batch(stage, batch, kv_len, heads))
+        .param(check_param())
 }
 
 /// What every decode measurement records about its step and speed: the batch, FLOPs, the bytes

@@ -199,7 +199,7 @@ pub fn spec() -> StageSpec {
         .doc("Decodes a batch with each sequence's KV cache split over ranks (threads), the partials combined by a tree or a ring: outputs checked against the f64 reference, each rank's sent values against the formula.")
         .param(ParamSpec::new("method", ParamType::one_of(DecodeMethod::NAMES)).default("tree").doc("`tree`: partials combined by a binary tree (Tree Attention, ⌈log₂ world⌉ rounds); `ring`: passed along the ring, merged at each hop (world − 1 sends in a row)."))
         .param(ParamSpec::new("world", ParamType::Int).default(4).doc("Ranks, each holding a contiguous shard of every sequence's KV cache."))
-                        .param(attnbench_sdk::shapes::shape_param())
+        .param(attnbench_sdk::shapes::shape_param())
         .param(ParamSpec::new("dtype", ParamType::one_of(Element::NAMES)).default("bf16").doc("Inputs are rounded to it; bytes are counted in it."))
         .param(ParamSpec::new("worlds", ParamType::List(Box::new(ParamType::Int))).default(json!([8, 16, 32, 64, 128, 256, 512, 1024])).doc("GPU counts the cost model predicts both methods' step time at."))
         .param(ParamSpec::new("memory_gbs", ParamType::Float).default(4800.0).doc("Memory bandwidth per GPU for the model, GB/s (a decode step reads its cache share at it; 4800: the H200's published HBM3e figure)."))

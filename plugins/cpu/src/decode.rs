@@ -11,11 +11,11 @@
 use std::time::Instant;
 
 use attnbench_sdk::decode::{
-    check_param, check_step, declare_batch, split_range, step_record, unchecked, BatchParams,
-    DecodeInputs, DecodeProblem, PageTable, StepCheck,
+    check_step, declare_step, split_range, step_record, unchecked, DecodeInputs, DecodeProblem,
+    PageTable, StepCheck, StepParams,
 };
 
-use attnbench_sdk::measure::{Harness, HarnessParams, Quantiles};
+use attnbench_sdk::measure::{Harness, Quantiles};
 use attnbench_sdk::reference::{Arithmetic, Element};
 use attnbench_sdk::{
     write_json, CacheScope, ParamSpec, ParamType, PluginError, StageRequest, StageSpec,
@@ -37,22 +37,16 @@ const KEY_BLOCK: usize = 32;
 pub struct DecodeParams {
     splits: u64,
     threads: usize,
-    check: StepCheck,
     #[serde(flatten)]
-    shape: BatchParams,
-    #[serde(flatten)]
-    harness: HarnessParams,
+    step: StepParams,
 }
 
 /// `cpu/decode` as the manifest declares it.
 pub fn spec() -> StageSpec {
-    let stage = declare_batch(StageSpec::new("decode"), 4, "4k", (8, 2, 64));
-    Harness::default()
-        .declare(stage)
+    declare_step(StageSpec::new("decode"), &Harness::default(), 4, "4k", (8, 2, 64))
         .doc("Times one decode step of a batch with a split-KV (Flash-Decoding) kernel on CPU threads, checked against the f64 reference; records latency and the bandwidth it reached beside the machine's copy bandwidth.")
         .param(ParamSpec::new("splits", ParamType::Int).default(0).doc("KV splits per sequence; 0 chooses from the threads and the KV length (the record says how)."))
         .param(ParamSpec::new("threads", ParamType::Int).default(0).doc("Threads (0 = one per CPU)."))
-        .param(check_param())
         .output("decode")
         .cache_scope(CacheScope::Machine)
         // A timing shares the cores with nothing else.
@@ -293,7 +287,8 @@ fn copy_bandwidth(bytes: usize, threads: usize, harness: &Harness) -> f64 {
 pub fn stage(request: &StageRequest) -> Result<Value, PluginError> {
     let p: DecodeParams = request.params()?;
     let problem = p
-        .shape
+        .step
+        .batch
         .problem()
         .map_err(|err| PluginError::Params(err.to_string()))?;
     let threads = match p.threads {
@@ -319,7 +314,7 @@ pub fn stage(request: &StageRequest) -> Result<Value, PluginError> {
             v: &inputs.v,
         },
     };
-    let correctness = if p.check == StepCheck::Off {
+    let correctness = if p.step.check == StepCheck::Off {
         unchecked()
     } else {
         let output = decode(&problem, &inputs.q, &cache, splits, threads);
@@ -328,11 +323,11 @@ pub fn stage(request: &StageRequest) -> Result<Value, PluginError> {
             &problem,
             &inputs,
             (&output.out, Some(&output.lse)),
-            p.check,
+            p.step.check,
             tolerance,
         )
     };
-    let harness = p.harness.apply(Harness::default());
+    let harness = p.step.harness.apply(Harness::default());
     let started = Instant::now();
     let timing = harness.time(
         || {},

@@ -6,10 +6,10 @@
 use std::sync::Arc;
 
 use attnbench_sdk::decode::{
-    check_param, check_step, declare_batch, step_record, unchecked, BatchParams, DecodeInputs,
-    DecodeProblem, StepCheck,
+    check_step, declare_step, step_record, unchecked, DecodeInputs, DecodeProblem, StepCheck,
+    StepParams,
 };
-use attnbench_sdk::measure::{Harness, HarnessParams, Quantiles};
+use attnbench_sdk::measure::{Harness, Quantiles};
 use attnbench_sdk::nvml;
 use attnbench_sdk::reference::Element;
 use attnbench_sdk::{
@@ -98,22 +98,16 @@ unsafe impl DeviceRepr for DecodeArgs {}
 pub struct DecodeParams {
     dtype: Element,
     splits: u64,
-    check: StepCheck,
     #[serde(flatten)]
-    shape: BatchParams,
-    #[serde(flatten)]
-    harness: HarnessParams,
+    step: StepParams,
 }
 
 /// `cuda/decode` as the manifest declares it.
 pub fn spec() -> StageSpec {
-    let stage = declare_batch(StageSpec::new("decode"), 8, "32k", (64, 8, 128));
-    Harness::gpu()
-        .declare(stage)
+    declare_step(StageSpec::new("decode"), &Harness::gpu(), 8, "32k", (64, 8, 128))
         .doc("Times one decode step of a batch with attnbench's split-KV (Flash-Decoding) kernel, checked against the f64 reference; records latency and the bandwidth reached beside the device's copy bandwidth.")
         .param(ParamSpec::new("dtype", Element::param_type(&[Element::Bf16, Element::F16])).default("bf16"))
         .param(ParamSpec::new("splits", ParamType::Int).default(0).doc("KV splits per sequence, a multiple of 4 (each warp of a block is one); 0 chooses from the KV lengths, the rows and the multiprocessors (the record says how)."))
-        .param(check_param())
         .output("decode")
         .cache_scope(CacheScope::Machine)
         .isolation(Isolation::Worker)
@@ -273,7 +267,12 @@ struct Step {
 }
 
 impl Step {
-    fn find(kernels: &Kernels, name: &str, head_dim: u64, m_tiles: u64) -> Result<Step, PluginError> {
+    fn find(
+        kernels: &Kernels,
+        name: &str,
+        head_dim: u64,
+        m_tiles: u64,
+    ) -> Result<Step, PluginError> {
         let load = |function: String| {
             kernels
                 .module
@@ -282,7 +281,10 @@ impl Step {
         };
         let shared_bytes = shared_bytes(head_dim, m_tiles) as u32;
         Ok(Step {
-            split: allow_shared(load(format!("decode_split_{name}_m{m_tiles}"))?, shared_bytes)?,
+            split: allow_shared(
+                load(format!("decode_split_{name}_m{m_tiles}"))?,
+                shared_bytes,
+            )?,
             merge: load(format!("decode_merge_{name}"))?,
             shared_bytes,
             head_dim: head_dim as u32,
@@ -293,7 +295,11 @@ impl Step {
 /// One step: the split kernel (a block a [`WARPS`] splits), then the merge.
 fn launch(gpu: &Gpu, step: &Step, args: &DecodeArgs) -> Result<(), PluginError> {
     let split_grid = LaunchConfig {
-        grid_dim: (args.splits / WARPS as u32, args.heads_kv * args.row_tiles, args.batch),
+        grid_dim: (
+            args.splits / WARPS as u32,
+            args.heads_kv * args.row_tiles,
+            args.batch,
+        ),
         block_dim: (WARPS as u32 * 32, 1, 1),
         shared_mem_bytes: step.shared_bytes,
     };
@@ -332,7 +338,8 @@ fn copy_bandwidth(gpu: &mut Gpu, bytes: usize, harness: &Harness) -> Result<f64,
 pub fn run(gpu: &mut Gpu, kernels: &Kernels, request: &StageRequest) -> Result<Value, PluginError> {
     let p: DecodeParams = request.params()?;
     let problem = p
-        .shape
+        .step
+        .batch
         .problem()
         .map_err(|err| PluginError::Params(err.to_string()))?;
     let name = match variant(p.dtype, problem.head_dim) {
@@ -374,7 +381,7 @@ pub fn run(gpu: &mut Gpu, kernels: &Kernels, request: &StageRequest) -> Result<V
     let step = Step::find(kernels, &name, problem.head_dim, tiles)?;
     let inputs = DecodeInputs::random(&problem, request.seed, p.dtype);
     let device = upload(gpu, &problem, &inputs, p.dtype, splits, request.seed)?;
-    let correctness = if p.check == StepCheck::Off {
+    let correctness = if p.step.check == StepCheck::Off {
         unchecked()
     } else {
         launch(gpu, &step, &device.args)?;
@@ -384,11 +391,11 @@ pub fn run(gpu: &mut Gpu, kernels: &Kernels, request: &StageRequest) -> Result<V
             &problem,
             &inputs,
             (&out, Some(&lse)),
-            p.check,
+            p.step.check,
             p.dtype.tolerance(),
         )
     };
-    let harness = p.harness.apply(Harness::gpu());
+    let harness = p.step.harness.apply(Harness::gpu());
     let clocks_before = nvml::clocks();
     let timing = gpu.time(&harness, |gpu| launch(gpu, &step, &device.args))?;
     let clocks_after = nvml::clocks();

@@ -11,8 +11,7 @@ use attnbench_sdk::PluginError;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
 use cudarc::driver::{
-    CudaFunction,
-    CudaContext, CudaSlice, CudaStream, DeviceRepr, PushKernelArg, ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, PushKernelArg, ValidAsZeroBits,
 };
 use serde_json::Value;
 

@@ -4,10 +4,9 @@
 //! copy bandwidth measured by the bridge with the same harness).
 
 use attnbench_sdk::decode::{
-    check_param, check_step, declare_batch, step_record, unchecked, BatchParams, DecodeInputs,
-    StepCheck,
+    check_step, declare_step, step_record, unchecked, DecodeInputs, StepCheck, StepParams,
 };
-use attnbench_sdk::measure::{HarnessParams, Quantiles};
+use attnbench_sdk::measure::Quantiles;
 use attnbench_sdk::nvml;
 use attnbench_sdk::reference::{self, Element};
 use attnbench_sdk::{
@@ -31,24 +30,18 @@ pub struct DecodeParams {
     python: String,
     device: crate::Device,
     dtype: Element,
-    check: StepCheck,
     #[serde(flatten)]
-    shape: BatchParams,
-    #[serde(flatten)]
-    harness: HarnessParams,
+    step: StepParams,
 }
 
 /// `python/decode` as the manifest declares it.
 pub fn spec() -> StageSpec {
-    let stage = declare_batch(StageSpec::new("decode"), 8, "32k", (64, 8, 128));
-    default_harness()
-        .declare(stage)
+    declare_step(StageSpec::new("decode"), &default_harness(), 8, "32k", (64, 8, 128))
         .doc("Times one decode step of a batch through a Python peer (numpy; SDPA with a padding mask, FA4's varlen or paged call, FlashInfer's batch decode or paged prefill), checked against the f64 reference; records latency and the bandwidth reached beside the device's copy bandwidth.")
         .param(ParamSpec::new("kernel", ParamType::one_of(DecodeKernel::NAMES)).default("numpy").doc("`numpy` (the CPU, f32), `sdpa` (torch's scaled_dot_product_attention over the batch padded to its longest cache, a boolean mask, enable_gqa; contiguous caches), `fa4` (flash_attn.cute.flash_attn_varlen_func: cu_seqlens, or a page_table with seqused_k; one split on Hopper, FA4's heuristic elsewhere), `flashinfer` (BatchDecodeWithPagedKVCacheWrapper for one new token, BatchPrefillWithPagedKVCacheWrapper with causal for several; a contiguous cache as in-order pages)."))
         .param(ParamSpec::new("python", ParamType::String).default("").doc("The interpreter; empty: ATTNBENCH_PYTHON, then the python3 beside the attnbench binary, then python3 on the PATH."))
         .param(ParamSpec::new("device", ParamType::one_of(crate::Device::NAMES)).default("cuda").doc("`cuda`: the node asks for a GPU, which the torch peers need; `cpu`: it does not, and only `numpy` runs (the others record why not)."))
         .param(ParamSpec::new("dtype", Element::param_type(&[Element::Bf16, Element::F16])).default("bf16").doc("The inputs' type (numpy computes in f32 on values rounded to it)."))
-        .param(check_param())
         .output("decode")
         .cache_scope(CacheScope::Machine)
         .isolation(Isolation::Worker)
@@ -70,7 +63,8 @@ impl Drop for Exchange {
 pub fn run(request: &StageRequest) -> Result<Value, PluginError> {
     let p: DecodeParams = request.params()?;
     let problem = p
-        .shape
+        .step
+        .batch
         .problem()
         .map_err(|err| PluginError::Params(err.to_string()))?;
     let on_gpu = p.device == crate::Device::Cuda && p.kernel != DecodeKernel::Numpy;
@@ -86,7 +80,7 @@ pub fn run(request: &StageRequest) -> Result<Value, PluginError> {
     ] {
         reference::write_tensor(exchange, name, values)?;
     }
-    let harness = p.harness.apply(default_harness());
+    let harness = p.step.harness.apply(default_harness());
     let params = json!({
         "problem": problem,
         "kernel": p.kernel,
@@ -124,7 +118,7 @@ pub fn run(request: &StageRequest) -> Result<Value, PluginError> {
         write_json(&request.output_dir, "decode.json", &record)?;
         return Ok(record);
     }
-    let correctness = if p.check == StepCheck::Off {
+    let correctness = if p.step.check == StepCheck::Off {
         unchecked()
     } else {
         let out = reference::read_tensor(&exchange.join("out.f32"))?;
@@ -141,7 +135,7 @@ pub fn run(request: &StageRequest) -> Result<Value, PluginError> {
             &problem,
             &inputs,
             (&out, lse.as_deref()),
-            p.check,
+            p.step.check,
             tolerance,
         )
     };
