@@ -16,6 +16,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from run_record import artifact, load_run  # noqa: E402
 
 
+# Parameters every column shares unless a cell says otherwise (decode.yaml's).
+DEFAULTS = {"splits": 0, "items_per_warp": 0, "dtype": "bf16", "heads_q": 64, "heads_kv": 8, "head_dim": 128}
+
+
 def tokens(n):
     return f"{n >> 20}M" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n >> 10}K" if n % 1024 == 0 else str(n)
 
@@ -26,16 +30,23 @@ for node in record["nodes"]:
     folder = artifact(cache, node)
     path = folder and os.path.join(folder, "decode.json")
     if not path or not os.path.exists(path):
+        if node.get("status") not in ("ok", "cached") and node.get("uses", "").endswith("/decode"):
+            unmeasured.append(f"- {node['id']}: {node.get('status')}: {(node.get('error') or '')[:160]}")
         continue
     step = json.load(open(path))
     kernel = step.get("kernel", "?")
     if "kv_lens" not in step:  # not measured: the record has the status and reason only
         unmeasured.append(f"- {node['id']}: {step.get('status')}: {step.get('reason', '')}")
         continue
-    if kernel not in kernels:
-        kernels.append(kernel)
     shape = (max(step["kv_lens"]), step["queries"], step.get("page_size") or 0, len(step["kv_lens"]))
-    cells.setdefault(shape, {})[kernel] = step
+    # A sweep (splits, dtype, heads) gives one shape several cells: the kernel's column takes each.
+    setting = " ".join(f"{k}={node['params'][k]}" for k in ("splits", "items_per_warp", "dtype", "heads_q",
+                                                             "heads_kv", "head_dim")
+                       if k in node.get("params", {}) and node["params"][k] != DEFAULTS.get(k))
+    column = f"{kernel} {setting}".strip()
+    if column not in kernels:
+        kernels.append(column)
+    cells.setdefault(shape, {})[column] = step
 
 print("| KV (longest) | new tokens | cache | batch | " + " | ".join(kernels) + " |")
 print("|---" * (4 + len(kernels)) + "|")
@@ -61,7 +72,7 @@ for shape in sorted(cells):
     for kernel, step in cells[shape].items():
         check = step.get("correctness") or {}
         error = check.get("max_error")
-        print(f"| {tokens(kv)} | {queries} | {page or 'packed'} | {kernel} | {step.get('splits', '')} | "
+        print(f"| {tokens(kv)} | {queries} | {f'paged {page}' if page else 'packed'} | {kernel} | {step.get('splits', '')} | "
               f"{'' if error is None else f'{error:.1e}'} | {check.get('checked', '')} |")
 
 if unmeasured:

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # A GPU machine's check-up with the attnbench given as the first argument (default: the one on PATH):
 # doctor, the harness against a cuBLAS GEMM, the naive kernel against the CPU reference, the
-# in-process flash backend against the host's f64 blocks, the naive kernel's pipeline, and the
-# repeatability of one cell. Results go under $OUT (default:
+# in-process flash backend against the host's f64 blocks, the decode kernel's variants, the naive
+# kernel's pipeline, and the repeatability of one cell. Results go under $OUT (default:
 # ./gpu-check). NAIVE_ARGS are passed to the naive pipeline's run (e.g. to narrow its matrix with
-# --set); STEPS picks steps (default: all of doctor gemm check backend naive repeat); CHECK_KERNELS the
+# --set); STEPS picks steps (default: all of doctor gemm check backend decode naive repeat); CHECK_KERNELS the
 # native kernels the correctness step runs (default: naive, flash), CHECK_SEQLENS its lengths
 # (default: 512, 1k).
 set -uo pipefail
-steps=" ${STEPS:-doctor gemm check backend naive repeat} "
+steps=" ${STEPS:-doctor gemm check backend decode naive repeat} "
 want() { [[ $steps == *" $1 "* ]]; }
 attnbench=${1:-attnbench}
 command -v "$attnbench" >/dev/null || { echo "gpu-check: no attnbench at \`$attnbench\`: install it (scripts/stage-install.sh) or give its path as the first argument" >&2; exit 2; }
@@ -37,6 +37,11 @@ fi
 if want backend; then
   echo "== the in-process flash backend (cuda/flash) against the host's f64 blocks"
   $attnbench run "$root/pipelines/checks/backend.yaml" -q 2>&1 | tail -4
+fi
+
+if want decode; then
+  echo "== the decode kernel (d 64/128, bf16/fp16, MHA and GQA, packed and paged) against the f64 reference"
+  $attnbench run "$root/pipelines/checks/decode.yaml" -q 2>&1 | tail -4
 fi
 
 # The pipelines fetch LongCA-bench's Pile histogram; a GPU machine without network gives a copy
@@ -69,8 +74,10 @@ def result(node):
     if not art: return None
     path = os.path.join(art, 'measurement.json')
     if os.path.exists(path): return json.load(open(path))
-    path = os.path.join(art, 'gemm.json')
-    return json.load(open(path)) if os.path.exists(path) else None
+    for name in ('gemm.json', 'decode.json'):
+        path = os.path.join(art, name)
+        if os.path.exists(path): return json.load(open(path))
+    return None
 rows = []
 for run in sorted(glob.glob(os.path.join(cache, 'runs', '*', 'run.json'))):
     record = json.load(open(run))
@@ -78,8 +85,9 @@ for run in sorted(glob.glob(os.path.join(cache, 'runs', '*', 'run.json'))):
         r = result(node)
         if not r or node['id'].startswith('report'): continue
         t = r.get('tflops') or {}
+        t = t if isinstance(t, dict) else {'p50': t}  # a decode step records one figure
         c = r.get('correctness') or {}
-        errs = c.get('errors') or {}
+        errs = {k: v for k, v in (c.get('errors') or {}).items() if isinstance(v, (int, float))}
         rows.append((record['pipeline'], node['id'], r.get('status', 'ok'), t.get('p50'), (r.get('time_s') or {}).get('p50'), c.get('passed'), max(errs.values()) if errs else None, r.get('reason')))
 seen = set()
 with open(os.path.join(out, 'summary.tsv'), 'w') as f:

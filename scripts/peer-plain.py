@@ -43,7 +43,7 @@ from torch.nn.attention import flex_attention as flex
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "plugins", "python", "bridge"))
 import attnbench_bridge as bridge  # noqa: E402  (the harness's own repetition, and the IR's rows)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run_record import load_run  # noqa: E402
+from run_record import artifact, load_run  # noqa: E402
 
 torch._functorch.config.donated_buffer = False  # a repeated backward on one graph
 PEERS = ("flex", "fa4", "cudnn", "flashinfer")
@@ -533,7 +533,8 @@ def cells(record, wanted, args):
     patterns = set(args.masks.split(",")) if args.masks else None
     nodes = {n["id"]: n for n in record["nodes"]}
     for node in record["nodes"]:
-        path = node.get("artifact") and os.path.join(node["artifact"], "measurement.json")
+        folder = artifact(args.cache, node)
+        path = folder and os.path.join(folder, "measurement.json")
         if not path or not os.path.exists(path):
             continue
         m = json.load(open(path))
@@ -543,7 +544,7 @@ def cells(record, wanted, args):
                 (args.match and not re.search(args.match, node["id"])):
             continue
         masks = [nodes[i] for i in node["inputs"] if nodes[i]["uses"] == "masks/generate"]
-        mask_set = json.load(open(os.path.join(masks[0]["artifact"], "mask.json")))
+        mask_set = json.load(open(os.path.join(artifact(args.cache, masks[0]), "mask.json")))
         if (not args.seqlen or mask_set["seqlen"] in args.seqlen) and \
                 (patterns is None or mask_set["pattern"] in patterns):
             yield node["id"], m, mask_set

@@ -23,5 +23,6 @@ def artifact(cache, node):
     if not recorded or os.path.isdir(recorded):
         return recorded
     key = node.get("key") or ""
+    # The cache's entry layout (core/runtime/src/cache.rs): cache/<first two of the key>/<key>/files.
     moved = os.path.join(cache, "cache", key[:2], key, "files")
     return moved if key and os.path.isdir(moved) else recorded

@@ -54,10 +54,10 @@ const MERGE_SHARE: u64 = 32;
 fn shared_bytes(head_dim: u64, m_tiles: u64) -> u64 {
     2 * (head_dim + 8) * (16 * m_tiles + 2 * WARPS * STAGES * TILE)
 }
-/// Split blocks that fit an SM at once: shared memory bounds them (228 KB an SM on Hopper,
-/// 1 KB of it reserved per block): two at d 64, one at d 128.
-fn resident_blocks(head_dim: u64, m_tiles: u64) -> u64 {
-    (228 * 1024 / (shared_bytes(head_dim, m_tiles) + 1024)).max(1)
+/// Split blocks that fit an SM of `sm_bytes` shared memory at once, 1 KB of it reserved per
+/// block: on Hopper's 228 KB, two at d 64, one at d 128.
+fn resident_blocks(head_dim: u64, m_tiles: u64, sm_bytes: u64) -> u64 {
+    (sm_bytes / (shared_bytes(head_dim, m_tiles) + 1024)).max(1)
 }
 
 /// The kernels' one argument, as `DecodeArgs` in decode.cu lays it out (its size is checked on
@@ -120,11 +120,15 @@ pub fn spec() -> StageSpec {
 /// [`WARPS`] (a warp is a split): [`WAVES`] waves of resident blocks, none short of a wave for
 /// the merge's sake, with no split under [`MIN_SPLIT_KEYS`] keys of the longest sequence.
 /// Returns the count and why.
-pub fn choose_splits(problem: &DecodeProblem, multiprocessors: u64) -> (u64, String) {
+pub fn choose_splits(
+    problem: &DecodeProblem,
+    multiprocessors: u64,
+    sm_bytes: u64,
+) -> (u64, String) {
     let group_rows = problem.heads_q / problem.heads_kv * problem.queries;
     let tiles = m_tiles(group_rows);
     let blocks = problem.batch() as u64 * problem.heads_kv * group_rows.div_ceil(16 * tiles);
-    let per_sm = resident_blocks(problem.head_dim, tiles);
+    let per_sm = resident_blocks(problem.head_dim, tiles, sm_bytes);
     let wave = (per_sm * multiprocessors).div_ceil(blocks);
     let longest = problem.kv_lens.iter().copied().max().unwrap_or(1);
     let key_cap = (longest / (MIN_SPLIT_KEYS * WARPS)).max(1);
@@ -132,8 +136,8 @@ pub fn choose_splits(problem: &DecodeProblem, multiprocessors: u64) -> (u64, Str
     let merge_cap = mean / (2 * MERGE_SHARE * group_rows * WARPS);
     let per_block = (wave * WAVES).min(merge_cap.max(wave)).min(key_cap).max(1);
     let why = format!(
-        "{blocks} blocks unsplit, {per_sm} an SM on {multiprocessors} SMs: {wave} splits of {WARPS} \
-         warps fill a wave, {WAVES} waves would take {}; partials under 1/{MERGE_SHARE} of the \
+        "{blocks} blocks unsplit, {per_sm} an SM on {multiprocessors} SMs: {wave} blocks a sequence \
+         ({WARPS} splits each) fill a wave, {WAVES} waves would take {}; partials under 1/{MERGE_SHARE} of the \
          cache allow {merge_cap} beyond one wave, splits of at least {MIN_SPLIT_KEYS} keys {key_cap}; \
          {per_block} blocks of {WARPS} splits a sequence",
         wave * WAVES
@@ -205,7 +209,16 @@ fn upload(
     let d = problem.head_dim;
     let group = problem.heads_q / problem.heads_kv;
     let group_rows = group * problem.queries;
-    let items = problem.batch() as u64 * problem.heads_kv * splits * group_rows;
+    let items = (problem.batch() as u64 * problem.heads_kv)
+        .checked_mul(splits * group_rows)
+        .and_then(|items| items.checked_mul(d).map(|_| items))
+        .ok_or_else(|| {
+            PluginError::Params(format!(
+                "splits: {splits} splits of {} sequences × {} KV heads × {group_rows} rows overflow the partials' size",
+                problem.batch(),
+                problem.heads_kv
+            ))
+        })?;
     let part_out = gpu.alloc::<f32>("split partial O", (items * d) as usize)?;
     let part_lse = gpu.alloc::<f32>("split partial LSE", items as usize)?;
     let rows = problem.heads_q * problem.rows();
@@ -351,31 +364,50 @@ pub fn run(gpu: &mut Gpu, kernels: &Kernels, request: &StageRequest) -> Result<V
             return Ok(result);
         }
     };
+    let group_rows = problem.heads_q / problem.heads_kv * problem.queries;
+    let tiles = m_tiles(group_rows);
+    let (block_bytes, sm_bytes) = gpu.shared_memory();
+    let needed = shared_bytes(problem.head_dim, tiles);
+    if needed > block_bytes {
+        let reason = format!(
+            "the decode kernel's K/V ring needs {needed} bytes of shared memory a block at head_dim {} \
+             with {group_rows} rows a KV head; this GPU allows {block_bytes} (Hopper: 232448)",
+            problem.head_dim
+        );
+        let result = json!({"kernel": "cuda-decode", "status": "unsupported", "reason": reason});
+        write_json(&request.output_dir, "decode.json", &result)?;
+        return Ok(result);
+    }
     let multiprocessors = gpu.describe().multiprocessors.unwrap_or(1).max(1) as u64;
+    // More splits than 32-key tiles of the longest sequence (per warp) leave warps without keys.
+    let longest = problem.kv_lens.iter().copied().max().unwrap_or(1);
+    let most = WARPS * longest.div_ceil(TILE);
     let (splits, splits_reason) = match p.splits {
-        0 => choose_splits(&problem, multiprocessors),
-        n if n % WARPS == 0 => (n, "set by the pipeline".to_string()),
+        0 => choose_splits(&problem, multiprocessors, sm_bytes),
+        n if n % WARPS == 0 && n <= most => (n, "set by the pipeline".to_string()),
         n => {
             return Err(PluginError::Params(format!(
-                "splits: {n} is not a multiple of {WARPS} (each of a block's {WARPS} warps is one split); \
-                 give a multiple of {WARPS}, or 0 to let the stage choose"
+                "splits: {n} is not a multiple of {WARPS} up to {most} (each of a block's {WARPS} warps is \
+                 one split, and a split needs at least one {TILE}-key tile of the longest sequence); \
+                 give such a multiple, or 0 to let the stage choose"
             )))
         }
     };
-    let group_rows = problem.heads_q / problem.heads_kv * problem.queries;
-    let tiles = m_tiles(group_rows);
     let grid_y = problem.heads_kv * group_rows.div_ceil(16 * tiles);
-    if splits / WARPS > u64::from(u32::MAX >> 1) || grid_y > 65535 || problem.batch() > 65535 {
+    if grid_y > 65535 || problem.batch() > 65535 {
         return Err(PluginError::Params(format!(
-            "the decode grid would be {} blocks of splits × {grid_y} (KV heads × row tiles) × {} sequences; \
-             CUDA allows at most 2^31 − 1 × 65535 × 65535",
-            splits / WARPS,
+            "heads_kv, batch: the decode grid would be {grid_y} (KV heads × row tiles) × {} sequences \
+             high and deep; CUDA allows at most 65535 × 65535",
             problem.batch()
         )));
     }
-    if let Some(&long) = problem.kv_lens.iter().find(|&&l| l > u64::from(u32::MAX)) {
+    if let Some(&long) = problem
+        .kv_lens
+        .iter()
+        .find(|&&l| l > u64::from(u32::MAX >> 1))
+    {
         return Err(PluginError::Params(format!(
-            "a sequence of {long} KV tokens is beyond the decode kernel's 32-bit token indices"
+            "kv_len: a sequence of {long} KV tokens is beyond the decode kernel's 31-bit token indices"
         )));
     }
     let step = Step::find(kernels, &name, problem.head_dim, tiles)?;
@@ -432,21 +464,26 @@ pub fn run(gpu: &mut Gpu, kernels: &Kernels, request: &StageRequest) -> Result<V
 mod tests {
     use super::*;
 
+    /// Shared memory of a Hopper SM.
+    const HOPPER: u64 = 228 * 1024;
+
     #[test]
     fn splits_fill_waves_within_the_merge_share_and_the_shortest_split() {
         // 8 sequences × 8 KV heads, 8 rows a group: 64 blocks, one an SM at d 128 (213 KB of
         // shared memory), 3 splits a wave; partials under 1/32 of a 4.5 · 64K-key cache allow 18.
         let long = DecodeProblem::stepped(8, 64 * 1024, 1, (64, 8, 128), 0).unwrap();
-        assert_eq!(choose_splits(&long, 132).0, 18 * WARPS);
+        assert_eq!(choose_splits(&long, 132, HOPPER).0, 18 * WARPS);
         // 32 rows (4 new tokens) allow only 4 by the merge's share; one wave takes 3.
         let four = DecodeProblem::stepped(8, 64 * 1024, 4, (64, 8, 128), 0).unwrap();
-        assert_eq!(choose_splits(&four, 132).0, 4 * WARPS);
+        assert_eq!(choose_splits(&four, 132, HOPPER).0, 4 * WARPS);
         // A 1K cache caps the count at one block: 4 splits of 256 keys.
         let short = DecodeProblem::stepped(1, 1024, 1, (64, 8, 128), 0).unwrap();
-        assert_eq!(choose_splits(&short, 132).0, WARPS);
+        assert_eq!(choose_splits(&short, 132, HOPPER).0, WARPS);
         // Two blocks an SM at d 64.
-        assert_eq!(resident_blocks(64, 1), 2);
-        assert_eq!(resident_blocks(128, 2), 1);
+        assert_eq!(resident_blocks(64, 1, HOPPER), 2);
+        assert_eq!(resident_blocks(128, 2, HOPPER), 1);
+        // An A100's 164 KB an SM still holds one d-64 block.
+        assert_eq!(resident_blocks(64, 1, 167_936), 1);
     }
 
     #[test]

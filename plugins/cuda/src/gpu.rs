@@ -84,7 +84,11 @@ pub fn allow_shared(function: CudaFunction, bytes: u32) -> Result<CudaFunction, 
     use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYNAMIC_SHARED;
     function
         .set_attribute(MAX_DYNAMIC_SHARED, bytes as i32)
-        .map_err(failed("shared memory size of a kernel"))?;
+        .map_err(|err| {
+            PluginError::failed(format!(
+                "allowing a kernel {bytes} bytes of dynamic shared memory: {err}"
+            ))
+        })?;
     Ok(function)
 }
 
@@ -234,6 +238,16 @@ impl Gpu {
 
     pub fn l2_bytes(&self) -> usize {
         self.flush.len() / 2
+    }
+
+    /// Shared memory a block may opt in to, and an SM's whole, in bytes (0 where the driver
+    /// does not say).
+    pub fn shared_memory(&self) -> (u64, u64) {
+        let attribute = |a| self.ctx.attribute(a).map_or(0, |v| v.max(0) as u64);
+        (
+            attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
+            attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
+        )
     }
 
     /// Bytes free on the device now. Freed buffers go back to the stream-ordered allocator's
