@@ -132,6 +132,15 @@ pub struct StepParams {
     pub harness: crate::measure::HarnessParams,
 }
 
+impl StepParams {
+    /// The step the batch parameters describe, or a parameters error saying why there is none.
+    pub fn problem(&self) -> Result<DecodeProblem, crate::PluginError> {
+        self.batch
+            .problem()
+            .map_err(|err| crate::PluginError::Params(err.to_string()))
+    }
+}
+
 /// A timed decode stage's shared parameters, the harness's with `harness`'s defaults.
 pub fn declare_step(
     stage: StageSpec,

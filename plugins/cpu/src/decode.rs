@@ -286,11 +286,7 @@ fn copy_bandwidth(bytes: usize, threads: usize, harness: &Harness) -> f64 {
 /// Runs `cpu/decode`.
 pub fn stage(request: &StageRequest) -> Result<Value, PluginError> {
     let p: DecodeParams = request.params()?;
-    let problem = p
-        .step
-        .batch
-        .problem()
-        .map_err(|err| PluginError::Params(err.to_string()))?;
+    let problem = p.step.problem()?;
     let threads = match p.threads {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,

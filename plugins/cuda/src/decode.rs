@@ -350,11 +350,7 @@ fn copy_bandwidth(gpu: &mut Gpu, bytes: usize, harness: &Harness) -> Result<f64,
 /// Runs `cuda/decode` on the worker's GPU.
 pub fn run(gpu: &mut Gpu, kernels: &Kernels, request: &StageRequest) -> Result<Value, PluginError> {
     let p: DecodeParams = request.params()?;
-    let problem = p
-        .step
-        .batch
-        .problem()
-        .map_err(|err| PluginError::Params(err.to_string()))?;
+    let problem = p.step.problem()?;
     let name = match variant(p.dtype, problem.head_dim) {
         Ok(name) => name,
         Err(reason) => {

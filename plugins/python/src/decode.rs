@@ -62,11 +62,7 @@ impl Drop for Exchange {
 /// Runs `python/decode`.
 pub fn run(request: &StageRequest) -> Result<Value, PluginError> {
     let p: DecodeParams = request.params()?;
-    let problem = p
-        .step
-        .batch
-        .problem()
-        .map_err(|err| PluginError::Params(err.to_string()))?;
+    let problem = p.step.problem()?;
     let on_gpu = p.device == crate::Device::Cuda && p.kernel != DecodeKernel::Numpy;
     let element_bytes = if on_gpu { p.dtype.bytes() } else { 4 } as u64;
     let inputs = DecodeInputs::random(&problem, request.seed, p.dtype);

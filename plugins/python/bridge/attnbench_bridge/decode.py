@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .checks import base_environment
+from .problem import Heads
 from .harness import device_bytes, event_rep, is_oom, l2_flush_bytes, release_memory, run_harness, torch_dtype
 from .support import BadRequest, OutOfMemory, Unavailable, Unsupported, _np, _package_version, first_line, log, need
 
@@ -30,7 +31,7 @@ COPY_BYTES = (64 << 20, 1 << 30)
 
 
 @dataclass
-class Step:
+class Step(Heads):
     kernel: str
     dtype: str
     device: str
@@ -53,14 +54,6 @@ class Step:
     @property
     def rows(self) -> int:
         return self.queries * self.batch
-
-    @property
-    def group(self) -> int:
-        return self.heads_q // self.heads_kv
-
-    @property
-    def scale(self) -> float:
-        return 1.0 / math.sqrt(self.head_dim)
 
     def offsets(self) -> List[int]:
         starts = [0]

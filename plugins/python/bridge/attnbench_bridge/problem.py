@@ -21,8 +21,24 @@ HARNESS_DEFAULTS = {"warmup_reps": 3, "warmup_s": 0.1, "min_reps": 10, "max_reps
                     "max_time_s": 5.0, "target_rel_ci": 0.01}
 
 
+class Heads:
+    """What a problem's heads give: query heads per KV head, and the softmax scale 1/√d. Mixed
+    into the dataclasses that hold these three fields (a prefill `Problem`, a decode `Step`)."""
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+
 @dataclass
-class Problem:
+class Problem(Heads):
     kernel: str
     direction: str
     heads_q: int
@@ -41,14 +57,6 @@ class Problem:
     layout: str = "bshd"
     gqa: str = "native"
     _intervals: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def group(self) -> int:
-        return self.heads_q // self.heads_kv
-
-    @property
-    def scale(self) -> float:
-        return 1.0 / math.sqrt(self.head_dim)
 
     @property
     def backward(self) -> bool:
