@@ -31,7 +31,6 @@ import json
 import math
 import os
 import re
-import statistics
 import sys
 
 import numpy as np
@@ -44,6 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import attnbench_bridge as bridge  # noqa: E402  (the harness's own repetition, and the IR's rows)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from run_record import artifact, load_run  # noqa: E402
+from plain_timing import side_by_side  # noqa: E402
 
 torch._functorch.config.donated_buffer = False  # a repeated backward on one graph
 PEERS = ("flex", "fa4", "cudnn", "flashinfer")
@@ -139,39 +139,6 @@ def plain_rep(m, forward, backward=None):
         inputs = forward.inputs
         return event_rep(lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True))
     return event_rep(lambda: backward(out, grad))
-
-
-def median_of(rep, reps, warmup=3):
-    for _ in range(warmup):
-        rep()
-    return statistics.median(rep() for _ in range(reps))
-
-
-def sm_clock():
-    try:
-        return torch.cuda.clock_rate()  # MHz, through NVML
-    except Exception:
-        return None
-
-
-def side_by_side(harness, plain, reps, rounds):
-    """The harness's repetition and the plain loop's, alternating in rounds in one process on the
-    same GPU: a difference that survives this is the adapter's, not the machine's state between two
-    runs. The side that goes first alternates too: under a power cap the clock falls while a
-    round runs, and a fixed order would hand one side the cooler start every time. Returns (median
-    of the harness's round medians, the plain loop's, (low, high) of their ratio over the rounds,
-    SM clocks seen)."""
-    ours, theirs, clocks = [], [], []
-    for round_index in range(rounds):
-        if round_index % 2 == 0:
-            ours.append(median_of(lambda: harness() * 1e3, reps))
-            theirs.append(median_of(plain, reps))
-        else:
-            theirs.append(median_of(plain, reps))
-            ours.append(median_of(lambda: harness() * 1e3, reps))
-        clocks.append(sm_clock())
-    ratios = [b / a for a, b in zip(ours, theirs)]  # the harness's speed over the plain loop's
-    return statistics.median(ours), statistics.median(theirs), (min(ratios), max(ratios)), clocks
 
 
 def with_inputs(call, inputs):
