@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(here, "..", "plugins", "python", "bridge"))
 from attnbench_bridge import decode as bridge_decode  # noqa: E402  (the harness's own runners)
 from attnbench_bridge.harness import event_rep  # noqa: E402
 sys.path.insert(0, here)
-from plain_timing import side_by_side  # noqa: E402
+from plain_timing import clock_range, side_by_side  # noqa: E402
 from run_record import artifact, load_run  # noqa: E402
 
 PEERS = ("fa4", "flashinfer")
@@ -175,8 +175,7 @@ def main():
             continue
         finally:
             torch.cuda.empty_cache()
-        seen = [c for c in clocks if c]
-        mhz = f"{min(seen)}–{max(seen)}" if seen else ""
+        mhz = clock_range(clocks)
         # side_by_side's ratio is the harness's speed over the plain loop's: theirs / ours in time.
         print(f"{cell}\t{step['latency_us']:.1f}\t{ours * 1e3:.1f}\t{theirs * 1e3:.1f}\t{ours / theirs - 1:+.1%}"
               f"\t{low:.3f}–{high:.3f}\t{mhz}\t{what}")

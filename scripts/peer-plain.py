@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import attnbench_bridge as bridge  # noqa: E402  (the harness's own repetition, and the IR's rows)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from run_record import artifact, load_run  # noqa: E402
-from plain_timing import side_by_side  # noqa: E402
+from plain_timing import clock_range, side_by_side  # noqa: E402
 
 torch._functorch.config.donated_buffer = False  # a repeated backward on one graph
 PEERS = ("flex", "fa4", "cudnn", "flashinfer")
@@ -541,8 +541,7 @@ def main():
             continue
         finally:
             torch.cuda.empty_cache()
-        seen = [c for c in clocks if c]
-        mhz = f"{min(seen)}–{max(seen)}" if seen else ""
+        mhz = clock_range(clocks)
         print(f"{cell}\t{ours:.1f}\t{tflops(here):.1f}\t{tflops(theirs):.1f}\t{theirs / here - 1:+.1%}"
               f"\t{low:.3f}–{high:.3f}\t{mhz}\t{mode}\t{what}")
 

@@ -36,3 +36,9 @@ def side_by_side(harness, plain, reps, rounds):
         clocks.append(sm_clock())
     ratios = [b / a for a, b in zip(ours, theirs)]  # the harness's speed over the plain loop's
     return statistics.median(ours), statistics.median(theirs), (min(ratios), max(ratios)), clocks
+
+
+def clock_range(clocks):
+    """The SM clocks side_by_side saw, as `low–high` MHz (empty when NVML gave none)."""
+    seen = [c for c in clocks if c]
+    return f"{min(seen)}–{max(seen)}" if seen else ""
