@@ -16,6 +16,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
+use crate::local::Partial;
+
 /// How long a receive waits before it gives up on its peer.
 const RECEIVE_TIMEOUT: Duration = Duration::from_secs(600);
 
@@ -45,6 +47,21 @@ pub trait Communicator {
     fn all_gather(&self, tag: u32, data: Self::Values) -> Vec<Self::Values>;
     /// The sum over members of their `chunks[me]`.
     fn reduce_scatter(&self, tag: u32, chunks: Vec<Self::Values>) -> Self::Values;
+}
+
+/// A partial result handed from one member to another and nothing coming back: how decoding's
+/// tree and ring combine the ranks' partials. The receiver knows what arrives (a partial the
+/// shape of its own), as NCCL needs to post the receive.
+pub trait PointToPoint: Communicator {
+    /// Hands `partial` to member `to` (does not wait for it to arrive).
+    fn send_partial(&self, to: usize, tag: u32, partial: Partial<Self::Values>);
+    /// The partial member `from` sent with `tag`, the shape of `like`; later work waits for it.
+    fn receive_partial(
+        &self,
+        from: usize,
+        tag: u32,
+        like: &Partial<Self::Values>,
+    ) -> Partial<Self::Values>;
 }
 
 /// A message waiting in a mailbox: from whom, and with which tag.
@@ -205,6 +222,28 @@ impl Group {
     pub fn take(&self, from: usize, tag: u32) -> Vec<f64> {
         let (me, from) = (self.members[self.me], self.members[from]);
         self.world.take(me, from, self.tag(tag))
+    }
+}
+
+/// A partial travels as one message, O then LSE, so the values counted are what a GPU sends.
+impl PointToPoint for Group {
+    fn send_partial(&self, to: usize, tag: u32, partial: Partial<Vec<f64>>) {
+        let mut values = partial.out;
+        values.extend(partial.lse);
+        self.send(to, tag, values);
+    }
+
+    fn receive_partial(&self, from: usize, tag: u32, like: &Partial<Vec<f64>>) -> Partial<Vec<f64>> {
+        let mut out = self.take(from, tag);
+        let expected = like.out.len() + like.lse.len();
+        assert_eq!(
+            out.len(),
+            expected,
+            "member {from} sent a partial of {} values where {expected} were expected",
+            out.len()
+        );
+        let lse = out.split_off(like.out.len());
+        Partial { out, lse }
     }
 }
 

@@ -13,8 +13,8 @@
 use std::sync::Arc;
 
 use attnbench_sdk::decode::{
-    attend, declare_batch, reference, split_range, BatchParams, DecodeInputs, DecodeProblem,
-    Partial,
+    self as sdk_decode, attend, declare_batch, reference, split_range, BatchParams, DecodeInputs,
+    DecodeProblem,
 };
 use attnbench_sdk::reference::Element;
 use attnbench_sdk::{
@@ -22,7 +22,8 @@ use attnbench_sdk::{
 };
 use serde_json::{json, Value};
 
-use crate::comm::{Group, World};
+use crate::comm::{Group, PointToPoint, World};
+use crate::local::{HostStore, Partial, Store};
 use crate::model::Machine;
 
 attnbench_sdk::named_enum! {
@@ -30,14 +31,19 @@ attnbench_sdk::named_enum! {
     pub enum DecodeMethod { Tree = "tree", Ring = "ring" }
 }
 
+attnbench_sdk::named_enum! {
+    /// Where `cp/decode` runs its ranks.
+    pub enum DecodeBackend { Threads = "threads", Nccl = "nccl" }
+}
+
 /// Tag space of the decode group (0–2 are the prefill methods').
-const SPACE: u32 = 3;
+pub(crate) const SPACE: u32 = 3;
 const PARTIAL: u32 = 1;
 
 /// What a decode across `world` ranks came to.
 pub struct DecodeOutcome {
     /// The combined O and LSE, on rank 0.
-    pub partial: Partial,
+    pub partial: sdk_decode::Partial,
     /// Values each rank sent.
     pub sent: Vec<u64>,
 }
@@ -50,8 +56,72 @@ pub fn depth(method: DecodeMethod, world: usize) -> usize {
     }
 }
 
+/// One step of a rank's part in combining the partials.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hop {
+    /// Take member `from`'s partial and merge it into this rank's.
+    Receive(usize),
+    /// Hand this rank's merged partial to member `to`; the rank is done.
+    Send(usize),
+}
+
+/// Rank `rank`'s hops among `size` ranks: in a tree, round `s` (stride 2^s) pairs rank
+/// `r + 2^s` with `r` for every `r` divisible by 2^(s+1); in a ring the partial passes from the
+/// last rank down to rank 0, merged at each. Rank 0 only receives, and ends with every partial.
+pub fn hops(method: DecodeMethod, rank: usize, size: usize) -> Vec<Hop> {
+    let mut hops = Vec::new();
+    match method {
+        DecodeMethod::Tree => {
+            let mut stride = 1;
+            while stride < size {
+                if rank % (2 * stride) == stride {
+                    hops.push(Hop::Send(rank - stride));
+                    break;
+                }
+                if rank + stride < size {
+                    hops.push(Hop::Receive(rank + stride));
+                }
+                stride *= 2;
+            }
+        }
+        DecodeMethod::Ring => {
+            if rank + 1 < size {
+                hops.push(Hop::Receive(rank + 1));
+            }
+            if rank > 0 {
+                hops.push(Hop::Send(rank - 1));
+            }
+        }
+    }
+    hops
+}
+
+/// Combines the ranks' partials under `method`, each rank calling this with its own: rank 0
+/// gets the exact result over every rank's keys, the others `None` once they have sent.
+pub fn combine<S: Store, C: PointToPoint<Values = S::Values>>(
+    store: &S,
+    comm: &C,
+    mut mine: Partial<S::Values>,
+    method: DecodeMethod,
+    head_dim: usize,
+) -> Option<Partial<S::Values>> {
+    for hop in hops(method, comm.rank(), comm.size()) {
+        match hop {
+            Hop::Receive(from) => {
+                let theirs = comm.receive_partial(from, PARTIAL, &mine);
+                store.merge(&mut mine, &theirs, head_dim);
+            }
+            Hop::Send(to) => {
+                comm.send_partial(to, PARTIAL, mine);
+                return None;
+            }
+        }
+    }
+    Some(mine)
+}
+
 /// Rank `rank`'s shard of each sequence's keys.
-fn shard(
+pub(crate) fn shard(
     problem: &DecodeProblem,
     rank: usize,
     world: usize,
@@ -59,18 +129,7 @@ fn shard(
     move |b| split_range(problem.kv_lens[b], world as u64, rank as u64)
 }
 
-fn pack(partial: Partial) -> Vec<f64> {
-    let mut values = partial.out;
-    values.extend(partial.lse);
-    values
-}
-
-fn unpack(mut values: Vec<f64>, rows: usize) -> Partial {
-    let lse = values.split_off(values.len() - rows);
-    Partial { out: values, lse }
-}
-
-/// One rank's part: its shard's partial, then its sends and merges under `method`.
+/// One thread's rank: its shard's partial in f64, then its hops.
 fn run_rank(
     world: Arc<World>,
     rank: usize,
@@ -78,38 +137,20 @@ fn run_rank(
     problem: &DecodeProblem,
     inputs: &DecodeInputs,
     method: DecodeMethod,
-) -> Option<Partial> {
+) -> Option<Partial<Vec<f64>>> {
     let group = Group::new(world, (0..size).collect(), rank, SPACE);
-    let (d, rows) = (
+    let own = attend(problem, inputs, shard(problem, rank, size));
+    let mine = Partial {
+        out: own.out,
+        lse: own.lse,
+    };
+    combine(
+        &HostStore { backend: None },
+        &group,
+        mine,
+        method,
         problem.head_dim as usize,
-        (problem.heads_q * problem.rows()) as usize,
-    );
-    let mut mine = attend(problem, inputs, shard(problem, rank, size));
-    match method {
-        DecodeMethod::Tree => {
-            let mut stride = 1;
-            while stride < size {
-                if rank % (2 * stride) == stride {
-                    group.send(rank - stride, PARTIAL, pack(mine));
-                    return None;
-                }
-                if rank + stride < size {
-                    mine.merge(&unpack(group.take(rank + stride, PARTIAL), rows), d);
-                }
-                stride *= 2;
-            }
-        }
-        DecodeMethod::Ring => {
-            if rank + 1 < size {
-                mine.merge(&unpack(group.take(rank + 1, PARTIAL), rows), d);
-            }
-            if rank > 0 {
-                group.send(rank - 1, PARTIAL, pack(mine));
-                return None;
-            }
-        }
-    }
-    Some(mine)
+    )
 }
 
 /// Decodes `problem` with its cache split over `size` ranks, threads of this process.
@@ -120,7 +161,7 @@ pub fn run(
     size: usize,
 ) -> DecodeOutcome {
     let world = World::new(size);
-    let results: Vec<Option<Partial>> = std::thread::scope(|scope| {
+    let results: Vec<Option<Partial<Vec<f64>>>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..size)
             .map(|rank| {
                 let world = world.clone();
@@ -132,13 +173,16 @@ pub fn run(
             .map(|h| h.join().expect("a decode rank panicked"))
             .collect()
     });
-    let partial = results
+    let combined = results
         .into_iter()
         .next()
         .flatten()
         .expect("rank 0 ends with the combined partial");
     DecodeOutcome {
-        partial,
+        partial: sdk_decode::Partial {
+            out: combined.out,
+            lse: combined.lse,
+        },
         sent: (0..size).map(|r| world.sent_elements(r)).collect(),
     }
 }
@@ -181,6 +225,9 @@ pub fn decode_seconds(
 pub struct DecodeParams {
     method: DecodeMethod,
     world: usize,
+    backend: DecodeBackend,
+    attention: String,
+    reps: usize,
     dtype: Element,
     #[serde(flatten)]
     shape: BatchParams,
@@ -196,9 +243,13 @@ pub struct DecodeParams {
 /// `cp/decode` as the manifest declares it.
 pub fn spec() -> StageSpec {
     declare_batch(StageSpec::new("decode"), 4, "4k", (8, 2, 16))
-        .doc("Decodes a batch with each sequence's KV cache split over ranks (threads), the partials combined by a tree or a ring: outputs checked against the f64 reference, each rank's sent values against the formula.")
+        .doc("Decodes a batch with each sequence's KV cache split over ranks (threads, or one process per GPU over NCCL), the partials combined by a tree or a ring: outputs checked against the f64 reference, each rank's sent values against the formula.")
+        .gpu_when("backend", "nccl")
         .param(ParamSpec::new("method", ParamType::one_of(DecodeMethod::NAMES)).default("tree").doc("`tree`: partials combined by a binary tree (Tree Attention, ⌈log₂ world⌉ rounds); `ring`: passed along the ring, merged at each hop (world − 1 sends in a row)."))
         .param(ParamSpec::new("world", ParamType::Int).default(4).doc("Ranks, each holding a contiguous shard of every sequence's KV cache."))
+        .param(ParamSpec::new("backend", ParamType::one_of(DecodeBackend::NAMES)).default("threads").doc("`threads`: ranks as threads, f64 on the CPU (exactness and traffic); `nccl`: one `attnbench-cp-rank` process per GPU, partials on `attention`'s device backend, combined over NCCL and timed with CUDA events."))
+        .param(ParamSpec::new("attention", ParamType::Backend).default("builtin").doc("`nccl`: the kernel plugin's in-process backend each rank computes its partial with, e.g. cuda/flash."))
+        .param(ParamSpec::new("reps", ParamType::Int).default(20).doc("`nccl`: timed repetitions after a warm-up, each from a barrier."))
         .param(attnbench_sdk::shapes::shape_param())
         .param(ParamSpec::new("dtype", ParamType::one_of(Element::NAMES)).default("bf16").doc("Inputs are rounded to it; bytes are counted in it."))
         .param(ParamSpec::new("worlds", ParamType::List(Box::new(ParamType::Int))).default(json!([8, 16, 32, 64, 128, 256, 512, 1024])).doc("GPU counts the cost model predicts both methods' step time at."))
@@ -219,16 +270,11 @@ pub fn stage(request: &StageRequest) -> Result<Value, PluginError> {
         .problem()
         .map_err(|err| PluginError::Params(err.to_string()))?;
     let mut inputs = DecodeInputs::random(&problem, request.seed, p.dtype);
-    if let Some(table) = problem.page_table(request.seed) {
+    if let (Some(table), DecodeBackend::Threads) = (problem.page_table(request.seed), p.backend) {
         // What a paged kernel reads: the cache through its page table.
         inputs.k = table.from_pool(&problem, &table.to_pool(&problem, &inputs.k));
         inputs.v = table.from_pool(&problem, &table.to_pool(&problem, &inputs.v));
     }
-    let start = std::time::Instant::now();
-    let outcome = run(&problem, &inputs, p.method, p.world);
-    let seconds = start.elapsed().as_secs_f64();
-    let whole = reference(&problem, &inputs);
-    let max_error = whole.max_difference(&outcome.partial);
     let machine = Machine {
         gpus_per_node: p.gpus_per_node,
         nvlink: p.nvlink_gbs * 1e9,
@@ -247,19 +293,64 @@ pub fn stage(request: &StageRequest) -> Result<Value, PluginError> {
             json!({"gpus": world, "tree_s": at(DecodeMethod::Tree), "ring_s": at(DecodeMethod::Ring)})
         })
         .collect();
-    let partial_values = whole.values() as u64;
-    let expected: Vec<u64> = (0..p.world)
-        .map(|rank| if rank == 0 { 0 } else { partial_values })
-        .collect();
-    let result = json!({
+    let measured = match p.backend {
+        DecodeBackend::Threads => on_threads(&problem, &inputs, &p),
+        DecodeBackend::Nccl => {
+            let attention = crate::attention_library(request, &p.attention)?.ok_or_else(|| {
+                PluginError::Params(
+                    "attention: backend nccl computes each rank's partial on a kernel plugin's in-process device backend; set it to one, e.g. cuda/flash".into(),
+                )
+            })?;
+            crate::decode_gpu::measure(
+                request,
+                crate::decode_gpu::GpuDecode {
+                    problem: &problem,
+                    inputs: &inputs,
+                    method: p.method,
+                    world: p.world,
+                    dtype: p.dtype,
+                    attention,
+                    reps: p.reps.max(1),
+                },
+            )?
+        }
+    };
+    let mut result = json!({
         "method": p.method,
         "world": p.world,
         "kv_lens": problem.kv_lens,
         "queries": problem.queries,
+        "heads_q": problem.heads_q,
+        "heads_kv": problem.heads_kv,
+        "head_dim": problem.head_dim,
         "page_size": problem.page_size,
+        "dtype": p.dtype,
         "flops": problem.flops(),
         "bytes": problem.bytes(element_bytes),
         "depth": depth(p.method, p.world),
+        "predicted": predicted,
+    });
+    if let (Some(all), Value::Object(part)) = (result.as_object_mut(), measured) {
+        all.extend(part);
+    }
+    write_json(&request.output_dir, "decode.json", &result)?;
+    Ok(result)
+}
+
+/// The batch decoded by `p.world` threads in f64: the combined output against the reference,
+/// each rank's sent values against the formula.
+fn on_threads(problem: &DecodeProblem, inputs: &DecodeInputs, p: &DecodeParams) -> Value {
+    let start = std::time::Instant::now();
+    let outcome = run(problem, inputs, p.method, p.world);
+    let seconds = start.elapsed().as_secs_f64();
+    let whole = reference(problem, inputs);
+    let max_error = whole.max_difference(&outcome.partial);
+    let partial_values = whole.values() as u64;
+    let expected: Vec<u64> = (0..p.world)
+        .map(|rank| if rank == 0 { 0 } else { partial_values })
+        .collect();
+    json!({
+        "backend": "threads",
         "sent_values": outcome.sent,
         "expected_sent_values": expected,
         "traffic_matches": outcome.sent == expected,
@@ -267,10 +358,7 @@ pub fn stage(request: &StageRequest) -> Result<Value, PluginError> {
         "passed": max_error < 1e-9 && outcome.sent == expected,
         "seconds": seconds,
         "timer": "wall clock of the threads, f64 on the CPU: exactness and traffic, not speed",
-        "predicted": predicted,
-    });
-    write_json(&request.output_dir, "decode.json", &result)?;
-    Ok(result)
+    })
 }
 
 #[cfg(test)]

@@ -56,7 +56,7 @@ pub struct GpuRankResult {
 /// Restricts this process to its GPU before CUDA starts: under a launcher that already gave
 /// each rank one GPU (`CUDA_VISIBLE_DEVICES` naming one), that one; else the `LOCAL_RANK`-th of
 /// those visible.
-fn select_gpu(info: &RankInfo) -> Result<(), RankError> {
+pub(crate) fn select_gpu(info: &RankInfo) -> Result<(), RankError> {
     let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
     let chosen = match visible.as_deref() {
         Some(list) if !list.contains(',') && !list.trim().is_empty() => return Ok(()),
@@ -76,7 +76,7 @@ fn select_gpu(info: &RankInfo) -> Result<(), RankError> {
 }
 
 /// Writes `values` as little-endian f32 to `dir/name`.
-fn write_f32(dir: &Path, name: &str, values: &[f32]) -> Result<(), RankError> {
+pub(crate) fn write_f32(dir: &Path, name: &str, values: &[f32]) -> Result<(), RankError> {
     let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
     let path = dir.join(name);
     std::fs::write(&path, bytes).map_err(|source| RankError::Io { path, source })
@@ -100,7 +100,7 @@ pub fn rank_main(text: &[u8], path: &Path) -> Result<(), RankError> {
     crate::processes::run_rank_catching(&job.results, info.rank, || run(&job, &info))
 }
 
-fn seconds_between(
+pub(crate) fn seconds_between(
     start: &cudarc::driver::CudaEvent,
     end: &cudarc::driver::CudaEvent,
 ) -> Result<f64, GpuError> {

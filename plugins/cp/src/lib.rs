@@ -8,6 +8,7 @@
 mod balance;
 mod comm;
 mod decode;
+mod decode_gpu;
 mod device;
 mod gpu_rank;
 mod launch;
@@ -249,7 +250,7 @@ fn rank_problem(
 }
 
 /// The library and kernel an `attention` parameter names (`None`: builtin).
-fn attention_library(
+pub(crate) fn attention_library(
     request: &StageRequest,
     attention: &str,
 ) -> Result<Option<(std::path::PathBuf, String)>, PluginError> {
@@ -908,7 +909,7 @@ struct LinksParams {
 }
 
 /// GPUs the driver lists, or why there are none to use.
-fn gpu_count() -> Result<usize, GpuError> {
+pub(crate) fn gpu_count() -> Result<usize, GpuError> {
     attnbench_sdk::libraries::require("libcuda", "NVIDIA driver")?;
     cudarc::driver::CudaContext::device_count()
         .map(|n| n.max(0) as usize)

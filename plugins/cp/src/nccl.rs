@@ -13,7 +13,8 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView};
 use cudarc::nccl::{Comm, Id, ReduceOp};
 
-use crate::comm::{Communicator, Group};
+use crate::comm::{Communicator, Group, PointToPoint};
+use crate::local::Partial;
 use crate::device::{check, DeviceStore, DeviceValues, GpuError, Kind, Spans};
 
 /// Tag of the TCP message that carries a group's NCCL id.
@@ -299,5 +300,43 @@ impl Communicator for NcclGroup<'_> {
             .fetch_add(((n - 1) * len * 4) as u64, Ordering::Relaxed);
         check("stream wait", self.store.stream.wait(&self.landed(started)));
         mine
+    }
+}
+
+/// O and LSE go as two operations of one NCCL group: one latency per hop.
+impl PointToPoint for NcclGroup<'_> {
+    fn send_partial(&self, to: usize, _tag: u32, partial: Partial<DeviceValues>) {
+        let started = self.after_compute();
+        {
+            let (out, lse) = (view(self.store, &partial.out), view(self.store, &partial.lse));
+            let mut group = self.comm.group();
+            nccl("send", group.send(out, to as i32));
+            nccl("send", group.send(lse, to as i32));
+        }
+        self.count(&partial.out);
+        self.count(&partial.lse);
+        // The partial's buffers are freed on the compute stream when dropped here: it waits for
+        // the send first.
+        check("stream wait", self.store.stream.wait(&self.landed(started)));
+    }
+
+    fn receive_partial(
+        &self,
+        from: usize,
+        _tag: u32,
+        like: &Partial<DeviceValues>,
+    ) -> Partial<DeviceValues> {
+        let (mut out, mut lse) = (self.like(&like.out), self.like(&like.lse));
+        let started = self.after_compute();
+        {
+            let (n_out, n_lse) = (bytes(self.store, &like.out), bytes(self.store, &like.lse));
+            let out = unique(&mut out).slice_mut(0..n_out);
+            let lse = unique(&mut lse).slice_mut(0..n_lse);
+            let mut group = self.comm.group();
+            nccl("receive", group.recv(out, from as i32));
+            nccl("receive", group.recv(lse, from as i32));
+        }
+        check("stream wait", self.store.stream.wait(&self.landed(started)));
+        Partial { out, lse }
     }
 }

@@ -153,6 +153,8 @@ pub enum RankError {
     Visible { local_rank: usize, visible: String },
     #[error("dtype `f32`: GPU ranks take bf16 or fp16")]
     GpuDtype,
+    #[error("the decode batch's mask: {0}")]
+    DecodeMask(attnbench_sdk::mask::MaskError),
     /// A collective's check of what arrived (`cp/links`).
     #[error("{collective} of {bytes} bytes: rank {rank} received {got} at element {element}, expected {want}")]
     Received {
@@ -184,6 +186,7 @@ pub fn rank_main(path: &Path) -> Result<(), RankError> {
     match kind.get("kind").and_then(|k| k.as_str()) {
         Some("links") => return crate::links::rank_main(&text, path),
         Some("gpu") => return crate::gpu_rank::rank_main(&text, path),
+        Some("gpu-decode") => return crate::decode_gpu::rank_main(&text, path),
         _ => {}
     }
     let job: Job = serde_json::from_slice(&text).map_err(RankError::job(path, "a job"))?;

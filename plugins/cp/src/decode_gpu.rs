@@ -1,0 +1,337 @@
+//! `cp/decode` on GPUs (`backend: nccl`): one `attnbench-cp-rank` process per GPU. Each rank
+//! draws only its shard of every sequence's K and V (the stage's seeded stream, so the values
+//! are those of the whole batch), computes its partial O and LSE of every new token with a
+//! kernel plugin's in-process device backend (the batch's decode mask restricted to its keys,
+//! one call), and the partials combine over NCCL by the same hops as on threads
+//! ([`crate::decode::combine`]). Each repetition starts at a barrier; rank 0's time is the step's
+//! latency, since the step is done when the root holds the merged result.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use attnbench_sdk::attention::{Backend, DType};
+use attnbench_sdk::decode::{split_range, DecodeProblem};
+use attnbench_sdk::reference::{Element, UniformStream};
+use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+use cudarc::driver::CudaContext;
+use serde::{Deserialize, Serialize};
+
+use crate::comm::{Communicator, Group};
+use crate::decode::{combine, DecodeMethod, SPACE};
+use crate::device::{DeviceStore, GpuError, Kind};
+use crate::gpu_rank::{seconds_between, select_gpu, write_f32};
+use crate::launch::RankInfo;
+use crate::local::{CallCache, Partial, Problem, Tokens};
+use crate::nccl::NcclGroup;
+use crate::processes::RankError;
+
+/// Everything a GPU decode rank needs; read by `attnbench-cp-rank` (`"kind": "gpu-decode"`).
+#[derive(Serialize, Deserialize)]
+#[serde(tag = "kind", rename = "gpu-decode")]
+pub struct DecodeJob {
+    pub problem: DecodeProblem,
+    /// bf16 or fp16.
+    pub dtype: Element,
+    pub method: DecodeMethod,
+    pub seed: u64,
+    pub world: usize,
+    /// The device backend: a plugin library and its in-process kernel.
+    pub attention: (PathBuf, String),
+    /// Timed repetitions after the warm-up.
+    pub reps: usize,
+    /// Each rank writes `rank-<r>.json`, rank 0 its combined O and LSE as f32 files, here.
+    pub results: PathBuf,
+}
+
+/// What one GPU decode rank reports.
+#[derive(Serialize, Deserialize)]
+pub struct DecodeRankResult {
+    pub device: String,
+    /// Keys of the batch this rank holds.
+    pub keys: u64,
+    /// Per timed repetition: from the barrier to this rank's part done (rank 0: the merged
+    /// result; another rank: its partial handed on), and the local attention alone.
+    pub step_s: Vec<f64>,
+    pub local_s: Vec<f64>,
+    /// Bytes this rank sent in one step.
+    pub sent_bytes: u64,
+    /// Rank 0: the files of the combined O (`[heads_q][rows][head_dim]`) and LSE
+    /// (`[heads_q][rows]`), f32.
+    pub outputs: Option<(String, String)>,
+}
+
+/// Rank `rank`'s keys: its shard of every sequence, as positions among the batch's packed keys.
+pub fn shard_positions(problem: &DecodeProblem, rank: usize, world: usize) -> Vec<u32> {
+    (0..problem.batch())
+        .flat_map(|b| {
+            let start = problem.key_offset(b);
+            split_range(problem.kv_lens[b], world as u64, rank as u64)
+                .map(move |j| (start + j) as u32)
+        })
+        .collect()
+}
+
+/// Runs this process's rank of the decode job and writes its result.
+pub fn rank_main(text: &[u8], path: &Path) -> Result<(), RankError> {
+    let job: DecodeJob =
+        serde_json::from_slice(text).map_err(RankError::job(path, "a GPU decode job"))?;
+    let info = RankInfo::from_env()?;
+    select_gpu(&info)?;
+    crate::processes::run_rank_catching(&job.results, info.rank, || run(&job, &info))
+}
+
+/// K (`first` = where K starts in the stream) or V of this rank's keys, `[heads_kv][keys][d]`,
+/// drawn from the stage's stream: the values [`attnbench_sdk::decode::DecodeInputs::random`]
+/// gives the whole batch.
+fn draw_shard(
+    draws: &UniformStream,
+    problem: &DecodeProblem,
+    (rank, world): (usize, usize),
+    first: u64,
+) -> Vec<f32> {
+    let d = problem.head_dim;
+    let mut values = Vec::new();
+    for head in 0..problem.heads_kv {
+        for b in 0..problem.batch() {
+            let keys = split_range(problem.kv_lens[b], world as u64, rank as u64);
+            let at = first + (head * problem.keys() + problem.key_offset(b) + keys.start) * d;
+            values.extend(draws.fill(at, ((keys.end - keys.start) * d) as usize));
+        }
+    }
+    values
+}
+
+fn run(job: &DecodeJob, info: &RankInfo) -> Result<DecodeRankResult, RankError> {
+    attnbench_sdk::libraries::require("libcuda", "NVIDIA driver").map_err(GpuError::from)?;
+    attnbench_sdk::libraries::require("libnccl", "NCCL").map_err(GpuError::from)?;
+    if info.world != job.world {
+        return Err(RankError::World {
+            started: info.world,
+            launcher: info.source,
+            needed: job.world,
+        });
+    }
+    let input = match job.dtype {
+        Element::Bf16 => DType::Bf16,
+        Element::F16 => DType::F16,
+        Element::F32 => return Err(RankError::GpuDtype),
+    };
+    let problem = &job.problem;
+    let (rank, size) = (info.rank, job.world);
+    let mask = problem.mask().map_err(RankError::DecodeMask)?;
+
+    let world = crate::tcp::join(info)?;
+    let host = Group::new(world, (0..size).collect(), rank, SPACE);
+    let ctx = CudaContext::new(0).map_err(GpuError::driver("cannot open the rank's GPU"))?;
+    // Every stream order here is explicit (events between the compute and NCCL streams).
+    // SAFETY: no buffer exists yet.
+    unsafe { ctx.disable_event_tracking() };
+    let device = ctx.name().map_err(GpuError::driver("device name"))?;
+    let stream = |what: &str| {
+        ctx.new_stream()
+            .map_err(GpuError::driver(format!("{what} stream")))
+    };
+    let backend = Backend::open(&job.attention.0, &job.attention.1)?;
+    let store = DeviceStore::new(&ctx, stream("compute")?, backend, input)?;
+    let nccl = NcclGroup::join(&host, stream("decode")?, &store)?;
+
+    let draws = UniformStream::new(job.seed, job.dtype);
+    let (hq, hkv, d) = (
+        problem.heads_q as usize,
+        problem.heads_kv as usize,
+        problem.head_dim as usize,
+    );
+    let rows = problem.rows() as usize;
+    let q_values = (hq * rows * d) as u64;
+    let kv_values = problem.heads_kv * problem.keys() * problem.head_dim;
+    let positions = shard_positions(problem, rank, size);
+    let upload = |values: Vec<f32>| store.upload(&job.dtype.encode(&values), Kind::Input);
+    let q = Tokens {
+        positions: (0..rows as u32).collect(),
+        heads: (0..hq).collect(),
+        data: upload(draws.fill(0, q_values as usize)),
+    };
+    let kv = |first| Tokens {
+        positions: positions.clone(),
+        heads: (0..hkv).collect(),
+        data: upload(draw_shard(&draws, problem, (rank, size), first)),
+    };
+    let (k, v) = (kv(q_values), kv(q_values + kv_values));
+    let masks = [mask];
+    let mask_of_head = vec![0; hq];
+    let view = Problem {
+        masks: &masks,
+        mask_of_head: &mask_of_head,
+        group: hq / hkv,
+        head_dim: d,
+        scale: 1.0 / (d as f64).sqrt(),
+        calls: Arc::new(CallCache::default()),
+    };
+
+    let event = || {
+        store
+            .stream
+            .record_event(Some(CU_EVENT_DEFAULT))
+            .map_err(GpuError::driver("timing event"))
+    };
+    let (mut step_s, mut local_s, mut sent_bytes) = (Vec::new(), Vec::new(), 0);
+    let mut combined = None;
+    for rep in 0..=job.reps {
+        nccl.barrier();
+        let before = nccl.sent_bytes();
+        let start = event()?;
+        let mine = if positions.is_empty() {
+            Partial::empty(&store, hq, rows, d)
+        } else {
+            view.forward(&store, &q, &k, &v)?
+        };
+        let computed = event()?;
+        combined = combine(&store, &nccl, mine, job.method, d);
+        let end = event()?;
+        if rep == 0 {
+            sent_bytes = nccl.sent_bytes() - before;
+        } else {
+            step_s.push(seconds_between(&start, &end)?);
+            local_s.push(seconds_between(&start, &computed)?);
+        }
+    }
+    nccl.barrier();
+    let outputs = match combined {
+        Some(partial) => {
+            let names = ("rank-0-out.f32".to_string(), "rank-0-lse.f32".to_string());
+            write_f32(&job.results, &names.0, &store.download_f32(&partial.out))?;
+            write_f32(&job.results, &names.1, &store.download_f32(&partial.lse))?;
+            Some(names)
+        }
+        None => None,
+    };
+    Ok(DecodeRankResult {
+        device,
+        keys: positions.len() as u64,
+        step_s,
+        local_s,
+        sent_bytes,
+        outputs,
+    })
+}
+
+/// A `cp/decode` node on GPUs: what the stage hands [`measure`].
+pub struct GpuDecode<'a> {
+    pub problem: &'a DecodeProblem,
+    pub inputs: &'a attnbench_sdk::decode::DecodeInputs,
+    pub method: DecodeMethod,
+    pub world: usize,
+    pub dtype: Element,
+    pub attention: (PathBuf, String),
+    pub reps: usize,
+}
+
+fn median(values: &[f64]) -> f64 {
+    attnbench_sdk::measure::Quantiles::of(values).map_or(f64::NAN, |q| q.p50)
+}
+
+/// Starts one rank process per GPU, checks rank 0's combined output against the f64
+/// reference, and records the step: rank 0's time (the latency), the mean over ranks, the
+/// bandwidth the batch's K, V, Q and O bytes came to, and each rank's keys, times and bytes
+/// against the formula (every rank but the root sends one partial: O and LSE in f32).
+pub fn measure(
+    request: &attnbench_sdk::StageRequest,
+    cell: GpuDecode<'_>,
+) -> Result<serde_json::Value, attnbench_sdk::PluginError> {
+    use attnbench_sdk::decode::{check_step, StepCheck};
+    use attnbench_sdk::PluginError;
+    let problem = cell.problem;
+    if cell.dtype == Element::F32 {
+        return Err(PluginError::Params(
+            "dtype f32: GPU ranks take bf16 or fp16 inputs".into(),
+        ));
+    }
+    if problem.page_size.is_some() {
+        return Err(PluginError::Params(
+            "page_size: backend nccl gives each rank its shard of the cache contiguous; leave page_size at 0".into(),
+        ));
+    }
+    let gpus = crate::gpu_count().map_err(|err| PluginError::failed(err.to_string()))?;
+    if cell.world > gpus {
+        return Err(PluginError::Params(format!(
+            "world {}: one GPU per rank, and the driver lists {gpus} here; set `world` to at most {gpus}",
+            cell.world
+        )));
+    }
+    let ranks_dir = request.output_dir.join("ranks");
+    std::fs::create_dir_all(&ranks_dir).map_err(|err| PluginError::io(&ranks_dir, err))?;
+    let job = DecodeJob {
+        problem: problem.clone(),
+        dtype: cell.dtype,
+        method: cell.method,
+        seed: request.seed,
+        world: cell.world,
+        attention: cell.attention,
+        reps: cell.reps,
+        results: ranks_dir.clone(),
+    };
+    attnbench_sdk::write_json(&request.output_dir, "job.json", &job)?;
+    let failed = |err: crate::processes::LaunchError| PluginError::failed(err.to_string());
+    crate::processes::start_ranks(
+        &request.output_dir.join("job.json"),
+        cell.world,
+        &ranks_dir,
+        std::time::Duration::from_secs(1500),
+    )
+    .map_err(failed)?;
+    let results: Vec<DecodeRankResult> =
+        crate::processes::read_rank_results(&ranks_dir, cell.world).map_err(failed)?;
+    let (out_file, lse_file) = results[0].outputs.clone().ok_or_else(|| {
+        PluginError::failed("rank 0 wrote no combined output")
+    })?;
+    let out = crate::gpu_rank::read_f32(&ranks_dir, &out_file)?;
+    let lse = crate::gpu_rank::read_f32(&ranks_dir, &lse_file)?;
+    let _ = std::fs::remove_dir_all(&ranks_dir);
+    let correctness = check_step(
+        problem,
+        cell.inputs,
+        (&out, Some(&lse)),
+        StepCheck::Auto,
+        cell.dtype.tolerance(),
+    );
+
+    let root = &results[0].step_s;
+    let mean_over_ranks: Vec<f64> = (0..root.len())
+        .map(|rep| {
+            results.iter().map(|r| r.step_s.get(rep).copied().unwrap_or(0.0)).sum::<f64>()
+                / results.len() as f64
+        })
+        .collect();
+    let latency = median(root);
+    let bytes = problem.bytes(cell.dtype.bytes() as u64);
+    let partial_bytes = (problem.heads_q * problem.rows() * (problem.head_dim + 1)) * 4;
+    let sent: Vec<u64> = results.iter().map(|r| r.sent_bytes).collect();
+    let expected: Vec<u64> = (0..cell.world)
+        .map(|rank| if rank == 0 { 0 } else { partial_bytes })
+        .collect();
+    let passed = correctness["passed"] == true && sent == expected;
+    Ok(serde_json::json!({
+        "backend": "nccl",
+        "attention": format!("{}", job.attention.1),
+        "correctness": correctness,
+        "latency_us": latency * 1e6,
+        "time_s": attnbench_sdk::measure::Quantiles::of(root),
+        "mean_rank_us": median(&mean_over_ranks) * 1e6,
+        "timer": "CUDA events on each rank's compute stream from a barrier; the latency is rank 0's (the step ends when the root holds the merged result), beside the mean over ranks",
+        "bandwidth_gbs": bytes as f64 / latency / 1e9,
+        "per_gpu_gbs": bytes as f64 / latency / 1e9 / cell.world as f64,
+        "bytes_counted": "K and V read once per KV head, Q read and O written once, in the inputs' type",
+        "ranks": results.iter().map(|r| serde_json::json!({
+            "device": r.device,
+            "keys": r.keys,
+            "step_us": median(&r.step_s) * 1e6,
+            "local_us": median(&r.local_s) * 1e6,
+            "sent_bytes": r.sent_bytes,
+        })).collect::<Vec<_>>(),
+        "sent_bytes": sent,
+        "expected_sent_bytes": expected,
+        "traffic_matches": sent == expected,
+        "reps": cell.reps,
+        "passed": passed,
+    }))
+}
