@@ -233,7 +233,12 @@ impl PointToPoint for Group {
         self.send(to, tag, values);
     }
 
-    fn receive_partial(&self, from: usize, tag: u32, like: &Partial<Vec<f64>>) -> Partial<Vec<f64>> {
+    fn receive_partial(
+        &self,
+        from: usize,
+        tag: u32,
+        like: &Partial<Vec<f64>>,
+    ) -> Partial<Vec<f64>> {
         let mut out = self.take(from, tag);
         let expected = like.out.len() + like.lse.len();
         assert_eq!(

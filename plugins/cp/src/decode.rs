@@ -248,7 +248,7 @@ pub fn spec() -> StageSpec {
         .param(ParamSpec::new("method", ParamType::one_of(DecodeMethod::NAMES)).default("tree").doc("`tree`: partials combined by a binary tree (Tree Attention, ⌈log₂ world⌉ rounds); `ring`: passed along the ring, merged at each hop (world − 1 sends in a row)."))
         .param(ParamSpec::new("world", ParamType::Int).default(4).doc("Ranks, each holding a contiguous shard of every sequence's KV cache."))
         .param(ParamSpec::new("backend", ParamType::one_of(DecodeBackend::NAMES)).default("threads").doc("`threads`: ranks as threads, f64 on the CPU (exactness and traffic); `nccl`: one `attnbench-cp-rank` process per GPU, partials on `attention`'s device backend, combined over NCCL and timed with CUDA events."))
-        .param(ParamSpec::new("attention", ParamType::Backend).default("builtin").doc("`nccl`: the kernel plugin's in-process backend each rank computes its partial with, e.g. cuda/flash."))
+        .param(ParamSpec::new("attention", ParamType::Backend).default("builtin").doc("`nccl`: the kernel plugin's in-process backend each rank computes its partial with: cuda/decode (a call a sequence)."))
         .param(ParamSpec::new("reps", ParamType::Int).default(20).doc("`nccl`: timed repetitions after a warm-up, each from a barrier."))
         .param(attnbench_sdk::shapes::shape_param())
         .param(ParamSpec::new("dtype", ParamType::one_of(Element::NAMES)).default("bf16").doc("Inputs are rounded to it; bytes are counted in it."))
@@ -298,7 +298,7 @@ pub fn stage(request: &StageRequest) -> Result<Value, PluginError> {
         DecodeBackend::Nccl => {
             let attention = crate::attention_library(request, &p.attention)?.ok_or_else(|| {
                 PluginError::Params(
-                    "attention: backend nccl computes each rank's partial on a kernel plugin's in-process device backend; set it to one, e.g. cuda/flash".into(),
+                    "attention: backend nccl computes each rank's partial on a kernel plugin's in-process device backend; set it to one: cuda/decode".into(),
                 )
             })?;
             crate::decode_gpu::measure(

@@ -1,15 +1,16 @@
 //! `cp/decode` on GPUs (`backend: nccl`): one `attnbench-cp-rank` process per GPU. Each rank
 //! draws only its shard of every sequence's K and V (the stage's seeded stream, so the values
 //! are those of the whole batch), computes its partial O and LSE of every new token with a
-//! kernel plugin's in-process device backend (the batch's decode mask restricted to its keys,
-//! one call), and the partials combine over NCCL by the same hops as on threads
-//! ([`crate::decode::combine`]). Each repetition starts at a barrier; rank 0's time is the step's
+//! kernel plugin's in-process device backend (`cuda/decode`: a call a sequence, its new tokens
+//! against the rank's block of its cache), and the partials combine over NCCL by the same hops
+//! as on threads ([`crate::decode::combine`]). The rank's tensors are sequence-major (`[batch]
+//! [heads][tokens][d]`), so each sequence's block is one contiguous call and the partial of the
+//! whole batch one message. Each repetition starts at a barrier; rank 0's time is the step's
 //! latency, since the step is done when the root holds the merged result.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
-use attnbench_sdk::attention::{Backend, DType};
+use attnbench_sdk::attention::{Backend, DType, HostBlock, RowIntervals};
 use attnbench_sdk::decode::{split_range, DecodeProblem};
 use attnbench_sdk::reference::{Element, UniformStream};
 use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
@@ -18,10 +19,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::comm::{Communicator, Group};
 use crate::decode::{combine, DecodeMethod, SPACE};
-use crate::device::{DeviceStore, GpuError, Kind};
+use crate::device::{DeviceStore, DeviceValues, GpuError, Kind};
 use crate::gpu_rank::{seconds_between, select_gpu, write_f32};
 use crate::launch::RankInfo;
-use crate::local::{CallCache, Partial, Problem, Tokens};
+use crate::local::{Partial, Span, Store};
 use crate::nccl::NcclGroup;
 use crate::processes::RankError;
 
@@ -55,20 +56,9 @@ pub struct DecodeRankResult {
     pub local_s: Vec<f64>,
     /// Bytes this rank sent in one step.
     pub sent_bytes: u64,
-    /// Rank 0: the files of the combined O (`[heads_q][rows][head_dim]`) and LSE
-    /// (`[heads_q][rows]`), f32.
+    /// Rank 0: the files of the combined O (`[batch][heads_q][queries][head_dim]`) and LSE
+    /// (`[batch][heads_q][queries]`), f32.
     pub outputs: Option<(String, String)>,
-}
-
-/// Rank `rank`'s keys: its shard of every sequence, as positions among the batch's packed keys.
-pub fn shard_positions(problem: &DecodeProblem, rank: usize, world: usize) -> Vec<u32> {
-    (0..problem.batch())
-        .flat_map(|b| {
-            let start = problem.key_offset(b);
-            split_range(problem.kv_lens[b], world as u64, rank as u64)
-                .map(move |j| (start + j) as u32)
-        })
-        .collect()
 }
 
 /// Runs this process's rank of the decode job and writes its result.
@@ -80,25 +70,63 @@ pub fn rank_main(text: &[u8], path: &Path) -> Result<(), RankError> {
     crate::processes::run_rank_catching(&job.results, info.rank, || run(&job, &info))
 }
 
-/// K (`first` = where K starts in the stream) or V of this rank's keys, `[heads_kv][keys][d]`,
-/// drawn from the stage's stream: the values [`attnbench_sdk::decode::DecodeInputs::random`]
-/// gives the whole batch.
-fn draw_shard(
+/// Rank `rank`'s keys of sequence `b`.
+fn shard_of(
+    problem: &DecodeProblem,
+    b: usize,
+    (rank, world): (usize, usize),
+) -> std::ops::Range<u64> {
+    split_range(problem.kv_lens[b], world as u64, rank as u64)
+}
+
+/// Q (`[batch][heads_q][queries][d]`), or K or V of this rank's keys (`[batch][heads_kv][shard]
+/// [d]`, `first` = where the tensor starts in the stream), drawn from the stage's stream: the
+/// values [`attnbench_sdk::decode::DecodeInputs::random`] gives the whole batch.
+fn draw(
     draws: &UniformStream,
     problem: &DecodeProblem,
-    (rank, world): (usize, usize),
-    first: u64,
+    place: (usize, usize),
+    tensor: Option<u64>,
 ) -> Vec<f32> {
     let d = problem.head_dim;
     let mut values = Vec::new();
-    for head in 0..problem.heads_kv {
-        for b in 0..problem.batch() {
-            let keys = split_range(problem.kv_lens[b], world as u64, rank as u64);
-            let at = first + (head * problem.keys() + problem.key_offset(b) + keys.start) * d;
-            values.extend(draws.fill(at, ((keys.end - keys.start) * d) as usize));
+    for b in 0..problem.batch() {
+        match tensor {
+            None => {
+                for head in 0..problem.heads_q {
+                    let at = (head * problem.rows() + b as u64 * problem.queries) * d;
+                    values.extend(draws.fill(at, (problem.queries * d) as usize));
+                }
+            }
+            Some(first) => {
+                let keys = shard_of(problem, b, place);
+                for head in 0..problem.heads_kv {
+                    let at =
+                        first + (head * problem.keys() + problem.key_offset(b) + keys.start) * d;
+                    values.extend(draws.fill(at, ((keys.end - keys.start) * d) as usize));
+                }
+            }
         }
     }
     values
+}
+
+/// The keys of its block each new token of sequence `b` sees: token `i` sees the sequence's keys
+/// up to `kv_len − queries + i`.
+fn block_rows(problem: &DecodeProblem, b: usize, keys: &std::ops::Range<u64>) -> RowIntervals {
+    let (mut row_start, mut intervals) = (vec![0], Vec::new());
+    for i in 0..problem.queries {
+        let last = problem.kv_lens[b] - problem.queries + i + 1;
+        let seen = last.saturating_sub(keys.start).min(keys.end - keys.start);
+        if seen > 0 {
+            intervals.extend([0, seen as u32]);
+        }
+        row_start.push((intervals.len() / 2) as u32);
+    }
+    RowIntervals {
+        row_start,
+        intervals,
+    }
 }
 
 fn run(job: &DecodeJob, info: &RankInfo) -> Result<DecodeRankResult, RankError> {
@@ -118,7 +146,6 @@ fn run(job: &DecodeJob, info: &RankInfo) -> Result<DecodeRankResult, RankError> 
     };
     let problem = &job.problem;
     let (rank, size) = (info.rank, job.world);
-    let mask = problem.mask().map_err(RankError::DecodeMask)?;
 
     let world = crate::tcp::join(info)?;
     let host = Group::new(world, (0..size).collect(), rank, SPACE);
@@ -141,31 +168,53 @@ fn run(job: &DecodeJob, info: &RankInfo) -> Result<DecodeRankResult, RankError> 
         problem.heads_kv as usize,
         problem.head_dim as usize,
     );
-    let rows = problem.rows() as usize;
-    let q_values = (hq * rows * d) as u64;
+    let (place, queries) = ((rank, size), problem.queries as usize);
+    let q_values = problem.heads_q * problem.rows() * problem.head_dim;
     let kv_values = problem.heads_kv * problem.keys() * problem.head_dim;
-    let positions = shard_positions(problem, rank, size);
     let upload = |values: Vec<f32>| store.upload(&job.dtype.encode(&values), Kind::Input);
-    let q = Tokens {
-        positions: (0..rows as u32).collect(),
-        heads: (0..hq).collect(),
-        data: upload(draws.fill(0, q_values as usize)),
-    };
-    let kv = |first| Tokens {
-        positions: positions.clone(),
-        heads: (0..hkv).collect(),
-        data: upload(draw_shard(&draws, problem, (rank, size), first)),
-    };
-    let (k, v) = (kv(q_values), kv(q_values + kv_values));
-    let masks = [mask];
-    let mask_of_head = vec![0; hq];
-    let view = Problem {
-        masks: &masks,
-        mask_of_head: &mask_of_head,
-        group: hq / hkv,
-        head_dim: d,
-        scale: 1.0 / (d as f64).sqrt(),
-        calls: Arc::new(CallCache::default()),
+    let q = upload(draw(&draws, problem, place, None));
+    let k = upload(draw(&draws, problem, place, Some(q_values)));
+    let v = upload(draw(&draws, problem, place, Some(q_values + kv_values)));
+    let kv_head_of: Vec<u32> = (0..hq).map(|h| (h / (hq / hkv)) as u32).collect();
+    // Each sequence's block: its keys here, its rows' masks, where it lies in Q, K/V, O and LSE.
+    let mut blocks = Vec::new();
+    let mut key_at = 0;
+    for b in 0..problem.batch() {
+        let keys = shard_of(problem, b, place);
+        let len = (keys.end - keys.start) as usize;
+        let rows_at = b * hq * queries;
+        if len > 0 {
+            let span = Span {
+                rows: rows_at * d..(rows_at + hq * queries) * d,
+                keys: key_at * d..(key_at + hkv * len) * d,
+                lse: rows_at..rows_at + hq * queries,
+            };
+            blocks.push((len, block_rows(problem, b, &keys), span));
+        }
+        key_at += hkv * len;
+    }
+    let scale = 1.0 / (d as f64).sqrt();
+    let local = || -> Result<Partial<DeviceValues>, RankError> {
+        let mut partial = Partial::empty(&store, hq, problem.rows() as usize, d);
+        for (len, rows, span) in &blocks {
+            let block = HostBlock {
+                head_dim: d,
+                q_len: queries,
+                k_len: *len,
+                scale,
+                kv_head_of: &kv_head_of,
+                heads_kv: hkv,
+                rows,
+            };
+            store.forward(
+                &block,
+                span,
+                (&q, &k, &v),
+                &mut partial.out,
+                &mut partial.lse,
+            )?;
+        }
+        Ok(partial)
     };
 
     let event = || {
@@ -180,11 +229,7 @@ fn run(job: &DecodeJob, info: &RankInfo) -> Result<DecodeRankResult, RankError> 
         nccl.barrier();
         let before = nccl.sent_bytes();
         let start = event()?;
-        let mine = if positions.is_empty() {
-            Partial::empty(&store, hq, rows, d)
-        } else {
-            view.forward(&store, &q, &k, &v)?
-        };
+        let mine = local()?;
         let computed = event()?;
         combined = combine(&store, &nccl, mine, job.method, d);
         let end = event()?;
@@ -207,12 +252,38 @@ fn run(job: &DecodeJob, info: &RankInfo) -> Result<DecodeRankResult, RankError> 
     };
     Ok(DecodeRankResult {
         device,
-        keys: positions.len() as u64,
+        keys: (0..problem.batch())
+            .map(|b| shard_of(problem, b, place))
+            .map(|r| r.end - r.start)
+            .sum(),
         step_s,
         local_s,
         sent_bytes,
         outputs,
     })
+}
+
+/// The ranks' sequence-major O and LSE (`[batch][heads_q][queries]`) in the reference's order,
+/// `[heads_q][rows]` with row `b · queries + i`.
+fn heads_major(problem: &DecodeProblem, out: &[f32], lse: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let (hq, queries, d) = (
+        problem.heads_q as usize,
+        problem.queries as usize,
+        problem.head_dim as usize,
+    );
+    let rows = problem.rows() as usize;
+    let (mut o, mut l) = (vec![0f32; out.len()], vec![0f32; lse.len()]);
+    for b in 0..problem.batch() {
+        for h in 0..hq {
+            for i in 0..queries {
+                let from = (b * hq + h) * queries + i;
+                let to = h * rows + b * queries + i;
+                l[to] = lse[from];
+                o[to * d..(to + 1) * d].copy_from_slice(&out[from * d..(from + 1) * d]);
+            }
+        }
+    }
+    (o, l)
 }
 
 /// A `cp/decode` node on GPUs: what the stage hands [`measure`].
@@ -281,11 +352,15 @@ pub fn measure(
     .map_err(failed)?;
     let results: Vec<DecodeRankResult> =
         crate::processes::read_rank_results(&ranks_dir, cell.world).map_err(failed)?;
-    let (out_file, lse_file) = results[0].outputs.clone().ok_or_else(|| {
-        PluginError::failed("rank 0 wrote no combined output")
-    })?;
-    let out = crate::gpu_rank::read_f32(&ranks_dir, &out_file)?;
-    let lse = crate::gpu_rank::read_f32(&ranks_dir, &lse_file)?;
+    let (out_file, lse_file) = results[0]
+        .outputs
+        .clone()
+        .ok_or_else(|| PluginError::failed("rank 0 wrote no combined output"))?;
+    let (out, lse) = heads_major(
+        problem,
+        &crate::gpu_rank::read_f32(&ranks_dir, &out_file)?,
+        &crate::gpu_rank::read_f32(&ranks_dir, &lse_file)?,
+    );
     let _ = std::fs::remove_dir_all(&ranks_dir);
     let correctness = check_step(
         problem,
@@ -298,7 +373,10 @@ pub fn measure(
     let root = &results[0].step_s;
     let mean_over_ranks: Vec<f64> = (0..root.len())
         .map(|rep| {
-            results.iter().map(|r| r.step_s.get(rep).copied().unwrap_or(0.0)).sum::<f64>()
+            results
+                .iter()
+                .map(|r| r.step_s.get(rep).copied().unwrap_or(0.0))
+                .sum::<f64>()
                 / results.len() as f64
         })
         .collect();
@@ -335,3 +413,7 @@ pub fn measure(
         "passed": passed,
     }))
 }
+
+#[cfg(test)]
+#[path = "decode_gpu_tests.rs"]
+mod tests;

@@ -14,8 +14,8 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView};
 use cudarc::nccl::{Comm, Id, ReduceOp};
 
 use crate::comm::{Communicator, Group, PointToPoint};
-use crate::local::Partial;
 use crate::device::{check, DeviceStore, DeviceValues, GpuError, Kind, Spans};
+use crate::local::Partial;
 
 /// Tag of the TCP message that carries a group's NCCL id.
 const NCCL_ID: u32 = 0xfffe;
@@ -308,7 +308,10 @@ impl PointToPoint for NcclGroup<'_> {
     fn send_partial(&self, to: usize, _tag: u32, partial: Partial<DeviceValues>) {
         let started = self.after_compute();
         {
-            let (out, lse) = (view(self.store, &partial.out), view(self.store, &partial.lse));
+            let (out, lse) = (
+                view(self.store, &partial.out),
+                view(self.store, &partial.lse),
+            );
             let mut group = self.comm.group();
             nccl("send", group.send(out, to as i32));
             nccl("send", group.send(lse, to as i32));

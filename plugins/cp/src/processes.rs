@@ -153,8 +153,6 @@ pub enum RankError {
     Visible { local_rank: usize, visible: String },
     #[error("dtype `f32`: GPU ranks take bf16 or fp16")]
     GpuDtype,
-    #[error("the decode batch's mask: {0}")]
-    DecodeMask(attnbench_sdk::mask::MaskError),
     /// A collective's check of what arrived (`cp/links`).
     #[error("{collective} of {bytes} bytes: rank {rank} received {got} at element {element}, expected {want}")]
     Received {

@@ -8,7 +8,9 @@
 // Q and O: [heads_q][rows][D] with rows = queries · batch (sequence b's token i at b·queries + i);
 // packed K and V: [heads_kv][keys][D] at key_offsets[b]; paged: [slots][heads_kv][D], sequence
 // b's token t in slot pages[page_offsets[b] + t / page_size] · page_size + t % page_size.
-// Sequence b's new token i sees keys 0 ..= kv_lens[b] − queries + i.
+// Sequence b's new token i sees keys 0 ..= kv_lens[b] + keys_after − queries + i: keys_after is 0
+// for a whole cache, and for a block of one (a context-parallel rank's shard) the keys of the
+// sequence after the block, which the new tokens see too.
 //
 // Launch: grid (splits / WARPS, heads_kv · row_tiles, batch), WARPS · 32 threads, `splits` (the
 // total, a multiple of WARPS) in DecodeArgs; dynamic shared memory, set as the function's maximum
@@ -42,7 +44,7 @@ struct DecodeArgs {
     unsigned batch, heads_kv, group, queries, splits, row_tiles, rows, page_size;
     unsigned long long keys;
     float scale_log2;
-    unsigned pad;
+    unsigned keys_after;
 };
 static_assert(sizeof(DecodeArgs) == 136, "DecodeArgs must match decode.rs");
 
@@ -187,7 +189,9 @@ __device__ void decode_split(const DecodeArgs a) {
 #pragma unroll
         for (unsigned h = 0; h < 2; ++h) {
             const unsigned r = first_row + m * 16 + h * 8 + g;
-            limit[m][h] = min(end, kv_len - a.queries + r % a.queries + 1);
+            // Signed: a block shorter than the new tokens leaves early rows no key at all.
+            const long long last = (long long)kv_len + a.keys_after - a.queries + r % a.queries + 1;
+            limit[m][h] = (unsigned)max(0LL, min((long long)end, last));
             high[m][h] = NEG_INF;
             total[m][h] = 0.0f;
         }
@@ -308,8 +312,8 @@ __device__ void decode_split(const DecodeArgs a) {
 }
 
 // One block per (row of the group, KV head, sequence), D threads: the splits' partials folded
-// by their LSE into O (in the inputs' type) and the LSE.
-template <int E, int D>
+// by their LSE into O (in the inputs' type, or f32 for a caller that merges further) and the LSE.
+template <int E, int D, bool F32_OUT>
 __device__ void decode_merge(const DecodeArgs a) {
     const unsigned j = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z, c = threadIdx.x;
     const unsigned group_rows = a.group * a.queries;
@@ -328,7 +332,11 @@ __device__ void decode_merge(const DecodeArgs a) {
     unsigned head = kv_head * a.group + j / a.queries;
     unsigned row = b * a.queries + j % a.queries;
     size_t at = (size_t)head * a.rows + row;
-    a.out[at * D + c] = store<E>(total > 0.0f ? value / total : 0.0f);
+    const float o = total > 0.0f ? value / total : 0.0f;
+    if (F32_OUT)
+        ((float*)a.out)[at * D + c] = o;
+    else
+        a.out[at * D + c] = store<E>(o);
     if (c == 0) a.lse[at] = total > 0.0f ? top + logf(total) : NEG_INF;
 }
 
@@ -339,7 +347,8 @@ __device__ void decode_merge(const DecodeArgs a) {
 #define INSTANTIATE(E, D, NAME) \
     SPLIT(E, D, 1, NAME)        \
     SPLIT(E, D, 2, NAME)        \
-    extern "C" __global__ void decode_merge_##NAME##_##D(const DecodeArgs a) { decode_merge<E, D>(a); }
+    extern "C" __global__ void decode_merge_##NAME##_##D(const DecodeArgs a) { decode_merge<E, D, false>(a); } \
+    extern "C" __global__ void decode_merge_f32_##NAME##_##D(const DecodeArgs a) { decode_merge<E, D, true>(a); }
 INSTANTIATE(1, 64, bf16)
 INSTANTIATE(1, 128, bf16)
 INSTANTIATE(2, 64, fp16)

@@ -26,7 +26,7 @@ const SOURCE: &str = include_str!("../kernels/decode.cu");
 /// m16 tiles of query rows one block of the split kernel takes (its `MT`): one when the KV head's
 /// group of rows fits 16 (GQA 8 with one or two new tokens), else two, so few rows do not pay
 /// for 32.
-fn m_tiles(group_rows: u64) -> u64 {
+pub(crate) fn m_tiles(group_rows: u64) -> u64 {
     if group_rows <= 16 {
         1
     } else {
@@ -51,7 +51,7 @@ const MERGE_SHARE: u64 = 32;
 
 /// Dynamic shared memory of a split block: Q's rows and each warp's ring of K and V tiles, rows
 /// padded by 8 values (decode.cu's formula).
-fn shared_bytes(head_dim: u64, m_tiles: u64) -> u64 {
+pub(crate) fn shared_bytes(head_dim: u64, m_tiles: u64) -> u64 {
     2 * (head_dim + 8) * (16 * m_tiles + 2 * WARPS * STAGES * TILE)
 }
 /// Split blocks that fit an SM of `sm_bytes` shared memory at once, 1 KB of it reserved per
@@ -64,29 +64,30 @@ fn resident_blocks(head_dim: u64, m_tiles: u64, sm_bytes: u64) -> u64 {
 /// both sides).
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct DecodeArgs {
-    q: u64,
-    k: u64,
-    v: u64,
-    part_out: u64,
-    part_lse: u64,
-    out: u64,
-    lse: u64,
-    kv_lens: u64,
-    key_offsets: u64,
-    page_offsets: u64,
-    pages: u64,
-    batch: u32,
-    heads_kv: u32,
-    group: u32,
-    queries: u32,
-    splits: u32,
-    row_tiles: u32,
-    rows: u32,
-    page_size: u32,
-    keys: u64,
-    scale_log2: f32,
-    pad: u32,
+pub(crate) struct DecodeArgs {
+    pub(crate) q: u64,
+    pub(crate) k: u64,
+    pub(crate) v: u64,
+    pub(crate) part_out: u64,
+    pub(crate) part_lse: u64,
+    pub(crate) out: u64,
+    pub(crate) lse: u64,
+    pub(crate) kv_lens: u64,
+    pub(crate) key_offsets: u64,
+    pub(crate) page_offsets: u64,
+    pub(crate) pages: u64,
+    pub(crate) batch: u32,
+    pub(crate) heads_kv: u32,
+    pub(crate) group: u32,
+    pub(crate) queries: u32,
+    pub(crate) splits: u32,
+    pub(crate) row_tiles: u32,
+    pub(crate) rows: u32,
+    pub(crate) page_size: u32,
+    pub(crate) keys: u64,
+    pub(crate) scale_log2: f32,
+    /// Keys of the sequence past those given, which its new tokens see too (0: a whole cache).
+    pub(crate) keys_after: u32,
 }
 const _: () = assert!(std::mem::size_of::<DecodeArgs>() == 136);
 // SAFETY: plain `#[repr(C)]` data of the layout the kernels read; its addresses are device
@@ -246,7 +247,7 @@ fn upload(
         page_size: problem.page_size.unwrap_or(0) as u32,
         keys: problem.keys(),
         scale_log2: std::f32::consts::LOG2_E / (d as f32).sqrt(),
-        pad: 0,
+        keys_after: 0,
     };
     Ok(Device {
         _buffers: vec![q, k, v],
@@ -261,7 +262,7 @@ fn upload(
 
 /// The kernels' names for an element type and head dim (`decode_split_bf16_128`, …), or why
 /// there are none.
-fn variant(element: Element, head_dim: u64) -> Result<String, String> {
+pub(crate) fn variant(element: Element, head_dim: u64) -> Result<String, String> {
     match (element, head_dim) {
         (Element::Bf16 | Element::F16, 64 | 128) => Ok(format!("{element}_{head_dim}")),
         _ => Err(format!(
@@ -272,7 +273,7 @@ fn variant(element: Element, head_dim: u64) -> Result<String, String> {
 
 /// The two kernels of one variant, found once before any launch (so the timed region holds
 /// launches only), with the split kernel's shared memory and the merge's block width.
-struct Step {
+pub(crate) struct Step {
     split: CudaFunction,
     merge: CudaFunction,
     shared_bytes: u32,
@@ -280,11 +281,13 @@ struct Step {
 }
 
 impl Step {
-    fn find(
+    /// `f32_out`: the merge that writes O in f32 (for a caller that merges further).
+    pub(crate) fn find(
         kernels: &Kernels,
         name: &str,
         head_dim: u64,
         m_tiles: u64,
+        f32_out: bool,
     ) -> Result<Step, PluginError> {
         let load = |function: String| {
             kernels
@@ -298,7 +301,10 @@ impl Step {
                 load(format!("decode_split_{name}_m{m_tiles}"))?,
                 shared_bytes,
             )?,
-            merge: load(format!("decode_merge_{name}"))?,
+            merge: load(format!(
+                "decode_merge_{}{name}",
+                if f32_out { "f32_" } else { "" }
+            ))?,
             shared_bytes,
             head_dim: head_dim as u32,
         })
@@ -306,7 +312,7 @@ impl Step {
 }
 
 /// One step: the split kernel (a block a [`WARPS`] splits), then the merge.
-fn launch(gpu: &Gpu, step: &Step, args: &DecodeArgs) -> Result<(), PluginError> {
+pub(crate) fn launch(gpu: &Gpu, step: &Step, args: &DecodeArgs) -> Result<(), PluginError> {
     let split_grid = LaunchConfig {
         grid_dim: (
             args.splits / WARPS as u32,
@@ -406,7 +412,7 @@ pub fn run(gpu: &mut Gpu, kernels: &Kernels, request: &StageRequest) -> Result<V
             "kv_len: a sequence of {long} KV tokens is beyond the decode kernel's 31-bit token indices"
         )));
     }
-    let step = Step::find(kernels, &name, problem.head_dim, tiles)?;
+    let step = Step::find(kernels, &name, problem.head_dim, tiles, false)?;
     let inputs = DecodeInputs::random(&problem, request.seed, p.dtype);
     let device = upload(gpu, &problem, &inputs, p.dtype, splits, request.seed)?;
     let correctness = if p.step.check == StepCheck::Off {

@@ -1300,7 +1300,7 @@ pub fn attend(
 }
 
 /// Makes `later` wait for the work queued on `earlier` so far (an event between them).
-fn follow(
+pub(crate) fn follow(
     earlier: cudarc::driver::sys::CUstream,
     later: cudarc::driver::sys::CUstream,
 ) -> Result<(), cudarc::driver::DriverError> {

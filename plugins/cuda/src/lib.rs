@@ -8,6 +8,7 @@
 
 mod backend_check;
 mod decode;
+mod decode_backend;
 mod flash;
 mod gpu;
 mod kernel_bench;
@@ -38,6 +39,8 @@ struct State {
     naive: Option<naive::Kernels>,
     flash: Option<flash::Kernels>,
     decode: Option<decode::Kernels>,
+    /// The in-process `decode` backend's prepared call shapes.
+    decode_shapes: decode_backend::Shapes,
 }
 
 static STATE: Mutex<Option<State>> = Mutex::new(None);
@@ -52,6 +55,7 @@ fn with_gpu<T>(work: impl FnOnce(&mut State) -> Result<T, PluginError>) -> Resul
             naive: None,
             flash: None,
             decode: None,
+            decode_shapes: decode_backend::Shapes::default(),
         });
     }
     work(guard.as_mut().expect("initialised above"))
@@ -120,29 +124,44 @@ impl Plugin for Cuda {
             )
             .stage(decode::spec())
             .attention_kernel("flash")
+            .attention_kernel("decode")
     }
 
     /// `flash`: one block of a context-parallel method on the caller's device pointers and
-    /// stream (bf16/fp16 in, f32 out; see `flash::attend`).
+    /// stream (bf16/fp16 in, f32 out; see `flash::attend`). `decode`: one sequence's new tokens
+    /// against a block of its cache (see `decode_backend`).
     fn attention(kernel: &str, call: &AttentionCall<'_>) -> Result<(), AttentionError> {
-        if kernel != "flash" {
-            return Err(AttentionError::UnknownKernel {
-                kernel: kernel.to_string(),
-                offered: "the cuda plugin offers `flash`".into(),
-            });
+        match kernel {
+            "flash" => {
+                flash::accepts(call)?;
+                // The GPU's own failures (no device, compilation) are the outer error; the call's the inner.
+                with_gpu(|state| {
+                    let kernels = match state.flash.take() {
+                        Some(kernels) => kernels,
+                        None => flash::compile(&state.gpu)?,
+                    };
+                    let result = flash::attend(&state.gpu, &kernels, call);
+                    state.flash = Some(kernels);
+                    Ok(result)
+                })
+                .map_err(|err| AttentionError::Failed(err.to_string()))?
+            }
+            "decode" => with_gpu(|state| {
+                let kernels = match state.decode.take() {
+                    Some(kernels) => kernels,
+                    None => decode::compile(&state.gpu)?,
+                };
+                let result =
+                    decode_backend::attend(&state.gpu, &kernels, &state.decode_shapes, call);
+                state.decode = Some(kernels);
+                Ok(result)
+            })
+            .map_err(|err| AttentionError::Failed(err.to_string()))?,
+            other => Err(AttentionError::UnknownKernel {
+                kernel: other.to_string(),
+                offered: "the cuda plugin offers `flash` and `decode`".into(),
+            }),
         }
-        flash::accepts(call)?;
-        // The GPU's own failures (no device, compilation) are the outer error; the call's the inner.
-        with_gpu(|state| {
-            let kernels = match state.flash.take() {
-                Some(kernels) => kernels,
-                None => flash::compile(&state.gpu)?,
-            };
-            let result = flash::attend(&state.gpu, &kernels, call);
-            state.flash = Some(kernels);
-            Ok(result)
-        })
-        .map_err(|err| AttentionError::Failed(err.to_string()))?
     }
 
     fn run(stage: &str, request: StageRequest, host: &Host) -> Result<Value, PluginError> {
