@@ -9,6 +9,7 @@
 mod backend_check;
 mod decode;
 mod decode_backend;
+mod decode_backend_check;
 mod flash;
 mod gpu;
 mod kernel_bench;
@@ -122,6 +123,19 @@ impl Plugin for Cuda {
                     .isolation(Isolation::Worker)
                     .cache_scope(CacheScope::Machine),
             )
+            .stage(
+                StageSpec::new("decode-backend-check")
+                    .doc("Checks the in-process `decode` backend (what cp/decode's GPU ranks call) against the host's f64 block on the blocks decoding across ranks makes of one sequence: its whole cache, an early shard, a middle one and a last one shorter than the new tokens.")
+                    .param(ParamSpec::new("heads_q", ParamType::Int).default(16))
+                    .param(ParamSpec::new("heads_kv", ParamType::Int).default(2))
+                    .param(ParamSpec::new("head_dim", ParamType::Int).default(128))
+                    .param(ParamSpec::new("dtype", Element::param_type(&[Element::Bf16, Element::F16])).default("bf16"))
+                    .param(ParamSpec::new("queries", ParamType::Int).default(4).doc("New tokens of the sequence."))
+                    .param(ParamSpec::new("kv_len", ParamType::Int).default(1000).doc("Keys of the sequence, the new tokens' included."))
+                    .isolation(Isolation::Worker)
+                    .needs_gpu()
+                    .cache_scope(CacheScope::Machine),
+            )
             .stage(decode::spec())
             .attention_kernel("flash")
             .attention_kernel("decode")
@@ -183,6 +197,7 @@ impl Plugin for Cuda {
             "gemm" => gemm(&request),
             "benchmark" => benchmark(&request, host),
             "backend-check" => backend_check::run(&request),
+            "decode-backend-check" => decode_backend_check::run(&request),
             "decode" => with_gpu(|state| {
                 let kernels = match state.decode.take() {
                     Some(kernels) => kernels,
@@ -194,7 +209,8 @@ impl Plugin for Cuda {
             }),
             other => Err(PluginError::UnknownStage {
                 stage: other.into(),
-                known: "devices, gemm, benchmark, backend-check, decode".into(),
+                known: "devices, gemm, benchmark, backend-check, decode-backend-check, decode"
+                    .into(),
             }),
         }
     }

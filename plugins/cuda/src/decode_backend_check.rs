@@ -1,0 +1,142 @@
+//! `cuda/decode-backend-check`: the in-process decode backend on the GPU against the host's f64
+//! block (`HostBlock`), on the blocks decoding across ranks makes of one sequence: its whole cache,
+//! an early shard its new tokens see whole, a middle one they see all but the end of, and a last
+//! shard shorter than the new tokens — through the same entry point the ABI calls.
+
+use std::ffi::c_void;
+
+use attnbench_sdk::attention::{DType, HostBlock, Memory, RowIntervals};
+use attnbench_sdk::reference::{relative_error, Element, UniformStream};
+use attnbench_sdk::{Plugin, PluginError, StageRequest};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::{with_gpu, Cuda};
+
+#[derive(Deserialize)]
+struct Params {
+    heads_q: usize,
+    heads_kv: usize,
+    head_dim: usize,
+    dtype: Element,
+    queries: usize,
+    kv_len: usize,
+}
+
+/// Rows of a block of keys `start..end` of a sequence of `kv_len` keys whose last `queries`
+/// tokens are new: token `i` sees the keys up to `kv_len − queries + i`.
+fn decode_rows(kv_len: usize, queries: usize, (start, end): (usize, usize)) -> RowIntervals {
+    let (mut row_start, mut intervals) = (vec![0], Vec::new());
+    for i in 0..queries {
+        let seen = (kv_len - queries + i + 1)
+            .saturating_sub(start)
+            .min(end - start);
+        if seen > 0 {
+            intervals.extend([0, seen as u32]);
+        }
+        row_start.push((intervals.len() / 2) as u32);
+    }
+    RowIntervals {
+        row_start,
+        intervals,
+    }
+}
+
+pub fn run(request: &StageRequest) -> Result<Value, PluginError> {
+    let p: Params = request.params()?;
+    let (n, q) = (p.kv_len, p.queries);
+    if q == 0 || n < 3 * q + 8 || p.heads_kv == 0 || !p.heads_q.is_multiple_of(p.heads_kv) {
+        return Err(PluginError::Params(format!(
+            "kv_len {n}, queries {q}, heads {}:{}: expected at least one new token, kv_len of at least 3 · queries + 8, heads_q a multiple of heads_kv",
+            p.heads_q, p.heads_kv
+        )));
+    }
+    let blocks = [
+        ("whole cache", (0, n)),
+        ("early shard, seen whole", (0, n / 3)),
+        (
+            "middle shard, its end unseen by the first tokens",
+            (n / 3, n - q + 2),
+        ),
+        ("last shard, shorter than the new tokens", (n - q + 2, n)),
+    ];
+    let tolerance = p.dtype.tolerance();
+    let mut report = Vec::new();
+    let mut failures = Vec::new();
+    for (name, range) in blocks {
+        let rows = decode_rows(n, q, range);
+        let errors = check_block(&p, &rows, range.1 - range.0, request.seed)?;
+        let passed = errors.iter().all(|(_, e)| *e <= tolerance);
+        if !passed {
+            failures.push(format!("{name}: {errors:?}"));
+        }
+        report.push(json!({"block": name, "keys": range, "errors": errors, "passed": passed}));
+    }
+    if !failures.is_empty() {
+        return Err(PluginError::failed(format!(
+            "the decode backend differs from the f64 block beyond {tolerance}: {}",
+            failures.join("; ")
+        )));
+    }
+    Ok(json!({"kernel": "decode", "dtype": p.dtype, "tolerance": tolerance, "blocks": report}))
+}
+
+/// Runs one block on the GPU through the entry point and returns O's and the LSE's relative
+/// errors against the f64 block.
+fn check_block(
+    p: &Params,
+    rows: &RowIntervals,
+    keys: usize,
+    seed: u64,
+) -> Result<Vec<(&'static str, f64)>, PluginError> {
+    let d = p.head_dim;
+    let draws = UniformStream::new(seed, p.dtype);
+    let (q_n, kv_n) = (p.heads_q * p.queries * d, p.heads_kv * keys * d);
+    let (q, k, v) = (
+        draws.fill(0, q_n),
+        draws.fill(q_n as u64, kv_n),
+        draws.fill((q_n + kv_n) as u64, kv_n),
+    );
+    let upload =
+        |data: &[f32]| with_gpu(|state| state.gpu.upload("block input", &p.dtype.encode(data)));
+    let zeros = |len: usize| with_gpu(|state| state.gpu.alloc::<f32>("block output", len));
+    let (q_dev, k_dev, v_dev) = (upload(&q)?, upload(&k)?, upload(&v)?);
+    let (out, lse) = (zeros(q_n)?, zeros(p.heads_q * p.queries)?);
+    let stream = with_gpu(|state| Ok(state.gpu.stream.clone()))?;
+    let kv_head_of: Vec<u32> = (0..p.heads_q)
+        .map(|h| (h / (p.heads_q / p.heads_kv)) as u32)
+        .collect();
+    let block = HostBlock {
+        head_dim: d,
+        q_len: p.queries,
+        k_len: keys,
+        scale: 1.0 / (d as f64).sqrt(),
+        kv_head_of: &kv_head_of,
+        heads_kv: p.heads_kv,
+        rows,
+    };
+    let input = if p.dtype == Element::F16 {
+        DType::F16
+    } else {
+        DType::Bf16
+    };
+    let mut call = block.call(Memory::Cuda, (input, DType::F32), false);
+    call.q = q_dev.address(&stream) as *const c_void;
+    call.k = k_dev.address(&stream) as *const c_void;
+    call.v = v_dev.address(&stream) as *const c_void;
+    call.out = out.address(&stream) as *mut c_void;
+    call.lse = lse.address(&stream) as *mut c_void;
+    call.stream = stream.cu_stream() as *mut c_void;
+    Cuda::attention("decode", &call).map_err(|err| PluginError::Failed(err.to_string()))?;
+    let got_out = with_gpu(|state| state.gpu.download(&out))?;
+    let got_lse = with_gpu(|state| state.gpu.download(&lse))?;
+
+    let wide = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<f64>>();
+    let (mut o, mut l) = (vec![0.0; q_n], vec![0.0; p.heads_q * p.queries]);
+    block.forward(&wide(&q), &wide(&k), &wide(&v), &mut o, &mut l);
+    let narrow = |x: &[f64]| x.iter().map(|&v| v as f32).collect::<Vec<f32>>();
+    Ok(vec![
+        ("out", relative_error(&got_out, &narrow(&o))),
+        ("lse", relative_error(&got_lse, &narrow(&l))),
+    ])
+}
