@@ -10,6 +10,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::attention::RowIntervals;
 use crate::mask::{Mask, MaskError, Slice, SliceKind};
 use crate::rng::PyRandom;
 
@@ -448,6 +449,27 @@ pub fn split_kv(problem: &DecodeProblem, inputs: &DecodeInputs, splits: u64) -> 
         done.merge(&part, problem.head_dim as usize);
     }
     done
+}
+
+/// What a sequence's new tokens see of a block `keys` of its cache of `kv_len` keys (a
+/// context-parallel rank's shard, or the whole cache), in the block's own coordinates: new token
+/// `i` sees the sequence's keys up to `kv_len − queries + i`, so a row sees a prefix of the block,
+/// empty where the block begins past its last key.
+pub fn block_rows(kv_len: u64, queries: u64, keys: std::ops::Range<u64>) -> RowIntervals {
+    let (mut row_start, mut intervals) = (vec![0], Vec::new());
+    for i in 0..queries {
+        let seen = (kv_len - queries + i + 1)
+            .saturating_sub(keys.start)
+            .min(keys.end - keys.start);
+        if seen > 0 {
+            intervals.extend([0, seen as u32]);
+        }
+        row_start.push((intervals.len() / 2) as u32);
+    }
+    RowIntervals {
+        row_start,
+        intervals,
+    }
 }
 
 #[cfg(test)]

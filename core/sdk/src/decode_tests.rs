@@ -182,3 +182,20 @@ fn stepped_batches_mix_long_and_short_caches() {
         Err(DecodeError::EmptyCache)
     );
 }
+
+#[test]
+fn new_tokens_see_their_causal_prefix_of_each_block() {
+    // 5 keys, the last 3 new (keys 2, 3, 4).
+    let ends = |keys: std::ops::Range<u64>| {
+        let rows = block_rows(5, 3, keys);
+        (0..3)
+            .map(|r| {
+                let span = rows.row_start[r] as usize..rows.row_start[r + 1] as usize;
+                rows.intervals[2 * span.start..2 * span.end].to_vec()
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(ends(0..5), [vec![0, 3], vec![0, 4], vec![0, 5]]);
+    assert_eq!(ends(0..2), [vec![0, 2], vec![0, 2], vec![0, 2]]);
+    assert_eq!(ends(3..5), [vec![], vec![0, 1], vec![0, 2]]);
+}

@@ -10,17 +10,18 @@
 
 use std::path::{Path, PathBuf};
 
-use attnbench_sdk::attention::{Backend, DType, HostBlock, RowIntervals};
-use attnbench_sdk::decode::{split_range, DecodeProblem};
+use attnbench_sdk::attention::HostBlock;
+use attnbench_sdk::decode::{block_rows, split_range, DecodeProblem};
 use attnbench_sdk::reference::{Element, UniformStream};
 use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
-use cudarc::driver::CudaContext;
 use serde::{Deserialize, Serialize};
 
 use crate::comm::{Communicator, Group};
 use crate::decode::{combine, DecodeMethod, SPACE};
-use crate::device::{DeviceStore, DeviceValues, GpuError, Kind};
-use crate::gpu_rank::{seconds_between, select_gpu, write_f32};
+use crate::device::{DeviceValues, GpuError, Kind};
+use crate::gpu_rank::{
+    gpu_input, require_libraries, seconds_between, select_gpu, write_f32, RankGpu,
+};
 use crate::launch::RankInfo;
 use crate::local::{Partial, Span, Store};
 use crate::nccl::NcclGroup;
@@ -111,27 +112,8 @@ fn draw(
     values
 }
 
-/// The keys of its block each new token of sequence `b` sees: token `i` sees the sequence's keys
-/// up to `kv_len − queries + i`.
-fn block_rows(problem: &DecodeProblem, b: usize, keys: &std::ops::Range<u64>) -> RowIntervals {
-    let (mut row_start, mut intervals) = (vec![0], Vec::new());
-    for i in 0..problem.queries {
-        let last = problem.kv_lens[b] - problem.queries + i + 1;
-        let seen = last.saturating_sub(keys.start).min(keys.end - keys.start);
-        if seen > 0 {
-            intervals.extend([0, seen as u32]);
-        }
-        row_start.push((intervals.len() / 2) as u32);
-    }
-    RowIntervals {
-        row_start,
-        intervals,
-    }
-}
-
 fn run(job: &DecodeJob, info: &RankInfo) -> Result<DecodeRankResult, RankError> {
-    attnbench_sdk::libraries::require("libcuda", "NVIDIA driver").map_err(GpuError::from)?;
-    attnbench_sdk::libraries::require("libnccl", "NCCL").map_err(GpuError::from)?;
+    require_libraries()?;
     if info.world != job.world {
         return Err(RankError::World {
             started: info.world,
@@ -139,28 +121,15 @@ fn run(job: &DecodeJob, info: &RankInfo) -> Result<DecodeRankResult, RankError> 
             needed: job.world,
         });
     }
-    let input = match job.dtype {
-        Element::Bf16 => DType::Bf16,
-        Element::F16 => DType::F16,
-        Element::F32 => return Err(RankError::GpuDtype),
-    };
+    gpu_input(job.dtype)?;
     let problem = &job.problem;
     let (rank, size) = (info.rank, job.world);
 
     let world = crate::tcp::join(info)?;
     let host = Group::new(world, (0..size).collect(), rank, SPACE);
-    let ctx = CudaContext::new(0).map_err(GpuError::driver("cannot open the rank's GPU"))?;
-    // Every stream order here is explicit (events between the compute and NCCL streams).
-    // SAFETY: no buffer exists yet.
-    unsafe { ctx.disable_event_tracking() };
-    let device = ctx.name().map_err(GpuError::driver("device name"))?;
-    let stream = |what: &str| {
-        ctx.new_stream()
-            .map_err(GpuError::driver(format!("{what} stream")))
-    };
-    let backend = Backend::open(&job.attention.0, &job.attention.1)?;
-    let store = DeviceStore::new(&ctx, stream("compute")?, backend, input)?;
-    let nccl = NcclGroup::join(&host, stream("decode")?, &store)?;
+    let gpu = RankGpu::open(&job.attention, job.dtype)?;
+    let (device, store) = (gpu.device.clone(), &gpu.store);
+    let nccl = NcclGroup::join(&host, gpu.stream("decode")?, store)?;
 
     let draws = UniformStream::new(job.seed, job.dtype);
     let (hq, hkv, d) = (
@@ -189,13 +158,17 @@ fn run(job: &DecodeJob, info: &RankInfo) -> Result<DecodeRankResult, RankError> 
                 keys: key_at * d..(key_at + hkv * len) * d,
                 lse: rows_at..rows_at + hq * queries,
             };
-            blocks.push((len, block_rows(problem, b, &keys), span));
+            blocks.push((
+                len,
+                block_rows(problem.kv_lens[b], problem.queries, keys),
+                span,
+            ));
         }
         key_at += hkv * len;
     }
     let scale = 1.0 / (d as f64).sqrt();
     let local = || -> Result<Partial<DeviceValues>, RankError> {
-        let mut partial = Partial::empty(&store, hq, problem.rows() as usize, d);
+        let mut partial = Partial::empty(store, hq, problem.rows() as usize, d);
         for (len, rows, span) in &blocks {
             let block = HostBlock {
                 head_dim: d,
@@ -231,7 +204,7 @@ fn run(job: &DecodeJob, info: &RankInfo) -> Result<DecodeRankResult, RankError> 
         let start = event()?;
         let mine = local()?;
         let computed = event()?;
-        combined = combine(&store, &nccl, mine, job.method, d);
+        combined = combine(store, &nccl, mine, job.method, d);
         let end = event()?;
         if rep == 0 {
             sent_bytes = nccl.sent_bytes() - before;

@@ -45,23 +45,6 @@ fn a_ranks_draws_are_its_share_of_the_whole_batch() {
 }
 
 #[test]
-fn new_tokens_see_their_causal_share_of_each_block() {
-    let p = problem(); // sequence 1: 5 keys, 3 new tokens (keys 2, 3, 4)
-    let ends = |keys: std::ops::Range<u64>| {
-        let rows = block_rows(&p, 1, &keys);
-        (0..3)
-            .map(|r| {
-                let span = rows.row_start[r] as usize..rows.row_start[r + 1] as usize;
-                rows.intervals[2 * span.start..2 * span.end].to_vec()
-            })
-            .collect::<Vec<_>>()
-    };
-    assert_eq!(ends(0..5), [vec![0, 3], vec![0, 4], vec![0, 5]]);
-    assert_eq!(ends(0..2), [vec![0, 2], vec![0, 2], vec![0, 2]]);
-    assert_eq!(ends(3..5), [vec![], vec![0, 1], vec![0, 2]]);
-}
-
-#[test]
 fn the_roots_output_returns_to_the_references_order() {
     let p = problem();
     let (hq, q, d, rows) = (4, 3, 8, p.rows() as usize);

@@ -5,12 +5,13 @@
 //! for the stage to check.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use attnbench_sdk::attention::{Backend, DType};
 use attnbench_sdk::reference::{Element, HeadMasks, RandomInputs, Tensor};
 use attnbench_sdk::PluginError;
 use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
-use cudarc::driver::CudaContext;
+use cudarc::driver::{CudaContext, CudaStream};
 use serde::{Deserialize, Serialize};
 
 use crate::comm::{rank_groups, Communicator};
@@ -110,18 +111,66 @@ pub(crate) fn seconds_between(
         .map_err(GpuError::driver("timing events"))
 }
 
-fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, RankError> {
+/// A rank's GPU: its context (every stream order explicit: events between the compute and NCCL
+/// streams), its name, and a store on a compute stream whose blocks run on a device backend.
+pub(crate) struct RankGpu {
+    ctx: Arc<CudaContext>,
+    pub device: String,
+    pub store: DeviceStore,
+}
+
+/// The backend's input type for a GPU rank's `dtype`.
+pub(crate) fn gpu_input(dtype: Element) -> Result<DType, RankError> {
+    match dtype {
+        Element::Bf16 => Ok(DType::Bf16),
+        Element::F16 => Ok(DType::F16),
+        Element::F32 => Err(RankError::GpuDtype),
+    }
+}
+
+impl RankGpu {
+    /// Device 0 of this process (see [`select_gpu`]), with `attention` (a plugin library and its
+    /// in-process kernel) taking `dtype` inputs.
+    pub(crate) fn open(
+        attention: &(PathBuf, String),
+        dtype: Element,
+    ) -> Result<RankGpu, RankError> {
+        let input = gpu_input(dtype)?;
+        let ctx = CudaContext::new(0).map_err(GpuError::driver("cannot open the rank's GPU"))?;
+        // SAFETY: no buffer exists yet.
+        unsafe { ctx.disable_event_tracking() };
+        let device = ctx.name().map_err(GpuError::driver("device name"))?;
+        let backend = Backend::open(&attention.0, &attention.1)?;
+        let compute = ctx
+            .new_stream()
+            .map_err(GpuError::driver("compute stream"))?;
+        let store = DeviceStore::new(&ctx, compute, backend, input)?;
+        Ok(RankGpu { ctx, device, store })
+    }
+
+    /// A new stream for an NCCL group.
+    pub(crate) fn stream(&self, what: &str) -> Result<Arc<CudaStream>, GpuError> {
+        self.ctx
+            .new_stream()
+            .map_err(GpuError::driver(format!("{what} stream")))
+    }
+}
+
+/// The libraries a GPU rank needs, before it joins the others.
+pub(crate) fn require_libraries() -> Result<(), RankError> {
     attnbench_sdk::libraries::require("libcuda", "NVIDIA driver").map_err(GpuError::from)?;
     attnbench_sdk::libraries::require("libnccl", "NCCL").map_err(GpuError::from)?;
+    Ok(())
+}
+
+fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, RankError> {
+    require_libraries()?;
     let problem = &job.problem;
     problem.check_world(info)?;
     let setup = &problem.setup;
     let layout = &setup.layout;
-    let (element, input) = match problem.dtype {
-        Element::Bf16 => (Element::Bf16, DType::Bf16),
-        Element::F16 => (Element::F16, DType::F16),
-        Element::F32 => return Err(RankError::GpuDtype),
-    };
+    let element = problem.dtype;
+    gpu_input(element)?;
     let shape = problem.shape();
     crate::threads::check(setup, &shape)?;
     let w = info.rank;
@@ -130,20 +179,11 @@ fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, RankError> {
     let world = crate::tcp::join(info)?;
     let [everyone, ulysses_host, ring_host] = rank_groups(&world, layout, w);
 
-    let ctx = CudaContext::new(0).map_err(GpuError::driver("cannot open the rank's GPU"))?;
-    // Every stream order here is explicit (events between the compute and NCCL streams).
-    // SAFETY: no buffer exists yet.
-    unsafe { ctx.disable_event_tracking() };
-    let device = ctx.name().map_err(GpuError::driver("device name"))?;
-    let stream = |what: &str| {
-        ctx.new_stream()
-            .map_err(GpuError::driver(format!("{what} stream")))
-    };
-    let backend = Backend::open(&job.attention.0, &job.attention.1)?;
-    let store = DeviceStore::new(&ctx, stream("compute")?, backend, input)?;
-    let world_nccl = NcclGroup::join(&everyone, stream("world")?, &store)?;
-    let ulysses = NcclGroup::join(&ulysses_host, stream("Ulysses")?, &store)?;
-    let ring = NcclGroup::join(&ring_host, stream("ring")?, &store)?;
+    let gpu = RankGpu::open(&job.attention, element)?;
+    let (device, store) = (gpu.device.clone(), &gpu.store);
+    let world_nccl = NcclGroup::join(&everyone, gpu.stream("world")?, store)?;
+    let ulysses = NcclGroup::join(&ulysses_host, gpu.stream("Ulysses")?, store)?;
+    let ring = NcclGroup::join(&ring_host, gpu.stream("ring")?, store)?;
     let groups = Groups {
         ulysses: &ulysses,
         ring: &ring,
@@ -194,7 +234,7 @@ fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, RankError> {
         world_nccl.barrier();
         let before = sent();
         let start = event()?;
-        let forward = rank.forward(&store, &groups, &q, &k, &v)?;
+        let forward = rank.forward(store, &groups, &q, &k, &v)?;
         let end = event()?;
         let forward_time = seconds_between(&start, &end)?;
         let forward_parts = parts();
@@ -204,7 +244,7 @@ fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, RankError> {
         if let Some(d_out) = &d_out {
             world_nccl.barrier();
             let start = event()?;
-            grads = Some(rank.backward(&store, &groups, &forward.saved, d_out)?);
+            grads = Some(rank.backward(store, &groups, &forward.saved, d_out)?);
             let end = event()?;
             backward_time = Some((seconds_between(&start, &end)?, parts()));
         }

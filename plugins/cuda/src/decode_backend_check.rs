@@ -6,6 +6,7 @@
 use std::ffi::c_void;
 
 use attnbench_sdk::attention::{DType, HostBlock, Memory, RowIntervals};
+use attnbench_sdk::decode::block_rows;
 use attnbench_sdk::reference::{relative_error, Element, UniformStream};
 use attnbench_sdk::{Plugin, PluginError, StageRequest};
 use serde::Deserialize;
@@ -21,25 +22,6 @@ struct Params {
     dtype: Element,
     queries: usize,
     kv_len: usize,
-}
-
-/// Rows of a block of keys `start..end` of a sequence of `kv_len` keys whose last `queries`
-/// tokens are new: token `i` sees the keys up to `kv_len − queries + i`.
-fn decode_rows(kv_len: usize, queries: usize, (start, end): (usize, usize)) -> RowIntervals {
-    let (mut row_start, mut intervals) = (vec![0], Vec::new());
-    for i in 0..queries {
-        let seen = (kv_len - queries + i + 1)
-            .saturating_sub(start)
-            .min(end - start);
-        if seen > 0 {
-            intervals.extend([0, seen as u32]);
-        }
-        row_start.push((intervals.len() / 2) as u32);
-    }
-    RowIntervals {
-        row_start,
-        intervals,
-    }
 }
 
 pub fn run(request: &StageRequest) -> Result<Value, PluginError> {
@@ -64,7 +46,7 @@ pub fn run(request: &StageRequest) -> Result<Value, PluginError> {
     let mut report = Vec::new();
     let mut failures = Vec::new();
     for (name, range) in blocks {
-        let rows = decode_rows(n, q, range);
+        let rows = block_rows(n as u64, q as u64, range.0 as u64..range.1 as u64);
         let errors = check_block(&p, &rows, range.1 - range.0, request.seed)?;
         let passed = errors.iter().all(|(_, e)| *e <= tolerance);
         if !passed {
