@@ -119,10 +119,16 @@ fn element_of(call: &AttentionCall<'_>) -> Result<Element, AttentionError> {
     Ok(element)
 }
 
-fn prepare(gpu: &Gpu, kernels: &Kernels, call: &AttentionCall<'_>) -> Result<Prepared, String> {
-    let element = element_of(call).map_err(|err| err.to_string())?;
+/// What calls of this shape share. A shape the kernel cannot take is `Unsupported`; a device
+/// that fails to compile or allocate is `Failed`.
+fn prepare(
+    gpu: &Gpu,
+    kernels: &Kernels,
+    call: &AttentionCall<'_>,
+    element: Element,
+) -> Result<Prepared, AttentionError> {
     let d = u64::from(call.head_dim);
-    let name = variant(element, d)?;
+    let name = variant(element, d).map_err(AttentionError::Unsupported)?;
     // The problem of one sequence as the split planner sees it (its fields directly: a shard may
     // hold fewer keys than there are new tokens, which a whole cache may not).
     let problem = DecodeProblem {
@@ -136,21 +142,21 @@ fn prepare(gpu: &Gpu, kernels: &Kernels, call: &AttentionCall<'_>) -> Result<Pre
     let group = problem.heads_q / problem.heads_kv;
     let group_rows = group * problem.queries;
     if group_rows > 32 {
-        return Err(format!(
+        return Err(AttentionError::Unsupported(format!(
             "the decode kernel takes up to 32 rows a KV head (group × new tokens), not {group_rows}"
-        ));
+        )));
     }
     let tiles = m_tiles(group_rows);
     let (block_bytes, sm_bytes) = gpu.shared_memory();
     if shared_bytes(d, tiles) > block_bytes {
-        return Err(format!(
+        return Err(AttentionError::Unsupported(format!(
             "the decode kernel needs {} bytes of shared memory a block, this GPU allows {block_bytes}",
             shared_bytes(d, tiles)
-        ));
+        )));
     }
     let multiprocessors = gpu.describe().multiprocessors.unwrap_or(1).max(1) as u64;
     let (splits, _) = choose_splits(&problem, multiprocessors, sm_bytes);
-    let plugin = |err: PluginError| err.to_string();
+    let plugin = |err: PluginError| AttentionError::Failed(err.to_string());
     let step = Step::find(kernels, &name, d, tiles, true).map_err(plugin)?;
     let kv_lens = gpu
         .upload("KV length", &[call.k_len as u32])
@@ -204,7 +210,7 @@ pub fn attend(
     shapes: &Shapes,
     call: &AttentionCall<'_>,
 ) -> Result<(), AttentionError> {
-    element_of(call)?;
+    let element = element_of(call)?;
     let after = keys_after(call)?;
     let key = (
         call.q_len,
@@ -223,7 +229,7 @@ pub fn attend(
     let prepared = match kept {
         Some(prepared) => prepared,
         None => {
-            let made = Arc::new(prepare(gpu, kernels, call).map_err(AttentionError::Unsupported)?);
+            let made = Arc::new(prepare(gpu, kernels, call, element)?);
             let mut kept = shapes.0.lock().unwrap_or_else(|e| e.into_inner());
             if kept.len() >= KEPT_SHAPES {
                 kept.clear();
