@@ -4,6 +4,7 @@
 //! shard shorter than the new tokens — through the same entry point the ABI calls.
 
 use std::ffi::c_void;
+use std::ops::Range;
 
 use attnbench_sdk::attention::{DType, HostBlock, Memory, RowIntervals};
 use attnbench_sdk::decode::block_rows;
@@ -33,26 +34,17 @@ pub fn run(request: &StageRequest) -> Result<Value, PluginError> {
             p.heads_q, p.heads_kv
         )));
     }
-    let blocks = [
-        ("whole cache", (0, n)),
-        ("early shard, seen whole", (0, n / 3)),
-        (
-            "middle shard, its end unseen by the first tokens",
-            (n / 3, n - q + 2),
-        ),
-        ("last shard, shorter than the new tokens", (n - q + 2, n)),
-    ];
     let tolerance = p.dtype.tolerance();
     let mut report = Vec::new();
     let mut failures = Vec::new();
-    for (name, range) in blocks {
-        let rows = block_rows(n as u64, q as u64, range.0 as u64..range.1 as u64);
-        let errors = check_block(&p, &rows, range.1 - range.0, request.seed)?;
+    for (name, range) in shard_blocks(n, q) {
+        let rows = block_rows(n as u64, q as u64, range.start as u64..range.end as u64);
+        let errors = check_block(&p, &rows, range.len(), request.seed)?;
         let passed = errors.iter().all(|(_, e)| *e <= tolerance);
         if !passed {
             failures.push(format!("{name}: {errors:?}"));
         }
-        report.push(json!({"block": name, "keys": range, "errors": errors, "passed": passed}));
+        report.push(json!({"block": name, "keys": [range.start, range.end], "errors": errors, "passed": passed}));
     }
     if !failures.is_empty() {
         return Err(PluginError::failed(format!(
@@ -61,6 +53,32 @@ pub fn run(request: &StageRequest) -> Result<Value, PluginError> {
         )));
     }
     Ok(json!({"kernel": "decode", "dtype": p.dtype, "tolerance": tolerance, "blocks": report}))
+}
+
+/// The blocks a sequence of `n` keys (its `q` new tokens last) is cut into when decoding across
+/// ranks, one of each kind the tokens' rows can make of a block: all of it seen by every token,
+/// its end unseen by the first tokens, and (from 2 tokens) a last shard shorter than the tokens,
+/// which the first tokens see none of.
+fn shard_blocks(n: usize, q: usize) -> Vec<(&'static str, Range<usize>)> {
+    let mut blocks = vec![("whole cache", 0..n), ("early shard, seen whole", 0..n / 3)];
+    match q {
+        1 => blocks.extend([
+            ("middle shard, seen whole", n / 3..2 * n / 3),
+            ("last shard, seen whole", 2 * n / 3..n),
+        ]),
+        2 => blocks.extend([
+            ("last shard, its end unseen by the first token", n / 3..n),
+            ("last shard, shorter than the new tokens", n - 1..n),
+        ]),
+        _ => blocks.extend([
+            (
+                "middle shard, its end unseen by the first tokens",
+                n / 3..n + 2 - q,
+            ),
+            ("last shard, shorter than the new tokens", n + 2 - q..n),
+        ]),
+    }
+    blocks
 }
 
 /// Runs one block on the GPU through the entry point and returns O's and the LSE's relative
@@ -121,4 +139,30 @@ fn check_block(
         ("out", relative_error(&got_out, &narrow(&o))),
         ("lse", relative_error(&got_lse, &narrow(&l))),
     ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shard_blocks;
+
+    #[test]
+    fn every_shard_block_is_a_nonempty_part_of_the_sequence() {
+        for q in 1..=16 {
+            let n = 3 * q + 8;
+            for (name, range) in shard_blocks(n, q) {
+                assert!(
+                    range.start < range.end && range.end <= n,
+                    "q {q}: {name} {range:?}"
+                );
+            }
+            let last = shard_blocks(n, q).pop().unwrap().1;
+            assert_eq!(last.end, n, "q {q}: the last block ends the sequence");
+            if q >= 2 {
+                assert!(
+                    last.len() < q,
+                    "q {q}: the last shard is shorter than the tokens"
+                );
+            }
+        }
+    }
 }
