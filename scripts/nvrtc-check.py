@@ -3,7 +3,11 @@
 prints each kernel's registers and spills when ptxas is at hand. No GPU needed: NVRTC comes from
 CUDA_HOME, /usr/local/cuda, or the `nvidia-cuda-nvrtc` wheel of the Python environment in use.
 
-    scripts/nvrtc-check.py [--arch sm_90] FILE.cu ...      (exit 1 if any file does not compile)
+    scripts/nvrtc-check.py [--arch sm_90] [--ptx-dir DIR] FILE.cu ...   (exit 1 if any file does not compile)
+
+A file's own folder is on the include path, as the plugin hands NVRTC the headers beside it.
+`--ptx-dir` keeps each file's PTX (DIR/FILE.ARCH.ptx), so that a change meant to leave the
+generated code alone can be checked to: compare the two folders' files.
 """
 import argparse
 import ctypes
@@ -29,6 +33,7 @@ def find(pattern_list):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--ptx-dir", help="write each file's PTX into this folder")
     parser.add_argument("files", nargs="+")
     args = parser.parse_args()
     library = find(["lib/libnvrtc.so.13", "lib64/libnvrtc.so*", "lib/libnvrtc.so*"])
@@ -45,8 +50,9 @@ def main():
         source = open(path, "rb").read()
         program = ctypes.c_void_p()
         nvrtc.nvrtcCreateProgram(ctypes.byref(program), source, os.path.basename(path).encode(), 0, None, None)
-        options = (ctypes.c_char_p * 1)(f"--gpu-architecture={args.arch}".encode())
-        result = nvrtc.nvrtcCompileProgram(program, 1, options)
+        flags = [f"--gpu-architecture={args.arch}", f"--include-path={os.path.dirname(os.path.abspath(path))}"]
+        options = (ctypes.c_char_p * len(flags))(*(f.encode() for f in flags))
+        result = nvrtc.nvrtcCompileProgram(program, len(flags), options)
         size = ctypes.c_size_t()
         nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(size))
         log = ctypes.create_string_buffer(size.value)
@@ -56,10 +62,14 @@ def main():
             print(f"{path}: does not compile for {args.arch}:\n{log.value.decode()}")
             continue
         print(f"{path}: compiles for {args.arch}")
+        nvrtc.nvrtcGetPTXSize(program, ctypes.byref(size))
+        ptx = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetPTX(program, ptx)
+        if args.ptx_dir:
+            os.makedirs(args.ptx_dir, exist_ok=True)
+            name = f"{os.path.splitext(os.path.basename(path))[0]}.{args.arch}.ptx"
+            open(os.path.join(args.ptx_dir, name), "wb").write(ptx.value)
         if ptxas:
-            nvrtc.nvrtcGetPTXSize(program, ctypes.byref(size))
-            ptx = ctypes.create_string_buffer(size.value)
-            nvrtc.nvrtcGetPTX(program, ptx)
             with tempfile.TemporaryDirectory() as scratch:
                 ptx_path = os.path.join(scratch, "kernel.ptx")
                 open(ptx_path, "wb").write(ptx.value)

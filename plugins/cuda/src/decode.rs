@@ -20,8 +20,9 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::gpu::{allow_shared, failed, Buffer, Gpu};
+use crate::nvrtc::CudaSource;
 
-const SOURCE: &str = include_str!("../kernels/decode.cu");
+const SOURCE: CudaSource = CudaSource::single("decode.cu", include_str!("../kernels/decode.cu"));
 
 /// m16 tiles of query rows one block of the split kernel takes (its `MT`): one when the KV head's
 /// group of rows fits 16 (GQA 8 with one or two new tokens), else two, so few rows do not pay
@@ -153,7 +154,7 @@ pub struct Kernels {
 
 pub fn compile(gpu: &Gpu) -> Result<Kernels, PluginError> {
     Ok(Kernels {
-        module: gpu.compile("the decode kernels", SOURCE)?,
+        module: gpu.compile("the decode kernels", &SOURCE)?,
     })
 }
 

@@ -15,7 +15,7 @@
 //! warp-specialised: a producer warpgroup loads the tiles by TMA (swizzled as wgmma reads them,
 //! signalled through mbarriers) and two consumer warpgroups compute without a block-wide barrier
 //! per tile; on 64 × 64 tiles the forward is too, the backward loads by cp.async.
-//! The CUDA C is `kernels/flash.cu`.
+//! The CUDA C is `kernels/flash.cu`, which includes its parts by concern from `kernels/flash/`.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -36,8 +36,36 @@ use cudarc::driver::{
 };
 
 use crate::gpu::{allow_shared, failed, Buffer, Gpu};
+use crate::nvrtc::CudaSource;
 
-const SOURCE: &str = include_str!("../kernels/flash.cu");
+/// One header of the flash kernel, as `flash.cu` includes it.
+macro_rules! header {
+    ($name:literal) => {
+        (
+            concat!("flash/", $name),
+            include_str!(concat!("../kernels/flash/", $name)),
+        )
+    };
+}
+
+/// The flash kernel: `flash.cu` and its parts by concern, in the order it includes them.
+pub(crate) const SOURCE: CudaSource = CudaSource {
+    name: "flash.cu",
+    text: include_str!("../kernels/flash.cu"),
+    headers: &[
+        header!("primitives.cuh"),
+        header!("mask.cuh"),
+        header!("forward_sm80.cuh"),
+        header!("sm90_primitives.cuh"),
+        header!("softmax.cuh"),
+        header!("epilogue.cuh"),
+        header!("pipeline.cuh"),
+        header!("forward_sm90.cuh"),
+        header!("work_lists.cuh"),
+        header!("backward_sm80.cuh"),
+        header!("backward_sm90.cuh"),
+    ],
+};
 
 /// Query and key rows per tile of the backward pass (`BM`, `BN` in the source).
 const TILE: u64 = 64;
@@ -60,7 +88,7 @@ const KEPT_BLOCKS: usize = 512;
 
 pub fn compile(gpu: &Gpu) -> Result<Kernels, PluginError> {
     Ok(Kernels {
-        module: gpu.compile("the flash kernel", SOURCE)?,
+        module: gpu.compile("the flash kernel", &SOURCE)?,
         blocks: Mutex::new(HashMap::new()),
     })
 }

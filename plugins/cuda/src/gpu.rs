@@ -15,6 +15,8 @@ use cudarc::driver::{
 };
 use serde_json::Value;
 
+use crate::nvrtc::{compile_ptx, CudaSource};
+
 /// Opens `stem` under the names cudarc tries, or says which library is missing (a stage error).
 pub fn require_library(stem: &str, what: &str) -> Result<(), PluginError> {
     attnbench_sdk::libraries::require(stem, what)
@@ -106,7 +108,10 @@ pub struct Gpu {
 }
 
 /// A one-thread kernel that spins for a number of GPU clock cycles.
-const HOST_LEAD_SOURCE: &str = "extern \"C\" __global__ void host_lead(long long cycles) {\n    long long start = clock64();\n    while (clock64() - start < cycles) {}\n}\n";
+const HOST_LEAD_SOURCE: CudaSource = CudaSource::single(
+    "host_lead.cu",
+    "extern \"C\" __global__ void host_lead(long long cycles) {\n    long long start = clock64();\n    while (clock64() - start < cycles) {}\n}\n",
+);
 
 /// GPU clock cycles spun between the flush and the start event (about 1 ms at 2 GHz): the host
 /// enqueues the whole repetition meanwhile, so the timed region holds the kernels alone, as the
@@ -183,11 +188,12 @@ impl Gpu {
     }
 
     /// CUDA C compiled by NVRTC for this device and loaded; the PTX is cached on disk in
-    /// [`Gpu::ptx_cache`] (`<key>.ptx`, key: source, architecture, NVRTC version).
+    /// [`Gpu::ptx_cache`] (`<key>.ptx`, key: every text of the source, architecture, NVRTC
+    /// version).
     pub fn compile(
         &self,
         what: &'static str,
-        source: &str,
+        source: &CudaSource,
     ) -> Result<Arc<cudarc::driver::CudaModule>, PluginError> {
         let (major, minor) = self.ctx.compute_capability().map_err(failed(what))?;
         // Hopper's own instructions (wgmma) need the architecture-specific target.
@@ -195,34 +201,38 @@ impl Gpu {
             (9, 0) => "sm_90a",
             _ => Box::leak(format!("sm_{major}{minor}").into_boxed_str()),
         };
-        let key =
-            blake3::hash(format!("{source}\n{arch}\n{}", nvrtc_version()).as_bytes()).to_hex();
+        let mut key = blake3::Hasher::new();
+        let version = nvrtc_version();
+        let mut hash = |text: &str| {
+            // Lengths first, so that no two splits of the same bytes hash alike.
+            key.update(&(text.len() as u64).to_le_bytes());
+            key.update(text.as_bytes());
+        };
+        source.texts().for_each(&mut hash);
+        [arch, version.as_str()].into_iter().for_each(hash);
+        let key = key.finalize().to_hex();
         let path = self
             .ptx_cache
             .as_ref()
             .map(|dir| dir.join(format!("{key}.ptx")));
         let cached = path.as_ref().and_then(|p| std::fs::read_to_string(p).ok());
         let ptx = match cached {
-            Some(text) => cudarc::nvrtc::Ptx::from_src(text),
+            Some(text) => text,
             None => {
-                let options = cudarc::nvrtc::CompileOptions {
-                    arch: Some(arch),
-                    ..Default::default()
-                };
-                let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, options).map_err(|err| {
+                let ptx = compile_ptx(source, arch).map_err(|err| {
                     PluginError::failed(format!("NVRTC could not compile {what} for {arch}: {err}"))
                 })?;
                 if let Some((path, dir)) = path.as_ref().and_then(|p| Some((p, p.parent()?))) {
                     // A cache that cannot be written only costs a compile next time.
                     let _ = std::fs::create_dir_all(dir).and_then(|_| {
                         let partial = path.with_extension("partial");
-                        std::fs::write(&partial, ptx.to_src())
-                            .and_then(|_| std::fs::rename(&partial, path))
+                        std::fs::write(&partial, &ptx).and_then(|_| std::fs::rename(&partial, path))
                     });
                 }
                 ptx
             }
         };
+        let ptx = cudarc::nvrtc::Ptx::from_src(ptx);
         self.ctx.load_module(ptx).map_err(failed(what))
     }
 
@@ -285,7 +295,7 @@ impl Gpu {
         let lead = match self.host_lead.clone() {
             Some(function) => function,
             None => {
-                let module = self.compile("the timing spin kernel", HOST_LEAD_SOURCE)?;
+                let module = self.compile("the timing spin kernel", &HOST_LEAD_SOURCE)?;
                 let function = module
                     .load_function("host_lead")
                     .map_err(failed("the timing spin kernel"))?;

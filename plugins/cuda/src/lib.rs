@@ -14,6 +14,7 @@ mod flash;
 mod gpu;
 mod kernel_bench;
 mod naive;
+mod nvrtc;
 
 use std::sync::Mutex;
 

@@ -15,11 +15,13 @@ use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation
 use cudarc::driver::{CudaFunction, CudaModule, LaunchConfig, PushKernelArg};
 
 use crate::gpu::{failed, Buffer, Gpu};
+use crate::nvrtc::CudaSource;
 
 /// CUDA C of the two row kernels, one block per row, for each element type (0 = f32, 1 = bf16,
 /// 2 = fp16; probabilities and dS are written in the inputs' type). Rows with no allowed key:
 /// P = 0, LSE = −∞, dS = 0.
-const SOURCE: &str = include_str!("../kernels/naive_rows.cu");
+const SOURCE: CudaSource =
+    CudaSource::single("naive_rows.cu", include_str!("../kernels/naive_rows.cu"));
 
 fn cuda_type(element: Element) -> cudaDataType {
     match element {
@@ -404,6 +406,6 @@ impl Problem {
 /// Compiles the row kernels for this device (once per worker process).
 pub fn compile(gpu: &Gpu) -> Result<Kernels, PluginError> {
     Ok(Kernels {
-        module: gpu.compile("the naive kernel's row kernels", SOURCE)?,
+        module: gpu.compile("the naive kernel's row kernels", &SOURCE)?,
     })
 }
