@@ -1,0 +1,179 @@
+//! The kernels of one element type and head dimension, looked up in the compiled module, with
+//! the dynamic shared memory each one is allowed.
+
+use attnbench_sdk::reference::Element;
+use attnbench_sdk::PluginError;
+use cudarc::driver::sys::CUtensorMapDataType;
+use cudarc::driver::CudaFunction;
+
+use super::{Kernels, FORWARD_TILE, TILE, WIDE_TILE};
+use crate::gpu::allow_shared;
+
+/// The kernels of one element type and head dimension.
+pub(super) struct Functions {
+    pub(super) forward: CudaFunction,
+    pub(super) forward_narrow: CudaFunction,
+    /// The wgmma kernels (Hopper, head_dim 128), where the module has them.
+    pub(super) hopper: Option<HopperFunctions>,
+    pub(super) delta: CudaFunction,
+    pub(super) dq: CudaFunction,
+    pub(super) dkdv: CudaFunction,
+    pub(super) fused: CudaFunction,
+}
+
+impl Kernels {
+    pub(super) fn functions(
+        &self,
+        element: Element,
+        head_dim: usize,
+    ) -> Result<Functions, PluginError> {
+        let suffix = match element {
+            Element::F16 => "f16",
+            _ => "bf16",
+        };
+        let function = |kind: &str| {
+            let name = format!("flash_{kind}_{suffix}_d{head_dim}");
+            self.module
+                .load_function(&name)
+                .map_err(|err| PluginError::failed(format!("{name}: {err}")))
+        };
+        Ok(Functions {
+            forward: allow_shared(
+                function("forward")?,
+                forward_shared_bytes(FORWARD_TILE, head_dim),
+            )?,
+            forward_narrow: allow_shared(
+                function("forward_narrow")?,
+                forward_shared_bytes(TILE, head_dim),
+            )?,
+            // A module compiled for sm_90a has the wgmma kernels.
+            hopper: match function("forward_tma") {
+                Ok(forward_tma) => Some(HopperFunctions {
+                    forward_tma: allow_shared(
+                        forward_tma,
+                        hopper_shared_bytes(HOPPER_FORWARD_ROWS),
+                    )?,
+                    tensor_type: match element {
+                        Element::F16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                        _ => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                    },
+                    forward_narrow: allow_shared(
+                        function("forward_narrow_tma")?,
+                        hopper_shared_bytes(HOPPER_NARROW_FORWARD_ROWS),
+                    )?,
+                    dq: allow_shared(
+                        function("backward_dq_hopper")?,
+                        hopper_shared_bytes(HOPPER_DQ_ROWS),
+                    )?,
+                    dq_tma: allow_shared(
+                        function("backward_dq_tma")?,
+                        hopper_shared_bytes(HOPPER_DQ_TMA_ROWS),
+                    )?,
+                    dkdv: allow_shared(
+                        function("backward_dkdv_hopper")?,
+                        hopper_shared_bytes(HOPPER_DKDV_ROWS),
+                    )?,
+                    dkdv_tma: allow_shared(
+                        function("backward_dkdv_tma")?,
+                        hopper_shared_bytes(HOPPER_KEY_TMA_ROWS),
+                    )?,
+                    fused_tma: allow_shared(
+                        function("backward_fused_tma")?,
+                        hopper_shared_bytes(HOPPER_FUSED_TMA_ROWS),
+                    )?,
+                }),
+                Err(_) => None,
+            },
+            delta: function("delta")?,
+            dq: function("backward_dq")?,
+            dkdv: allow_shared(
+                function("backward_dkdv")?,
+                key_tile_shared_bytes(head_dim, false),
+            )?,
+            fused: allow_shared(
+                function("backward_fused")?,
+                key_tile_shared_bytes(head_dim, true),
+            )?,
+        })
+    }
+}
+
+/// The wgmma kernels of a module compiled for sm_90a.
+pub(super) struct HopperFunctions {
+    /// The forward on 128 × 128 tiles: two warpgroups compute, a third loads every tile by TMA.
+    pub(super) forward_tma: CudaFunction,
+    /// The 16-bit element type, for the TMA maps.
+    pub(super) tensor_type: CUtensorMapDataType,
+    /// The forward on 64 × 64 tiles: two warpgroups compute a query tile each, a third loads
+    /// their K and V tiles by TMA.
+    pub(super) forward_narrow: CudaFunction,
+    pub(super) dq: CudaFunction,
+    /// dQ on the forward's 128-row tiles: two warpgroups compute, a third loads every K and V
+    /// tile by TMA.
+    pub(super) dq_tma: CudaFunction,
+    pub(super) dkdv: CudaFunction,
+    /// dK and dV on 128-key tiles: two warpgroups compute, a third loads every tile by TMA.
+    pub(super) dkdv_tma: CudaFunction,
+    /// As `dkdv_tma`, dQ added with atomics.
+    pub(super) fused_tma: CudaFunction,
+}
+
+/// The wgmma kernels' dynamic shared memory for `rows` rows of tiles (16-bit, head_dim 128),
+/// with room to align the first tile to 1024 bytes.
+pub(super) fn hopper_shared_bytes(rows: u64) -> u32 {
+    (rows as usize * 128 * 2 + 1024) as u32
+}
+/// The TMA forward's rows: a 128-row Q tile, two 128-key buffers each of K and V.
+pub(super) const HOPPER_FORWARD_ROWS: u64 = FORWARD_TILE + 4 * WIDE_TILE;
+/// The TMA forward's on 64-row tiles (Q stays in registers): for each of its two query tiles,
+/// three 64-key buffers each of K and V.
+pub(super) const HOPPER_NARROW_FORWARD_ROWS: u64 = 2 * 2 * 3 * TILE;
+/// The wgmma dQ kernels' (Q and dO stay in registers): two 64-row buffers each of K and V.
+pub(super) const HOPPER_DQ_ROWS: u64 = 4 * TILE;
+/// The TMA dQ kernel's: three 64-row buffers each of K and V.
+pub(super) const HOPPER_DQ_TMA_ROWS: u64 = 6 * TILE;
+/// The wgmma dK/dV kernel's: K and V (64 keys each), two 64-row buffers each of Q and dO.
+pub(super) const HOPPER_DKDV_ROWS: u64 = 6 * TILE;
+/// The TMA dK/dV kernel's: K and V tiles of 128 keys, two 64-row buffers each of Q and dO.
+pub(super) const HOPPER_KEY_TMA_ROWS: u64 = 2 * WIDE_TILE + 4 * TILE;
+/// The fused TMA kernel's: the dK/dV kernel's, then two buffers of dS (64 queries × 128 keys).
+pub(super) const HOPPER_FUSED_TMA_ROWS: u64 = HOPPER_KEY_TMA_ROWS + 2 * TILE;
+
+/// The forward kernel's dynamic shared memory: a Q tile and one K and one V tile, 16-bit.
+pub(super) fn forward_shared_bytes(rows: u64, head_dim: usize) -> u32 {
+    ((rows + 2 * TILE) as usize * head_dim * 2) as u32
+}
+
+/// The key-tile backward kernel's dynamic shared memory: two stages of 32-row Q and dO tiles,
+/// the key tile's K and V, and (fused, for dQ) a step's 32 × 64 dS, all 16-bit.
+pub(super) fn key_tile_shared_bytes(head_dim: usize, fused: bool) -> u32 {
+    let rows = 2 * 2 * 32 + 2 * TILE as usize;
+    let ds = if fused { 32 * TILE as usize } else { 0 };
+    ((rows * head_dim + ds) * 2) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each wgmma kernel's shared memory, with the static arrays of the dK/dV kernels (LSE and D
+    /// of two 64-row stages and the mbarriers: 2 KiB as ptxas counts them), fits what one block
+    /// of sm_90 may opt into (227 KiB): a kernel past it would fail at launch, on the GPU only.
+    #[test]
+    fn hopper_kernels_fit_shared_memory() {
+        const SM90_BLOCK_SHARED: u32 = 227 * 1024;
+        const STATIC_BYTES: u32 = 2048;
+        for (kernel, rows) in [
+            ("forward", HOPPER_FORWARD_ROWS),
+            ("narrow forward", HOPPER_NARROW_FORWARD_ROWS),
+            ("dQ", HOPPER_DQ_ROWS),
+            ("TMA dQ", HOPPER_DQ_TMA_ROWS),
+            ("dK/dV", HOPPER_DKDV_ROWS),
+            ("TMA dK/dV", HOPPER_KEY_TMA_ROWS),
+            ("TMA fused", HOPPER_FUSED_TMA_ROWS),
+        ] {
+            let bytes = hopper_shared_bytes(rows) + STATIC_BYTES;
+            assert!(bytes <= SM90_BLOCK_SHARED, "{kernel}: {bytes} bytes");
+        }
+    }
+}

@@ -1,0 +1,396 @@
+//! Launching the forward and backward kernels: which instructions run a pass, grids, and the
+//! arguments in the order the kernels declare them.
+
+use std::sync::Arc;
+
+use attnbench_sdk::PluginError;
+use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
+
+use super::device::{tensor_map, DeviceTables, Dims, GradTensors, TensorMap, Tensors};
+use super::functions::{
+    forward_shared_bytes, hopper_shared_bytes, key_tile_shared_bytes, Functions, HopperFunctions,
+    HOPPER_DKDV_ROWS, HOPPER_DQ_ROWS, HOPPER_DQ_TMA_ROWS, HOPPER_FORWARD_ROWS,
+    HOPPER_FUSED_TMA_ROWS, HOPPER_KEY_TMA_ROWS, HOPPER_NARROW_FORWARD_ROWS,
+};
+use super::{FORWARD_TILE, TILE, WIDE_TILE};
+use crate::gpu::{failed, Buffer};
+
+attnbench_sdk::named_enum! {
+    /// Which tensor-core instructions the kernels use: mma.sync (any GPU from sm_80), wgmma
+    /// (Hopper, head_dim 128; the forward, the split backward, the fused one where the masks keep
+    /// 128-row tiles), or wgmma where it runs and mma.sync elsewhere.
+    pub enum Instructions { Auto = "auto", Mma = "mma", Wgmma = "wgmma" }
+}
+
+impl Instructions {
+    /// The wgmma kernels where this choice takes them (`fits`: the pass can run on them), `None`
+    /// for the mma.sync ones; an error where wgmma was asked for and cannot run.
+    pub(super) fn hopper(
+        self,
+        f: &Functions,
+        fits: bool,
+    ) -> Result<Option<&HopperFunctions>, PluginError> {
+        match (self, &f.hopper) {
+            (Instructions::Wgmma | Instructions::Auto, Some(hopper)) if fits => Ok(Some(hopper)),
+            (Instructions::Wgmma, _) => Err(PluginError::failed(
+                "the wgmma kernels run head_dim 128 on Hopper (sm_90): the forward, the split backward, and the fused backward where the masks' blocks keep 128-row tiles; use `instructions: mma` or `auto`",
+            )),
+            _ => Ok(None),
+        }
+    }
+
+    /// The wgmma kernels the forward takes (on 128- and 64-row tiles alike).
+    pub(super) fn forward(self, f: &Functions) -> Result<Option<&HopperFunctions>, PluginError> {
+        self.hopper(f, true)
+    }
+
+    /// The wgmma kernels a backward of kind `backward` takes where the forward's tiles have
+    /// `forward_rows` rows (the fused one shares the key tiles of two warpgroups' dQ columns, so
+    /// it needs the 128-row ones).
+    pub(super) fn backward(
+        self,
+        f: &Functions,
+        backward: Backward,
+        forward_rows: u64,
+    ) -> Result<Option<&HopperFunctions>, PluginError> {
+        self.hopper(
+            f,
+            backward == Backward::Split || forward_rows == FORWARD_TILE,
+        )
+    }
+}
+
+/// A grid of x × y 128-thread CTAs with `shared` bytes of dynamic shared memory: the backward
+/// pass's, x the heads and y the tiles where a CTA takes one (head, tile). Blocks start x first,
+/// so every head's first tile in the order — its longest list — starts before any head's
+/// second: a head's long lists never wait behind the other heads' short ones.
+pub(super) fn grid(x: usize, y: usize, shared: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (x as u32, y as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: shared,
+    }
+}
+
+/// O and LSE of `x` on `stream`.
+///
+/// # Safety
+/// The addresses hold the extents `dims` gives (Q, O: heads_q × len × head_dim; K, V: heads_kv ×
+/// len × head_dim; LSE: heads_q × len) and `tables` were built for this mask and length.
+pub(super) unsafe fn launch_forward(
+    stream: &Arc<CudaStream>,
+    f: &Functions,
+    dims: Dims,
+    x: &Tensors,
+    t: &DeviceTables,
+    instructions: Instructions,
+) -> Result<(), PluginError> {
+    let (len, group) = (dims.len as i32, (dims.heads_q / dims.heads_kv) as i32);
+    let scale_log2 = dims.scale * std::f32::consts::LOG2_E;
+    let rows = t.forward_rows;
+    let hopper = instructions.forward(f)?;
+    let wide = rows == FORWARD_TILE;
+    // The wgmma forward on 128-row tiles walks 128-key tiles; the others 64-key ones.
+    let (start, tiles, order) = match hopper {
+        Some(_) if wide => (
+            &t.wide_forward_tile_start,
+            &t.wide_forward_tiles,
+            &t.wide_forward_order,
+        ),
+        _ => (&t.forward_tile_start, &t.forward_tiles, &t.forward_order),
+    };
+    let addresses = [
+        x.out,
+        x.lse,
+        start.address(stream),
+        tiles.address(stream),
+        order.address(stream),
+        t.row_start.address(stream),
+        t.intervals.address(stream),
+        t.mask_of_head.address(stream),
+    ];
+    let (function, shared_mem_bytes) = match (hopper, wide) {
+        (Some(hopper), true) => (
+            &hopper.forward_tma,
+            hopper_shared_bytes(HOPPER_FORWARD_ROWS),
+        ),
+        (Some(hopper), false) => (
+            &hopper.forward_narrow,
+            hopper_shared_bytes(HOPPER_NARROW_FORWARD_ROWS),
+        ),
+        (None, true) => (&f.forward, forward_shared_bytes(rows, dims.head_dim)),
+        (None, false) => (&f.forward_narrow, forward_shared_bytes(rows, dims.head_dim)),
+    };
+    // The TMA forwards read K and V through maps of boxes of their tiles' rows and Q through
+    // a map (128-row tiles, Q in shared memory) or its address (64-row tiles, Q in registers);
+    // the others read all three through their addresses.
+    let maps = match hopper {
+        Some(hopper) => Some([
+            tensor_map(x.q, dims.heads_q, dims.len, rows, hopper.tensor_type)?,
+            tensor_map(x.k, dims.heads_kv, dims.len, rows, hopper.tensor_type)?,
+            tensor_map(x.v, dims.heads_kv, dims.len, rows, hopper.tensor_type)?,
+        ]),
+        None => None,
+    };
+    let mut launch = stream.launch_builder(function);
+    match &maps {
+        Some(maps) => {
+            maps.iter().for_each(|map| {
+                launch.arg(map);
+            });
+            launch.arg(&x.q);
+        }
+        None => [&x.q, &x.k, &x.v].into_iter().for_each(|address| {
+            launch.arg(address);
+        }),
+    }
+    for address in &addresses {
+        launch.arg(address);
+    }
+    launch.arg(&len).arg(&group).arg(&scale_log2);
+    // One CTA per (query head, query tile) — 128 threads, or with wgmma two consumer
+    // warpgroups and a producer, which on 64-row tiles take two query tiles: the heads of a KV
+    // group sit side by side in the grid and read the same K and V tiles while they are in L2.
+    let (tiles_per_block, threads) = match hopper {
+        Some(_) if wide => (1, 3 * 128),
+        Some(_) => (2, 3 * 128),
+        None => (1, 128),
+    };
+    let config = LaunchConfig {
+        grid_dim: (
+            dims.heads_q as u32,
+            dims.len.div_ceil(rows as usize).div_ceil(tiles_per_block) as u32,
+            1,
+        ),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes,
+    };
+    // SAFETY: the caller vouches for the extents (above).
+    unsafe { launch.launch(config) }
+        .map(|_| ())
+        .map_err(failed("flash forward"))
+}
+
+/// dQ, dK and dV of `x` (its O and LSE from the forward) on `stream`.
+///
+/// # Safety
+/// As [`launch_forward`]; dO is heads_q × len × head_dim, D heads_q × len, dQ like Q, dK and dV
+/// like K.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn launch_backward(
+    stream: &Arc<CudaStream>,
+    f: &Functions,
+    dims: Dims,
+    x: &Tensors,
+    g: &GradTensors,
+    t: &DeviceTables,
+    backward: Backward,
+    instructions: Instructions,
+) -> Result<(), PluginError> {
+    let rows = (dims.heads_q * dims.len) as i32;
+    let mut launch = stream.launch_builder(&f.delta);
+    launch
+        .arg(&g.d_out)
+        .arg(&x.out)
+        .arg(&g.delta)
+        .arg(&g.dq)
+        .arg(&rows);
+    // SAFETY: D has one value per row of dO, O and dQ, which hold rows × d values.
+    unsafe { launch.launch(grid((rows as usize).div_ceil(4), 1, 0)) }
+        .map_err(failed("flash backward (D)"))?;
+
+    let (len, group) = (dims.len as i32, (dims.heads_q / dims.heads_kv) as i32);
+    let scale_log2 = dims.scale * std::f32::consts::LOG2_E;
+    let addresses = [x.q, x.k, x.v, g.d_out].map(KernelInput::Address);
+    let statistics = [x.lse, g.delta];
+    // The dQ kernels test a partial tile's keys against their rows' intervals, the key-tile
+    // kernels its queries against their keys' (columns').
+    let (rows, columns) = (
+        (&t.row_start, &t.intervals),
+        (&t.column_start, &t.column_intervals),
+    );
+    let lists = |start: &Buffer<u32>,
+                 tiles: &Buffer<u32>,
+                 order: Option<&Buffer<u32>>,
+                 (interval_start, intervals): (&Buffer<u32>, &Buffer<u32>)| {
+        let mut lists = vec![start.address(stream), tiles.address(stream)];
+        lists.extend(order.map(|order| order.address(stream)));
+        lists.extend([
+            interval_start.address(stream),
+            intervals.address(stream),
+            t.mask_of_head.address(stream),
+        ]);
+        lists
+    };
+    let tiles = dims.len.div_ceil(TILE as usize);
+    let key_tiles = |fused| {
+        grid(
+            dims.heads_kv,
+            tiles,
+            key_tile_shared_bytes(dims.head_dim, fused),
+        )
+    };
+    let hopper = instructions.backward(f, backward, t.forward_rows)?;
+    // Where the masks' blocks do not split the forward's 128-row tiles, two warpgroups share
+    // each tile of the wgmma kernels.
+    let wide = t.forward_rows == FORWARD_TILE;
+    // 128-key tiles: two warpgroups share each step's Q and dO, a third loads them by TMA,
+    // through maps of Q and dO in 64-row boxes (the steps) and K and V in 128-row ones.
+    let tma_key_tiles = |rows| LaunchConfig {
+        grid_dim: (
+            dims.heads_kv as u32,
+            dims.len.div_ceil(WIDE_TILE as usize) as u32,
+            1,
+        ),
+        block_dim: (3 * 128, 1, 1),
+        shared_mem_bytes: hopper_shared_bytes(rows),
+    };
+    // The TMA dQ kernel reads K and V through maps of 64-row boxes (its key tiles), Q and dO
+    // by address.
+    let (key_tile_inputs, query_tile_inputs) = match hopper {
+        Some(h) if wide => {
+            let map =
+                |address, heads, rows| tensor_map(address, heads, dims.len, rows, h.tensor_type);
+            (
+                [
+                    map(x.q, dims.heads_q, TILE)?,
+                    map(x.k, dims.heads_kv, WIDE_TILE)?,
+                    map(x.v, dims.heads_kv, WIDE_TILE)?,
+                    map(g.d_out, dims.heads_q, TILE)?,
+                ]
+                .map(KernelInput::Map),
+                [
+                    KernelInput::Map(map(x.k, dims.heads_kv, TILE)?),
+                    KernelInput::Map(map(x.v, dims.heads_kv, TILE)?),
+                    KernelInput::Address(x.q),
+                    KernelInput::Address(g.d_out),
+                ],
+            )
+        }
+        _ => (addresses, addresses),
+    };
+    let (dq, dq_lists, dq_config) = match hopper {
+        // The forward's 128-row tiles (its lists and order, its grid): two warpgroups share
+        // each K and V tile.
+        Some(h) if wide => (
+            &h.dq_tma,
+            lists(
+                &t.forward_tile_start,
+                &t.forward_tiles,
+                Some(&t.forward_order),
+                rows,
+            ),
+            LaunchConfig {
+                grid_dim: (
+                    dims.heads_q as u32,
+                    dims.len.div_ceil(FORWARD_TILE as usize) as u32,
+                    1,
+                ),
+                block_dim: (3 * 128, 1, 1),
+                shared_mem_bytes: hopper_shared_bytes(HOPPER_DQ_TMA_ROWS),
+            },
+        ),
+        // The order is not read with one warpgroup.
+        Some(h) => (
+            &h.dq,
+            lists(&t.tile_start, &t.tiles, Some(&t.forward_order), rows),
+            grid(dims.heads_q, tiles, hopper_shared_bytes(HOPPER_DQ_ROWS)),
+        ),
+        None => (
+            &f.dq,
+            lists(&t.tile_start, &t.tiles, None, rows),
+            grid(dims.heads_q, tiles, 0),
+        ),
+    };
+    let wide_key_lists = || {
+        lists(
+            &t.wide_key_tile_start,
+            &t.wide_key_tiles,
+            Some(&t.wide_key_order),
+            columns,
+        )
+    };
+    let narrow_key_lists = || lists(&t.key_tile_start, &t.key_tiles, Some(&t.key_order), columns);
+    let (dkdv, dkdv_lists, dkdv_config) = match hopper {
+        Some(h) if wide => (
+            &h.dkdv_tma,
+            wide_key_lists(),
+            tma_key_tiles(HOPPER_KEY_TMA_ROWS),
+        ),
+        Some(h) => (
+            &h.dkdv,
+            narrow_key_lists(),
+            grid(dims.heads_kv, tiles, hopper_shared_bytes(HOPPER_DKDV_ROWS)),
+        ),
+        None => (&f.dkdv, narrow_key_lists(), key_tiles(false)),
+    };
+    let launches = if backward == Backward::Split {
+        vec![
+            (
+                dq,
+                query_tile_inputs,
+                vec![g.dq],
+                dq_lists,
+                dq_config,
+                "flash backward (dQ)",
+            ),
+            (
+                dkdv,
+                key_tile_inputs,
+                vec![g.dq, g.dk, g.dv],
+                dkdv_lists,
+                dkdv_config,
+                "flash backward (dK, dV)",
+            ),
+        ]
+    } else {
+        let (fused, fused_lists, fused_config) = match hopper {
+            Some(h) => (
+                &h.fused_tma,
+                wide_key_lists(),
+                tma_key_tiles(HOPPER_FUSED_TMA_ROWS),
+            ),
+            None => (&f.fused, narrow_key_lists(), key_tiles(true)),
+        };
+        vec![(
+            fused,
+            key_tile_inputs,
+            vec![g.dq, g.dk, g.dv],
+            fused_lists,
+            fused_config,
+            "flash backward",
+        )]
+    };
+    for (kernel, inputs, outputs, tables, config, what) in &launches {
+        let mut launch = stream.launch_builder(kernel);
+        for input in inputs {
+            match input {
+                KernelInput::Map(map) => launch.arg(map),
+                KernelInput::Address(address) => launch.arg(address),
+            };
+        }
+        for address in statistics.iter().chain(outputs).chain(tables) {
+            launch.arg(address);
+        }
+        launch
+            .arg(&len)
+            .arg(&group)
+            .arg(&dims.scale)
+            .arg(&scale_log2);
+        // SAFETY: the caller vouches for the extents (above).
+        unsafe { launch.launch(*config) }.map_err(failed(what))?;
+    }
+    Ok(())
+}
+
+/// A 16-bit input of a backward kernel: its address, or its TMA map.
+#[derive(Clone, Copy)]
+pub(super) enum KernelInput {
+    Address(u64),
+    Map(TensorMap),
+}
+
+attnbench_sdk::named_enum! {
+    /// How the backward pass computes dQ (see the module's documentation).
+    pub enum Backward { Split = "split", Fused = "fused" }
+}
