@@ -422,3 +422,22 @@ impl Store for DeviceStore {
         Ok((dk, dv))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// The store's kernels compile for every architecture the cuda plugin's do (CI runs it with
+    /// the nvidia-cuda-nvrtc wheel's library).
+    #[test]
+    #[ignore = "needs libnvrtc on the library path (a CUDA toolkit or the nvidia-cuda-nvrtc wheel)"]
+    fn nvrtc_compiles_the_store_kernels_for_every_architecture() {
+        for arch in ["sm_80", "sm_86", "sm_89", "sm_90a", "sm_100", "sm_120"] {
+            let options = cudarc::nvrtc::CompileOptions {
+                arch: Some(arch),
+                ..Default::default()
+            };
+            let ptx = cudarc::nvrtc::compile_ptx_with_opts(super::SOURCE, options)
+                .unwrap_or_else(|err| panic!("store.cu for {arch}: {err}"));
+            assert!(ptx.to_src().contains(".entry "), "store.cu for {arch}");
+        }
+    }
+}

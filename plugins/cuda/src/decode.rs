@@ -22,7 +22,8 @@ use serde_json::{json, Value};
 use crate::gpu::{allow_shared, failed, Buffer, Gpu};
 use crate::nvrtc::CudaSource;
 
-const SOURCE: CudaSource = CudaSource::single("decode.cu", include_str!("../kernels/decode.cu"));
+pub(crate) const SOURCE: CudaSource =
+    CudaSource::single("decode.cu", include_str!("../kernels/decode.cu"));
 
 /// m16 tiles of query rows one block of the split kernel takes (its `MT`): one when the KV head's
 /// group of rows fits 16 (GQA 8 with one or two new tokens), else two, so few rows do not pay

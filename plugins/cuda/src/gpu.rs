@@ -108,7 +108,7 @@ pub struct Gpu {
 }
 
 /// A one-thread kernel that spins for a number of GPU clock cycles.
-const HOST_LEAD_SOURCE: CudaSource = CudaSource::single(
+pub(crate) const HOST_LEAD_SOURCE: CudaSource = CudaSource::single(
     "host_lead.cu",
     "extern \"C\" __global__ void host_lead(long long cycles) {\n    long long start = clock64();\n    while (clock64() - start < cycles) {}\n}\n",
 );

@@ -20,7 +20,7 @@ use crate::nvrtc::CudaSource;
 /// CUDA C of the two row kernels, one block per row, for each element type (0 = f32, 1 = bf16,
 /// 2 = fp16; probabilities and dS are written in the inputs' type). Rows with no allowed key:
 /// P = 0, LSE = −∞, dS = 0.
-const SOURCE: CudaSource =
+pub(crate) const SOURCE: CudaSource =
     CudaSource::single("naive_rows.cu", include_str!("../kernels/naive_rows.cu"));
 
 fn cuda_type(element: Element) -> cudaDataType {

@@ -121,26 +121,86 @@ mod tests {
         assert_eq!(wanted, carried);
     }
 
-    /// With `ATTNBENCH_PTX_OUT=DIR`, the PTX is kept as DIR/flash.ARCH.ptx, to compare with
-    /// `scripts/nvrtc-check.py --ptx-dir`'s (the same compiler on the files themselves).
+    /// The architectures the plugin may compile for: Ampere, Ada, Hopper (with its own
+    /// instructions), Blackwell.
+    const ARCHITECTURES: [&str; 6] = ["sm_80", "sm_86", "sm_89", "sm_90a", "sm_100", "sm_120"];
+
+    /// Every kernel source of the plugin compiles for every architecture, and the flash module
+    /// has every kernel the plugin looks up. CI runs it with the nvidia-cuda-nvrtc wheel's
+    /// library. With `ATTNBENCH_PTX_OUT=DIR`, the PTX is kept as DIR/NAME.ARCH.ptx, to compare
+    /// with `scripts/nvrtc-check.py --ptx-dir`'s (the same compiler on the files themselves).
     #[test]
     #[ignore = "needs libnvrtc on the library path (a CUDA toolkit or the nvidia-cuda-nvrtc wheel)"]
-    fn nvrtc_compiles_the_flash_kernel_from_its_embedded_headers() {
-        for arch in ["sm_90a", "sm_80"] {
-            let ptx = super::compile_ptx(&SOURCE, arch).unwrap();
-            assert!(ptx.contains(".entry flash_forward_bf16_d128("), "{arch}");
-            assert_eq!(
-                ptx.contains(".entry flash_forward_tma_bf16_d128("),
-                arch == "sm_90a"
-            );
-            if let Some(dir) = std::env::var_os("ATTNBENCH_PTX_OUT") {
-                std::fs::write(
-                    std::path::Path::new(&dir).join(format!("flash.{arch}.ptx")),
-                    ptx,
-                )
-                .unwrap();
+    fn nvrtc_compiles_every_kernel_source_for_every_architecture() {
+        let sources = [
+            &SOURCE,
+            &crate::decode::SOURCE,
+            &crate::naive::SOURCE,
+            &crate::gpu::HOST_LEAD_SOURCE,
+        ];
+        let out = std::env::var_os("ATTNBENCH_PTX_OUT");
+        let compile_all = |arch: &str| {
+            for source in sources {
+                let ptx = super::compile_ptx(source, arch)
+                    .unwrap_or_else(|err| panic!("{} for {arch}: {err}", source.name));
+                assert!(
+                    ptx.contains(".entry "),
+                    "{} for {arch}: no kernel",
+                    source.name
+                );
+                if let Some(dir) = &out {
+                    let name = format!("{}.{arch}.ptx", source.name.trim_end_matches(".cu"));
+                    std::fs::write(std::path::Path::new(dir).join(name), &ptx).unwrap();
+                }
+                if source.name == SOURCE.name {
+                    for name in flash_kernels(arch == "sm_90a") {
+                        assert!(
+                            ptx.contains(&format!(".entry {name}(")),
+                            "{arch}: no {name}"
+                        );
+                    }
+                }
+            }
+        };
+        // An architecture a thread: NVRTC compiles each program on its own.
+        std::thread::scope(|scope| {
+            for arch in ARCHITECTURES {
+                scope.spawn(move || compile_all(arch));
+            }
+        });
+    }
+
+    /// The flash kernels the plugin looks up (`flash/functions.rs`), the wgmma ones on sm_90a.
+    fn flash_kernels(hopper: bool) -> Vec<String> {
+        let mut names = Vec::new();
+        for element in ["bf16", "f16"] {
+            for d in [64, 128] {
+                for kind in [
+                    "forward",
+                    "forward_narrow",
+                    "delta",
+                    "backward_dq",
+                    "backward_dkdv",
+                    "backward_fused",
+                ] {
+                    names.push(format!("flash_{kind}_{element}_d{d}"));
+                }
+            }
+            if hopper {
+                for kind in [
+                    "forward_tma",
+                    "forward_narrow_tma",
+                    "backward_dq_hopper",
+                    "backward_dq_tma",
+                    "backward_dkdv_hopper",
+                    "backward_dkdv_tma",
+                    "backward_fused_tma",
+                ] {
+                    names.push(format!("flash_{kind}_{element}_d128"));
+                }
             }
         }
+        names
     }
 
     #[test]
