@@ -6,9 +6,6 @@
 //! sees the block's first `k_len + after − q_len + r + 1` keys (clipped to the block) for one
 //! `after` ≥ 0, the keys of the sequence past the block.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-
 use attnbench_sdk::attention::{AttentionCall, AttentionError, DType, Memory, RowIntervals};
 use attnbench_sdk::decode::DecodeProblem;
 use attnbench_sdk::reference::Element;
@@ -18,6 +15,7 @@ use crate::decode::{
     choose_splits, launch, m_tiles, shared_bytes, variant, DecodeArgs, Kernels, Step,
 };
 use crate::gpu::{Buffer, Gpu};
+use crate::kept::Kept;
 
 /// A call's shape: rows, keys, query heads, KV heads, head dim, and whether it is bf16 (else fp16).
 type ShapeKey = (u64, u64, u32, u32, u32, bool);
@@ -35,8 +33,13 @@ pub struct Prepared {
 const KEPT_SHAPES: usize = 64;
 
 /// The prepared shapes of this worker's calls.
-#[derive(Default)]
-pub struct Shapes(Mutex<HashMap<ShapeKey, Arc<Prepared>>>);
+pub struct Shapes(Kept<ShapeKey, Prepared>);
+
+impl Default for Shapes {
+    fn default() -> Self {
+        Shapes(Kept::new(KEPT_SHAPES))
+    }
+}
 
 /// `after` for the call's rows, or why the call is not a decode block.
 fn keys_after(call: &AttentionCall<'_>) -> Result<u64, AttentionError> {
@@ -220,24 +223,9 @@ pub fn attend(
         call.head_dim,
         call.input == DType::Bf16,
     );
-    let kept = shapes
+    let prepared = shapes
         .0
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get(&key)
-        .cloned();
-    let prepared = match kept {
-        Some(prepared) => prepared,
-        None => {
-            let made = Arc::new(prepare(gpu, kernels, call, element)?);
-            let mut kept = shapes.0.lock().unwrap_or_else(|e| e.into_inner());
-            if kept.len() >= KEPT_SHAPES {
-                kept.clear();
-            }
-            kept.insert(key, made.clone());
-            made
-        }
-    };
+        .get_or_make(key, || prepare(gpu, kernels, call, element))?;
     let args = DecodeArgs {
         q: call.q as u64,
         k: call.k as u64,

@@ -12,6 +12,7 @@ mod decode_backend;
 mod decode_backend_check;
 mod flash;
 mod gpu;
+mod kept;
 mod kernel_bench;
 mod naive;
 mod nvrtc;

@@ -2,7 +2,6 @@
 //! context-parallel rank's) attention on the caller's device buffers and stream.
 
 use std::ffi::c_void;
-use std::sync::Arc;
 
 use attnbench_sdk::attention::{
     require_tensors, AttentionCall, AttentionError, DType, Memory, RowIntervals,
@@ -13,7 +12,7 @@ use attnbench_sdk::PluginError;
 use super::device::{DeviceTables, Dims, GradTensors, Tensors};
 use super::launch::{launch_backward, launch_forward, Backward, Instructions};
 use super::tables::{tables, MaskTiles};
-use super::{Kernels, KEPT_BLOCKS};
+use super::Kernels;
 use crate::gpu::Gpu;
 
 /// What identifies a call's work lists: its lengths, heads and rows.
@@ -100,33 +99,11 @@ pub fn attend(
     let (element, dims) = accepts(call)?;
     let (hq, len) = (dims.heads_q, dims.len);
     let as_message = |err: PluginError| AttentionError::Failed(err.to_string());
-    let digest = block_digest(call);
-    let kept = kernels
-        .blocks
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get(&digest)
-        .cloned();
-    let tables = match kept {
-        Some(tables) => tables,
-        None => {
-            let rows = RowIntervals::of_call(call)?;
-            let made = Arc::new(
-                DeviceTables::upload(
-                    gpu,
-                    &tables(&[MaskTiles::of_rows(rows, call.k_len)]),
-                    &vec![0; hq],
-                )
-                .map_err(as_message)?,
-            );
-            let mut blocks = kernels.blocks.lock().unwrap_or_else(|e| e.into_inner());
-            if blocks.len() >= KEPT_BLOCKS {
-                blocks.clear();
-            }
-            blocks.insert(digest, made.clone());
-            made
-        }
-    };
+    let tables = kernels.blocks.get_or_make(block_digest(call), || {
+        let rows = RowIntervals::of_call(call)?;
+        let lists = tables(&[MaskTiles::of_rows(rows, call.k_len)]);
+        DeviceTables::upload(gpu, &lists, &vec![0; hq]).map_err(as_message)
+    })?;
     let functions = kernels
         .functions(element, dims.head_dim)
         .map_err(as_message)?;

@@ -17,14 +17,14 @@
 //! per tile; on 64 × 64 tiles the forward is too, the backward loads by cp.async.
 //! The CUDA C is `kernels/flash.cu`, which includes its parts by concern from `kernels/flash/`.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use attnbench_sdk::reference::{Element, Shape};
 use attnbench_sdk::PluginError;
 use cudarc::driver::CudaModule;
 
 use crate::gpu::Gpu;
+use crate::kept::Kept;
 use crate::nvrtc::CudaSource;
 
 mod backend;
@@ -82,7 +82,7 @@ pub struct Kernels {
     /// The work lists of blocks that in-process calls brought, by a digest of their shape and
     /// rows: a context-parallel run brings the same blocks every repetition, and building their
     /// lists takes more host time than some of their kernels take.
-    blocks: Mutex<HashMap<[u8; 32], Arc<DeviceTables>>>,
+    blocks: Kept<[u8; 32], DeviceTables>,
 }
 
 /// Blocks whose work lists [`Kernels`] keeps (all of them are dropped past this many).
@@ -91,7 +91,7 @@ const KEPT_BLOCKS: usize = 512;
 pub fn compile(gpu: &Gpu) -> Result<Kernels, PluginError> {
     Ok(Kernels {
         module: gpu.compile("the flash kernel", &SOURCE)?,
-        blocks: Mutex::new(HashMap::new()),
+        blocks: Kept::new(KEPT_BLOCKS),
     })
 }
 
