@@ -99,6 +99,52 @@ fn beyond_the_full_check_the_worker_draws_inputs_and_checks_sampled_rows() {
     );
 }
 
+/// MLA-shaped heads (V narrower than Q and K): the numpy backend runs them, checked in full
+/// against the SDK's reference and, past `check_max_seqlen`, on the worker's sampled rows; a
+/// backend whose adapter takes one head dim says so instead of running.
+#[test]
+fn a_value_head_dim_apart_from_the_query_one_is_run_and_checked_or_refused() {
+    let sandbox = Sandbox::new();
+    let python = python();
+    sandbox.write(
+        "p.yaml",
+        &format!(
+            r#"defaults: {{heads_q: 4, heads_kv: 2, head_dim: 24, head_dim_v: 16}}
+stages:
+  masks:
+    uses: masks/generate
+    matrix: {{mask: [causal_document], seqlen: [128, 320]}}
+  bench:
+    uses: python/benchmark
+    needs: [masks]
+    matrix: {{direction: [fwd, bwd]}}
+    with: {{kernel: numpy, python: "{python}", dtype: f32, check_max_seqlen: 256, check_rows: 8, min_reps: 3, max_time_s: 0.2}}
+  refused:
+    uses: python/benchmark
+    needs: [masks]
+    with: {{kernel: fa2, python: "{python}"}}
+"#
+        ),
+    );
+    let record = run_ok(&sandbox);
+    let mut checked = 0;
+    for (id, m) in measurements(&record, "bench") {
+        assert_eq!(m["status"], "ok", "{id}: {m}");
+        assert_eq!(
+            m["correctness"]["passed"], true,
+            "{id}: {}",
+            m["correctness"]
+        );
+        checked += 1;
+    }
+    assert_eq!(checked, 4);
+    for (id, m) in measurements(&record, "refused") {
+        assert_eq!(m["status"], "unsupported", "{id}: {m}");
+        let reason = m["reason"].as_str().unwrap();
+        assert!(reason.contains("head_dim_v 16"), "{id}: {reason}");
+    }
+}
+
 #[test]
 fn kernel_variants_are_named_apart_and_merge_into_separate_cells() {
     let sandbox = Sandbox::new();

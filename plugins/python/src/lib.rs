@@ -236,10 +236,6 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         p.common.direction,
         harness.clone(),
     );
-    if let Some(value_dim) = shape.head_dim_v {
-        let reason = format!("the bridge hands its kernels one head dim for Q, K and V; head_dim_v {value_dim} differs from head_dim {}", shape.head_dim);
-        return measurement.unsupported(reason).write(&request.output_dir);
-    }
     let on_gpu = p.device == Device::Cuda && p.kernel != PyKernel::Numpy;
 
     // Up to check_max_seqlen the worker reads the SDK's inputs and writes every output.
@@ -266,7 +262,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         "kernel": p.kernel,
         "module": p.module,
         "direction": p.common.direction,
-        "shape": {"heads_q": p.common.heads_q, "heads_kv": p.common.heads_kv, "seqlen": shape.seqlen, "head_dim": p.common.head_dim},
+        "shape": {"heads_q": p.common.heads_q, "heads_kv": p.common.heads_kv, "seqlen": shape.seqlen, "head_dim": p.common.head_dim, "head_dim_v": shape.head_dim_v},
         "dtype": p.common.dtype,
         "mask": set,
         "seed": request.seed,

@@ -35,7 +35,7 @@ def relative_error(actual: Any, reference: Any) -> float:
 
 def _tensor_shapes(p: Problem) -> Dict[str, Tuple[int, int, int]]:
     return {"q": (p.heads_q, p.seqlen, p.head_dim), "k": (p.heads_kv, p.seqlen, p.head_dim),
-            "v": (p.heads_kv, p.seqlen, p.head_dim), "do": (p.heads_q, p.seqlen, p.head_dim)}
+            "v": (p.heads_kv, p.seqlen, p.value_dim), "do": (p.heads_q, p.seqlen, p.value_dim)}
 
 
 def _wanted(p: Problem) -> List[str]:
@@ -125,9 +125,9 @@ def reference_rows(p: Problem, rows: List[int], q: Any, do: Optional[Any],
     q, do: [heads_q, rows, D]; kv_head(i) -> (K_i, V_i) as [S, D]."""
     np = _np()
     n, s = len(rows), p.seqlen
-    out = np.zeros((p.heads_q, n, p.head_dim))
+    out = np.zeros((p.heads_q, n, p.value_dim))
     lse = np.full((p.heads_q, n), -np.inf)
-    dq = np.zeros_like(out) if do is not None else None
+    dq = np.zeros((p.heads_q, n, p.head_dim)) if do is not None else None
     allowed_of: Dict[int, Any] = {}
     for kvh in range(p.heads_kv):
         k, v = (x.astype(np.float64) for x in kv_head(kvh))

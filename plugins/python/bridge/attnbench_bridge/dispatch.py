@@ -38,6 +38,12 @@ TORCH_ADAPTERS = {"sdpa-math": sdpa_adapter, "sdpa-flash": sdpa_adapter, "sdpa-e
                   "flashmask": flashmask_adapter}
 
 
+# Kernels whose adapters build one head dim into their calls (cuDNN's graph dims, FlashInfer's
+# plans, FA2/FA3's fixed instantiations, FlashMask's paddle call); the others take V's from the
+# tensors, and a library that refuses is recorded unsupported with its own reason.
+ONE_HEAD_DIM = ("fa2", "fa3", "cudnn", "flashinfer", "flashmask")
+
+
 def torch_adapter(p: Problem) -> Callable:
     """The adapter of p's torch kernel, once its package is known to import: "flash_attn not
     importable" says more than the "no CUDA" the adapter might find first."""
@@ -57,11 +63,14 @@ def outcome(status: str, reason: str, p: Problem, scope: Optional[str] = None) -
 def benchmark(params: Any) -> dict:
     p = parse_problem(params)
     log(f"benchmark {p.kernel} {p.direction} {p.dtype} {p.pattern} "
-        f"hq={p.heads_q} hkv={p.heads_kv} s={p.seqlen} d={p.head_dim} on {p.device}")
+        f"hq={p.heads_q} hkv={p.heads_kv} s={p.seqlen} d={p.head_dim}/{p.value_dim} on {p.device}")
     result, held_before = None, device_bytes()
     try:
         if p.gqa == "expand" and p.group > 1 and p.kernel not in SDPA_BACKENDS:
             raise Unsupported(f"gqa: expand applies to the SDPA kernels; {p.kernel} takes grouped K and V as they are")
+        if p.value_dim != p.head_dim and p.kernel in ONE_HEAD_DIM:
+            raise Unsupported(f"the bridge hands {p.kernel} one head dim for Q, K and V; head_dim_v {p.value_dim} "
+                              f"differs from head_dim {p.head_dim}")
         if p.kernel == "numpy":
             result = run_numpy(p, numpy_attention(p))
         elif p.kernel == "module":

@@ -165,10 +165,12 @@ def lse_to_heads(p: Problem, lse: Any) -> Any:
 
 
 def input_bytes(p: Problem) -> int:
-    e, qo, kv = ELEMENT_BYTES[p.dtype], p.heads_q * p.seqlen * p.head_dim, p.heads_kv * p.seqlen * p.head_dim
-    total = e * (2 * qo + 2 * kv) + 4 * p.heads_q * p.seqlen + 4 * qo  # q, k, v, out, lse, f32 staging
+    e = ELEMENT_BYTES[p.dtype]
+    q, o = p.heads_q * p.seqlen * p.head_dim, p.heads_q * p.seqlen * p.value_dim
+    k, v = p.heads_kv * p.seqlen * p.head_dim, p.heads_kv * p.seqlen * p.value_dim
+    total = e * (q + o + k + v) + 4 * p.heads_q * p.seqlen + 4 * o  # q, k, v, out, lse, f32 staging
     if p.backward:
-        total += e * (2 * qo + 2 * kv)  # dO, dQ, dK, dV
+        total += e * (o + q + k + v)  # dO, dQ, dK, dV
     return total
 
 
@@ -315,8 +317,8 @@ def measure_torch(p: Problem, torch: Any, device: Any, kernel: Kernel) -> dict:
     if grads is not None:
         tensors.update(dq=canonical(grads[0]), dk=canonical(grads[1]), dv=canonical(grads[2]))
         if kernel.expand_kv:  # a KV head's gradient is the sum over the query heads it serves
-            for n in ("dk", "dv"):
-                tensors[n] = tensors[n].float().reshape(p.heads_kv, p.group, p.seqlen, p.head_dim).sum(1)
+            for n, d in (("dk", p.head_dim), ("dv", p.value_dim)):
+                tensors[n] = tensors[n].float().reshape(p.heads_kv, p.group, p.seqlen, d).sum(1)
     correctness = check_or_write(p, tensors, kernel.lse_note, notes)
     del tensors, lse, grads, heads_lse
     step = timed_step(p, kernel, native, out)

@@ -57,7 +57,7 @@ def numpy_attention(p: Problem) -> NumpyKernel:
         return s, mask
 
     def forward(q: Any, k: Any, v: Any) -> Tuple[Any, Any]:
-        out = np.zeros_like(q)
+        out = np.zeros(q.shape[:2] + v.shape[2:], np.float32)
         lse = np.empty(q.shape[:2], np.float32)
         for h in range(p.heads_q):
             s, _ = scores(q, k, h)

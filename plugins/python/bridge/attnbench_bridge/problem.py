@@ -36,6 +36,11 @@ class Heads:
     def scale(self) -> float:
         return 1.0 / math.sqrt(self.head_dim)
 
+    @property
+    def value_dim(self) -> int:
+        """V's and O's head dim: head_dim_v where the problem has one, else head_dim."""
+        return getattr(self, "head_dim_v", None) or self.head_dim
+
 
 @dataclass
 class Problem(Heads):
@@ -56,6 +61,7 @@ class Problem(Heads):
     module: Optional[str]
     layout: str = "bshd"
     gqa: str = "native"
+    head_dim_v: Optional[int] = None        # V's (and O's) head dim where it differs from Q's and K's
     _intervals: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -128,6 +134,7 @@ def parse_problem(params: Any) -> Problem:
     seqlen, head_dim = _int(shape, "seqlen", "shape"), _int(shape, "head_dim", "shape")
     if hq % hkv:
         raise BadRequest(f"heads_q ({hq}) must be a multiple of heads_kv ({hkv})")
+    head_dim_v = _int(shape, "head_dim_v", "shape") if shape.get("head_dim_v") is not None else None
     harness = dict(HARNESS_DEFAULTS)
     harness.update({k: v for k, v in (params.get("harness") or {}).items() if k in HARNESS_DEFAULTS})
     harness["min_reps"] = max(1, int(harness["min_reps"]))
@@ -149,7 +156,7 @@ def parse_problem(params: Any) -> Problem:
                       int(params.get("seed") if params.get("seed") is not None else 42),
                       params.get("inputs_dir"), params.get("outputs_dir"),
                       int(params.get("check_rows") or 64), harness,
-                      device, params.get("module"), layout, gqa)
+                      device, params.get("module"), layout, gqa, head_dim_v)
     validate_mask_set(problem)
     return problem
 

@@ -66,7 +66,7 @@ def sdpa_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
     elif mask_heads:
         kernel.extra_bytes += mask_heads * s * (s + 16) * max(e, 4)  # the mask as an additive bias
     if gqa:
-        kernel.extra_bytes += 2 * p.heads_q * s * p.head_dim * e * grad_factor
+        kernel.extra_bytes += p.heads_q * s * (p.head_dim + p.value_dim) * e * grad_factor
 
     def setup(native: Dict[str, Any]) -> None:
         if not mask_heads:
