@@ -88,7 +88,7 @@ def harness_runner(record, kernel, page_size, pages, rng):
     step = bridge_decode.Step(kernel=kernel, dtype=record["dtype"], device="cuda", bytes=record["bytes"],
                               kv_lens=list(record["kv_lens"]), queries=record["queries"], heads_q=record["heads_q"],
                               heads_kv=record["heads_kv"], head_dim=d, page_size=page_size, pages=pages,
-                              inputs_dir="", outputs_dir="", harness={})
+                              inputs_dir="", outputs_dir="")
     return bridge_decode.RUNNERS[kernel](step, arrays)
 
 

@@ -269,38 +269,77 @@ impl Harness {
     /// The same protocol for a repetition that times itself (device events, say): `rep` does
     /// whatever must happen before the timed region, then returns the seconds the region took.
     pub fn time_with(&self, mut rep: impl FnMut() -> f64) -> Timing {
-        let warmup_start = Instant::now();
-        let mut warmups = 0;
-        while warmups < self.warmup_reps || warmup_start.elapsed().as_secs_f64() < self.warmup_s {
-            rep();
-            warmups += 1;
-            if warmups >= self.max_reps {
-                break;
+        let mut run = HarnessRun::new(self);
+        loop {
+            if let Some(timing) = run.record(rep()) {
+                return timing;
             }
         }
-        let start = Instant::now();
-        let mut samples = Vec::new();
-        loop {
-            samples.push(rep());
-            let rel_ci = median_rel_ci(&samples);
-            let n = samples.len() as u32;
-            let stopped = if n >= self.min_reps && rel_ci <= self.target_rel_ci {
-                Some("stable")
-            } else if n >= self.max_reps {
-                Some("max reps")
-            } else if n >= self.min_reps.min(3) && start.elapsed().as_secs_f64() >= self.max_time_s
-            {
-                Some("time cap")
-            } else {
-                None
-            };
-            if let Some(stopped) = stopped {
-                return Timing {
-                    samples,
-                    rel_ci,
-                    stopped: stopped.into(),
-                };
-            }
+    }
+}
+
+/// One timing run under a [`Harness`], a repetition at a time: the rule itself, for
+/// [`Harness::time_with`] and for repetitions that run elsewhere and are reported as they finish
+/// (the Python worker's, which asks after each whether another follows). The warm-up clock
+/// starts when the run is made.
+pub struct HarnessRun<'a> {
+    harness: &'a Harness,
+    warmups: u32,
+    warmup_start: Instant,
+    /// When the timed repetitions began; `None` while warming up.
+    timed_start: Option<Instant>,
+    samples: Vec<f64>,
+}
+
+impl<'a> HarnessRun<'a> {
+    pub fn new(harness: &'a Harness) -> HarnessRun<'a> {
+        let mut run = HarnessRun {
+            harness,
+            warmups: 0,
+            warmup_start: Instant::now(),
+            timed_start: None,
+            samples: Vec::new(),
+        };
+        run.end_warmup_if_done();
+        run
+    }
+
+    /// Records a finished repetition's seconds (a warm-up's are dropped): the timing once the
+    /// rule stops the run, `None` while another repetition should follow.
+    pub fn record(&mut self, seconds: f64) -> Option<Timing> {
+        let Some(start) = self.timed_start else {
+            self.warmups += 1;
+            self.end_warmup_if_done();
+            return None;
+        };
+        self.samples.push(seconds);
+        let h = self.harness;
+        let rel_ci = median_rel_ci(&self.samples);
+        let n = self.samples.len() as u32;
+        let stopped = if n >= h.min_reps && rel_ci <= h.target_rel_ci {
+            "stable"
+        } else if n >= h.max_reps {
+            "max reps"
+        } else if n >= h.min_reps.min(3) && start.elapsed().as_secs_f64() >= h.max_time_s {
+            "time cap"
+        } else {
+            return None;
+        };
+        Some(Timing {
+            samples: std::mem::take(&mut self.samples),
+            rel_ci,
+            stopped: stopped.into(),
+        })
+    }
+
+    /// Warm-up lasts at least `warmup_reps` repetitions and `warmup_s` seconds, at most
+    /// `max_reps` repetitions.
+    fn end_warmup_if_done(&mut self) {
+        let h = self.harness;
+        let warming =
+            self.warmups < h.warmup_reps || self.warmup_start.elapsed().as_secs_f64() < h.warmup_s;
+        if !warming || self.warmups >= h.max_reps {
+            self.timed_start = Some(Instant::now());
         }
     }
 }
@@ -443,6 +482,59 @@ mod tests {
     fn a_constant_series_is_stable_and_a_noisy_one_is_not() {
         assert_eq!(median_rel_ci(&[1.0; 10]), 0.0);
         assert!(median_rel_ci(&[1.0, 2.0, 1.0, 2.0, 1.0, 2.0]) > 0.1);
+    }
+
+    /// Reported repetitions: the warm-ups' seconds are dropped, a steady series stops as stable
+    /// at `min_reps`, a noisy one runs to `max_reps`.
+    #[test]
+    fn a_reported_run_drops_the_warm_up_and_stops_by_the_rule() {
+        let harness = Harness {
+            warmup_reps: 2,
+            warmup_s: 0.0,
+            min_reps: 4,
+            max_reps: 9,
+            max_time_s: 60.0,
+            ..Harness::default()
+        };
+        let mut run = HarnessRun::new(&harness);
+        assert_eq!(run.record(100.0), None);
+        assert_eq!(run.record(100.0), None);
+        let mut timing = None;
+        for rep in 0..4 {
+            timing = run.record(1.0);
+            assert_eq!(timing.is_some(), rep == 3, "{timing:?}");
+        }
+        let timing = timing.unwrap();
+        assert_eq!(
+            (timing.samples, timing.stopped.as_str()),
+            (vec![1.0; 4], "stable")
+        );
+
+        let mut noisy = HarnessRun::new(&harness);
+        let seconds = [100.0, 100.0, 1.0, 3.0, 1.0, 3.0, 1.0, 3.0, 1.0, 3.0, 1.0];
+        let reports: Vec<_> = seconds.iter().map(|&s| noisy.record(s)).collect();
+        let done: Vec<usize> = (0..reports.len())
+            .filter(|&i| reports[i].is_some())
+            .collect();
+        assert_eq!(done, vec![10]);
+        assert_eq!(reports[10].as_ref().unwrap().stopped, "max reps");
+        assert_eq!(reports[10].as_ref().unwrap().samples.len(), 9);
+    }
+
+    #[test]
+    fn without_a_warm_up_the_first_repetition_is_timed() {
+        let harness = Harness {
+            warmup_reps: 0,
+            warmup_s: 0.0,
+            min_reps: 1,
+            max_reps: 1,
+            ..Harness::default()
+        };
+        let timing = HarnessRun::new(&harness).record(2.5).unwrap();
+        assert_eq!(
+            (timing.samples, timing.stopped.as_str()),
+            (vec![2.5], "max reps")
+        );
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The Python worker: one interpreter per native worker process, started on first use and kept
 //! for the nodes that follow, speaking JSON lines — requests on its stdin, one reply per line on
-//! its stdout. Its stderr is passed through to the node's log (the last lines are kept to explain
+//! its stdout, and within a request that times a kernel, a report of each repetition answered by
+//! the host's harness. Its stderr is passed through to the node's log (the last lines are kept to explain
 //! a death). It is killed with the native worker (PR_SET_PDEATHSIG), so a node timeout ends both.
 
 use std::collections::VecDeque;
@@ -11,6 +12,7 @@ use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::{Arc, Mutex};
 
+use attnbench_sdk::measure::{Harness, HarnessRun};
 use attnbench_sdk::PluginError;
 use serde_json::{json, Value};
 
@@ -182,37 +184,53 @@ impl Bridge {
         }
     }
 
-    /// Sends one request and waits for its reply.
-    pub fn request(&mut self, op: &str, params: Value) -> Reply {
+    /// Sends one request and waits for its reply. While the request runs, the worker reports
+    /// each timed repetition it makes and `harness` answers whether another follows (the rule
+    /// of every attnbench measurement, in one place: [`HarnessRun`]).
+    pub fn request(&mut self, op: &str, params: Value, harness: Option<&Harness>) -> Reply {
         let id = self.next_id;
         self.next_id += 1;
-        let line = json!({"id": id, "op": op, "params": params}).to_string();
-        if writeln!(self.requests, "{line}")
+        if !self.send(&json!({"id": id, "op": op, "params": params})) {
+            return Reply::Died(self.death());
+        }
+        let mut run: Option<HarnessRun> = None;
+        loop {
+            let Some(message) = self.read_line() else {
+                return Reply::Died(self.death());
+            };
+            if message["id"] != id {
+                return Reply::Failed(format!(
+                    "the Python worker answered request {id} with {message}"
+                ));
+            }
+            if message["type"] != "rep" {
+                return reply_of(message);
+            }
+            let answer = match (harness, message["seconds"].as_f64()) {
+                (None, _) => json!({"id": id, "error": format!("a `{op}` request times nothing")}),
+                (Some(_), None) => {
+                    json!({"id": id, "error": "a repetition's report needs `seconds`, a number"})
+                }
+                (Some(harness), Some(seconds)) => {
+                    let timing = run
+                        .get_or_insert_with(|| HarnessRun::new(harness))
+                        .record(seconds);
+                    if timing.is_some() {
+                        run = None;
+                    }
+                    json!({"id": id, "timing": timing})
+                }
+            };
+            if !self.send(&answer) {
+                return Reply::Died(self.death());
+            }
+        }
+    }
+
+    fn send(&mut self, message: &Value) -> bool {
+        writeln!(self.requests, "{message}")
             .and_then(|_| self.requests.flush())
-            .is_err()
-        {
-            return Reply::Died(self.death());
-        }
-        let Some(reply) = self.read_line() else {
-            return Reply::Died(self.death());
-        };
-        if reply["id"] != id {
-            return Reply::Failed(format!(
-                "the Python worker answered request {id} with {reply}"
-            ));
-        }
-        if reply["ok"] == true {
-            return Reply::Ok(reply["result"].clone());
-        }
-        let error = reply["error"]
-            .as_str()
-            .unwrap_or("the Python worker failed without saying why")
-            .to_string();
-        if reply["kind"] == "params" {
-            Reply::BadParams(error)
-        } else {
-            Reply::Failed(error)
-        }
+            .is_ok()
     }
 
     /// How the worker ended, with its last stderr lines.
@@ -245,6 +263,22 @@ impl Bridge {
                 last.join(" | ")
             }
         )
+    }
+}
+
+/// A request's final message: its result, or its error.
+fn reply_of(message: Value) -> Reply {
+    if message["ok"] == true {
+        return Reply::Ok(message["result"].clone());
+    }
+    let error = message["error"]
+        .as_str()
+        .unwrap_or("the Python worker failed without saying why")
+        .to_string();
+    if message["kind"] == "params" {
+        Reply::BadParams(error)
+    } else {
+        Reply::Failed(error)
     }
 }
 

@@ -86,12 +86,11 @@ pub fn run(request: &StageRequest) -> Result<Value, PluginError> {
         "bytes": problem.bytes(element_bytes),
         "inputs_dir": exchange.display().to_string(),
         "outputs_dir": exchange.display().to_string(),
-        "harness": harness,
     });
     let python = attnbench_sdk::environment::python_interpreter(&p.python);
     let clocks = || if on_gpu { nvml::clocks() } else { Value::Null };
     let clocks_before = clocks();
-    let (reply, hello) = with_bridge(&python, "decode", params)?;
+    let (reply, hello) = with_bridge(&python, "decode", params, Some(&harness))?;
     let clocks_after = clocks();
     let result = match reply {
         Reply::Ok(result) => result,

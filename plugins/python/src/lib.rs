@@ -55,7 +55,12 @@ static BRIDGE: Mutex<Option<Bridge>> = Mutex::new(None);
 
 /// Runs one request on a worker for `python`, starting one (or replacing one for another
 /// interpreter) as needed. A worker that died is dropped, so the next node starts afresh.
-fn with_bridge(python: &str, op: &str, params: Value) -> Result<(Reply, Value), PluginError> {
+fn with_bridge(
+    python: &str,
+    op: &str,
+    params: Value,
+    harness: Option<&Harness>,
+) -> Result<(Reply, Value), PluginError> {
     let mut guard = BRIDGE.lock().unwrap_or_else(|e| e.into_inner());
     if guard.as_ref().is_some_and(|b| b.python() != python) {
         *guard = None;
@@ -65,7 +70,7 @@ fn with_bridge(python: &str, op: &str, params: Value) -> Result<(Reply, Value), 
     }
     let bridge = guard.as_mut().expect("started above");
     let hello = bridge.hello.clone();
-    let reply = bridge.request(op, params);
+    let reply = bridge.request(op, params, harness);
     if matches!(reply, Reply::Died(_)) {
         *guard = None;
     }
@@ -141,7 +146,7 @@ struct BackendsParams {
 fn backends(request: &StageRequest) -> Result<Value, PluginError> {
     let p: BackendsParams = request.params()?;
     let python = attnbench_sdk::environment::python_interpreter(&p.python);
-    let (reply, hello) = with_bridge(&python, "backends", Value::Null)?;
+    let (reply, hello) = with_bridge(&python, "backends", Value::Null, None)?;
     let backends = match reply {
         Reply::Ok(value) => value,
         Reply::BadParams(message) => return Err(PluginError::Params(message)),
@@ -269,14 +274,13 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         "inputs_dir": full_check.then(|| exchange.display().to_string()),
         "outputs_dir": full_check.then(|| exchange.display().to_string()),
         "check_rows": p.check_rows,
-        "harness": harness,
         "device": if on_gpu { "cuda" } else { "cpu" },
         "layout": p.layout,
         "gqa": p.gqa,
     });
     let python = attnbench_sdk::environment::python_interpreter(&p.python);
     host.debug(&format!("running {kernel} in `{python}`"));
-    let (reply, hello) = with_bridge(&python, "benchmark", params)?;
+    let (reply, hello) = with_bridge(&python, "benchmark", params, Some(&harness))?;
     let clocks_after = clocks();
     measurement.details.insert("python".into(), hello);
     let result = match reply {

@@ -11,6 +11,10 @@ Protocol (version 1)
 * ``{"id":N,"op":"benchmark","params":{...}}`` -> ``{"id":N,"ok":true,"result":{...}}``; an
   unexpected exception gives ``{"id":N,"ok":false,"error":"<one sentence>","traceback":"..."}``
   and the bridge keeps serving.
+* While a request times a kernel, each repetition is reported as
+  ``{"id":N,"type":"rep","seconds":S}`` and waits for the host's answer, ``{"id":N,"timing":null}``
+  for another repetition or ``{"id":N,"timing":{"samples","rel_ci","stopped"}}`` when its harness
+  stops the run: warm-up, stopping rule and caps are the host's, so every measurement follows one.
 * ``{"id":N,"op":"shutdown"}`` -> ``{"id":N,"ok":true,"result":null}``, then exit 0; EOF -> exit 0.
 * A line that is not a JSON object, or an unknown op -> ``ok:false`` (``id`` null when unknown).
 
@@ -66,12 +70,12 @@ from .encodings import (block_grid, blocks_of, classify, dense_mask, flashmask_c
                         varlen_encoding)
 from .flash import FA4_TILE, block_lookup, tile_kinds
 from .flex_forms import form_differs, pattern_mask_mod
-from .harness import event_rep, median_rel_ci
+from .harness import event_rep
 from .checks import relative_error
 from .problem import parse_problem
 from .protocol import serve
 
 __all__ = ["FA4_TILE", "block_grid", "block_lookup", "blocks_of", "classify", "dense_mask", "event_rep", "flashmask_columns",
-           "form_differs", "grid_tile_kinds", "harness_rep", "median_rel_ci", "most_intervals", "parse_problem", "pattern_mask_mod", "relative_error",
+           "form_differs", "grid_tile_kinds", "harness_rep", "most_intervals", "parse_problem", "pattern_mask_mod", "relative_error",
            "row_groups", "row_interval_list", "row_interval_pairs", "row_intervals", "row_keys", "serve",
            "tile_kinds", "uniform_grid", "varlen_encoding"]

@@ -45,7 +45,6 @@ class Step(Heads):
     pages: Optional[List[List[int]]]
     inputs_dir: str
     outputs_dir: str
-    harness: dict
 
     @property
     def batch(self) -> int:
@@ -73,7 +72,7 @@ def parse_step(params: Any) -> Step:
                     heads_q=int(problem["heads_q"]), heads_kv=int(problem["heads_kv"]),
                     head_dim=int(problem["head_dim"]), page_size=problem.get("page_size"),
                     pages=params.get("pages"), inputs_dir=params["inputs_dir"],
-                    outputs_dir=params["outputs_dir"], harness=params["harness"])
+                    outputs_dir=params["outputs_dir"])
     except (KeyError, TypeError, ValueError) as error:
         raise BadRequest(f"decode params: {error!r} missing or malformed") from error
     if step.kernel not in RUNNERS:
@@ -184,7 +183,7 @@ def numpy_runner(step: Step, arrays: Dict[str, Any]) -> Runner:
             begin = time.perf_counter()
             np.copyto(target, source)
             return time.perf_counter() - begin
-        median = sorted(run_harness(one, step.harness)["samples"])
+        median = sorted(run_harness(one)["samples"])
         return 2 * source.nbytes / median[len(median) // 2], "numpy.copyto of the step's bytes (64 MiB to 1 GiB), one thread"
     return Runner(call=compute, rep=rep, copy=copy,
                   details={"backend": "numpy", "numpy": np.__version__, "cache": "paged" if step.pages else "packed"})
@@ -195,7 +194,7 @@ def torch_copy(step: Step, torch: Any, device: Any) -> Callable[[int], Tuple[flo
         count = max(min(count, COPY_BYTES[1]), COPY_BYTES[0], 2 * l2_flush_bytes(torch, device))
         source = torch.ones(count, dtype=torch.uint8, device=device)
         target = torch.empty_like(source)
-        samples = sorted(run_harness(event_rep(torch, device, lambda: target.copy_(source)), step.harness)["samples"])
+        samples = sorted(run_harness(event_rep(torch, device, lambda: target.copy_(source)))["samples"])
         return 2 * count / samples[len(samples) // 2], "torch copy_ between device tensors of the step's bytes (at least twice the L2 and 64 MiB, at most 1 GiB)"
     return copy
 
@@ -380,7 +379,7 @@ def measure(step: Step) -> dict:
     out.astype("<f4").tofile(os.path.join(step.outputs_dir, "out.f32"))
     if lse is not None:
         lse.astype("<f4").tofile(os.path.join(step.outputs_dir, "lse.f32"))
-    timing = run_harness(runner.rep, step.harness)
+    timing = run_harness(runner.rep)
     rate, counted = runner.copy(step.bytes)
     return {"status": "ok", "lse": lse is not None, **timing, "copy_bytes_per_s": rate, "copy_counted": counted,
             "details": runner.details, "environment": base_environment()}

@@ -128,7 +128,7 @@ def run_numpy(p: Problem, kernel: NumpyKernel) -> dict:
         step()
         return time.perf_counter() - begin
 
-    timing = run_harness(rep, p.harness)
+    timing = run_harness(rep)
     env = dict(base_environment(), device="cpu", device_name=platform.processor() or platform.machine())
     env.update(kernel.env)
     if notes:

@@ -1,5 +1,5 @@
-"""One benchmark request as the bridge reads it: the kernel, direction, shape, mask set and harness
-settings.
+"""One benchmark request as the bridge reads it: the kernel, direction, shape and mask set (the
+timing harness is the host's: see `harness.run_harness`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ KERNELS = ("numpy", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "
 DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
 LAYOUTS = ("auto", "bshd", "bhsd")  # how inputs are stored; see to_layout and documented_layout
 GQA_MODES = ("native", "expand")  # how SDPA gets grouped K and V; see sdpa_adapter
-HARNESS_DEFAULTS = {"warmup_reps": 3, "warmup_s": 0.1, "min_reps": 10, "max_reps": 200,
-                    "max_time_s": 5.0, "target_rel_ci": 0.01}
 
 
 class Heads:
@@ -56,7 +54,6 @@ class Problem(Heads):
     inputs_dir: Optional[str]
     outputs_dir: Optional[str]
     check_rows: int
-    harness: dict
     device: str
     module: Optional[str]
     layout: str = "bshd"
@@ -135,10 +132,6 @@ def parse_problem(params: Any) -> Problem:
     if hq % hkv:
         raise BadRequest(f"heads_q ({hq}) must be a multiple of heads_kv ({hkv})")
     head_dim_v = _int(shape, "head_dim_v", "shape") if shape.get("head_dim_v") is not None else None
-    harness = dict(HARNESS_DEFAULTS)
-    harness.update({k: v for k, v in (params.get("harness") or {}).items() if k in HARNESS_DEFAULTS})
-    harness["min_reps"] = max(1, int(harness["min_reps"]))
-    harness["max_reps"] = max(int(harness["max_reps"]), harness["min_reps"])
     device = "cpu" if kernel == "numpy" else params.get("device") or "cuda"
     if device not in ("cuda", "cpu"):
         raise BadRequest(f"device must be cuda or cpu, got {device!r}")
@@ -155,7 +148,7 @@ def parse_problem(params: Any) -> Problem:
     problem = Problem(kernel, direction, hq, hkv, seqlen, head_dim, dtype, params.get("mask"),
                       int(params.get("seed") if params.get("seed") is not None else 42),
                       params.get("inputs_dir"), params.get("outputs_dir"),
-                      int(params.get("check_rows") or 64), harness,
+                      int(params.get("check_rows") or 64),
                       device, params.get("module"), layout, gqa, head_dim_v)
     validate_mask_set(problem)
     return problem

@@ -8,11 +8,11 @@ import os
 import platform
 import sys
 import traceback
-from typing import Any, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from .decode import decode
 from .dispatch import backends, benchmark
-from .harness import release_memory
+from .harness import release_memory, reporting_to
 from .support import BadRequest, first_line, log
 
 
@@ -37,8 +37,12 @@ def plain(value: Any) -> Any:
     return str(value)
 
 
-def handle(line: str) -> Tuple[dict, bool]:
-    """The response to one request line, and whether to stop afterwards."""
+Report = Callable[[float], Optional[dict]]
+
+
+def handle(line: str, report_for: Callable[[Any], Report]) -> Tuple[dict, bool]:
+    """The response to one request line, and whether to stop afterwards. `report_for(id)` is how
+    the request's timed repetitions reach the host."""
     try:
         request = json.loads(line)
     except ValueError as error:
@@ -53,7 +57,8 @@ def handle(line: str) -> Tuple[dict, bool]:
                 "error": f"unknown op {op!r}; the bridge knows backends, benchmark, decode and shutdown"}, False
     params = request.get("params") or {}
     try:
-        return {"id": rid, "ok": True, "result": OPS[op](params)}, False
+        with reporting_to(report_for(rid)):
+            return {"id": rid, "ok": True, "result": OPS[op](params)}, False
     except BadRequest as error:
         reply = {"id": rid, "ok": False, "error": f"bad {op} request: {error}", "kind": "params"}
     except (Exception, SystemExit) as error:
@@ -78,13 +83,25 @@ def serve() -> int:
 
     send({"type": "hello", "protocol": PROTOCOL, "python": platform.python_version(),
           "executable": sys.executable, "pid": os.getpid()})
+    def report_for(rid: Any) -> Report:
+        def report(seconds: float) -> Optional[dict]:
+            send({"id": rid, "type": "rep", "seconds": seconds})
+            line = sys.stdin.readline()
+            if not line:
+                raise RuntimeError("the host closed stdin while a repetition's report was waiting for its answer")
+            answer = json.loads(line)
+            if not isinstance(answer, dict) or answer.get("id") != rid or "error" in answer:
+                raise RuntimeError(f"the host answered a repetition's report with {line.strip()[:200]}")
+            return answer.get("timing")
+        return report
+
     while True:
         line = sys.stdin.readline()
         if not line:
             return 0
         if not line.strip():
             continue
-        reply, stop = handle(line)
+        reply, stop = handle(line, report_for)
         send(reply)
         if stop:
             return 0
