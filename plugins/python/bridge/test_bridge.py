@@ -131,9 +131,31 @@ def sl(q0, q1, k0, k1, kind):
     return {"q": [q0, q1], "k": [k0, k1], "kind": kind}
 
 
-def mask_set(pattern, s, slice_lists, scope="shared"):
+def mask_set(pattern, s, slice_lists, scope="shared", varlen=None):
+    """A mask set; `varlen`, its documents-with-a-window encoding where the test built it as one."""
     masks = [{"seqlen_q": s, "seqlen_k": s, "slices": slices} for slices in slice_lists]
-    return {"pattern": pattern, "seqlen": s, "params": {}, "documents": [], "scope": scope, "masks": masks}
+    mset = {"pattern": pattern, "seqlen": s, "params": {}, "documents": [], "scope": scope, "masks": masks}
+    if varlen is not None:
+        mset["_varlen"] = varlen
+    return mset
+
+
+def varlen(lengths, left=-1, right=-1):
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return {"cu_seqlens": cu, "max_seqlen": max(lengths), "left": left, "right": right}
+
+
+def request_mask(mset):
+    """The mask set and the encodings the host sends with it (the IR computes them there; here
+    they are known from how the test built the set): None where heads' masks differ."""
+    mask = {k: v for k, v in mset.items() if not k.startswith("_")}
+    if any(m != mset["masks"][0] for m in mset["masks"][1:]):
+        return mask, None
+    found, columns = mset.get("_varlen"), mset.get("_flashmask")
+    return mask, {"varlen": {"encoding": found} if found else {"refused": "not documents with one window"},
+                  "flashmask": {"encoding": columns} if columns else {"refused": "not built as columns"}}
 
 
 def causal(s):
@@ -154,12 +176,14 @@ def documents(lengths, kind):
 
 def mask_sets(s):
     half, quarter = s // 2, s // 4
+    thirds = [s // 3, s // 2, s - s // 3 - s // 2]
     return {
-        "causal": mask_set("causal", s, [causal(s)]),
-        "full": mask_set("full", s, [[sl(0, s, 0, s, "full")]]),
-        "causal_document": mask_set("causal_document", s, [documents([s // 3, s // 2, s - s // 3 - s // 2], "causal")]),
-        "full_document": mask_set("full_document", s, [documents([quarter, s - quarter], "full")]),
-        "sliding_window": mask_set("sliding_window_causal", s, [window(s, 16)]),
+        "causal": mask_set("causal", s, [causal(s)], varlen=varlen([s], right=0)),
+        "full": mask_set("full", s, [[sl(0, s, 0, s, "full")]], varlen=varlen([s])),
+        "causal_document": mask_set("causal_document", s, [documents(thirds, "causal")], varlen=varlen(thirds, right=0)),
+        "full_document": mask_set("full_document", s, [documents([quarter, s - quarter], "full")],
+                                  varlen=varlen([quarter, s - quarter])),
+        "sliding_window": mask_set("sliding_window_causal", s, [window(s, 16)], varlen=varlen([s], left=16, right=0)),
         # overlapping slices, rows [3s/4, s) with no key, and a slice with no cell at all
         "empty_rows": mask_set("prefix_with_gaps", s, [[sl(0, half, 0, s, "full"),
                                                          sl(quarter, s, half, s, "inv_causal"),
@@ -263,8 +287,9 @@ class Case:
 
     def params(self, kernel, mset, direction="fwd", dtype="f32", with_inputs=True, **extra):
         outputs = temporary_dir("bridge-out-") if with_inputs else None
+        mask, encodings = request_mask(mset)
         params = {"kernel": kernel, "direction": direction, "shape": self.shape(), "dtype": dtype,
-                  "mask": mset, "seed": 42, "inputs_dir": self.dir if with_inputs else None,
+                  "mask": mask, "encodings": encodings, "seed": 42, "inputs_dir": self.dir if with_inputs else None,
                   "outputs_dir": outputs, "check_rows": 16, "device": "cpu"}
         params.update(extra)
         return params
@@ -656,11 +681,16 @@ def test_gpu(bridge, report):
                 print(f"INFO {label}: lse {'written' if lse else 'absent'}, memory {result['memory']}, "
                       f"phases {result['phases']}, notes {result['environment'].get('notes')}")
     big = {"heads_q": 16, "heads_kv": 4, "seqlen": 4096, "head_dim": 128}
-    mset = mask_set("causal_document", 4096, [documents([1000, 2000, 1096], "causal")])
+    lengths = [1000, 2000, 1096]
+    mset = mask_set("causal_document", 4096, [documents(lengths, "causal")], varlen=varlen(lengths, right=0))
+    # FlashMask's columns of causal documents: key k's rows from its document's end on are masked.
+    ends = np.repeat(np.cumsum(lengths), lengths).tolist()
+    mset["_flashmask"] = {"causal": True, "lts": ends, "lte": [4096] * 4096, "uts": [0] * 4096, "ute": [0] * 4096}
+    mask, encodings = request_mask(mset)
     for kernel in kernels:
         direction = "fwd" if kernel in ("flashinfer", "flashmask") else "fwd_bwd"
-        params = {"kernel": kernel, "direction": direction, "shape": big, "dtype": "bf16", "mask": mset,
-                  "seed": 1, "inputs_dir": None, "outputs_dir": None, "check_rows": 64, "device": "cuda"}
+        params = {"kernel": kernel, "direction": direction, "shape": big, "dtype": "bf16", "mask": mask,
+                  "encodings": encodings, "seed": 1, "inputs_dir": None, "outputs_dir": None, "check_rows": 64, "device": "cuda"}
         reply = bridge.request("benchmark", params, reps=10)
         result = reply.get("result") or {}
         label = f"cuda {kernel} 16x4 heads, 4k causal_document {direction}"
@@ -674,8 +704,9 @@ def test_gpu(bridge, report):
             print(f"INFO {label}: median {median * 1e3:.3f} ms over {len(result['samples'])} ({result['stopped']}), "
                   f"memory {result['memory']}, phases {result['phases']}, env {result['environment']}")
     huge = {"heads_q": 64, "heads_kv": 8, "seqlen": 1 << 18, "head_dim": 128}
+    mask, encodings = request_mask(mask_set("causal", 1 << 18, [causal(1 << 18)], varlen=varlen([1 << 18], right=0)))
     params = {"kernel": "sdpa-math", "direction": "fwd", "shape": huge, "dtype": "bf16", "seed": 1,
-              "mask": mask_set("causal", 1 << 18, [causal(1 << 18)]), "inputs_dir": None, "outputs_dir": None,
+              "mask": mask, "encodings": encodings, "inputs_dir": None, "outputs_dir": None,
               "check_rows": 8, "device": "cuda"}
     reply = bridge.request("benchmark", params)
     result = reply.get("result") or {}
@@ -717,8 +748,8 @@ def test_encodings():
                 decoded |= (k >= lo[:, None]) & (k < hi[:, None])
             check(f"encodings {label}: {most} intervals a row decode back", most == max(runs) and (decoded == want).all())
             check(f"encodings {label}: fewer intervals a row refused", most == 0 or bridge.row_interval_list(mask, most - 1) is None)
-            encoding, why = bridge.varlen_encoding(mask)
-            if encoding is not None:
+            encoding = mset.get("_varlen") if mset["scope"] == "shared" else None
+            if encoding is not None:  # the encodings this test sends as the host's decode back
                 cu, left, right = encoding["cu_seqlens"], encoding["left"], encoding["right"]
                 decoded = np.zeros_like(want)
                 for start, end in zip(cu[:-1], cu[1:]):
@@ -726,17 +757,6 @@ def test_encodings():
                         for k in range(start, end):
                             decoded[q, k] = (left < 0 or q - k <= left) and (right < 0 or k - q <= right)
                 check(f"encodings {label}: varlen {encoding} decodes back", (decoded == want).all())
-            else:
-                check(f"encodings {label}: varlen refused with a reason ({why})", bool(why) and any(c != 1 for c in runs))
-            columns, why = bridge.flashmask_columns(mask)
-            if columns is not None:
-                lts, lte = columns["columns"][0], columns["columns"][1]
-                uts, ute = (columns["columns"][2], columns["columns"][3]) if len(columns["columns"]) == 4 else (np.zeros(s), np.zeros(s))
-                q, k = np.arange(s)[:, None], np.arange(s)[None, :]
-                decoded = ~((columns["causal"] & (q < k)) | ((lts[k] <= q) & (q < lte[k])) | ((uts[k] <= q) & (q < ute[k])))
-                check(f"encodings {label}: flashmask columns decode back", (decoded == want).all())
-            else:
-                check(f"encodings {label}: flashmask refused with a reason ({why})", bool(why))
     # Random unions of slices of every kind, overlapping, empty and crossing each other's bands:
     # the row groups behind the interval encodings against the dense mask.
     rng = np.random.default_rng(3)
@@ -804,12 +824,26 @@ def test_encodings():
                 (expand(grid, i) == dense_reference(m)).all() for i, m in enumerate(mset["masks"])))
     test_tile_kinds(bridge)
     sets = mask_sets(s)
-    forms = {name: bridge.classify(sets[name]["masks"][0]) for name in ("causal", "full", "causal_document", "sliding_window")}
-    check(f"encodings: classify {forms}", forms == {"causal": "causal", "full": "full", "causal_document": None,
-                                                    "sliding_window": None})
-    encoding, _ = bridge.varlen_encoding(sets["sliding_window"]["masks"][0])
-    check(f"encodings: sliding window is one document with left 16 ({encoding})",
-          encoding == {"cu_seqlens": [0, s], "max_seqlen": s, "left": 16, "right": 0})
+    shape = {"heads_q": 4, "heads_kv": 2, "seqlen": s, "head_dim": 8}
+    forms = {}
+    for name in ("causal", "full", "causal_document", "sliding_window", "per_head"):
+        mask, encodings = request_mask(sets[name])
+        forms[name] = bridge.parse_problem({"kernel": "numpy", "shape": shape, "mask": mask, "encodings": encodings}).form()
+    check(f"encodings: full and causal read from the host's varlen ({forms})",
+          forms == {"causal": "causal", "full": "full", "causal_document": None, "sliding_window": None, "per_head": None})
+    mask, _ = request_mask(sets["causal"])
+    bare = bridge.parse_problem({"kernel": "numpy", "shape": shape, "mask": mask})
+    try:
+        bare.varlen()
+        check("encodings: a request without the host's encodings is refused", False)
+    except Exception as error:
+        check("encodings: a request without the host's encodings is refused",
+              "params.encodings.varlen is missing" in str(error), str(error))
+    columns = {"causal": True, "lts": [s] * s, "lte": [s] * s, "uts": [0] * s, "ute": [0] * s}
+    flash = bridge.parse_problem({"kernel": "numpy", "shape": shape, "mask": mask,
+                                  "encodings": {"varlen": {"refused": "-"}, "flashmask": {"encoding": columns}}}).flashmask()[0]
+    check("encodings: the host's FlashMask columns become two int32 arrays with the causal flag",
+          flash["causal"] and len(flash["columns"]) == 2 and all(c.dtype == np.int32 and len(c) == s for c in flash["columns"]))
     check("encodings: relative error, -inf matches", bridge.relative_error([1.0, -np.inf], [1.0, -np.inf]) == 0.0)
     check("encodings: relative error, NaN fails", bridge.relative_error([np.nan, 1.0], [0.0, 1.0]) == math.inf)
     check("encodings: relative error, all-zero reference is absolute",

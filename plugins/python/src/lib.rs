@@ -9,6 +9,7 @@
 
 mod bridge;
 mod decode;
+mod encodings;
 
 use std::sync::Mutex;
 
@@ -270,6 +271,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         "shape": {"heads_q": p.common.heads_q, "heads_kv": p.common.heads_kv, "seqlen": shape.seqlen, "head_dim": p.common.head_dim, "head_dim_v": shape.head_dim_v},
         "dtype": p.common.dtype,
         "mask": set,
+        "encodings": encodings::of_shared_mask(&set, p.kernel == PyKernel::Flashmask),
         "seed": request.seed,
         "inputs_dir": full_check.then(|| exchange.display().to_string()),
         "outputs_dir": full_check.then(|| exchange.display().to_string()),

@@ -1,5 +1,6 @@
-"""The mask IR's slices turned into what kernels take: row intervals, dense masks, documents with a
-window (varlen), block grids, FlashMask columns.
+"""The mask IR's slices turned into the tables kernels take: row intervals, dense masks, block
+grids. Documents with a window (varlen), full and causal, and FlashMask's columns come from the
+host with the request (`Problem.varlen`, `Problem.flashmask`), computed by the IR itself.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 from .support import _np
 
 
-# A mask is the union of its slices; every encoding a kernel takes is derived here from them.
+# A mask is the union of its slices; the tables are derived here from them.
 SLICE_KINDS = ("full", "causal", "inv_causal", "bi_causal")
 FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL = range(len(SLICE_KINDS))
 
@@ -214,59 +215,6 @@ def dense_mask(mask: dict, torch: Any = None, device: Any = None) -> Any:
     return dense
 
 
-def classify(mask: dict) -> Optional[str]:
-    """'full' or 'causal' (top-left = bottom-right on a square) when the union is exactly that."""
-    np = _np()
-    if mask["seqlen_q"] != mask["seqlen_k"]:
-        return None
-    lo, hi, count = row_intervals(mask)
-    s = mask["seqlen_q"]
-    if not (count == 1).all() or not (lo == 0).all():
-        return None
-    if (hi == s).all():
-        return "full"
-    if (hi == np.arange(1, s + 1)).all():
-        return "causal"
-    return None
-
-
-def varlen_encoding(mask: dict) -> Tuple[Optional[dict], str]:
-    """Documents (cu_seqlens) with one sliding window inside each, as FlashAttention's varlen
-    entry points take it: within a document, q sees k when q - k <= left and k - q <= right
-    (-1 = unbounded). Returns (encoding, "") or (None, why not)."""
-    np = _np()
-    s = mask["seqlen_q"]
-    if s != mask["seqlen_k"]:
-        return None, "queries and keys have different lengths"
-    lo, hi, count = row_intervals(mask)
-    bad = np.nonzero(count != 1)[0]
-    if bad.size:
-        q = int(bad[0])
-        return None, (f"row {q} has no allowed key" if count[q] == 0
-                      else f"row {q} has {int(count[q])} separate key intervals")
-    # Document boundaries: positions p that no row's interval crosses.
-    p = np.arange(1, s)
-    reach = np.maximum.accumulate(hi)[:-1]
-    suffix_min = np.minimum.accumulate(lo[::-1])[::-1][1:]
-    cuts = p[(reach <= p) & (suffix_min >= p)]
-    cu = np.concatenate([[0], cuts, [s]]).astype(np.int64)
-    lengths = np.diff(cu)
-    start, end = np.repeat(cu[:-1], lengths), np.repeat(cu[1:], lengths)
-    q = np.arange(s)
-    clipped_left, clipped_right = lo > start, hi < end
-    left = int((q - lo)[clipped_left].max()) if clipped_left.any() else -1
-    right = int((hi - 1 - q)[clipped_right].max()) if clipped_right.any() else -1
-    left, right = max(left, -1), max(right, -1)
-    want_lo = start if left < 0 else np.maximum(start, q - left)
-    want_hi = end if right < 0 else np.minimum(end, q + right + 1)
-    wrong = np.nonzero((want_lo != lo) | (want_hi != hi))[0]
-    if wrong.size:
-        r = int(wrong[0])
-        return None, f"row {r} allows keys [{int(lo[r])}, {int(hi[r])}), which no single window gives"
-    return {"cu_seqlens": [int(c) for c in cu], "max_seqlen": int(lengths.max()),
-            "left": left, "right": right}, ""
-
-
 def block_grid(masks: List[dict]) -> Tuple[Optional[Tuple[Any, Any, Any]], str]:
     """The masks on one grid of blocks, as block-sparse kernels take them: (row edges, column
     edges, kept[mask, row block, column block]), or (None, why not). The edges are every slice
@@ -339,39 +287,3 @@ def grid_tile_kinds(grid: Tuple[Any, Any, Any], s: int, tile: int) -> Tuple[Any,
     count = prefix[:, i1, j1] - prefix[:, i0, j1] - prefix[:, i1, j0] + prefix[:, i0, j0]
     whole = count == (i1 - i0) * (j1 - j0)
     return whole, (count > 0) & ~whole
-
-
-def flashmask_columns(mask: dict) -> Tuple[Optional[dict], str]:
-    """FlashMask's column bounds: per key, masked rows [LTS, LTE) and (non-causal) [UTS, UTE)."""
-    np = _np()
-    s = mask["seqlen_q"]
-    if s != mask["seqlen_k"]:
-        return None, "queries and keys have different lengths"
-    allowed = dense_mask(mask)
-    causal = not np.triu(allowed, 1).any()
-    masked = ~allowed
-    if causal:
-        masked &= np.tril(np.ones((s, s), bool))  # the causal flag already masks rows q < k
-    del allowed
-    above = np.zeros_like(masked)
-    above[1:] = masked[:-1]
-    below = np.zeros_like(masked)
-    below[:-1] = masked[1:]
-    starts, ends = masked & ~above, masked & ~below
-    runs = starts.sum(axis=0)
-    limit = 1 if causal else 2
-    bad = np.nonzero(runs > limit)[0]
-    if bad.size:
-        k = int(bad[0])
-        return None, f"key {k} has {int(runs[k])} masked row intervals; FlashMask allows {limit}"
-    first_start, first_end = starts.argmax(axis=0), ends.argmax(axis=0) + 1
-    last_start, last_end = s - 1 - starts[::-1].argmax(axis=0), s - ends[::-1].argmax(axis=0)
-    lts, lte = np.full(s, s, np.int32), np.full(s, s, np.int32)
-    uts, ute = np.zeros(s, np.int32), np.zeros(s, np.int32)
-    one, two = runs == 1, runs == 2
-    if causal:
-        lts[one], lte[one] = first_start[one], first_end[one]
-    else:
-        uts[one | two], ute[one | two] = first_start[one | two], first_end[one | two]
-        lts[two], lte[two] = last_start[two], last_end[two]
-    return {"causal": causal, "columns": [lts, lte] if causal else [lts, lte, uts, ute]}, ""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Dict, List, Tuple
 
-from .encodings import block_grid, blocks_of, grid_tile_kinds, most_intervals, row_interval_list, varlen_encoding
+from .encodings import block_grid, blocks_of, grid_tile_kinds, most_intervals, row_interval_list
 from .harness import Kernel, require_cuda, require_half, split_result
 from .problem import Problem
 from .support import Unavailable, Unsupported, _np, _package_version, need, parameters_of
@@ -31,7 +31,7 @@ def flash_plan(p: Problem, supports: str) -> dict:
     if shared is None:
         raise Unsupported(f"{p.kernel} runs one mask for every head; {p.pattern} has "
                           f"{p.mask_set['scope']} masks that differ")
-    encoding, why = varlen_encoding(shared)
+    encoding, why = p.varlen()
     if encoding is None:
         raise Unsupported(f"{p.kernel} runs {supports}; {p.pattern} is not expressible that way ({why})")
     return encoding

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 from typing import Any, Dict, Tuple
 
-from .encodings import flashmask_columns
 from .harness import Kernel, lse_to_heads, require_cuda, require_half, split_result
 from .problem import Problem
 from .support import Unsupported, _np, need, parameters_of
@@ -23,7 +22,7 @@ def flashmask_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
     shared = p.shared_mask()
     if shared is None:
         raise Unsupported(f"flashmask runs one mask for every head here; {p.pattern} has masks that differ")
-    columns, why = flashmask_columns(shared)
+    columns, why = p.flashmask()
     if columns is None:
         raise Unsupported(f"flashmask takes column bounds; {p.pattern} is not expressible that way ({why})")
     np, dlpack = _np(), importlib.import_module("torch.utils.dlpack")

@@ -59,6 +59,7 @@ class Problem(Heads):
     layout: str = "bshd"
     gqa: str = "native"
     head_dim_v: Optional[int] = None        # V's (and O's) head dim where it differs from Q's and K's
+    encodings: Optional[dict] = None        # the host's encodings of the shared mask (see `varlen`)
     _intervals: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -84,6 +85,41 @@ class Problem(Heads):
         if self.mask_set["scope"] == "shared" or all(m == first for m in self.masks[1:]):
             return first
         return None
+
+    def _encoding(self, name: str) -> dict:
+        """The host's `name` encoding of the shared mask: {"encoding": ...} or {"refused": why}."""
+        found = (self.encodings or {}).get(name)
+        if not isinstance(found, dict):
+            raise BadRequest(f"params.encodings.{name} is missing: the host sends the mask IR's encodings of "
+                             "the shared mask with every request")
+        return found
+
+    def varlen(self) -> Tuple[Optional[dict], str]:
+        """The shared mask as documents with one window inside each, as FlashAttention's varlen
+        entry points take it (the IR's `Mask::varlen`): within a document, q sees k when
+        q - k <= left and k - q <= right (-1 = unbounded). (encoding, "") or (None, why not)."""
+        found = self._encoding("varlen")
+        return found.get("encoding"), found.get("refused") or ""
+
+    def form(self) -> Optional[str]:
+        """'full' or 'causal' when the shared mask is exactly that: one document, no left bound,
+        and no right bound (full) or none past the diagonal (causal)."""
+        encoding = self.varlen()[0] if self.shared_mask() is not None else None
+        if encoding is None or encoding["cu_seqlens"] != [0, self.seqlen] or encoding["left"] != -1:
+            return None
+        return {-1: "full", 0: "causal"}.get(encoding["right"])
+
+    def flashmask(self) -> Tuple[Optional[dict], str]:
+        """The shared mask as FlashMask's column bounds (the IR's `Mask::flashmask`): per key,
+        masked rows [LTS, LTE) and, without the causal flag, [UTS, UTE) too. ({"causal",
+        "columns"}, "") or (None, why not)."""
+        found = self._encoding("flashmask")
+        encoding = found.get("encoding")
+        if encoding is None:
+            return None, found.get("refused") or ""
+        names = ("lts", "lte") if encoding["causal"] else ("lts", "lte", "uts", "ute")
+        np = _np()
+        return {"causal": encoding["causal"], "columns": [np.asarray(encoding[n], np.int32) for n in names]}, ""
 
     def intervals(self, index: int) -> Tuple[Any, Any, Any]:
         if index not in self._intervals:
@@ -149,7 +185,7 @@ def parse_problem(params: Any) -> Problem:
                       int(params.get("seed") if params.get("seed") is not None else 42),
                       params.get("inputs_dir"), params.get("outputs_dir"),
                       int(params.get("check_rows") or 64),
-                      device, params.get("module"), layout, gqa, head_dim_v)
+                      device, params.get("module"), layout, gqa, head_dim_v, params.get("encodings"))
     validate_mask_set(problem)
     return problem
 

@@ -8,8 +8,7 @@ import importlib
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .encodings import (block_grid, blocks_of, classify, dense_mask, grid_tile_kinds, row_interval_pairs, uniform_grid,
-                        varlen_encoding)
+from .encodings import block_grid, blocks_of, dense_mask, grid_tile_kinds, row_interval_pairs, uniform_grid
 from .flex_forms import form_differs, pattern_mask_mod
 from .harness import Kernel, split_result, synchronize
 from .problem import Problem
@@ -35,7 +34,7 @@ def sdpa_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
     backend, select = sdpa_backend(torch, p.kernel)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     shared = p.shared_mask()
-    form = classify(shared) if shared is not None else None
+    form = p.form()
     gqa = p.heads_q != p.heads_kv
     s, e = p.seqlen, ELEMENT_BYTES[p.dtype]
     state = {"mask": None, "expand": False}  # expand: K and V repeated inside the timed call
@@ -132,7 +131,7 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
     single = all((p.intervals(i)[2] <= 1).all() for i in range(len(p.masks)))
     pairs = None if single else [row_interval_pairs(m) for m in masks]
     two = pairs is not None and all(x is not None for x in pairs)
-    form = classify(shared) if shared is not None else None
+    form = p.form()
     # Full blocks on flex's block sizes need no mask_mod at all: preferred to any table.
     grid, _ = block_grid(masks) if form is None else (None, "")
     grid, uniform = uniform_grid(grid, p.seqlen) if grid is not None else (None, None)
@@ -140,7 +139,7 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
         (edges % b == 0).all() for edges in grid[:2])), None)
     # Documents and windows have a closed form, the one flex's documentation writes (a
     # document-id vector and index arithmetic): preferred to any table where no block form is exact.
-    closed = varlen_encoding(shared)[0] if shared is not None and form is None and not block else None
+    closed = p.varlen()[0] if shared is not None and form is None and not block else None
     # Other patterns with a closed form (prefixes, a shared question, blockwise, global windows):
     # the pattern's own parameters and documents, checked against the mask's rows before use.
     pattern = pattern_mask_mod(p.mask_set, torch, device) if shared is not None and form is None and not block \
@@ -259,7 +258,7 @@ def closed_form_description(encoding: Optional[dict]) -> str:
 
 
 def closed_form_mask_mod(encoding: dict, torch: Any, device: Any) -> Tuple[Callable[..., Any], List[Any]]:
-    """The mask_mod of documents with one window inside each (varlen_encoding's form): a
+    """The mask_mod of documents with one window inside each (`Problem.varlen`'s form): a
     document-id vector where there are several documents, index arithmetic for the window."""
     cu = encoding["cu_seqlens"]
     left, right = encoding["left"], encoding["right"]
