@@ -12,6 +12,7 @@
 //
 // The parts, by concern, under flash/; included in this order, each after what it uses.
 #include "flash/primitives.cuh"
+#include "flash/params.cuh"
 #include "flash/mask.cuh"
 #include "flash/forward_sm80.cuh"
 #include "flash/sm90_primitives.cuh"

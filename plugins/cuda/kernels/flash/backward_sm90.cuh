@@ -18,7 +18,8 @@
     const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles, const unsigned* __restrict__ order, \
     const unsigned* __restrict__ row_start, const unsigned* __restrict__ intervals, \
     const int* __restrict__ mask_of_head, int seqlen, int group, float scale, float scale_log2
-#define QUERY_TILE_TAIL_ARGS lse, delta, dq, tile_start, tiles, order, row_start, intervals, mask_of_head, seqlen, group, scale, scale_log2
+#define QUERY_TILE_TAIL_ARGS(p) p.lse, p.delta, p.dq, p.tile_start, p.tiles, p.order, p.interval_start, p.intervals, p.mask_of_head, \
+    p.seqlen, p.group, p.scale, p.scale_log2
 
 // A warpgroup's 64 query rows of a wgmma dQ kernel (this thread's rows row0 and row0 + 8): their
 // Q and dO fragments in registers, LSE·log2 e, D and key intervals.
@@ -435,21 +436,16 @@ __device__ void flash_backward_key_tma(KEY_TMA_PARAMS) {
 }
 
 #define FLASH_BACKWARD_DQ_HOPPER(SUFFIX, E) \
-extern "C" __global__ void __launch_bounds__(HOPPER_WARPGROUP, 2) flash_backward_dq_hopper_##SUFFIX( \
-    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ d_out, QUERY_TILE_TAIL) { \
-    flash_backward_dq_hopper<E>(q, k, v, d_out, QUERY_TILE_TAIL_ARGS); } \
-extern "C" __global__ void __launch_bounds__(3 * HOPPER_WARPGROUP, 1) flash_backward_dq_tma_##SUFFIX( \
-    const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map, const u16* __restrict__ q, \
-    const u16* __restrict__ d_out, QUERY_TILE_TAIL) { \
-    flash_backward_dq_tma<E>(&k_map, &v_map, q, d_out, QUERY_TILE_TAIL_ARGS); }
+extern "C" __global__ void __launch_bounds__(HOPPER_WARPGROUP, 2) flash_backward_dq_hopper_##SUFFIX(const __grid_constant__ FlashParams p) { \
+    flash_backward_dq_hopper<E>(p.q, p.k, p.v, p.d_out, QUERY_TILE_TAIL_ARGS(p)); } \
+extern "C" __global__ void __launch_bounds__(3 * HOPPER_WARPGROUP, 1) flash_backward_dq_tma_##SUFFIX(const __grid_constant__ FlashParams p) { \
+    flash_backward_dq_tma<E>(&p.k_map, &p.v_map, p.q, p.d_out, QUERY_TILE_TAIL_ARGS(p)); }
 #define FLASH_BACKWARD_DKDV_HOPPER(SUFFIX, E) \
-extern "C" __global__ void __launch_bounds__(HOPPER_WARPGROUP, 2) flash_backward_dkdv_hopper_##SUFFIX(KEY_TILE_PARAMS) { \
-    flash_backward_dkdv_hopper<E>(KEY_TILE_ARGS); }
+extern "C" __global__ void __launch_bounds__(HOPPER_WARPGROUP, 2) flash_backward_dkdv_hopper_##SUFFIX(const __grid_constant__ FlashParams p) { \
+    flash_backward_dkdv_hopper<E>(KEY_TILE_ARGS(p)); }
 #define FLASH_BACKWARD_KEY_TMA(NAME, SUFFIX, E, DQ) \
-extern "C" __global__ void __launch_bounds__(3 * HOPPER_WARPGROUP, 1) NAME##_##SUFFIX( \
-    const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map, \
-    const __grid_constant__ TensorMap do_map, KEY_TILE_TAIL) { \
-    flash_backward_key_tma<E, DQ>(&q_map, &k_map, &v_map, &do_map, KEY_TILE_TAIL_ARGS); }
+extern "C" __global__ void __launch_bounds__(3 * HOPPER_WARPGROUP, 1) NAME##_##SUFFIX(const __grid_constant__ FlashParams p) { \
+    flash_backward_key_tma<E, DQ>(&p.q_map, &p.k_map, &p.v_map, &p.do_map, KEY_TILE_TAIL_ARGS(p)); }
 #define FLASH_BACKWARD_HOPPER(SUFFIX, E) \
 FLASH_BACKWARD_DQ_HOPPER(SUFFIX, E) \
 FLASH_BACKWARD_DKDV_HOPPER(SUFFIX, E) \

@@ -150,12 +150,9 @@ __device__ void flash_forward_tma(TMA_FORWARD_PARAMS) {
 
 // The narrow shape reads Q by address (into registers), the wide one through its map.
 #define FLASH_FORWARD_TMA_TILE(NAME, SUFFIX, E, KEYS) \
-extern "C" __global__ void __launch_bounds__(3 * HOPPER_WARPGROUP, 1) NAME##_##SUFFIX( \
-    const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map, \
-    const u16* __restrict__ q_global, float* __restrict__ out, float* __restrict__ lse, const unsigned* __restrict__ tile_start, \
-    const unsigned* __restrict__ tiles, const unsigned* __restrict__ order, const unsigned* __restrict__ row_start, \
-    const unsigned* __restrict__ intervals, const int* __restrict__ mask_of_head, int seqlen, int group, float scale_log2) { \
-    flash_forward_tma<E, KEYS>(&q_map, &k_map, &v_map, q_global, out, lse, tile_start, tiles, order, row_start, intervals, mask_of_head, seqlen, group, scale_log2); }
+extern "C" __global__ void __launch_bounds__(3 * HOPPER_WARPGROUP, 1) NAME##_##SUFFIX(const __grid_constant__ FlashParams p) { \
+    flash_forward_tma<E, KEYS>(&p.q_map, &p.k_map, &p.v_map, p.q, p.out, p.lse, p.tile_start, p.tiles, p.order, \
+                               p.interval_start, p.intervals, p.mask_of_head, p.seqlen, p.group, p.scale_log2); }
 #define FLASH_FORWARD_TMA(SUFFIX, E) \
     FLASH_FORWARD_TMA_TILE(flash_forward_tma, SUFFIX, E, 128) \
     FLASH_FORWARD_TMA_TILE(flash_forward_narrow_tma, SUFFIX, E, 64)

@@ -13,8 +13,6 @@
 // address arithmetic and no CTA barrier per tile. K and V have STAGES buffers each, each with a
 // "full" barrier (the producer's copies landed) and an "empty" one (the consumers are done with
 // it).
-struct __align__(64) TensorMap { unsigned long long opaque[16]; };
-
 __device__ __forceinline__ void barrier_init(unsigned long long* bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(shared_address(bar)), "r"(count) : "memory");
 }

@@ -31,6 +31,7 @@ mod backend;
 mod device;
 mod functions;
 mod launch;
+mod params;
 mod problem;
 mod tables;
 
@@ -56,6 +57,7 @@ pub(crate) const SOURCE: CudaSource = CudaSource {
     text: include_str!("../../kernels/flash.cu"),
     headers: &[
         header!("primitives.cuh"),
+        header!("params.cuh"),
         header!("mask.cuh"),
         header!("forward_sm80.cuh"),
         header!("sm90_primitives.cuh"),
