@@ -134,7 +134,7 @@ __device__ void flash_backward_dq_tma(const TensorMap* k_map, const TensorMap* v
     u16* tiles_base = hopper_tiles();
     auto key_buffer = [&](int i) { return tiles_base + i * TILE_ELEMENTS; };
     auto value_buffer = [&](int i) { return tiles_base + (STAGES + i) * TILE_ELEMENTS; };
-    __shared__ unsigned long long full[STAGES], empty[STAGES];
+    __shared__ StageRing<STAGES> ring;
     const int head = blockIdx.x, kv_head = head / group, mask = mask_of_head[head];
     const int q_tiles = (seqlen + ROWS - 1) / ROWS;
     const int q_tile = order[mask * q_tiles + blockIdx.y];
@@ -142,10 +142,7 @@ __device__ void flash_backward_dq_tma(const TensorMap* k_map, const TensorMap* v
     const unsigned list = mask * q_tiles + q_tile;
     const unsigned begin = tile_start[list], end = tile_start[list + 1];
     if (threadIdx.x == 0) {
-        for (int i = 0; i < STAGES; ++i) {
-            barrier_init(&full[i], 1);
-            barrier_init(&empty[i], 2 * HOPPER_WARPGROUP);
-        }
+        ring.init(1, 2 * HOPPER_WARPGROUP);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -156,11 +153,11 @@ __device__ void flash_backward_dq_tma(const TensorMap* k_map, const TensorMap* v
         for (unsigned w = begin; w < end; ++w) {
             const int j = w - begin, stage = j % STAGES;
             const int k0 = (int)(tiles[w] & 0x7fffffffu) * BN;
-            barrier_wait(&empty[stage], ((j / STAGES) & 1) ^ 1);
-            barrier_expect_bytes(&full[stage], 2 * BN * D * 2);
+            ring.acquire(j);
+            barrier_expect_bytes(ring.filled(j), 2 * BN * D * 2);
             for (int panel = 0; panel < 2; ++panel) {
-                load_box(key_buffer(stage) + panel * BN * 64, k_map, panel * 64, k0, kv_head, &full[stage]);
-                load_box(value_buffer(stage) + panel * BN * 64, v_map, panel * 64, k0, kv_head, &full[stage]);
+                load_box(key_buffer(stage) + panel * BN * 64, k_map, panel * 64, k0, kv_head, ring.filled(j));
+                load_box(value_buffer(stage) + panel * BN * 64, v_map, panel * 64, k0, kv_head, ring.filled(j));
             }
         }
         return;
@@ -178,11 +175,11 @@ __device__ void flash_backward_dq_tma(const TensorMap* k_map, const TensorMap* v
     for (unsigned w = begin; w < end; ++w) {
         const int j = w - begin, stage = j % STAGES;
         const unsigned entry = tiles[w];
-        barrier_wait(&full[stage], (j / STAGES) & 1);
+        ring.wait(j);
         query_tile_step<E>(acc, rows, key_buffer(stage), value_buffer(stage), entry >> 31, (int)(entry & 0x7fffffffu) * BN,
                            q0 + ROWS <= seqlen, seqlen, intervals, scale_log2);
         wgmma_wait<0>();
-        barrier_arrive(&empty[stage]);  // this thread's products of the tile have landed
+        ring.release(j);  // this thread's products of the tile have landed
         settle<D / 2>(acc);
     }
     store_rows(dq + head_rows * D, acc, row0, seqlen, scale);
@@ -328,17 +325,15 @@ __device__ void flash_backward_key_tma(KEY_TMA_PARAMS) {
     auto ds_buffer = [&](int parity) { return stage_tiles(STAGES) + parity * TILE_ELEMENTS; };
     __shared__ __align__(16) float s_lse[STAGES][ROWS];
     __shared__ __align__(16) float s_delta[STAGES][ROWS];
-    __shared__ unsigned long long kv_full, full[STAGES], empty[STAGES];
+    __shared__ unsigned long long kv_full;
+    __shared__ StageRing<STAGES> ring;
     // The key tiles start longest list first (by the group's first head's mask).
     const int kv_head = blockIdx.x, k_tiles = (seqlen + KEYS - 1) / KEYS;
     const int k_tile = order[mask_of_head[kv_head * group] * k_tiles + blockIdx.y];
     const int k0 = k_tile * KEYS;
     if (threadIdx.x == 0) {
         barrier_init(&kv_full, 1);
-        for (int i = 0; i < STAGES; ++i) {
-            barrier_init(&full[i], 32);
-            barrier_init(&empty[i], CONSUMERS);
-        }
+        ring.init(32, CONSUMERS);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -357,18 +352,18 @@ __device__ void flash_backward_key_tma(KEY_TMA_PARAMS) {
         }
         for (int j = 0; !walk.done(); ++j, walk.advance()) {
             const int stage = j % STAGES, head = walk.head, q0 = walk.row0();
-            barrier_wait(&empty[stage], ((j / STAGES) & 1) ^ 1);
+            ring.acquire(j);
             // The warp's stores of the row statistics are released by its arrivals.
             stage_row_statistics<ROWS, 32>(s_lse[stage], s_delta[stage], lse, delta, (size_t)head * seqlen, q0, seqlen);
             if (lane == 0) {
-                barrier_expect_bytes(&full[stage], 2 * ROWS * D * 2);
+                barrier_expect_bytes(ring.filled(j), 2 * ROWS * D * 2);
                 u16* sq = stage_tiles(stage);
                 for (int panel = 0; panel < 2; ++panel) {
-                    load_box(sq + panel * ROWS * 64, q_map, panel * 64, q0, head, &full[stage]);
-                    load_box(sq + TILE_ELEMENTS + panel * ROWS * 64, do_map, panel * 64, q0, head, &full[stage]);
+                    load_box(sq + panel * ROWS * 64, q_map, panel * 64, q0, head, ring.filled(j));
+                    load_box(sq + TILE_ELEMENTS + panel * ROWS * 64, do_map, panel * 64, q0, head, ring.filled(j));
                 }
             } else {
-                barrier_arrive(&full[stage]);
+                barrier_arrive(ring.filled(j));
             }
         }
         return;
@@ -392,7 +387,7 @@ __device__ void flash_backward_key_tma(KEY_TMA_PARAMS) {
         const int head = walk.head, q0 = walk.row0();
         columns.follow(head, mask_of_head[head], column_start, column_intervals, key0, seqlen);
         walk.advance();
-        barrier_wait(&full[stage], (j / STAGES) & 1);
+        ring.wait(j);
         const u16* sq = stage_tiles(stage);
         u32 ds[4][4];
         key_tile_step<E, KEYS>(dk_acc, dv_acc, ds, k_rows, v_rows, sq, sq + TILE_ELEMENTS, s_lse[stage], s_delta[stage], partial, q0, k0,
@@ -427,7 +422,7 @@ __device__ void flash_backward_key_tma(KEY_TMA_PARAMS) {
             wgmma_wait<0>();
         }
         // Every product reading this stage has landed, and its statistics are read.
-        barrier_arrive(&empty[stage]);
+        ring.release(j);
         settle<D / 2>(dk_acc);
         settle<D / 2>(dv_acc);
     }

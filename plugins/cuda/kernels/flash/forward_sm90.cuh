@@ -22,7 +22,8 @@ __device__ void flash_forward_tma(TMA_FORWARD_PARAMS) {
     u16* kv_base = sq + (SHARED ? ROWS * D : 0);
     auto key_buffer = [&](int list, int index) { return kv_base + (list * 2 * STAGES + index) * KEYS * D; };
     auto value_buffer = [&](int list, int index) { return kv_base + (list * 2 * STAGES + STAGES + index) * KEYS * D; };
-    __shared__ unsigned long long q_full, k_full[LISTS][STAGES], k_empty[LISTS][STAGES], v_full[LISTS][STAGES], v_empty[LISTS][STAGES];
+    __shared__ unsigned long long q_full;
+    __shared__ StageRing<STAGES> k_ring[LISTS], v_ring[LISTS];
     const int head = blockIdx.x, kv_head = head / group, mask = mask_of_head[head];
     const int q_tiles = (seqlen + ROWS - 1) / ROWS;
     // This block's query tiles: one, or (KEYS 64) one per consumer warpgroup, the second
@@ -40,13 +41,10 @@ __device__ void flash_forward_tma(TMA_FORWARD_PARAMS) {
     };
     if (threadIdx.x == 0) {
         barrier_init(&q_full, 1);
-        for (int list = 0; list < LISTS; ++list)
-            for (int i = 0; i < STAGES; ++i) {
-                barrier_init(&k_full[list][i], 1);
-                barrier_init(&v_full[list][i], 1);
-                barrier_init(&k_empty[list][i], CONSUMERS);
-                barrier_init(&v_empty[list][i], CONSUMERS);
-            }
+        for (int list = 0; list < LISTS; ++list) {
+            k_ring[list].init(1, CONSUMERS);
+            v_ring[list].init(1, CONSUMERS);
+        }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -63,16 +61,15 @@ __device__ void flash_forward_tma(TMA_FORWARD_PARAMS) {
         }
         for (unsigned w = begin; w < end; ++w) {
             const int j = w - begin, stage = j % STAGES;
-            const unsigned parity = ((j / STAGES) & 1) ^ 1;
             const int k0 = (int)(tiles[w] & 0x7fffffffu) * KEYS;
-            barrier_wait(&k_empty[list][stage], parity);
-            barrier_expect_bytes(&k_full[list][stage], TILE_BYTES);
+            k_ring[list].acquire(j);
+            barrier_expect_bytes(k_ring[list].filled(j), TILE_BYTES);
             for (int panel = 0; panel < 2; ++panel)
-                load_box(key_buffer(list, stage) + panel * KEYS * 64, k_map, panel * 64, k0, kv_head, &k_full[list][stage]);
-            barrier_wait(&v_empty[list][stage], parity);
-            barrier_expect_bytes(&v_full[list][stage], TILE_BYTES);
+                load_box(key_buffer(list, stage) + panel * KEYS * 64, k_map, panel * 64, k0, kv_head, k_ring[list].filled(j));
+            v_ring[list].acquire(j);
+            barrier_expect_bytes(v_ring[list].filled(j), TILE_BYTES);
             for (int panel = 0; panel < 2; ++panel)
-                load_box(value_buffer(list, stage) + panel * KEYS * 64, v_map, panel * 64, k0, kv_head, &v_full[list][stage]);
+                load_box(value_buffer(list, stage) + panel * KEYS * 64, v_map, panel * 64, k0, kv_head, v_ring[list].filled(j));
         }
         return;
     }
@@ -109,7 +106,7 @@ __device__ void flash_forward_tma(TMA_FORWARD_PARAMS) {
         const unsigned entry = tiles[w];
         const bool partial = entry >> 31;
         const int k0 = (int)(entry & 0x7fffffffu) * KEYS;
-        barrier_wait(&k_full[list][stage], (j / STAGES) & 1);
+        k_ring[list].wait(j);
         float s[KEYS / 2];
         wgmma_fence();
         if constexpr (SHARED) scores_from_shared_n128<E, ROWS>(s, q_rows, key_buffer(list, stage));
@@ -117,7 +114,7 @@ __device__ void flash_forward_tma(TMA_FORWARD_PARAMS) {
         wgmma_commit();
         if (j > 0) {
             const int previous = (j - 1) % STAGES;
-            barrier_wait(&v_full[list][previous], ((j - 1) / STAGES) & 1);
+            v_ring[list].wait(j - 1);
             values_product<E, KEYS>(o, p, value_buffer(list, previous));
             wgmma_commit();
             wgmma_wait<1>();
@@ -125,20 +122,20 @@ __device__ void flash_forward_tma(TMA_FORWARD_PARAMS) {
             wgmma_wait<0>();
         }
         settle<KEYS / 2>(s);
-        barrier_arrive(&k_empty[list][stage]);  // this thread's scores are read: K's buffer may refill
+        k_ring[list].release(j);  // this thread's scores are read: K's buffer may refill
         float shrink[2];
         bool moved[2];
         online_softmax<KEYS>(s, m, l, shrink, moved, partial, k0, seqlen, keys, intervals, scale_log2);
         // Tile j−1's product has landed: O, P and its V buffer are free.
         wgmma_wait<0>();
         settle<D / 2>(o);
-        if (j > 0) barrier_arrive(&v_empty[list][(j - 1) % STAGES]);
+        if (j > 0) v_ring[list].release(j - 1);
         rescale_rows(o, shrink, moved);
         as_fragments<E, KEYS / 16>(p, s);
     }
     if (begin < end) {
         const int j = end - begin, previous = (j - 1) % STAGES;
-        barrier_wait(&v_full[list][previous], ((j - 1) / STAGES) & 1);
+        v_ring[list].wait(j - 1);
         wgmma_fence();
         values_product<E, KEYS>(o, p, value_buffer(list, previous));
         wgmma_commit();

@@ -39,4 +39,30 @@ __device__ __forceinline__ void load_box(u16* dst, const TensorMap* map, int col
                     "r"(shared_address(bar)) : "memory");
 }
 
+// A ring of STAGES buffers between a producer and its consumers, owning their mbarriers and phase
+// bits: use j of the ring takes stage j mod STAGES in phase j / STAGES. `full` completes when the
+// producer's copies (or arrivals) for a use have landed, `empty` when every consumer is done with
+// it; a fresh ring counts every stage as empty.
+template <int STAGES>
+struct StageRing {
+    unsigned long long full[STAGES], empty[STAGES];
+
+    // By one thread, before the block's barrier: `arrivals` producer arrivals complete a use,
+    // `consumers` consumer ones free it.
+    __device__ __forceinline__ void init(unsigned arrivals, unsigned consumers) {
+        for (int i = 0; i < STAGES; ++i) {
+            barrier_init(&full[i], arrivals);
+            barrier_init(&empty[i], consumers);
+        }
+    }
+    // The producer, before filling use j: until the consumers are done with the stage's last use.
+    __device__ __forceinline__ void acquire(int j) { barrier_wait(&empty[j % STAGES], ((j / STAGES) & 1) ^ 1); }
+    // The barrier use j's copies and arrivals complete.
+    __device__ __forceinline__ unsigned long long* filled(int j) { return &full[j % STAGES]; }
+    // A consumer, before reading use j: until it has landed.
+    __device__ __forceinline__ void wait(int j) { barrier_wait(&full[j % STAGES], (j / STAGES) & 1); }
+    // A consumer done with use j.
+    __device__ __forceinline__ void release(int j) { barrier_arrive(&empty[j % STAGES]); }
+};
+
 #endif
