@@ -147,42 +147,41 @@ __device__ void flash_backward_dq_tma(const TensorMap* k_map, const TensorMap* v
     }
     __syncthreads();
 
-    if (threadIdx.x < HOPPER_WARPGROUP) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        if (threadIdx.x != 0) return;
-        for (unsigned w = begin; w < end; ++w) {
-            const int j = w - begin, stage = j % STAGES;
-            const int k0 = (int)(tiles[w] & 0x7fffffffu) * BN;
-            ring.acquire(j);
-            barrier_expect_bytes(ring.filled(j), 2 * BN * D * 2);
-            for (int panel = 0; panel < 2; ++panel) {
-                load_box(key_buffer(stage) + panel * BN * 64, k_map, panel * 64, k0, kv_head, ring.filled(j));
-                load_box(value_buffer(stage) + panel * BN * 64, v_map, panel * 64, k0, kv_head, ring.filled(j));
+    warp_specialised(
+        [&] {
+            if (threadIdx.x != 0) return;
+            for (unsigned w = begin; w < end; ++w) {
+                const int j = w - begin, stage = j % STAGES;
+                const int k0 = (int)(tiles[w] & 0x7fffffffu) * BN;
+                ring.acquire(j);
+                barrier_expect_bytes(ring.filled(j), 2 * BN * D * 2);
+                for (int panel = 0; panel < 2; ++panel) {
+                    load_box(key_buffer(stage) + panel * BN * 64, k_map, panel * 64, k0, kv_head, ring.filled(j));
+                    load_box(value_buffer(stage) + panel * BN * 64, v_map, panel * 64, k0, kv_head, ring.filled(j));
+                }
             }
-        }
-        return;
-    }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-
-    const int warp = (threadIdx.x >> 5) - 4;
-    const int row0 = q0 + warp * 16 + ((threadIdx.x & 31) >> 2);
-    const size_t head_rows = (size_t)head * seqlen;
-    QueryRows rows(q + head_rows * D, d_out + head_rows * D, lse + head_rows, delta + head_rows,
-                         row_start + (size_t)mask * (seqlen + 1), intervals, row0, seqlen);
-    float acc[D / 2];
-    #pragma unroll
-    for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f;
-    for (unsigned w = begin; w < end; ++w) {
-        const int j = w - begin, stage = j % STAGES;
-        const unsigned entry = tiles[w];
-        ring.wait(j);
-        query_tile_step<E>(acc, rows, key_buffer(stage), value_buffer(stage), entry >> 31, (int)(entry & 0x7fffffffu) * BN,
-                           q0 + ROWS <= seqlen, seqlen, intervals, scale_log2);
-        wgmma_wait<0>();
-        ring.release(j);  // this thread's products of the tile have landed
-        settle<D / 2>(acc);
-    }
-    store_rows(dq + head_rows * D, acc, row0, seqlen, scale);
+        },
+        [&] {
+            const int warp = (threadIdx.x >> 5) - 4;
+            const int row0 = q0 + warp * 16 + ((threadIdx.x & 31) >> 2);
+            const size_t head_rows = (size_t)head * seqlen;
+            QueryRows rows(q + head_rows * D, d_out + head_rows * D, lse + head_rows, delta + head_rows,
+                                 row_start + (size_t)mask * (seqlen + 1), intervals, row0, seqlen);
+            float acc[D / 2];
+            #pragma unroll
+            for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f;
+            for (unsigned w = begin; w < end; ++w) {
+                const int j = w - begin, stage = j % STAGES;
+                const unsigned entry = tiles[w];
+                ring.wait(j);
+                query_tile_step<E>(acc, rows, key_buffer(stage), value_buffer(stage), entry >> 31, (int)(entry & 0x7fffffffu) * BN,
+                                   q0 + ROWS <= seqlen, seqlen, intervals, scale_log2);
+                wgmma_wait<0>();
+                ring.release(j);  // this thread's products of the tile have landed
+                settle<D / 2>(acc);
+            }
+            store_rows(dq + head_rows * D, acc, row0, seqlen, scale);
+        });
 }
 
 // One 64-query step of a wgmma key-tile kernel for a warpgroup's 64 keys (key0: this thread's
@@ -339,95 +338,94 @@ __device__ void flash_backward_key_tma(KEY_TMA_PARAMS) {
     __syncthreads();
     KeyTileWalk<ROWS, KEYS> walk(tile_start, tiles, mask_of_head, seqlen, k_tile, kv_head, group);
 
-    if (threadIdx.x < HOPPER_WARPGROUP) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        if (threadIdx.x >= 32) return;
-        const int lane = threadIdx.x;
-        if (lane == 0) {
-            barrier_expect_bytes(&kv_full, 2 * KEYS * D * 2);
-            for (int panel = 0; panel < 2; ++panel) {
-                load_box(sk + panel * KEYS * 64, k_map, panel * 64, k0, kv_head, &kv_full);
-                load_box(sv + panel * KEYS * 64, v_map, panel * 64, k0, kv_head, &kv_full);
-            }
-        }
-        for (int j = 0; !walk.done(); ++j, walk.advance()) {
-            const int stage = j % STAGES, head = walk.head, q0 = walk.row0();
-            ring.acquire(j);
-            // The warp's stores of the row statistics are released by its arrivals.
-            stage_row_statistics<ROWS, 32>(s_lse[stage], s_delta[stage], lse, delta, (size_t)head * seqlen, q0, seqlen);
+    warp_specialised(
+        [&] {
+            if (threadIdx.x >= 32) return;
+            const int lane = threadIdx.x;
             if (lane == 0) {
-                barrier_expect_bytes(ring.filled(j), 2 * ROWS * D * 2);
-                u16* sq = stage_tiles(stage);
+                barrier_expect_bytes(&kv_full, 2 * KEYS * D * 2);
                 for (int panel = 0; panel < 2; ++panel) {
-                    load_box(sq + panel * ROWS * 64, q_map, panel * 64, q0, head, ring.filled(j));
-                    load_box(sq + TILE_ELEMENTS + panel * ROWS * 64, do_map, panel * 64, q0, head, ring.filled(j));
+                    load_box(sk + panel * KEYS * 64, k_map, panel * 64, k0, kv_head, &kv_full);
+                    load_box(sv + panel * KEYS * 64, v_map, panel * 64, k0, kv_head, &kv_full);
                 }
-            } else {
-                barrier_arrive(ring.filled(j));
             }
-        }
-        return;
-    }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-
-    const int warp = (threadIdx.x >> 5) - 4, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int half = warp >> 2;  // this warpgroup's 64 keys of the tile
-    const int key0 = k0 + half * 64 + (warp & 3) * 16 + g;
-    // This warpgroup's rows of K and V.
-    const u16* k_rows = sk + half * 64 * 64;
-    const u16* v_rows = sv + half * 64 * 64;
-    float dk_acc[D / 2], dv_acc[D / 2];
-    #pragma unroll
-    for (int i = 0; i < D / 2; ++i) dk_acc[i] = dv_acc[i] = 0.0f;
-    KeyColumns columns;
-    barrier_wait(&kv_full, 0);
-    for (int j = 0; !walk.done(); ++j) {
-        const int stage = j % STAGES;
-        const bool partial = walk.entry() >> 31;
-        const int head = walk.head, q0 = walk.row0();
-        columns.follow(head, mask_of_head[head], column_start, column_intervals, key0, seqlen);
-        walk.advance();
-        ring.wait(j);
-        const u16* sq = stage_tiles(stage);
-        u32 ds[4][4];
-        key_tile_step<E, KEYS>(dk_acc, dv_acc, ds, k_rows, v_rows, sq, sq + TILE_ELEMENTS, s_lse[stage], s_delta[stage], partial, q0, k0,
-                               key0, seqlen, columns, column_intervals, scale_log2);
-        if constexpr (DQ) {
-            u16* sds = ds_buffer(j & 1);
-            store_transposed_fragments(sds + half * 64 * 64, ds);
-            shared_writes_to_async_proxy();
-            // Both halves of dS are written; the other warpgroup is past its product of two
-            // steps ago, which read this buffer.
-            barrier_sync<CONSUMERS>(1);
-            float dq_part[ROWS / 2];
-            wgmma_fence();
-            #pragma unroll
-            for (int step = 0; step < 8; ++step)
-                wgmma_scores<E, 1>(dq_part, panel_step<64>(sds, step), transposed_rows<KEYS>(sk + half * KEYS * 64, step), step);
-            wgmma_commit();
-            wgmma_wait<0>();
-            settle<ROWS / 2>(dq_part);
-            // dq_part[4c + i]: row q0 + 16·(warp mod 4) + g + 8·(i / 2 mod 2), column
-            // 64·half + 8c + 2t + i mod 2.
-            float* dq_rows = dq + ((size_t)head * seqlen + q0) * D + half * 64 + t * 2;
-            #pragma unroll
-            for (int slot = 0; slot < 2; ++slot) {
-                const int row = (warp & 3) * 16 + g + slot * 8;
-                if (q0 + row >= seqlen) continue;
-                #pragma unroll
-                for (int c = 0; c < 8; ++c)
-                    add_pair(dq_rows + (size_t)row * D + c * 8, dq_part[4 * c + 2 * slot] * scale, dq_part[4 * c + 2 * slot + 1] * scale);
+            for (int j = 0; !walk.done(); ++j, walk.advance()) {
+                const int stage = j % STAGES, head = walk.head, q0 = walk.row0();
+                ring.acquire(j);
+                // The warp's stores of the row statistics are released by its arrivals.
+                stage_row_statistics<ROWS, 32>(s_lse[stage], s_delta[stage], lse, delta, (size_t)head * seqlen, q0, seqlen);
+                if (lane == 0) {
+                    barrier_expect_bytes(ring.filled(j), 2 * ROWS * D * 2);
+                    u16* sq = stage_tiles(stage);
+                    for (int panel = 0; panel < 2; ++panel) {
+                        load_box(sq + panel * ROWS * 64, q_map, panel * 64, q0, head, ring.filled(j));
+                        load_box(sq + TILE_ELEMENTS + panel * ROWS * 64, do_map, panel * 64, q0, head, ring.filled(j));
+                    }
+                } else {
+                    barrier_arrive(ring.filled(j));
+                }
             }
-        } else {
-            wgmma_wait<0>();
-        }
-        // Every product reading this stage has landed, and its statistics are read.
-        ring.release(j);
-        settle<D / 2>(dk_acc);
-        settle<D / 2>(dv_acc);
-    }
-    store_rows(dk + (size_t)kv_head * seqlen * D, dk_acc, key0, seqlen, scale);
-    store_rows(dv + (size_t)kv_head * seqlen * D, dv_acc, key0, seqlen, 1.0f);
+        },
+        [&] {
+            const int warp = (threadIdx.x >> 5) - 4, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+            const int half = warp >> 2;  // this warpgroup's 64 keys of the tile
+            const int key0 = k0 + half * 64 + (warp & 3) * 16 + g;
+            // This warpgroup's rows of K and V.
+            const u16* k_rows = sk + half * 64 * 64;
+            const u16* v_rows = sv + half * 64 * 64;
+            float dk_acc[D / 2], dv_acc[D / 2];
+            #pragma unroll
+            for (int i = 0; i < D / 2; ++i) dk_acc[i] = dv_acc[i] = 0.0f;
+            KeyColumns columns;
+            barrier_wait(&kv_full, 0);
+            for (int j = 0; !walk.done(); ++j) {
+                const int stage = j % STAGES;
+                const bool partial = walk.entry() >> 31;
+                const int head = walk.head, q0 = walk.row0();
+                columns.follow(head, mask_of_head[head], column_start, column_intervals, key0, seqlen);
+                walk.advance();
+                ring.wait(j);
+                const u16* sq = stage_tiles(stage);
+                u32 ds[4][4];
+                key_tile_step<E, KEYS>(dk_acc, dv_acc, ds, k_rows, v_rows, sq, sq + TILE_ELEMENTS, s_lse[stage], s_delta[stage], partial, q0, k0,
+                                       key0, seqlen, columns, column_intervals, scale_log2);
+                if constexpr (DQ) {
+                    u16* sds = ds_buffer(j & 1);
+                    store_transposed_fragments(sds + half * 64 * 64, ds);
+                    shared_writes_to_async_proxy();
+                    // Both halves of dS are written; the other warpgroup is past its product of two
+                    // steps ago, which read this buffer.
+                    barrier_sync<CONSUMERS>(1);
+                    float dq_part[ROWS / 2];
+                    wgmma_fence();
+                    #pragma unroll
+                    for (int step = 0; step < 8; ++step)
+                        wgmma_scores<E, 1>(dq_part, panel_step<64>(sds, step), transposed_rows<KEYS>(sk + half * KEYS * 64, step), step);
+                    wgmma_commit();
+                    wgmma_wait<0>();
+                    settle<ROWS / 2>(dq_part);
+                    // dq_part[4c + i]: row q0 + 16·(warp mod 4) + g + 8·(i / 2 mod 2), column
+                    // 64·half + 8c + 2t + i mod 2.
+                    float* dq_rows = dq + ((size_t)head * seqlen + q0) * D + half * 64 + t * 2;
+                    #pragma unroll
+                    for (int slot = 0; slot < 2; ++slot) {
+                        const int row = (warp & 3) * 16 + g + slot * 8;
+                        if (q0 + row >= seqlen) continue;
+                        #pragma unroll
+                        for (int c = 0; c < 8; ++c)
+                            add_pair(dq_rows + (size_t)row * D + c * 8, dq_part[4 * c + 2 * slot] * scale, dq_part[4 * c + 2 * slot + 1] * scale);
+                    }
+                } else {
+                    wgmma_wait<0>();
+                }
+                // Every product reading this stage has landed, and its statistics are read.
+                ring.release(j);
+                settle<D / 2>(dk_acc);
+                settle<D / 2>(dv_acc);
+            }
+            store_rows(dk + (size_t)kv_head * seqlen * D, dk_acc, key0, seqlen, scale);
+            store_rows(dv + (size_t)kv_head * seqlen * D, dv_acc, key0, seqlen, 1.0f);
+        });
 }
 
 #define FLASH_BACKWARD_DQ_HOPPER(SUFFIX, E) \

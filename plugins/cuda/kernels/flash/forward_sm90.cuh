@@ -49,100 +49,99 @@ __device__ void flash_forward_tma(TMA_FORWARD_PARAMS) {
     }
     __syncthreads();
 
-    if (threadIdx.x < HOPPER_WARPGROUP) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        if (threadIdx.x % 32 != 0 || threadIdx.x / 32 >= LISTS) return;
-        const int list = threadIdx.x / 32, q_tile = query_tile(list);
-        unsigned begin, end;
-        list_bounds(q_tile, begin, end);
-        if constexpr (SHARED) {
-            barrier_expect_bytes(&q_full, ROWS * D * 2);
-            for (int panel = 0; panel < 2; ++panel) load_box(sq + panel * ROWS * 64, q_map, panel * 64, q_tile * ROWS, head, &q_full);
-        }
-        for (unsigned w = begin; w < end; ++w) {
-            const int j = w - begin, stage = j % STAGES;
-            const int k0 = (int)(tiles[w] & 0x7fffffffu) * KEYS;
-            k_ring[list].acquire(j);
-            barrier_expect_bytes(k_ring[list].filled(j), TILE_BYTES);
-            for (int panel = 0; panel < 2; ++panel)
-                load_box(key_buffer(list, stage) + panel * KEYS * 64, k_map, panel * 64, k0, kv_head, k_ring[list].filled(j));
-            v_ring[list].acquire(j);
-            barrier_expect_bytes(v_ring[list].filled(j), TILE_BYTES);
-            for (int panel = 0; panel < 2; ++panel)
-                load_box(value_buffer(list, stage) + panel * KEYS * 64, v_map, panel * 64, k0, kv_head, v_ring[list].filled(j));
-        }
-        return;
-    }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    warp_specialised(
+        [&] {
+            if (threadIdx.x % 32 != 0 || threadIdx.x / 32 >= LISTS) return;
+            const int list = threadIdx.x / 32, q_tile = query_tile(list);
+            unsigned begin, end;
+            list_bounds(q_tile, begin, end);
+            if constexpr (SHARED) {
+                barrier_expect_bytes(&q_full, ROWS * D * 2);
+                for (int panel = 0; panel < 2; ++panel) load_box(sq + panel * ROWS * 64, q_map, panel * 64, q_tile * ROWS, head, &q_full);
+            }
+            for (unsigned w = begin; w < end; ++w) {
+                const int j = w - begin, stage = j % STAGES;
+                const int k0 = (int)(tiles[w] & 0x7fffffffu) * KEYS;
+                k_ring[list].acquire(j);
+                barrier_expect_bytes(k_ring[list].filled(j), TILE_BYTES);
+                for (int panel = 0; panel < 2; ++panel)
+                    load_box(key_buffer(list, stage) + panel * KEYS * 64, k_map, panel * 64, k0, kv_head, k_ring[list].filled(j));
+                v_ring[list].acquire(j);
+                barrier_expect_bytes(v_ring[list].filled(j), TILE_BYTES);
+                for (int panel = 0; panel < 2; ++panel)
+                    load_box(value_buffer(list, stage) + panel * KEYS * 64, v_map, panel * 64, k0, kv_head, v_ring[list].filled(j));
+            }
+        },
+        [&] {
+            const int warp = (threadIdx.x >> 5) - 4, lane = threadIdx.x & 31, g = lane >> 2;
+            const int half = warp >> 2;  // this consumer warpgroup
+            const int list = SHARED ? 0 : half, q_tile = query_tile(list);
+            if (q_tile < 0) return;
+            unsigned begin, end;
+            list_bounds(q_tile, begin, end);
+            const unsigned* table_rows = row_start + (size_t)mask * (seqlen + 1);
+            const int row0 = q_tile * ROWS + (SHARED ? half * 64 : 0) + (warp & 3) * 16 + g;
+            Allowed keys[2];
+            #pragma unroll
+            for (int slot = 0; slot < 2; ++slot) keys[slot] = Allowed(table_rows, row0 + slot * 8, seqlen, intervals);
+            float o[D / 2];
+            #pragma unroll
+            for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+            const float minus_inf = __int_as_float(0xff800000);
+            float m[2] = {minus_inf, minus_inf}, l[2] = {0.0f, 0.0f};
+            // This warpgroup's rows of Q, in shared memory or as fragments in registers.
+            const u16* q_rows = sq + half * 64 * 64;
+            u32 q_fragments[SHARED ? 1 : 8][4];
+            if constexpr (SHARED) barrier_wait(&q_full, 0);
+            else load_row_fragments(q_fragments, q_global + (size_t)head * seqlen * D, row0, seqlen);
+            u32 p[KEYS / 16][4];
 
-    const int warp = (threadIdx.x >> 5) - 4, lane = threadIdx.x & 31, g = lane >> 2;
-    const int half = warp >> 2;  // this consumer warpgroup
-    const int list = SHARED ? 0 : half, q_tile = query_tile(list);
-    if (q_tile < 0) return;
-    unsigned begin, end;
-    list_bounds(q_tile, begin, end);
-    const unsigned* table_rows = row_start + (size_t)mask * (seqlen + 1);
-    const int row0 = q_tile * ROWS + (SHARED ? half * 64 : 0) + (warp & 3) * 16 + g;
-    Allowed keys[2];
-    #pragma unroll
-    for (int slot = 0; slot < 2; ++slot) keys[slot] = Allowed(table_rows, row0 + slot * 8, seqlen, intervals);
-    float o[D / 2];
-    #pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
-    const float minus_inf = __int_as_float(0xff800000);
-    float m[2] = {minus_inf, minus_inf}, l[2] = {0.0f, 0.0f};
-    // This warpgroup's rows of Q, in shared memory or as fragments in registers.
-    const u16* q_rows = sq + half * 64 * 64;
-    u32 q_fragments[SHARED ? 1 : 8][4];
-    if constexpr (SHARED) barrier_wait(&q_full, 0);
-    else load_row_fragments(q_fragments, q_global + (size_t)head * seqlen * D, row0, seqlen);
-    u32 p[KEYS / 16][4];
-
-    // Tile j's scores are computed while tile j−1's P·V runs, so the softmax of j overlaps a
-    // product in flight (FlashAttention-3's intra-warpgroup pipelining); O is rescaled for j's
-    // maximum once j−1's product has landed.
-    for (unsigned w = begin; w < end; ++w) {
-        const int j = w - begin, stage = j % STAGES;
-        const unsigned entry = tiles[w];
-        const bool partial = entry >> 31;
-        const int k0 = (int)(entry & 0x7fffffffu) * KEYS;
-        k_ring[list].wait(j);
-        float s[KEYS / 2];
-        wgmma_fence();
-        if constexpr (SHARED) scores_from_shared_n128<E, ROWS>(s, q_rows, key_buffer(list, stage));
-        else scores_from_registers<E>(s, q_fragments, key_buffer(list, stage));
-        wgmma_commit();
-        if (j > 0) {
-            const int previous = (j - 1) % STAGES;
-            v_ring[list].wait(j - 1);
-            values_product<E, KEYS>(o, p, value_buffer(list, previous));
-            wgmma_commit();
-            wgmma_wait<1>();
-        } else {
-            wgmma_wait<0>();
-        }
-        settle<KEYS / 2>(s);
-        k_ring[list].release(j);  // this thread's scores are read: K's buffer may refill
-        float shrink[2];
-        bool moved[2];
-        online_softmax<KEYS>(s, m, l, shrink, moved, partial, k0, seqlen, keys, intervals, scale_log2);
-        // Tile j−1's product has landed: O, P and its V buffer are free.
-        wgmma_wait<0>();
-        settle<D / 2>(o);
-        if (j > 0) v_ring[list].release(j - 1);
-        rescale_rows(o, shrink, moved);
-        as_fragments<E, KEYS / 16>(p, s);
-    }
-    if (begin < end) {
-        const int j = end - begin, previous = (j - 1) % STAGES;
-        v_ring[list].wait(j - 1);
-        wgmma_fence();
-        values_product<E, KEYS>(o, p, value_buffer(list, previous));
-        wgmma_commit();
-        wgmma_wait<0>();
-        settle<D / 2>(o);
-    }
-    store_forward_rows(out, lse, o, m, l, head, row0, seqlen);
+            // Tile j's scores are computed while tile j−1's P·V runs, so the softmax of j overlaps a
+            // product in flight (FlashAttention-3's intra-warpgroup pipelining); O is rescaled for j's
+            // maximum once j−1's product has landed.
+            for (unsigned w = begin; w < end; ++w) {
+                const int j = w - begin, stage = j % STAGES;
+                const unsigned entry = tiles[w];
+                const bool partial = entry >> 31;
+                const int k0 = (int)(entry & 0x7fffffffu) * KEYS;
+                k_ring[list].wait(j);
+                float s[KEYS / 2];
+                wgmma_fence();
+                if constexpr (SHARED) scores_from_shared_n128<E, ROWS>(s, q_rows, key_buffer(list, stage));
+                else scores_from_registers<E>(s, q_fragments, key_buffer(list, stage));
+                wgmma_commit();
+                if (j > 0) {
+                    const int previous = (j - 1) % STAGES;
+                    v_ring[list].wait(j - 1);
+                    values_product<E, KEYS>(o, p, value_buffer(list, previous));
+                    wgmma_commit();
+                    wgmma_wait<1>();
+                } else {
+                    wgmma_wait<0>();
+                }
+                settle<KEYS / 2>(s);
+                k_ring[list].release(j);  // this thread's scores are read: K's buffer may refill
+                float shrink[2];
+                bool moved[2];
+                online_softmax<KEYS>(s, m, l, shrink, moved, partial, k0, seqlen, keys, intervals, scale_log2);
+                // Tile j−1's product has landed: O, P and its V buffer are free.
+                wgmma_wait<0>();
+                settle<D / 2>(o);
+                if (j > 0) v_ring[list].release(j - 1);
+                rescale_rows(o, shrink, moved);
+                as_fragments<E, KEYS / 16>(p, s);
+            }
+            if (begin < end) {
+                const int j = end - begin, previous = (j - 1) % STAGES;
+                v_ring[list].wait(j - 1);
+                wgmma_fence();
+                values_product<E, KEYS>(o, p, value_buffer(list, previous));
+                wgmma_commit();
+                wgmma_wait<0>();
+                settle<D / 2>(o);
+            }
+            store_forward_rows(out, lse, o, m, l, head, row0, seqlen);
+        });
 }
 
 // The narrow shape reads Q by address (into registers), the wide one through its map.

@@ -65,4 +65,22 @@ struct StageRing {
     __device__ __forceinline__ void release(int j) { barrier_arrive(&empty[j % STAGES]); }
 };
 
+// The register budgets of a warp-specialised block: the producer warpgroup, which only issues
+// copies, keeps 40 registers a thread and hands the rest to the consumers' accumulators.
+constexpr int PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
+
+// A warp-specialised block after its barriers are set up: the first warpgroup runs `produce`, the
+// others `consume`, each with its register budget (setmaxnreg is per warpgroup, so every thread
+// of each takes part before it may return).
+template <class Producer, class Consumer>
+__device__ __forceinline__ void warp_specialised(Producer produce, Consumer consume) {
+    if (threadIdx.x < HOPPER_WARPGROUP) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(PRODUCER_REGISTERS));
+        produce();
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(CONSUMER_REGISTERS));
+        consume();
+    }
+}
+
 #endif
