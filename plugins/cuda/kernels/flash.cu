@@ -19,6 +19,7 @@
 #include "flash/softmax.cuh"
 #include "flash/epilogue.cuh"
 #include "flash/pipeline.cuh"
+#include "flash/scheduler.cuh"
 #include "flash/forward_sm90.cuh"
 #include "flash/work_lists.cuh"
 #include "flash/backward_sm80.cuh"

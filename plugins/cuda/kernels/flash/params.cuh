@@ -36,6 +36,8 @@ struct FlashParams {
     float* __restrict__ dv;
     // Rows of O (heads_q · seqlen), for the D kernel.
     int rows;
+    // Query heads, for the persistent scheduler's items.
+    int heads;
     // The TMA kernels' maps of their 16-bit inputs (boxes of the rows each kernel's tiles take);
     // zeros for the others.
     TensorMap q_map, k_map, v_map, do_map;

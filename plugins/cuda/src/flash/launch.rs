@@ -23,6 +23,33 @@ attnbench_sdk::named_enum! {
     pub enum Instructions { Auto = "auto", Mma = "mma", Wgmma = "wgmma" }
 }
 
+attnbench_sdk::named_enum! {
+    /// How the wgmma forward hands out its query tiles (`kernels/flash/scheduler.cuh`): a block
+    /// per (query head, tile position) on a grid, or one block an SM walking the same order.
+    pub enum Schedule { Grid = "grid", Persistent = "persistent" }
+}
+
+impl Schedule {
+    /// Whether the forward can run this schedule on `hopper` (the wgmma kernels, if it takes
+    /// them); an error naming what would.
+    pub(super) fn check(self, hopper: Option<&HopperFunctions>) -> Result<(), PluginError> {
+        match (self, hopper) {
+            (Schedule::Persistent, None) => Err(PluginError::failed(
+                "`schedule: persistent` runs on the wgmma forward (Hopper, head_dim 128); use `schedule: grid`",
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// The launch's grid for `items` (query heads × tile positions) on `multiprocessors` SMs.
+    fn grid(self, heads: usize, positions: usize, multiprocessors: usize) -> (u32, u32, u32) {
+        match self {
+            Schedule::Grid => (heads as u32, positions as u32, 1),
+            Schedule::Persistent => ((heads * positions).min(multiprocessors).max(1) as u32, 1, 1),
+        }
+    }
+}
+
 impl Instructions {
     /// The wgmma kernels where this choice takes them (`fits`: the pass can run on them), `None`
     /// for the mma.sync ones; an error where wgmma was asked for and cannot run.
@@ -85,9 +112,11 @@ pub(super) unsafe fn launch_forward(
     x: &Tensors,
     t: &DeviceTables,
     instructions: Instructions,
+    schedule: Schedule,
 ) -> Result<(), PluginError> {
     let rows = t.forward_rows;
     let hopper = instructions.forward(f)?;
+    schedule.check(hopper)?;
     let wide = rows == FORWARD_TILE;
     // The wgmma forward on 128-row tiles walks 128-key tiles; the others 64-key ones.
     let lists = match hopper {
@@ -108,13 +137,22 @@ pub(super) unsafe fn launch_forward(
     };
     let mut params =
         FlashParams::new(stream, dims, x, None, t).walking(stream, &lists, &row_intervals);
+    let persistent = schedule == Schedule::Persistent;
     let (function, shared_mem_bytes) = match (hopper, wide) {
         (Some(hopper), true) => (
-            &hopper.forward_tma,
+            if persistent {
+                &hopper.forward_tma_persistent
+            } else {
+                &hopper.forward_tma
+            },
             hopper_shared_bytes(HOPPER_FORWARD_ROWS),
         ),
         (Some(hopper), false) => (
-            &hopper.forward_narrow,
+            if persistent {
+                &hopper.forward_narrow_persistent
+            } else {
+                &hopper.forward_narrow
+            },
             hopper_shared_bytes(HOPPER_NARROW_FORWARD_ROWS),
         ),
         (None, true) => (&f.forward, forward_shared_bytes(rows, dims.head_dim)),
@@ -131,17 +169,15 @@ pub(super) unsafe fn launch_forward(
     // One CTA per (query head, query tile) — 128 threads, or with wgmma two consumer
     // warpgroups and a producer, which on 64-row tiles take two query tiles: the heads of a KV
     // group sit side by side in the grid and read the same K and V tiles while they are in L2.
+    // The persistent schedule walks the same items with a CTA an SM.
     let (tiles_per_block, threads) = match hopper {
         Some(_) if wide => (1, 3 * 128),
         Some(_) => (2, 3 * 128),
         None => (1, 128),
     };
+    let positions = dims.len.div_ceil(rows as usize).div_ceil(tiles_per_block);
     let config = LaunchConfig {
-        grid_dim: (
-            dims.heads_q as u32,
-            dims.len.div_ceil(rows as usize).div_ceil(tiles_per_block) as u32,
-            1,
-        ),
+        grid_dim: schedule.grid(dims.heads_q, positions, f.multiprocessors),
         block_dim: (threads, 1, 1),
         shared_mem_bytes,
     };
