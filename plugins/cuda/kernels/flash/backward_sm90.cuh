@@ -135,9 +135,11 @@ __device__ void flash_backward_dq_tma(const TensorMap* k_map, const TensorMap* v
     auto key_buffer = [&](int i) { return tiles_base + i * TILE_ELEMENTS; };
     auto value_buffer = [&](int i) { return tiles_base + (STAGES + i) * TILE_ELEMENTS; };
     __shared__ StageRing<STAGES> ring;
-    const int head = blockIdx.x, kv_head = head / group, mask = mask_of_head[head];
+    TileWork work;
+    GridSchedule(0, 0).first(work);
+    const int head = work.head, kv_head = head / group, mask = mask_of_head[head];
     const int q_tiles = (seqlen + ROWS - 1) / ROWS;
-    const int q_tile = order[mask * q_tiles + blockIdx.y];
+    const int q_tile = order[mask * q_tiles + work.position];
     const int q0 = q_tile * ROWS;
     const unsigned list = mask * q_tiles + q_tile;
     const unsigned begin = tile_start[list], end = tile_start[list + 1];
@@ -326,9 +328,12 @@ __device__ void flash_backward_key_tma(KEY_TMA_PARAMS) {
     __shared__ __align__(16) float s_delta[STAGES][ROWS];
     __shared__ unsigned long long kv_full;
     __shared__ StageRing<STAGES> ring;
-    // The key tiles start longest list first (by the group's first head's mask).
-    const int kv_head = blockIdx.x, k_tiles = (seqlen + KEYS - 1) / KEYS;
-    const int k_tile = order[mask_of_head[kv_head * group] * k_tiles + blockIdx.y];
+    // The key tiles start longest list first (by the group's first head's mask); an item's head
+    // is a KV head here.
+    TileWork work;
+    GridSchedule(0, 0).first(work);
+    const int kv_head = work.head, k_tiles = (seqlen + KEYS - 1) / KEYS;
+    const int k_tile = order[mask_of_head[kv_head * group] * k_tiles + work.position];
     const int k0 = k_tile * KEYS;
     if (threadIdx.x == 0) {
         barrier_init(&kv_full, 1);
