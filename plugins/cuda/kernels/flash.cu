@@ -12,12 +12,14 @@
 //
 // The parts, by concern, under flash/; included in this order, each after what it uses.
 #include "flash/primitives.cuh"
+#include "flash/params.cuh"
 #include "flash/mask.cuh"
 #include "flash/forward_sm80.cuh"
 #include "flash/sm90_primitives.cuh"
 #include "flash/softmax.cuh"
 #include "flash/epilogue.cuh"
 #include "flash/pipeline.cuh"
+#include "flash/scheduler.cuh"
 #include "flash/forward_sm90.cuh"
 #include "flash/work_lists.cuh"
 #include "flash/backward_sm80.cuh"

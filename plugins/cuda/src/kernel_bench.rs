@@ -120,6 +120,7 @@ impl KernelBench for CudaBench<'_> {
                 )?;
                 problem.backward = self.params.backward;
                 problem.instructions = self.params.instructions;
+                problem.schedule = self.params.schedule;
                 match problem.instructions_used() {
                     Ok((forward, backward)) => {
                         record

@@ -96,6 +96,7 @@ impl Plugin for Cuda {
                         .doc("Times one kernel on one mask (from a masks/generate node), checked against the reference first.")
                         .param(ParamSpec::new("kernel", ParamType::one_of(Kernel::NAMES)).default("naive").doc("`naive`: cuBLAS GEMMs around a masked softmax, S×S scores per head (the GPU reference). `flash`: tiled tensor-core kernel driven by the mask IR (forward and backward; bf16/fp16; head_dim 64 or 128)."))
                         .param(ParamSpec::new("instructions", ParamType::one_of(flash::Instructions::NAMES)).default("auto").doc("`flash`'s tensor-core instructions: `mma` (mma.sync, any GPU from sm_80), `wgmma` (Hopper's warpgroup MMA reading its operands from shared memory, tiles loaded by TMA in warp-specialised kernels; head_dim 128; the forward, pipelined so each tile's softmax overlaps the previous tile's P·V; the split backward; the fused one where the masks' blocks keep 128-row tiles), or `auto`, wgmma where it runs. What ran is the record's `details.flash_forward` and `flash_backward`; chosen by name, it is also in the kernel's name (`cuda-flash-mma`, `cuda-flash-wgmma`)."))
+                        .param(ParamSpec::new("schedule", ParamType::one_of(flash::Schedule::NAMES)).default("grid").doc("How `flash`'s wgmma forward hands out its query tiles: `grid`, a block per (query head, tile) in each mask's longest-first order; `persistent`, one block an SM walking the same order, launch and set-up paid once a block. Chosen `persistent`, it is in the kernel's name (`cuda-flash schedule=persistent`); other forwards take `grid` only."))
                         .param(ParamSpec::new("backward", ParamType::one_of(flash::Backward::NAMES)).default("split").doc("`flash`'s backward: `split` (deterministic) computes dK and dV per key tile and dQ per query tile in a second kernel, which recomputes S and dP; `fused` adds dQ from the key-tile kernel with atomics (two of seven products saved; the order of the sums, so the last bits, vary run to run). Recorded as kernel `cuda-flash-fused`; `details.flash_backward` says whether it ran on wgmma or mma.sync."))
                         .param(ParamSpec::new("direction", ParamType::one_of(Direction::NAMES)).default("fwd").doc("`bwd` is timed alone: the forward runs once, outside the timed region."))
                         .param(ParamSpec::new("heads_q", ParamType::Int).default(64))
@@ -320,6 +321,7 @@ struct BenchParams {
     check_max_seqlen: usize,
     backward: flash::Backward,
     instructions: flash::Instructions,
+    schedule: flash::Schedule,
     #[serde(flatten)]
     common: attnbench_sdk::measure::KernelParams,
 }
@@ -340,6 +342,10 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
             format!("cuda-flash-{chosen}")
         }
         (name, _, _) => format!("cuda-{name}"),
+    };
+    let kernel = match p.schedule {
+        flash::Schedule::Grid => kernel,
+        chosen => format!("{kernel} schedule={chosen}"),
     };
     let mut record = Measurement::for_kernel(
         &kernel,

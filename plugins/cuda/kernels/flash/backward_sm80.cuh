@@ -178,9 +178,11 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
     const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles, const unsigned* __restrict__ order, \
     const unsigned* __restrict__ column_start, const unsigned* __restrict__ column_intervals, \
     const int* __restrict__ mask_of_head, int seqlen, int group, float scale, float scale_log2
-#define KEY_TILE_TAIL_ARGS lse, delta, dq, dk, dv, tile_start, tiles, order, column_start, column_intervals, mask_of_head, seqlen, group, scale, scale_log2
+// ... and the same taken from a launch's FlashParams.
+#define KEY_TILE_TAIL_ARGS(p) p.lse, p.delta, p.dq, p.dk, p.dv, p.tile_start, p.tiles, p.order, p.interval_start, p.intervals, \
+    p.mask_of_head, p.seqlen, p.group, p.scale, p.scale_log2
 #define KEY_TILE_PARAMS const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ d_out, KEY_TILE_TAIL
-#define KEY_TILE_ARGS q, k, v, d_out, KEY_TILE_TAIL_ARGS
+#define KEY_TILE_ARGS(p) p.q, p.k, p.v, p.d_out, KEY_TILE_TAIL_ARGS(p)
 
 // dK and dV of one (64-key tile, KV head): for each step of the walk, Sᵀ = K·Qᵀ, Pᵀ,
 // dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − D), dK += dSᵀ·Q; dK scaled at the end. K and V stay
@@ -365,17 +367,15 @@ __device__ void flash_backward_dkdv(KEY_TILE_PARAMS) {
 }
 
 #define FLASH_BACKWARD(SUFFIX, E, D) \
-extern "C" __global__ void __launch_bounds__(THREADS) flash_delta_##SUFFIX(const u16* d_out, const float* out, float* delta, float* dq, int rows) { \
-    flash_delta<E, D>(d_out, out, delta, dq, rows); } \
-extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_dq_##SUFFIX( \
-    const u16* q, const u16* k, const u16* v, const u16* d_out, const float* lse, const float* delta, float* dq, \
-    const unsigned* tile_start, const unsigned* tiles, const unsigned* row_start, const unsigned* intervals, \
-    const int* mask_of_head, int seqlen, int group, float scale, float scale_log2) { \
-    flash_backward_dq<E, D>(q, k, v, d_out, lse, delta, dq, tile_start, tiles, row_start, intervals, mask_of_head, seqlen, group, scale, scale_log2); } \
-extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_dkdv_##SUFFIX(KEY_TILE_PARAMS) { \
-    flash_backward_dkdv<E, D, false>(KEY_TILE_ARGS); } \
-extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_fused_##SUFFIX(KEY_TILE_PARAMS) { \
-    flash_backward_dkdv<E, D, true>(KEY_TILE_ARGS); }
+extern "C" __global__ void __launch_bounds__(THREADS) flash_delta_##SUFFIX(const __grid_constant__ FlashParams p) { \
+    flash_delta<E, D>(p.d_out, p.out, p.delta, p.dq, p.rows); } \
+extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_dq_##SUFFIX(const __grid_constant__ FlashParams p) { \
+    flash_backward_dq<E, D>(p.q, p.k, p.v, p.d_out, p.lse, p.delta, p.dq, p.tile_start, p.tiles, p.interval_start, \
+                            p.intervals, p.mask_of_head, p.seqlen, p.group, p.scale, p.scale_log2); } \
+extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_dkdv_##SUFFIX(const __grid_constant__ FlashParams p) { \
+    flash_backward_dkdv<E, D, false>(KEY_TILE_ARGS(p)); } \
+extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_fused_##SUFFIX(const __grid_constant__ FlashParams p) { \
+    flash_backward_dkdv<E, D, true>(KEY_TILE_ARGS(p)); }
 FLASH_BACKWARD(bf16_d64, 1, 64)
 FLASH_BACKWARD(bf16_d128, 1, 128)
 FLASH_BACKWARD(f16_d64, 2, 64)

@@ -18,7 +18,8 @@
     const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles, const unsigned* __restrict__ order, \
     const unsigned* __restrict__ row_start, const unsigned* __restrict__ intervals, \
     const int* __restrict__ mask_of_head, int seqlen, int group, float scale, float scale_log2
-#define QUERY_TILE_TAIL_ARGS lse, delta, dq, tile_start, tiles, order, row_start, intervals, mask_of_head, seqlen, group, scale, scale_log2
+#define QUERY_TILE_TAIL_ARGS(p) p.lse, p.delta, p.dq, p.tile_start, p.tiles, p.order, p.interval_start, p.intervals, p.mask_of_head, \
+    p.seqlen, p.group, p.scale, p.scale_log2
 
 // A warpgroup's 64 query rows of a wgmma dQ kernel (this thread's rows row0 and row0 + 8): their
 // Q and dO fragments in registers, LSE·log2 e, D and key intervals.
@@ -133,58 +134,56 @@ __device__ void flash_backward_dq_tma(const TensorMap* k_map, const TensorMap* v
     u16* tiles_base = hopper_tiles();
     auto key_buffer = [&](int i) { return tiles_base + i * TILE_ELEMENTS; };
     auto value_buffer = [&](int i) { return tiles_base + (STAGES + i) * TILE_ELEMENTS; };
-    __shared__ unsigned long long full[STAGES], empty[STAGES];
-    const int head = blockIdx.x, kv_head = head / group, mask = mask_of_head[head];
+    __shared__ StageRing<STAGES> ring;
+    TileWork work;
+    GridSchedule(0, 0).first(work);
+    const int head = work.head, kv_head = head / group, mask = mask_of_head[head];
     const int q_tiles = (seqlen + ROWS - 1) / ROWS;
-    const int q_tile = order[mask * q_tiles + blockIdx.y];
+    const int q_tile = order[mask * q_tiles + work.position];
     const int q0 = q_tile * ROWS;
     const unsigned list = mask * q_tiles + q_tile;
     const unsigned begin = tile_start[list], end = tile_start[list + 1];
     if (threadIdx.x == 0) {
-        for (int i = 0; i < STAGES; ++i) {
-            barrier_init(&full[i], 1);
-            barrier_init(&empty[i], 2 * HOPPER_WARPGROUP);
-        }
+        ring.init(1, 2 * HOPPER_WARPGROUP);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
 
-    if (threadIdx.x < HOPPER_WARPGROUP) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        if (threadIdx.x != 0) return;
-        for (unsigned w = begin; w < end; ++w) {
-            const int j = w - begin, stage = j % STAGES;
-            const int k0 = (int)(tiles[w] & 0x7fffffffu) * BN;
-            barrier_wait(&empty[stage], ((j / STAGES) & 1) ^ 1);
-            barrier_expect_bytes(&full[stage], 2 * BN * D * 2);
-            for (int panel = 0; panel < 2; ++panel) {
-                load_box(key_buffer(stage) + panel * BN * 64, k_map, panel * 64, k0, kv_head, &full[stage]);
-                load_box(value_buffer(stage) + panel * BN * 64, v_map, panel * 64, k0, kv_head, &full[stage]);
+    warp_specialised(
+        [&] {
+            if (threadIdx.x != 0) return;
+            for (unsigned w = begin; w < end; ++w) {
+                const int j = w - begin, stage = j % STAGES;
+                const int k0 = (int)(tiles[w] & 0x7fffffffu) * BN;
+                ring.acquire(j);
+                barrier_expect_bytes(ring.filled(j), 2 * BN * D * 2);
+                for (int panel = 0; panel < 2; ++panel) {
+                    load_box(key_buffer(stage) + panel * BN * 64, k_map, panel * 64, k0, kv_head, ring.filled(j));
+                    load_box(value_buffer(stage) + panel * BN * 64, v_map, panel * 64, k0, kv_head, ring.filled(j));
+                }
             }
-        }
-        return;
-    }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-
-    const int warp = (threadIdx.x >> 5) - 4;
-    const int row0 = q0 + warp * 16 + ((threadIdx.x & 31) >> 2);
-    const size_t head_rows = (size_t)head * seqlen;
-    QueryRows rows(q + head_rows * D, d_out + head_rows * D, lse + head_rows, delta + head_rows,
-                         row_start + (size_t)mask * (seqlen + 1), intervals, row0, seqlen);
-    float acc[D / 2];
-    #pragma unroll
-    for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f;
-    for (unsigned w = begin; w < end; ++w) {
-        const int j = w - begin, stage = j % STAGES;
-        const unsigned entry = tiles[w];
-        barrier_wait(&full[stage], (j / STAGES) & 1);
-        query_tile_step<E>(acc, rows, key_buffer(stage), value_buffer(stage), entry >> 31, (int)(entry & 0x7fffffffu) * BN,
-                           q0 + ROWS <= seqlen, seqlen, intervals, scale_log2);
-        wgmma_wait<0>();
-        barrier_arrive(&empty[stage]);  // this thread's products of the tile have landed
-        settle<D / 2>(acc);
-    }
-    store_rows(dq + head_rows * D, acc, row0, seqlen, scale);
+        },
+        [&] {
+            const int warp = (threadIdx.x >> 5) - 4;
+            const int row0 = q0 + warp * 16 + ((threadIdx.x & 31) >> 2);
+            const size_t head_rows = (size_t)head * seqlen;
+            QueryRows rows(q + head_rows * D, d_out + head_rows * D, lse + head_rows, delta + head_rows,
+                                 row_start + (size_t)mask * (seqlen + 1), intervals, row0, seqlen);
+            float acc[D / 2];
+            #pragma unroll
+            for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f;
+            for (unsigned w = begin; w < end; ++w) {
+                const int j = w - begin, stage = j % STAGES;
+                const unsigned entry = tiles[w];
+                ring.wait(j);
+                query_tile_step<E>(acc, rows, key_buffer(stage), value_buffer(stage), entry >> 31, (int)(entry & 0x7fffffffu) * BN,
+                                   q0 + ROWS <= seqlen, seqlen, intervals, scale_log2);
+                wgmma_wait<0>();
+                ring.release(j);  // this thread's products of the tile have landed
+                settle<D / 2>(acc);
+            }
+            store_rows(dq + head_rows * D, acc, row0, seqlen, scale);
+        });
 }
 
 // One 64-query step of a wgmma key-tile kernel for a warpgroup's 64 keys (key0: this thread's
@@ -327,129 +326,124 @@ __device__ void flash_backward_key_tma(KEY_TMA_PARAMS) {
     auto ds_buffer = [&](int parity) { return stage_tiles(STAGES) + parity * TILE_ELEMENTS; };
     __shared__ __align__(16) float s_lse[STAGES][ROWS];
     __shared__ __align__(16) float s_delta[STAGES][ROWS];
-    __shared__ unsigned long long kv_full, full[STAGES], empty[STAGES];
-    // The key tiles start longest list first (by the group's first head's mask).
-    const int kv_head = blockIdx.x, k_tiles = (seqlen + KEYS - 1) / KEYS;
-    const int k_tile = order[mask_of_head[kv_head * group] * k_tiles + blockIdx.y];
+    __shared__ unsigned long long kv_full;
+    __shared__ StageRing<STAGES> ring;
+    // The key tiles start longest list first (by the group's first head's mask); an item's head
+    // is a KV head here.
+    TileWork work;
+    GridSchedule(0, 0).first(work);
+    const int kv_head = work.head, k_tiles = (seqlen + KEYS - 1) / KEYS;
+    const int k_tile = order[mask_of_head[kv_head * group] * k_tiles + work.position];
     const int k0 = k_tile * KEYS;
     if (threadIdx.x == 0) {
         barrier_init(&kv_full, 1);
-        for (int i = 0; i < STAGES; ++i) {
-            barrier_init(&full[i], 32);
-            barrier_init(&empty[i], CONSUMERS);
-        }
+        ring.init(32, CONSUMERS);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
     KeyTileWalk<ROWS, KEYS> walk(tile_start, tiles, mask_of_head, seqlen, k_tile, kv_head, group);
 
-    if (threadIdx.x < HOPPER_WARPGROUP) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        if (threadIdx.x >= 32) return;
-        const int lane = threadIdx.x;
-        if (lane == 0) {
-            barrier_expect_bytes(&kv_full, 2 * KEYS * D * 2);
-            for (int panel = 0; panel < 2; ++panel) {
-                load_box(sk + panel * KEYS * 64, k_map, panel * 64, k0, kv_head, &kv_full);
-                load_box(sv + panel * KEYS * 64, v_map, panel * 64, k0, kv_head, &kv_full);
-            }
-        }
-        for (int j = 0; !walk.done(); ++j, walk.advance()) {
-            const int stage = j % STAGES, head = walk.head, q0 = walk.row0();
-            barrier_wait(&empty[stage], ((j / STAGES) & 1) ^ 1);
-            // The warp's stores of the row statistics are released by its arrivals.
-            stage_row_statistics<ROWS, 32>(s_lse[stage], s_delta[stage], lse, delta, (size_t)head * seqlen, q0, seqlen);
+    warp_specialised(
+        [&] {
+            if (threadIdx.x >= 32) return;
+            const int lane = threadIdx.x;
             if (lane == 0) {
-                barrier_expect_bytes(&full[stage], 2 * ROWS * D * 2);
-                u16* sq = stage_tiles(stage);
+                barrier_expect_bytes(&kv_full, 2 * KEYS * D * 2);
                 for (int panel = 0; panel < 2; ++panel) {
-                    load_box(sq + panel * ROWS * 64, q_map, panel * 64, q0, head, &full[stage]);
-                    load_box(sq + TILE_ELEMENTS + panel * ROWS * 64, do_map, panel * 64, q0, head, &full[stage]);
+                    load_box(sk + panel * KEYS * 64, k_map, panel * 64, k0, kv_head, &kv_full);
+                    load_box(sv + panel * KEYS * 64, v_map, panel * 64, k0, kv_head, &kv_full);
                 }
-            } else {
-                barrier_arrive(&full[stage]);
             }
-        }
-        return;
-    }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-
-    const int warp = (threadIdx.x >> 5) - 4, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int half = warp >> 2;  // this warpgroup's 64 keys of the tile
-    const int key0 = k0 + half * 64 + (warp & 3) * 16 + g;
-    // This warpgroup's rows of K and V.
-    const u16* k_rows = sk + half * 64 * 64;
-    const u16* v_rows = sv + half * 64 * 64;
-    float dk_acc[D / 2], dv_acc[D / 2];
-    #pragma unroll
-    for (int i = 0; i < D / 2; ++i) dk_acc[i] = dv_acc[i] = 0.0f;
-    KeyColumns columns;
-    barrier_wait(&kv_full, 0);
-    for (int j = 0; !walk.done(); ++j) {
-        const int stage = j % STAGES;
-        const bool partial = walk.entry() >> 31;
-        const int head = walk.head, q0 = walk.row0();
-        columns.follow(head, mask_of_head[head], column_start, column_intervals, key0, seqlen);
-        walk.advance();
-        barrier_wait(&full[stage], (j / STAGES) & 1);
-        const u16* sq = stage_tiles(stage);
-        u32 ds[4][4];
-        key_tile_step<E, KEYS>(dk_acc, dv_acc, ds, k_rows, v_rows, sq, sq + TILE_ELEMENTS, s_lse[stage], s_delta[stage], partial, q0, k0,
-                               key0, seqlen, columns, column_intervals, scale_log2);
-        if constexpr (DQ) {
-            u16* sds = ds_buffer(j & 1);
-            store_transposed_fragments(sds + half * 64 * 64, ds);
-            shared_writes_to_async_proxy();
-            // Both halves of dS are written; the other warpgroup is past its product of two
-            // steps ago, which read this buffer.
-            barrier_sync<CONSUMERS>(1);
-            float dq_part[ROWS / 2];
-            wgmma_fence();
-            #pragma unroll
-            for (int step = 0; step < 8; ++step)
-                wgmma_scores<E, 1>(dq_part, panel_step<64>(sds, step), transposed_rows<KEYS>(sk + half * KEYS * 64, step), step);
-            wgmma_commit();
-            wgmma_wait<0>();
-            settle<ROWS / 2>(dq_part);
-            // dq_part[4c + i]: row q0 + 16·(warp mod 4) + g + 8·(i / 2 mod 2), column
-            // 64·half + 8c + 2t + i mod 2.
-            float* dq_rows = dq + ((size_t)head * seqlen + q0) * D + half * 64 + t * 2;
-            #pragma unroll
-            for (int slot = 0; slot < 2; ++slot) {
-                const int row = (warp & 3) * 16 + g + slot * 8;
-                if (q0 + row >= seqlen) continue;
-                #pragma unroll
-                for (int c = 0; c < 8; ++c)
-                    add_pair(dq_rows + (size_t)row * D + c * 8, dq_part[4 * c + 2 * slot] * scale, dq_part[4 * c + 2 * slot + 1] * scale);
+            for (int j = 0; !walk.done(); ++j, walk.advance()) {
+                const int stage = j % STAGES, head = walk.head, q0 = walk.row0();
+                ring.acquire(j);
+                // The warp's stores of the row statistics are released by its arrivals.
+                stage_row_statistics<ROWS, 32>(s_lse[stage], s_delta[stage], lse, delta, (size_t)head * seqlen, q0, seqlen);
+                if (lane == 0) {
+                    barrier_expect_bytes(ring.filled(j), 2 * ROWS * D * 2);
+                    u16* sq = stage_tiles(stage);
+                    for (int panel = 0; panel < 2; ++panel) {
+                        load_box(sq + panel * ROWS * 64, q_map, panel * 64, q0, head, ring.filled(j));
+                        load_box(sq + TILE_ELEMENTS + panel * ROWS * 64, do_map, panel * 64, q0, head, ring.filled(j));
+                    }
+                } else {
+                    barrier_arrive(ring.filled(j));
+                }
             }
-        } else {
-            wgmma_wait<0>();
-        }
-        // Every product reading this stage has landed, and its statistics are read.
-        barrier_arrive(&empty[stage]);
-        settle<D / 2>(dk_acc);
-        settle<D / 2>(dv_acc);
-    }
-    store_rows(dk + (size_t)kv_head * seqlen * D, dk_acc, key0, seqlen, scale);
-    store_rows(dv + (size_t)kv_head * seqlen * D, dv_acc, key0, seqlen, 1.0f);
+        },
+        [&] {
+            const int warp = (threadIdx.x >> 5) - 4, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+            const int half = warp >> 2;  // this warpgroup's 64 keys of the tile
+            const int key0 = k0 + half * 64 + (warp & 3) * 16 + g;
+            // This warpgroup's rows of K and V.
+            const u16* k_rows = sk + half * 64 * 64;
+            const u16* v_rows = sv + half * 64 * 64;
+            float dk_acc[D / 2], dv_acc[D / 2];
+            #pragma unroll
+            for (int i = 0; i < D / 2; ++i) dk_acc[i] = dv_acc[i] = 0.0f;
+            KeyColumns columns;
+            barrier_wait(&kv_full, 0);
+            for (int j = 0; !walk.done(); ++j) {
+                const int stage = j % STAGES;
+                const bool partial = walk.entry() >> 31;
+                const int head = walk.head, q0 = walk.row0();
+                columns.follow(head, mask_of_head[head], column_start, column_intervals, key0, seqlen);
+                walk.advance();
+                ring.wait(j);
+                const u16* sq = stage_tiles(stage);
+                u32 ds[4][4];
+                key_tile_step<E, KEYS>(dk_acc, dv_acc, ds, k_rows, v_rows, sq, sq + TILE_ELEMENTS, s_lse[stage], s_delta[stage], partial, q0, k0,
+                                       key0, seqlen, columns, column_intervals, scale_log2);
+                if constexpr (DQ) {
+                    u16* sds = ds_buffer(j & 1);
+                    store_transposed_fragments(sds + half * 64 * 64, ds);
+                    shared_writes_to_async_proxy();
+                    // Both halves of dS are written; the other warpgroup is past its product of two
+                    // steps ago, which read this buffer.
+                    barrier_sync<CONSUMERS>(1);
+                    float dq_part[ROWS / 2];
+                    wgmma_fence();
+                    #pragma unroll
+                    for (int step = 0; step < 8; ++step)
+                        wgmma_scores<E, 1>(dq_part, panel_step<64>(sds, step), transposed_rows<KEYS>(sk + half * KEYS * 64, step), step);
+                    wgmma_commit();
+                    wgmma_wait<0>();
+                    settle<ROWS / 2>(dq_part);
+                    // dq_part[4c + i]: row q0 + 16·(warp mod 4) + g + 8·(i / 2 mod 2), column
+                    // 64·half + 8c + 2t + i mod 2.
+                    float* dq_rows = dq + ((size_t)head * seqlen + q0) * D + half * 64 + t * 2;
+                    #pragma unroll
+                    for (int slot = 0; slot < 2; ++slot) {
+                        const int row = (warp & 3) * 16 + g + slot * 8;
+                        if (q0 + row >= seqlen) continue;
+                        #pragma unroll
+                        for (int c = 0; c < 8; ++c)
+                            add_pair(dq_rows + (size_t)row * D + c * 8, dq_part[4 * c + 2 * slot] * scale, dq_part[4 * c + 2 * slot + 1] * scale);
+                    }
+                } else {
+                    wgmma_wait<0>();
+                }
+                // Every product reading this stage has landed, and its statistics are read.
+                ring.release(j);
+                settle<D / 2>(dk_acc);
+                settle<D / 2>(dv_acc);
+            }
+            store_rows(dk + (size_t)kv_head * seqlen * D, dk_acc, key0, seqlen, scale);
+            store_rows(dv + (size_t)kv_head * seqlen * D, dv_acc, key0, seqlen, 1.0f);
+        });
 }
 
 #define FLASH_BACKWARD_DQ_HOPPER(SUFFIX, E) \
-extern "C" __global__ void __launch_bounds__(HOPPER_WARPGROUP, 2) flash_backward_dq_hopper_##SUFFIX( \
-    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ d_out, QUERY_TILE_TAIL) { \
-    flash_backward_dq_hopper<E>(q, k, v, d_out, QUERY_TILE_TAIL_ARGS); } \
-extern "C" __global__ void __launch_bounds__(3 * HOPPER_WARPGROUP, 1) flash_backward_dq_tma_##SUFFIX( \
-    const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map, const u16* __restrict__ q, \
-    const u16* __restrict__ d_out, QUERY_TILE_TAIL) { \
-    flash_backward_dq_tma<E>(&k_map, &v_map, q, d_out, QUERY_TILE_TAIL_ARGS); }
+extern "C" __global__ void __launch_bounds__(HOPPER_WARPGROUP, 2) flash_backward_dq_hopper_##SUFFIX(const __grid_constant__ FlashParams p) { \
+    flash_backward_dq_hopper<E>(p.q, p.k, p.v, p.d_out, QUERY_TILE_TAIL_ARGS(p)); } \
+extern "C" __global__ void __launch_bounds__(3 * HOPPER_WARPGROUP, 1) flash_backward_dq_tma_##SUFFIX(const __grid_constant__ FlashParams p) { \
+    flash_backward_dq_tma<E>(&p.k_map, &p.v_map, p.q, p.d_out, QUERY_TILE_TAIL_ARGS(p)); }
 #define FLASH_BACKWARD_DKDV_HOPPER(SUFFIX, E) \
-extern "C" __global__ void __launch_bounds__(HOPPER_WARPGROUP, 2) flash_backward_dkdv_hopper_##SUFFIX(KEY_TILE_PARAMS) { \
-    flash_backward_dkdv_hopper<E>(KEY_TILE_ARGS); }
+extern "C" __global__ void __launch_bounds__(HOPPER_WARPGROUP, 2) flash_backward_dkdv_hopper_##SUFFIX(const __grid_constant__ FlashParams p) { \
+    flash_backward_dkdv_hopper<E>(KEY_TILE_ARGS(p)); }
 #define FLASH_BACKWARD_KEY_TMA(NAME, SUFFIX, E, DQ) \
-extern "C" __global__ void __launch_bounds__(3 * HOPPER_WARPGROUP, 1) NAME##_##SUFFIX( \
-    const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map, \
-    const __grid_constant__ TensorMap do_map, KEY_TILE_TAIL) { \
-    flash_backward_key_tma<E, DQ>(&q_map, &k_map, &v_map, &do_map, KEY_TILE_TAIL_ARGS); }
+extern "C" __global__ void __launch_bounds__(3 * HOPPER_WARPGROUP, 1) NAME##_##SUFFIX(const __grid_constant__ FlashParams p) { \
+    flash_backward_key_tma<E, DQ>(&p.q_map, &p.k_map, &p.v_map, &p.do_map, KEY_TILE_TAIL_ARGS(p)); }
 #define FLASH_BACKWARD_HOPPER(SUFFIX, E) \
 FLASH_BACKWARD_DQ_HOPPER(SUFFIX, E) \
 FLASH_BACKWARD_DKDV_HOPPER(SUFFIX, E) \

@@ -5,13 +5,12 @@
 #define FWD_THREADS 128
 
 // Every forward kernel's parameters: Q, K, V, O, LSE, the work lists (per query tile its key
-// tiles, and the order to start the query tiles), the rows' key intervals, each head's mask;
-// and the same names as arguments.
+// tiles, and the order to start the query tiles), the rows' key intervals, each head's mask
+// (the kernels take them from their FlashParams).
 #define FORWARD_PARAMS const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, \
     float* __restrict__ out, float* __restrict__ lse, const unsigned* __restrict__ tile_start, \
     const unsigned* __restrict__ tiles, const unsigned* __restrict__ order, const unsigned* __restrict__ row_start, \
     const unsigned* __restrict__ intervals, const int* __restrict__ mask_of_head, int seqlen, int group, float scale_log2
-#define FORWARD_ARGS q, k, v, out, lse, tile_start, tiles, order, row_start, intervals, mask_of_head, seqlen, group, scale_log2
 
 // Forward: one CTA of 4 warps per (64·M-row query tile, query head), each warp 16·M rows (M
 // 16-row blocks sharing every K and V fragment it loads: at M = 2, half the shared-memory traffic
@@ -195,8 +194,9 @@ __device__ void flash_forward(FORWARD_PARAMS) {
 }
 
 #define FLASH_FORWARD_TILE(NAME, SUFFIX, E, D, M) \
-extern "C" __global__ void __launch_bounds__(FWD_THREADS, 2) NAME##_##SUFFIX(FORWARD_PARAMS) { \
-    flash_forward<E, D, M>(FORWARD_ARGS); }
+extern "C" __global__ void __launch_bounds__(FWD_THREADS, 2) NAME##_##SUFFIX(const FlashParams p) { \
+    flash_forward<E, D, M>(p.q, p.k, p.v, p.out, p.lse, p.tile_start, p.tiles, p.order, p.interval_start, p.intervals, \
+                           p.mask_of_head, p.seqlen, p.group, p.scale_log2); }
 #define FLASH_FORWARD(SUFFIX, E, D) \
     FLASH_FORWARD_TILE(flash_forward, SUFFIX, E, D, 2) \
     FLASH_FORWARD_TILE(flash_forward_narrow, SUFFIX, E, D, 1)

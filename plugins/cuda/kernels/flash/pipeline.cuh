@@ -13,8 +13,6 @@
 // address arithmetic and no CTA barrier per tile. K and V have STAGES buffers each, each with a
 // "full" barrier (the producer's copies landed) and an "empty" one (the consumers are done with
 // it).
-struct __align__(64) TensorMap { unsigned long long opaque[16]; };
-
 __device__ __forceinline__ void barrier_init(unsigned long long* bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(shared_address(bar)), "r"(count) : "memory");
 }
@@ -39,6 +37,50 @@ __device__ __forceinline__ void load_box(u16* dst, const TensorMap* map, int col
     asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
                  :: "r"(shared_address(dst)), "l"(reinterpret_cast<unsigned long long>(map)), "r"(column), "r"(row), "r"(head),
                     "r"(shared_address(bar)) : "memory");
+}
+
+// A ring of STAGES buffers between a producer and its consumers, owning their mbarriers and phase
+// bits: use j of the ring takes stage j mod STAGES in phase j / STAGES. `full` completes when the
+// producer's copies (or arrivals) for a use have landed, `empty` when every consumer is done with
+// it; a fresh ring counts every stage as empty.
+template <int STAGES>
+struct StageRing {
+    unsigned long long full[STAGES], empty[STAGES];
+
+    // By one thread, before the block's barrier: `arrivals` producer arrivals complete a use,
+    // `consumers` consumer ones free it.
+    __device__ __forceinline__ void init(unsigned arrivals, unsigned consumers) {
+        for (int i = 0; i < STAGES; ++i) {
+            barrier_init(&full[i], arrivals);
+            barrier_init(&empty[i], consumers);
+        }
+    }
+    // The producer, before filling use j: until the consumers are done with the stage's last use.
+    __device__ __forceinline__ void acquire(int j) { barrier_wait(&empty[j % STAGES], ((j / STAGES) & 1) ^ 1); }
+    // The barrier use j's copies and arrivals complete.
+    __device__ __forceinline__ unsigned long long* filled(int j) { return &full[j % STAGES]; }
+    // A consumer, before reading use j: until it has landed.
+    __device__ __forceinline__ void wait(int j) { barrier_wait(&full[j % STAGES], (j / STAGES) & 1); }
+    // A consumer done with use j.
+    __device__ __forceinline__ void release(int j) { barrier_arrive(&empty[j % STAGES]); }
+};
+
+// The register budgets of a warp-specialised block: the producer warpgroup, which only issues
+// copies, keeps 40 registers a thread and hands the rest to the consumers' accumulators.
+constexpr int PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
+
+// A warp-specialised block after its barriers are set up: the first warpgroup runs `produce`, the
+// others `consume`, each with its register budget (setmaxnreg is per warpgroup, so every thread
+// of each takes part before it may return).
+template <class Producer, class Consumer>
+__device__ __forceinline__ void warp_specialised(Producer produce, Consumer consume) {
+    if (threadIdx.x < HOPPER_WARPGROUP) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(PRODUCER_REGISTERS));
+        produce();
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(CONSUMER_REGISTERS));
+        consume();
+    }
 }
 
 #endif

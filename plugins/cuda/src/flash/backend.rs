@@ -10,7 +10,7 @@ use attnbench_sdk::reference::Element;
 use attnbench_sdk::PluginError;
 
 use super::device::{DeviceTables, Dims, GradTensors, Tensors};
-use super::launch::{launch_backward, launch_forward, Backward, Instructions};
+use super::launch::{launch_backward, launch_forward, Backward, Instructions, Schedule};
 use super::tables::{tables, MaskTiles};
 use super::Kernels;
 use crate::gpu::Gpu;
@@ -136,6 +136,7 @@ pub fn attend(
                 &x,
                 &tables,
                 Instructions::Auto,
+                Schedule::Grid,
             ),
             Some(delta) => {
                 let g = GradTensors {

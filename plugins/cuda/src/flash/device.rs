@@ -101,6 +101,11 @@ pub(super) struct GradTensors {
 #[repr(C, align(64))]
 #[derive(Clone, Copy)]
 pub(super) struct TensorMap([u64; 16]);
+
+impl TensorMap {
+    /// No map: what kernels that read by address get.
+    pub(super) const ZERO: TensorMap = TensorMap([0; 16]);
+}
 // SAFETY: plain bytes, passed by value as the kernel's `__grid_constant__ TensorMap`.
 unsafe impl DeviceRepr for TensorMap {}
 
@@ -114,7 +119,7 @@ pub(super) fn tensor_map(
     rows: u64,
     data_type: CUtensorMapDataType,
 ) -> Result<TensorMap, PluginError> {
-    let mut map = TensorMap([0; 16]);
+    let mut map = TensorMap::ZERO;
     let dims = [128, len as u64, heads as u64];
     let strides = [128 * 2, len as u64 * 128 * 2];
     let boxes = [64u32, rows as u32, 1];

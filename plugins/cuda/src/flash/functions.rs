@@ -11,6 +11,8 @@ use crate::gpu::allow_shared;
 
 /// The kernels of one element type and head dimension.
 pub(super) struct Functions {
+    /// The device's SMs: the persistent forward's grid.
+    pub(super) multiprocessors: usize,
     pub(super) forward: CudaFunction,
     pub(super) forward_narrow: CudaFunction,
     /// The wgmma kernels (Hopper, head_dim 128), where the module has them.
@@ -38,6 +40,7 @@ impl Kernels {
                 .map_err(|err| PluginError::failed(format!("{name}: {err}")))
         };
         Ok(Functions {
+            multiprocessors: self.multiprocessors,
             forward: allow_shared(
                 function("forward")?,
                 forward_shared_bytes(FORWARD_TILE, head_dim),
@@ -59,6 +62,14 @@ impl Kernels {
                     },
                     forward_narrow: allow_shared(
                         function("forward_narrow_tma")?,
+                        hopper_shared_bytes(HOPPER_NARROW_FORWARD_ROWS),
+                    )?,
+                    forward_tma_persistent: allow_shared(
+                        function("forward_tma_persistent")?,
+                        hopper_shared_bytes(HOPPER_FORWARD_ROWS),
+                    )?,
+                    forward_narrow_persistent: allow_shared(
+                        function("forward_narrow_tma_persistent")?,
                         hopper_shared_bytes(HOPPER_NARROW_FORWARD_ROWS),
                     )?,
                     dq: allow_shared(
@@ -107,6 +118,9 @@ pub(super) struct HopperFunctions {
     /// The forward on 64 × 64 tiles: two warpgroups compute a query tile each, a third loads
     /// their K and V tiles by TMA.
     pub(super) forward_narrow: CudaFunction,
+    /// `forward_tma` and `forward_narrow` with the persistent scheduler: one block an SM.
+    pub(super) forward_tma_persistent: CudaFunction,
+    pub(super) forward_narrow_persistent: CudaFunction,
     pub(super) dq: CudaFunction,
     /// dQ on the forward's 128-row tiles: two warpgroups compute, a third loads every K and V
     /// tile by TMA.

@@ -1,25 +1,53 @@
-//! Launching the forward and backward kernels: which instructions run a pass, grids, and the
-//! arguments in the order the kernels declare them.
+//! Launching the forward and backward kernels: which instructions run a pass, grids, and each
+//! launch's parameters.
 
 use std::sync::Arc;
 
 use attnbench_sdk::PluginError;
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
 
-use super::device::{tensor_map, DeviceTables, Dims, GradTensors, TensorMap, Tensors};
+use super::device::{tensor_map, DeviceTables, Dims, GradTensors, Tensors};
 use super::functions::{
     forward_shared_bytes, hopper_shared_bytes, key_tile_shared_bytes, Functions, HopperFunctions,
     HOPPER_DKDV_ROWS, HOPPER_DQ_ROWS, HOPPER_DQ_TMA_ROWS, HOPPER_FORWARD_ROWS,
     HOPPER_FUSED_TMA_ROWS, HOPPER_KEY_TMA_ROWS, HOPPER_NARROW_FORWARD_ROWS,
 };
+use super::params::{FlashParams, Intervals, WorkLists};
 use super::{FORWARD_TILE, TILE, WIDE_TILE};
-use crate::gpu::{failed, Buffer};
+use crate::gpu::failed;
 
 attnbench_sdk::named_enum! {
     /// Which tensor-core instructions the kernels use: mma.sync (any GPU from sm_80), wgmma
     /// (Hopper, head_dim 128; the forward, the split backward, the fused one where the masks keep
     /// 128-row tiles), or wgmma where it runs and mma.sync elsewhere.
     pub enum Instructions { Auto = "auto", Mma = "mma", Wgmma = "wgmma" }
+}
+
+attnbench_sdk::named_enum! {
+    /// How the wgmma forward hands out its query tiles (`kernels/flash/scheduler.cuh`): a block
+    /// per (query head, tile position) on a grid, or one block an SM walking the same order.
+    pub enum Schedule { Grid = "grid", Persistent = "persistent" }
+}
+
+impl Schedule {
+    /// Whether the forward can run this schedule on `hopper` (the wgmma kernels, if it takes
+    /// them); an error naming what would.
+    pub(super) fn check(self, hopper: Option<&HopperFunctions>) -> Result<(), PluginError> {
+        match (self, hopper) {
+            (Schedule::Persistent, None) => Err(PluginError::failed(
+                "`schedule: persistent` runs on the wgmma forward (Hopper, head_dim 128); use `schedule: grid`",
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// The launch's grid for `items` (query heads × tile positions) on `multiprocessors` SMs.
+    fn grid(self, heads: usize, positions: usize, multiprocessors: usize) -> (u32, u32, u32) {
+        match self {
+            Schedule::Grid => (heads as u32, positions as u32, 1),
+            Schedule::Persistent => ((heads * positions).min(multiprocessors).max(1) as u32, 1, 1),
+        }
+    }
 }
 
 impl Instructions {
@@ -84,38 +112,47 @@ pub(super) unsafe fn launch_forward(
     x: &Tensors,
     t: &DeviceTables,
     instructions: Instructions,
+    schedule: Schedule,
 ) -> Result<(), PluginError> {
-    let (len, group) = (dims.len as i32, (dims.heads_q / dims.heads_kv) as i32);
-    let scale_log2 = dims.scale * std::f32::consts::LOG2_E;
     let rows = t.forward_rows;
     let hopper = instructions.forward(f)?;
+    schedule.check(hopper)?;
     let wide = rows == FORWARD_TILE;
     // The wgmma forward on 128-row tiles walks 128-key tiles; the others 64-key ones.
-    let (start, tiles, order) = match hopper {
-        Some(_) if wide => (
-            &t.wide_forward_tile_start,
-            &t.wide_forward_tiles,
-            &t.wide_forward_order,
-        ),
-        _ => (&t.forward_tile_start, &t.forward_tiles, &t.forward_order),
+    let lists = match hopper {
+        Some(_) if wide => WorkLists {
+            start: &t.wide_forward_tile_start,
+            tiles: &t.wide_forward_tiles,
+            order: Some(&t.wide_forward_order),
+        },
+        _ => WorkLists {
+            start: &t.forward_tile_start,
+            tiles: &t.forward_tiles,
+            order: Some(&t.forward_order),
+        },
     };
-    let addresses = [
-        x.out,
-        x.lse,
-        start.address(stream),
-        tiles.address(stream),
-        order.address(stream),
-        t.row_start.address(stream),
-        t.intervals.address(stream),
-        t.mask_of_head.address(stream),
-    ];
+    let row_intervals = Intervals {
+        start: &t.row_start,
+        intervals: &t.intervals,
+    };
+    let mut params =
+        FlashParams::new(stream, dims, x, None, t).walking(stream, &lists, &row_intervals);
+    let persistent = schedule == Schedule::Persistent;
     let (function, shared_mem_bytes) = match (hopper, wide) {
         (Some(hopper), true) => (
-            &hopper.forward_tma,
+            if persistent {
+                &hopper.forward_tma_persistent
+            } else {
+                &hopper.forward_tma
+            },
             hopper_shared_bytes(HOPPER_FORWARD_ROWS),
         ),
         (Some(hopper), false) => (
-            &hopper.forward_narrow,
+            if persistent {
+                &hopper.forward_narrow_persistent
+            } else {
+                &hopper.forward_narrow
+            },
             hopper_shared_bytes(HOPPER_NARROW_FORWARD_ROWS),
         ),
         (None, true) => (&f.forward, forward_shared_bytes(rows, dims.head_dim)),
@@ -124,47 +161,28 @@ pub(super) unsafe fn launch_forward(
     // The TMA forwards read K and V through maps of boxes of their tiles' rows and Q through
     // a map (128-row tiles, Q in shared memory) or its address (64-row tiles, Q in registers);
     // the others read all three through their addresses.
-    let maps = match hopper {
-        Some(hopper) => Some([
-            tensor_map(x.q, dims.heads_q, dims.len, rows, hopper.tensor_type)?,
-            tensor_map(x.k, dims.heads_kv, dims.len, rows, hopper.tensor_type)?,
-            tensor_map(x.v, dims.heads_kv, dims.len, rows, hopper.tensor_type)?,
-        ]),
-        None => None,
-    };
-    let mut launch = stream.launch_builder(function);
-    match &maps {
-        Some(maps) => {
-            maps.iter().for_each(|map| {
-                launch.arg(map);
-            });
-            launch.arg(&x.q);
-        }
-        None => [&x.q, &x.k, &x.v].into_iter().for_each(|address| {
-            launch.arg(address);
-        }),
+    if let Some(hopper) = hopper {
+        params.q_map = tensor_map(x.q, dims.heads_q, dims.len, rows, hopper.tensor_type)?;
+        params.k_map = tensor_map(x.k, dims.heads_kv, dims.len, rows, hopper.tensor_type)?;
+        params.v_map = tensor_map(x.v, dims.heads_kv, dims.len, rows, hopper.tensor_type)?;
     }
-    for address in &addresses {
-        launch.arg(address);
-    }
-    launch.arg(&len).arg(&group).arg(&scale_log2);
     // One CTA per (query head, query tile) — 128 threads, or with wgmma two consumer
     // warpgroups and a producer, which on 64-row tiles take two query tiles: the heads of a KV
     // group sit side by side in the grid and read the same K and V tiles while they are in L2.
+    // The persistent schedule walks the same items with a CTA an SM.
     let (tiles_per_block, threads) = match hopper {
         Some(_) if wide => (1, 3 * 128),
         Some(_) => (2, 3 * 128),
         None => (1, 128),
     };
+    let positions = dims.len.div_ceil(rows as usize).div_ceil(tiles_per_block);
     let config = LaunchConfig {
-        grid_dim: (
-            dims.heads_q as u32,
-            dims.len.div_ceil(rows as usize).div_ceil(tiles_per_block) as u32,
-            1,
-        ),
+        grid_dim: schedule.grid(dims.heads_q, positions, f.multiprocessors),
         block_dim: (threads, 1, 1),
         shared_mem_bytes,
     };
+    let mut launch = stream.launch_builder(function);
+    launch.arg(&params);
     // SAFETY: the caller vouches for the extents (above).
     unsafe { launch.launch(config) }
         .map(|_| ())
@@ -187,40 +205,22 @@ pub(super) unsafe fn launch_backward(
     backward: Backward,
     instructions: Instructions,
 ) -> Result<(), PluginError> {
-    let rows = (dims.heads_q * dims.len) as i32;
+    let base = FlashParams::new(stream, dims, x, Some(g), t);
+    let rows = dims.heads_q * dims.len;
     let mut launch = stream.launch_builder(&f.delta);
-    launch
-        .arg(&g.d_out)
-        .arg(&x.out)
-        .arg(&g.delta)
-        .arg(&g.dq)
-        .arg(&rows);
+    launch.arg(&base);
     // SAFETY: D has one value per row of dO, O and dQ, which hold rows × d values.
-    unsafe { launch.launch(grid((rows as usize).div_ceil(4), 1, 0)) }
-        .map_err(failed("flash backward (D)"))?;
+    unsafe { launch.launch(grid(rows.div_ceil(4), 1, 0)) }.map_err(failed("flash backward (D)"))?;
 
-    let (len, group) = (dims.len as i32, (dims.heads_q / dims.heads_kv) as i32);
-    let scale_log2 = dims.scale * std::f32::consts::LOG2_E;
-    let addresses = [x.q, x.k, x.v, g.d_out].map(KernelInput::Address);
-    let statistics = [x.lse, g.delta];
     // The dQ kernels test a partial tile's keys against their rows' intervals, the key-tile
     // kernels its queries against their keys' (columns').
-    let (rows, columns) = (
-        (&t.row_start, &t.intervals),
-        (&t.column_start, &t.column_intervals),
-    );
-    let lists = |start: &Buffer<u32>,
-                 tiles: &Buffer<u32>,
-                 order: Option<&Buffer<u32>>,
-                 (interval_start, intervals): (&Buffer<u32>, &Buffer<u32>)| {
-        let mut lists = vec![start.address(stream), tiles.address(stream)];
-        lists.extend(order.map(|order| order.address(stream)));
-        lists.extend([
-            interval_start.address(stream),
-            intervals.address(stream),
-            t.mask_of_head.address(stream),
-        ]);
-        lists
+    let row_intervals = Intervals {
+        start: &t.row_start,
+        intervals: &t.intervals,
+    };
+    let column_intervals = Intervals {
+        start: &t.column_start,
+        intervals: &t.column_intervals,
     };
     let tiles = dims.len.div_ceil(TILE as usize);
     let key_tiles = |fused| {
@@ -247,39 +247,28 @@ pub(super) unsafe fn launch_backward(
     };
     // The TMA dQ kernel reads K and V through maps of 64-row boxes (its key tiles), Q and dO
     // by address.
-    let (key_tile_inputs, query_tile_inputs) = match hopper {
-        Some(h) if wide => {
-            let map =
-                |address, heads, rows| tensor_map(address, heads, dims.len, rows, h.tensor_type);
-            (
-                [
-                    map(x.q, dims.heads_q, TILE)?,
-                    map(x.k, dims.heads_kv, WIDE_TILE)?,
-                    map(x.v, dims.heads_kv, WIDE_TILE)?,
-                    map(g.d_out, dims.heads_q, TILE)?,
-                ]
-                .map(KernelInput::Map),
-                [
-                    KernelInput::Map(map(x.k, dims.heads_kv, TILE)?),
-                    KernelInput::Map(map(x.v, dims.heads_kv, TILE)?),
-                    KernelInput::Address(x.q),
-                    KernelInput::Address(g.d_out),
-                ],
-            )
-        }
-        _ => (addresses, addresses),
-    };
-    let (dq, dq_lists, dq_config) = match hopper {
+    let (mut key_tile_base, mut query_tile_base) = (base, base);
+    if let (Some(h), true) = (hopper, wide) {
+        let map = |address, heads, rows| tensor_map(address, heads, dims.len, rows, h.tensor_type);
+        key_tile_base.q_map = map(x.q, dims.heads_q, TILE)?;
+        key_tile_base.k_map = map(x.k, dims.heads_kv, WIDE_TILE)?;
+        key_tile_base.v_map = map(x.v, dims.heads_kv, WIDE_TILE)?;
+        key_tile_base.do_map = map(g.d_out, dims.heads_q, TILE)?;
+        query_tile_base.k_map = map(x.k, dims.heads_kv, TILE)?;
+        query_tile_base.v_map = map(x.v, dims.heads_kv, TILE)?;
+    }
+    let query_tiles =
+        |lists: WorkLists<'_>| query_tile_base.walking(stream, &lists, &row_intervals);
+    let (dq, dq_params, dq_config) = match hopper {
         // The forward's 128-row tiles (its lists and order, its grid): two warpgroups share
         // each K and V tile.
         Some(h) if wide => (
             &h.dq_tma,
-            lists(
-                &t.forward_tile_start,
-                &t.forward_tiles,
-                Some(&t.forward_order),
-                rows,
-            ),
+            query_tiles(WorkLists {
+                start: &t.forward_tile_start,
+                tiles: &t.forward_tiles,
+                order: Some(&t.forward_order),
+            }),
             LaunchConfig {
                 grid_dim: (
                     dims.heads_q as u32,
@@ -293,101 +282,77 @@ pub(super) unsafe fn launch_backward(
         // The order is not read with one warpgroup.
         Some(h) => (
             &h.dq,
-            lists(&t.tile_start, &t.tiles, Some(&t.forward_order), rows),
+            query_tiles(WorkLists {
+                start: &t.tile_start,
+                tiles: &t.tiles,
+                order: Some(&t.forward_order),
+            }),
             grid(dims.heads_q, tiles, hopper_shared_bytes(HOPPER_DQ_ROWS)),
         ),
         None => (
             &f.dq,
-            lists(&t.tile_start, &t.tiles, None, rows),
+            query_tiles(WorkLists {
+                start: &t.tile_start,
+                tiles: &t.tiles,
+                order: None,
+            }),
             grid(dims.heads_q, tiles, 0),
         ),
     };
-    let wide_key_lists = || {
-        lists(
-            &t.wide_key_tile_start,
-            &t.wide_key_tiles,
-            Some(&t.wide_key_order),
-            columns,
-        )
-    };
-    let narrow_key_lists = || lists(&t.key_tile_start, &t.key_tiles, Some(&t.key_order), columns);
-    let (dkdv, dkdv_lists, dkdv_config) = match hopper {
+    let wide_key_tiles = key_tile_base.walking(
+        stream,
+        &WorkLists {
+            start: &t.wide_key_tile_start,
+            tiles: &t.wide_key_tiles,
+            order: Some(&t.wide_key_order),
+        },
+        &column_intervals,
+    );
+    let narrow_key_tiles = key_tile_base.walking(
+        stream,
+        &WorkLists {
+            start: &t.key_tile_start,
+            tiles: &t.key_tiles,
+            order: Some(&t.key_order),
+        },
+        &column_intervals,
+    );
+    let (dkdv, dkdv_params, dkdv_config) = match hopper {
         Some(h) if wide => (
             &h.dkdv_tma,
-            wide_key_lists(),
+            wide_key_tiles,
             tma_key_tiles(HOPPER_KEY_TMA_ROWS),
         ),
         Some(h) => (
             &h.dkdv,
-            narrow_key_lists(),
+            narrow_key_tiles,
             grid(dims.heads_kv, tiles, hopper_shared_bytes(HOPPER_DKDV_ROWS)),
         ),
-        None => (&f.dkdv, narrow_key_lists(), key_tiles(false)),
+        None => (&f.dkdv, narrow_key_tiles, key_tiles(false)),
     };
     let launches = if backward == Backward::Split {
         vec![
-            (
-                dq,
-                query_tile_inputs,
-                vec![g.dq],
-                dq_lists,
-                dq_config,
-                "flash backward (dQ)",
-            ),
-            (
-                dkdv,
-                key_tile_inputs,
-                vec![g.dq, g.dk, g.dv],
-                dkdv_lists,
-                dkdv_config,
-                "flash backward (dK, dV)",
-            ),
+            (dq, dq_params, dq_config, "flash backward (dQ)"),
+            (dkdv, dkdv_params, dkdv_config, "flash backward (dK, dV)"),
         ]
     } else {
-        let (fused, fused_lists, fused_config) = match hopper {
+        let (fused, fused_params, fused_config) = match hopper {
             Some(h) => (
                 &h.fused_tma,
-                wide_key_lists(),
+                wide_key_tiles,
                 tma_key_tiles(HOPPER_FUSED_TMA_ROWS),
             ),
-            None => (&f.fused, narrow_key_lists(), key_tiles(true)),
+            None => (&f.fused, narrow_key_tiles, key_tiles(true)),
         };
-        vec![(
-            fused,
-            key_tile_inputs,
-            vec![g.dq, g.dk, g.dv],
-            fused_lists,
-            fused_config,
-            "flash backward",
-        )]
+        vec![(fused, fused_params, fused_config, "flash backward")]
     };
-    for (kernel, inputs, outputs, tables, config, what) in &launches {
+    for (kernel, params, config, what) in &launches {
         let mut launch = stream.launch_builder(kernel);
-        for input in inputs {
-            match input {
-                KernelInput::Map(map) => launch.arg(map),
-                KernelInput::Address(address) => launch.arg(address),
-            };
-        }
-        for address in statistics.iter().chain(outputs).chain(tables) {
-            launch.arg(address);
-        }
-        launch
-            .arg(&len)
-            .arg(&group)
-            .arg(&dims.scale)
-            .arg(&scale_log2);
+        launch.arg(params);
         // SAFETY: the caller vouches for the extents (above).
         unsafe { launch.launch(*config) }.map_err(failed(what))?;
     }
     Ok(())
-}
-
-/// A 16-bit input of a backward kernel: its address, or its TMA map.
-#[derive(Clone, Copy)]
-pub(super) enum KernelInput {
-    Address(u64),
-    Map(TensorMap),
 }
 
 attnbench_sdk::named_enum! {

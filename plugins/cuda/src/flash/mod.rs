@@ -31,13 +31,14 @@ mod backend;
 mod device;
 mod functions;
 mod launch;
+mod params;
 mod problem;
 mod tables;
 
 pub(crate) use backend::follow;
 pub use backend::{accepts, attend};
 use device::DeviceTables;
-pub use launch::{Backward, Instructions};
+pub use launch::{Backward, Instructions, Schedule};
 pub use problem::Problem;
 
 /// One header of the flash kernel, as `flash.cu` includes it.
@@ -56,12 +57,14 @@ pub(crate) const SOURCE: CudaSource = CudaSource {
     text: include_str!("../../kernels/flash.cu"),
     headers: &[
         header!("primitives.cuh"),
+        header!("params.cuh"),
         header!("mask.cuh"),
         header!("forward_sm80.cuh"),
         header!("sm90_primitives.cuh"),
         header!("softmax.cuh"),
         header!("epilogue.cuh"),
         header!("pipeline.cuh"),
+        header!("scheduler.cuh"),
         header!("forward_sm90.cuh"),
         header!("work_lists.cuh"),
         header!("backward_sm80.cuh"),
@@ -83,6 +86,7 @@ pub struct Kernels {
     /// rows: a context-parallel run brings the same blocks every repetition, and building their
     /// lists takes more host time than some of their kernels take.
     blocks: Kept<[u8; 32], DeviceTables>,
+    multiprocessors: usize,
 }
 
 /// Blocks whose work lists [`Kernels`] keeps (all of them are dropped past this many).
@@ -92,6 +96,7 @@ pub fn compile(gpu: &Gpu) -> Result<Kernels, PluginError> {
     Ok(Kernels {
         module: gpu.compile("the flash kernel", &SOURCE)?,
         blocks: Kept::new(KEPT_BLOCKS),
+        multiprocessors: gpu.describe().multiprocessors.unwrap_or(1).max(1) as usize,
     })
 }
 

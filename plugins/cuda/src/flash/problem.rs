@@ -6,7 +6,7 @@ use attnbench_sdk::PluginError;
 
 use super::device::{DeviceTables, Dims, GradTensors, Tensors};
 use super::functions::{Functions, HopperFunctions};
-use super::launch::{launch_backward, launch_forward, Backward, Instructions};
+use super::launch::{launch_backward, launch_forward, Backward, Instructions, Schedule};
 use super::tables::{tables, MaskTiles};
 use super::Kernels;
 use crate::gpu::{Buffer, Gpu};
@@ -32,6 +32,7 @@ pub struct Problem {
     grad: Option<Gradients>,
     pub backward: Backward,
     pub instructions: Instructions,
+    pub schedule: Schedule,
 }
 
 impl Problem {
@@ -76,6 +77,7 @@ impl Problem {
             grad,
             backward: Backward::Split,
             instructions: Instructions::Auto,
+            schedule: Schedule::Grid,
         })
     }
 
@@ -93,7 +95,9 @@ impl Problem {
             )?)),
             None => None,
         };
-        Ok((name(instructions.forward(f)?), backward))
+        let forward = instructions.forward(f)?;
+        self.schedule.check(forward)?;
+        Ok((name(forward), backward))
     }
 
     pub(super) fn tensors(&self, gpu: &Gpu) -> Tensors {
@@ -118,6 +122,7 @@ impl Problem {
                 &self.tensors(gpu),
                 &self.tables,
                 self.instructions,
+                self.schedule,
             )
         }
     }
