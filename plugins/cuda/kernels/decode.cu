@@ -26,6 +26,9 @@
 #define WARPS 4
 #define STAGES 3
 #define TILE 32
+// A tile's keys as n8 tiles of S and as k16 steps of P·V.
+#define KEY_TILES (TILE / 8)
+#define KEY_STEPS (TILE / 16)
 #define NEG_INF __int_as_float(0xff800000)
 
 // Mirrors `DecodeArgs` in decode.rs; a size check on each side keeps the two in step.
@@ -109,17 +112,17 @@ __device__ __forceinline__ unsigned pack(float lo, float hi) {
     return r;
 }
 
-// Keys base .. base + 31 of K and V into a ring stage (K's rows, then V's), 16 bytes a copy, rows
-// coalesced; keys from `end` on are zero-filled (source size 0 reads nothing).
+// Keys base .. base + TILE − 1 of K and V into a ring stage (K's rows, then V's), 16 bytes a copy,
+// rows coalesced; keys from `end` on are zero-filled (source size 0 reads nothing).
 template <int D>
 __device__ __forceinline__ void load_tile(const DecodeArgs& a, unsigned to, unsigned b, unsigned kv_head,
                                           unsigned base, unsigned end, unsigned lane) {
     constexpr unsigned CHUNKS = D / 8, STRIDE = (D + 8) * 2;
     // key_row once a key (lane l's is key base + l) rather than once a chunk, which would read a
     // paged cache's table D / 8 times over; lanes copying that key's chunks take it by shuffle.
-    const unsigned long long mine = base + lane < end ? key_row(a, b, kv_head, base + lane, D) : 0;
+    const unsigned long long mine = lane < TILE && base + lane < end ? key_row(a, b, kv_head, base + lane, D) : 0;
 #pragma unroll
-    for (unsigned pass = 0; pass < CHUNKS; ++pass) {
+    for (unsigned pass = 0; pass < TILE * CHUNKS / 32; ++pass) {
         const unsigned t = pass * (32 / CHUNKS) + lane / CHUNKS, c = lane % CHUNKS * 8;
         const unsigned long long row = __shfl_sync(0xffffffffu, mine, t);
         const unsigned bytes = base + t < end ? 16 : 0, at = to + t * STRIDE + c * 2;
@@ -208,12 +211,12 @@ __device__ void decode_split(const DecodeArgs a) {
         const unsigned k_tile = ring + i % STAGES * STAGE_BYTES, v_tile = k_tile + TILE * STRIDE * 2;
         const unsigned base = begin + i * TILE;
 
-        float s[MT][4][4] = {};
+        float s[MT][KEY_TILES][4] = {};
 #pragma unroll
         for (unsigned kc = 0; kc < D / 32; ++kc) {
-            unsigned kb[4][4];
+            unsigned kb[KEY_TILES][4];
 #pragma unroll
-            for (unsigned j = 0; j < 4; ++j) ldmatrix(kb[j], k_tile + keys8 + (j * 8 * STRIDE + kc * 32) * 2);
+            for (unsigned j = 0; j < KEY_TILES; ++j) ldmatrix(kb[j], k_tile + keys8 + (j * 8 * STRIDE + kc * 32) * 2);
 #pragma unroll
             for (unsigned ks = 0; ks < 2; ++ks) {
 #pragma unroll
@@ -225,21 +228,21 @@ __device__ void decode_split(const DecodeArgs a) {
                         ldmatrix(qa, q_tile + rows16 + (m * 16 * STRIDE + (kc * 2 + ks) * 16) * 2);
                     }
 #pragma unroll
-                    for (unsigned j = 0; j < 4; ++j) mma<E>(s[m][j], qa, kb[j][2 * ks], kb[j][2 * ks + 1]);
+                    for (unsigned j = 0; j < KEY_TILES; ++j) mma<E>(s[m][j], qa, kb[j][2 * ks], kb[j][2 * ks + 1]);
                 }
             }
         }
 
         // Online softmax in the log2 domain; the quad's four lanes share a row, so its max is
         // theirs, while each lane's share of the sum waits for the end.
-        unsigned p[MT][2][4];
+        unsigned p[MT][KEY_STEPS][4];
 #pragma unroll
         for (unsigned m = 0; m < MT; ++m) {
 #pragma unroll
             for (unsigned h = 0; h < 2; ++h) {
                 float top = high[m][h];
 #pragma unroll
-                for (unsigned j = 0; j < 4; ++j)
+                for (unsigned j = 0; j < KEY_TILES; ++j)
 #pragma unroll
                     for (unsigned e = 0; e < 2; ++e) {
                         float& x = s[m][j][2 * h + e];
@@ -257,7 +260,7 @@ __device__ void decode_split(const DecodeArgs a) {
                     o[m][n][2 * h + 1] *= rescale;
                 }
 #pragma unroll
-                for (unsigned j = 0; j < 4; ++j)
+                for (unsigned j = 0; j < KEY_TILES; ++j)
 #pragma unroll
                     for (unsigned e = 0; e < 2; ++e) {
                         float& x = s[m][j][2 * h + e];
@@ -267,7 +270,7 @@ __device__ void decode_split(const DecodeArgs a) {
             }
             // S's C-fragments of n8 tiles 2ks, 2ks + 1 are P's A-fragment of k16 step ks.
 #pragma unroll
-            for (unsigned ks = 0; ks < 2; ++ks) {
+            for (unsigned ks = 0; ks < KEY_STEPS; ++ks) {
                 p[m][ks][0] = pack<E>(s[m][2 * ks][0], s[m][2 * ks][1]);
                 p[m][ks][1] = pack<E>(s[m][2 * ks][2], s[m][2 * ks][3]);
                 p[m][ks][2] = pack<E>(s[m][2 * ks + 1][0], s[m][2 * ks + 1][1]);
@@ -276,7 +279,7 @@ __device__ void decode_split(const DecodeArgs a) {
         }
 
 #pragma unroll
-        for (unsigned ks = 0; ks < 2; ++ks)
+        for (unsigned ks = 0; ks < KEY_STEPS; ++ks)
 #pragma unroll
             for (unsigned dp = 0; dp < D / 16; ++dp) {
                 unsigned vb[4];
