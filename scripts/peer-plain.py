@@ -485,18 +485,20 @@ def plain_cudnn(m, mask_set, args, cache):
 PLAIN = {"flex": plain_flex, "fa4": plain_fa4, "cudnn": plain_cudnn, "flashinfer": plain_flashinfer}
 
 
-def harness_problem(m, mask_set, storage):
-    """The cell's problem as the python plugin hands it to the bridge (seeded inputs, no check)."""
+def harness_problem(m, mask_set, encodings, storage):
+    """The cell's problem as the python plugin hands it to the bridge (seeded inputs, no check),
+    with the mask encodings it sent (the node's encodings.json)."""
     shape = m["shape"]
     return bridge.parse_problem({
-        "kernel": m["kernel"], "direction": m["direction"], "dtype": shape["dtype"], "mask": mask_set, "layout": storage,
+        "kernel": m["kernel"], "direction": m["direction"], "dtype": shape["dtype"], "mask": mask_set,
+        "encodings": encodings, "layout": storage,
         "shape": {"heads_q": shape["heads_q"], "heads_kv": shape["heads_kv"], "seqlen": mask_set["seqlen"],
                   "head_dim": shape["head_dim"]}, "device": "cuda"})
 
 
 def cells(record, wanted, args):
-    """(node id, measurement, mask set) of the run's ok measurements of the wanted kernels (and
-    lengths, patterns, direction)."""
+    """(node id, measurement, mask set, encodings) of the run's ok measurements of the wanted
+    kernels (and lengths, patterns, direction); encodings None where the node kept none."""
     patterns = set(args.masks.split(",")) if args.masks else None
     nodes = {n["id"]: n for n in record["nodes"]}
     for node in record["nodes"]:
@@ -514,7 +516,8 @@ def cells(record, wanted, args):
         mask_set = json.load(open(os.path.join(artifact(args.cache, masks[0]), "mask.json")))
         if (not args.seqlen or mask_set["seqlen"] in args.seqlen) and \
                 (patterns is None or mask_set["pattern"] in patterns):
-            yield node["id"], m, mask_set
+            kept = os.path.join(folder, "encodings.json")
+            yield node["id"], m, mask_set, json.load(open(kept)) if os.path.exists(kept) else None
 
 
 def main():
@@ -522,7 +525,7 @@ def main():
     cache = {}
     print("cell\tattnbench TFLOP/s\tharness here\tplain here\tdifference here\tratio over rounds"
           "\tSM MHz\tmask_mode (attnbench)\tplain form")
-    for cell, m, mask_set in cells(record, set(args.kernels.split(",")), args):
+    for cell, m, mask_set, encodings in cells(record, set(args.kernels.split(",")), args):
         ours = m["tflops"]["p50"]
         phases = m.get("phases") or (m.get("environment") or {}).get("phases") or {}  # version 2, then 1
         mode = phases.get("mask_mode", "")
@@ -534,7 +537,7 @@ def main():
                 continue
             forward, backward, what = built
             plain = plain_rep(m, forward, backward)
-            with bridge.harness_rep(harness_problem(m, mask_set, args.harness_storage)) as harness:
+            with bridge.harness_rep(harness_problem(m, mask_set, encodings, args.harness_storage)) as harness:
                 here, theirs, (low, high), clocks = side_by_side(harness, plain, args.reps, args.rounds)
         except Exception as error:  # a peer refusing its own plain call is a finding too
             print(f"{cell}\t{ours:.1f}\t\t\t\t\t\t{mode}\tfailed: {type(error).__name__}: {error}")

@@ -4,6 +4,7 @@
 
 use attnbench_tests::{measurement_of, measurements, node, python_with_numpy, stderr, Sandbox};
 use serde_json::Value;
+use std::path::Path;
 
 fn measurement(record: &Value, id: &str) -> Value {
     measurement_of(node(record, id))
@@ -61,6 +62,22 @@ stages:
         checked += 1;
     }
     assert_eq!(checked, 20);
+    // Each node keeps the IR's encodings it handed the worker: documents as varlen, a mask with
+    // two key intervals a row refused with the reason.
+    let kept = |id: &str| -> Value {
+        let folder = node(&record, id)["artifact"].as_str().unwrap().to_string();
+        let text = std::fs::read_to_string(Path::new(&folder).join("encodings.json")).unwrap();
+        serde_json::from_str(&text).unwrap()
+    };
+    let documents = kept("bench[mask=causal_document,seqlen=192,dtype=f32,direction=fwd]");
+    assert_eq!(documents["varlen"]["encoding"]["right"], 0, "{documents}");
+    let global = kept("bench[mask=global_sliding_window,seqlen=192,dtype=f32,direction=fwd]");
+    assert!(
+        global["varlen"]["refused"]
+            .as_str()
+            .is_some_and(|why| why.contains("separate key intervals")),
+        "{global}"
+    );
 }
 
 #[test]

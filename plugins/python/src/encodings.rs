@@ -7,6 +7,9 @@ use attnbench_sdk::mask::{MaskSet, NotExpressible};
 use serde::Serialize;
 use serde_json::{json, Value};
 
+/// The file a benchmark node keeps the encodings it sent in.
+pub(crate) const FILE: &str = "encodings.json";
+
 /// The encodings of the set's one mask, when every head has the same (`null` otherwise: the
 /// adapters that need one mask refuse such sets before they look). Each is `{"encoding": …}` or
 /// `{"refused": why}`; FlashMask's, which lists every key column, only when `flashmask` asks.

@@ -264,6 +264,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
     };
     let clocks = || if on_gpu { nvml::clocks() } else { Value::Null };
     let clocks_before = clocks();
+    let encodings = encodings::of_shared_mask(&set, p.kernel == PyKernel::Flashmask);
     let params = json!({
         "kernel": p.kernel,
         "module": p.module,
@@ -271,7 +272,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         "shape": {"heads_q": p.common.heads_q, "heads_kv": p.common.heads_kv, "seqlen": shape.seqlen, "head_dim": p.common.head_dim, "head_dim_v": shape.head_dim_v},
         "dtype": p.common.dtype,
         "mask": set,
-        "encodings": encodings::of_shared_mask(&set, p.kernel == PyKernel::Flashmask),
+        "encodings": encodings,
         "seed": request.seed,
         "inputs_dir": full_check.then(|| exchange.display().to_string()),
         "outputs_dir": full_check.then(|| exchange.display().to_string()),
@@ -313,6 +314,11 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
     );
     let _ = std::fs::remove_dir_all(&exchange);
     outcome?;
+    // What the adapter was given, so its call can be repeated beside a plain loop
+    // (scripts/peer-plain.py).
+    if !encodings.is_null() {
+        write_json(&request.output_dir, encodings::FILE, &encodings)?;
+    }
     measurement.write(&request.output_dir)
 }
 
