@@ -19,7 +19,8 @@ documents; cuDNN with a graph of its frontend (THD ragged documents, the diagona
 FlashInfer with `single_prefill_with_kv_cache` or a ragged batch for documents.
 
 Beside it, in the same process, runs the harness's own repetition of the cell (the bridge's
-adapter, as the python plugin calls it), and the two alternate in rounds: R rounds of N
+adapter, as the python plugin calls it, with the mask encodings the node kept in its
+encodings.json), and the two alternate in rounds: R rounds of N
 repetitions each, a flush of twice the L2 before every timed call, CUDA events. A difference
 that survives the alternation is the adapter's; one between the run's figure and both of these
 is the machine's state between two runs (the record's clocks say which). The backward is
@@ -530,6 +531,10 @@ def main():
         phases = m.get("phases") or (m.get("environment") or {}).get("phases") or {}  # version 2, then 1
         mode = phases.get("mask_mode", "")
         tflops = lambda ms: m["flops"] / (ms / 1e3) / 1e12  # noqa: E731
+        if encodings is None and all(x == mask_set["masks"][0] for x in mask_set["masks"][1:]):
+            print(f"{cell}\t{ours:.1f}\t\t\t\t\t\t{mode}\tskipped: the node kept no encodings.json "
+                  "(it ran before nodes kept them); run it again")
+            continue
         try:
             built = PLAIN[m["kernel"]](m, mask_set, args, cache)
             if built[0] is None:

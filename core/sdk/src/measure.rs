@@ -281,7 +281,7 @@ impl Harness {
 /// One timing run under a [`Harness`], a repetition at a time: the rule itself, for
 /// [`Harness::time_with`] and for repetitions that run elsewhere and are reported as they finish
 /// (the Python worker's, which asks after each whether another follows). The warm-up clock
-/// starts when the run is made.
+/// starts when the run is made ([`HarnessRun::since`]: when its first repetition began).
 pub struct HarnessRun<'a> {
     harness: &'a Harness,
     warmups: u32,
@@ -293,10 +293,16 @@ pub struct HarnessRun<'a> {
 
 impl<'a> HarnessRun<'a> {
     pub fn new(harness: &'a Harness) -> HarnessRun<'a> {
+        HarnessRun::since(harness, Instant::now())
+    }
+
+    /// A run whose first repetition began at `start`: reported after the fact, it counts
+    /// toward the warm-up's time (or the time cap, without a warm-up) as it would have.
+    pub fn since(harness: &'a Harness, start: Instant) -> HarnessRun<'a> {
         let mut run = HarnessRun {
             harness,
             warmups: 0,
-            warmup_start: Instant::now(),
+            warmup_start: start,
             timed_start: None,
             samples: Vec::new(),
         };
@@ -339,7 +345,12 @@ impl<'a> HarnessRun<'a> {
         let warming =
             self.warmups < h.warmup_reps || self.warmup_start.elapsed().as_secs_f64() < h.warmup_s;
         if !warming || self.warmups >= h.max_reps {
-            self.timed_start = Some(Instant::now());
+            // Without a warm-up the timed repetitions began with the run.
+            self.timed_start = Some(if self.warmups == 0 {
+                self.warmup_start
+            } else {
+                Instant::now()
+            });
         }
     }
 }
@@ -519,6 +530,42 @@ mod tests {
         assert_eq!(done, vec![10]);
         assert_eq!(reports[10].as_ref().unwrap().stopped, "max reps");
         assert_eq!(reports[10].as_ref().unwrap().samples.len(), 9);
+    }
+
+    /// A run reported after the fact counts its first repetition's time: toward the warm-up,
+    /// or toward the time cap when there is none.
+    #[test]
+    fn a_run_since_its_first_repetition_counts_that_repetitions_time() {
+        use std::time::Duration;
+        let began = Instant::now() - Duration::from_secs(2);
+        let capped = Harness {
+            warmup_reps: 0,
+            warmup_s: 0.0,
+            min_reps: 1,
+            max_reps: 100,
+            max_time_s: 1.0,
+            target_rel_ci: 0.0,
+            ..Harness::default()
+        };
+        let timing = HarnessRun::since(&capped, began).record(2.0).unwrap();
+        assert_eq!(timing.stopped, "time cap");
+        assert!(HarnessRun::new(&capped).record(2.0).is_none());
+
+        // One warm-up repetition and a second of warm-up: the first report's two seconds
+        // complete it, so the next two are timed (max_reps 2); a run whose clock started at
+        // the report warms up one more.
+        let warmed = Harness {
+            warmup_reps: 1,
+            warmup_s: 1.0,
+            max_reps: 2,
+            ..capped
+        };
+        let mut run = HarnessRun::since(&warmed, began);
+        let reports: Vec<_> = [2.0, 0.5, 0.5].map(|s| run.record(s)).into();
+        assert_eq!(reports[2].clone().map(|t| t.samples), Some(vec![0.5, 0.5]));
+        let mut fresh = HarnessRun::new(&warmed);
+        let reports: Vec<_> = [2.0, 0.5, 0.5].map(|s| fresh.record(s)).into();
+        assert_eq!(reports[2], None, "one more warm-up: its clock started late");
     }
 
     #[test]

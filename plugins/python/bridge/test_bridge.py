@@ -347,7 +347,7 @@ def expect_unsupported(bridge, label, params, needle, scope=None):
 
 def test_protocol(bridge, python):
     hello = bridge.hello
-    check("hello line", hello.get("type") == "hello" and hello.get("protocol") == 1
+    check("hello line", hello.get("type") == "hello" and hello.get("protocol") == 2
           and hello.get("pid") == bridge.proc.pid and hello.get("executable"), json.dumps(hello))
     reply = bridge.send_raw("this is not json")
     check("malformed line -> ok:false, id null", reply == {**reply, "id": None, "ok": False}

@@ -11,6 +11,7 @@ use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use attnbench_sdk::measure::{Harness, HarnessRun};
 use attnbench_sdk::PluginError;
@@ -50,7 +51,7 @@ const FILES: [(&str, &str); 18] = [
 ];
 
 /// The protocol version the worker's greeting must state.
-const PROTOCOL: u64 = 1;
+const PROTOCOL: u64 = 2;
 
 /// Lines of the worker's stderr kept to explain how it died.
 const TAIL_LINES: usize = 30;
@@ -199,9 +200,10 @@ impl Bridge {
                 return Reply::Died(self.death());
             };
             if message["id"] != id {
-                return Reply::Failed(format!(
-                    "the Python worker answered request {id} with {message}"
-                ));
+                // The worker is out of step (it may be waiting for an answer of its own): it
+                // goes, so the next request starts on a fresh one.
+                let why = format!("the Python worker answered request {id} with {message}");
+                return Reply::Died(format!("{why}; {}", self.death()));
             }
             if message["type"] != "rep" {
                 return reply_of(message);
@@ -212,8 +214,16 @@ impl Bridge {
                     json!({"id": id, "error": "a repetition's report needs `seconds`, a number"})
                 }
                 (Some(harness), Some(seconds)) => {
+                    // Reported once it ran: the run's clock starts when the first repetition
+                    // began, as a loop of the host's own would.
+                    let began = || {
+                        let took = Duration::try_from_secs_f64(seconds).unwrap_or_default();
+                        Instant::now()
+                            .checked_sub(took)
+                            .unwrap_or_else(Instant::now)
+                    };
                     let timing = run
-                        .get_or_insert_with(|| HarnessRun::new(harness))
+                        .get_or_insert_with(|| HarnessRun::since(harness, began()))
                         .record(seconds);
                     if timing.is_some() {
                         run = None;

@@ -529,8 +529,8 @@ impl Mask {
                 return refuse(
                     NAME,
                     format!(
-                        "row {q} allows keys {:?}, which no single window gives",
-                        rows[q as usize]
+                        "row {q} allows keys [{}, {}), which no single window gives",
+                        rows[q as usize].0, rows[q as usize].1
                     ),
                 );
             }

@@ -4,17 +4,21 @@ The attnbench host writes this package and its launcher ``serve_bridge.py`` into
 starts ``python3 -u serve_bridge.py`` and keeps it running.
 It speaks JSON lines: one request per line on stdin, one response per line on stdout.
 
-Protocol (version 1)
+Protocol (version 2)
 --------------------
-* On start: ``{"type":"hello","protocol":1,"python":"3.11.7","executable":...,"pid":N}``.
+* On start: ``{"type":"hello","protocol":2,"python":"3.11.7","executable":...,"pid":N}``.
 * ``{"id":N,"op":"backends"}`` -> for every kernel name, ``{"available","version","reason"}``.
 * ``{"id":N,"op":"benchmark","params":{...}}`` -> ``{"id":N,"ok":true,"result":{...}}``; an
   unexpected exception gives ``{"id":N,"ok":false,"error":"<one sentence>","traceback":"..."}``
-  and the bridge keeps serving.
+  and the bridge keeps serving. ``params.encodings`` carries the mask IR's encodings of the
+  shared mask (``varlen`` and, for flashmask, ``flashmask``, each ``{"encoding":...}`` or
+  ``{"refused":why}``; null when heads' masks differ); there is no ``params.harness``.
 * While a request times a kernel, each repetition is reported as
   ``{"id":N,"type":"rep","seconds":S}`` and waits for the host's answer, ``{"id":N,"timing":null}``
   for another repetition or ``{"id":N,"timing":{"samples","rel_ci","stopped"}}`` when its harness
   stops the run: warm-up, stopping rule and caps are the host's, so every measurement follows one.
+  A repetition that timed nothing finite (sent as ``null``) gets an error answer and fails the
+  request.
 * ``{"id":N,"op":"shutdown"}`` -> ``{"id":N,"ok":true,"result":null}``, then exit 0; EOF -> exit 0.
 * A line that is not a JSON object, or an unknown op -> ``ok:false`` (``id`` null when unknown).
 

@@ -16,7 +16,7 @@ from .harness import release_memory, reporting_to
 from .support import BadRequest, first_line, log
 
 
-PROTOCOL = 1
+PROTOCOL = 2
 
 
 OPS = {"backends": backends, "benchmark": benchmark, "decode": decode}
@@ -76,6 +76,13 @@ def serve() -> int:
     protocol = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)  # anything written to fd 1 from now on (C libraries included) lands on stderr
     sys.stdout = sys.stderr
+    # Likewise stdin: the host answers repetition reports mid-request, and a library or child
+    # process reading fd 0 must not swallow an answer.
+    requests = os.fdopen(os.dup(0), "r", encoding="utf-8")
+    quiet = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(quiet, 0)
+    os.close(quiet)
+    sys.stdin = open(os.devnull, encoding="utf-8")
 
     def send(message: dict) -> None:
         protocol.write(json.dumps(plain(message), allow_nan=False, separators=(",", ":")) + "\n")
@@ -83,10 +90,11 @@ def serve() -> int:
 
     send({"type": "hello", "protocol": PROTOCOL, "python": platform.python_version(),
           "executable": sys.executable, "pid": os.getpid()})
+
     def report_for(rid: Any) -> Report:
         def report(seconds: float) -> Optional[dict]:
             send({"id": rid, "type": "rep", "seconds": seconds})
-            line = sys.stdin.readline()
+            line = requests.readline()
             if not line:
                 raise RuntimeError("the host closed stdin while a repetition's report was waiting for its answer")
             answer = json.loads(line)
@@ -96,7 +104,7 @@ def serve() -> int:
         return report
 
     while True:
-        line = sys.stdin.readline()
+        line = requests.readline()
         if not line:
             return 0
         if not line.strip():
