@@ -1,5 +1,5 @@
-//! The Python bridge with a real interpreter: the numpy backend against the f64 reference (the
-//! SDK's inputs and every output, and the worker's own inputs with sampled rows), a third-party
+//! The Python bridge with a real interpreter: the numpy backend under the SDK's kernel-benchmark
+//! protocol against the f64 reference (every output, or sampled rows past `check_max_seqlen`), a third-party
 //! module, backends that cannot import, a worker that dies mid-node, and a missing interpreter.
 
 use attnbench_tests::{measurement_of, measurements, node, python_with_numpy, stderr, Sandbox};
@@ -81,7 +81,7 @@ stages:
 }
 
 #[test]
-fn beyond_the_full_check_the_worker_draws_inputs_and_checks_sampled_rows() {
+fn beyond_the_full_check_the_host_checks_sampled_rows_of_its_own_inputs() {
     let sandbox = Sandbox::new();
     let python = python();
     sandbox.write(
@@ -108,6 +108,25 @@ fn beyond_the_full_check_the_worker_draws_inputs_and_checks_sampled_rows() {
             correctness["checked"].as_str().unwrap().contains("8 rows"),
             "{correctness}"
         );
+        assert_eq!(
+            correctness["reference"], "per-row f64 reference from the mask's slices",
+            "{correctness}"
+        );
+        // The SDK's protocol steps, and the worker's own beside them.
+        for phase in [
+            "inputs_s",
+            "prepare_s",
+            "first_run_s",
+            "check_s",
+            "timing_s",
+            "load_inputs_s",
+        ] {
+            assert!(
+                m["phases"][phase].is_number(),
+                "{id}: {phase} in {}",
+                m["phases"]
+            );
+        }
     }
     let bwd = measurement(&record, "bench[direction=bwd]");
     assert!(
@@ -117,7 +136,7 @@ fn beyond_the_full_check_the_worker_draws_inputs_and_checks_sampled_rows() {
 }
 
 /// MLA-shaped heads (V narrower than Q and K): the numpy backend runs them, checked in full
-/// against the SDK's reference and, past `check_max_seqlen`, on the worker's sampled rows; a
+/// against the SDK's reference and, past `check_max_seqlen`, on sampled rows; a
 /// backend whose adapter takes one head dim says so instead of running.
 #[test]
 fn a_value_head_dim_apart_from_the_query_one_is_run_and_checked_or_refused() {

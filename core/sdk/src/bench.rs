@@ -60,7 +60,9 @@ pub trait KernelBench {
     }
 
     /// The memory `cell` needs and the memory free, checked before anything is allocated: a
-    /// cell that does not fit is recorded `oom`. `None`: nothing to check.
+    /// cell that does not fit is recorded `oom`. `None`: nothing to check. A kernel that must ask
+    /// elsewhere (a worker process) whether it takes the cell asks here, before the inputs are
+    /// drawn, and answers [`PluginError::Unsupported`] when it does not.
     fn budget(&mut self, _cell: &Cell<'_>) -> Result<Option<Budget>, PluginError> {
         Ok(None)
     }
@@ -124,8 +126,9 @@ pub struct Options<'a> {
 
 /// Takes `cell` through the protocol with `kernel`, filling `record` (made by
 /// [`Measurement::for_kernel`] for the cell): its status, check, timing, throughput, memory and
-/// phases. A step that runs out of memory ([`PluginError::OutOfMemory`]) makes the record `oom`
-/// with the kernel's message; any other error fails the stage.
+/// phases. A step that runs out of memory ([`PluginError::OutOfMemory`]) makes the record `oom`,
+/// one that finds the cell unsupported ([`PluginError::Unsupported`]) `unsupported`, with the
+/// kernel's message; any other error fails the stage.
 pub fn run<K: KernelBench + ?Sized>(
     kernel: &mut K,
     cell: &Cell<'_>,
@@ -136,7 +139,13 @@ pub fn run<K: KernelBench + ?Sized>(
     if let Some(reason) = kernel.unsupported(cell) {
         return Ok(record.unsupported(reason));
     }
-    if let Some(budget) = kernel.budget(cell)? {
+    let budget = match kernel.budget(cell) {
+        Ok(budget) => budget,
+        Err(PluginError::Unsupported(reason)) => return Ok(record.unsupported(reason)),
+        Err(PluginError::OutOfMemory(message)) => return Ok(out_of_memory(record, message)),
+        Err(other) => return Err(other),
+    };
+    if let Some(budget) = budget {
         if budget.needed > budget.free {
             return Ok(out_of_memory(
                 record,
@@ -152,6 +161,7 @@ pub fn run<K: KernelBench + ?Sized>(
     match measure(kernel, cell, harness, &mut record, options) {
         Ok(()) => Ok(record),
         Err(PluginError::OutOfMemory(message)) => Ok(out_of_memory(record, message)),
+        Err(PluginError::Unsupported(reason)) => Ok(record.unsupported(reason)),
         Err(other) => Err(other),
     }
 }

@@ -72,6 +72,12 @@ struct Reference<'a> {
     wrong: bool,
     refuse_when_prepared: bool,
     oom_when_prepared: bool,
+    /// Refuses the cell as a library does on its first call, or as a worker asked before the inputs.
+    refuse_first_call: bool,
+    refuse_in_budget: bool,
+    /// Gives no LSE, as some libraries' APIs do; checks sampled rows when set.
+    no_lse: bool,
+    sampled: Option<usize>,
     fail: bool,
     needs: Option<u64>,
     run: Option<(Shape, HeadMasks<'a>, Inputs)>,
@@ -87,6 +93,10 @@ impl<'a> Reference<'a> {
             wrong: false,
             refuse_when_prepared: false,
             oom_when_prepared: false,
+            refuse_first_call: false,
+            refuse_in_budget: false,
+            no_lse: false,
+            sampled: None,
             fail: false,
             needs: None,
             run: None,
@@ -99,6 +109,11 @@ impl<'a> Reference<'a> {
 
 impl<'a> KernelBench for Reference<'a> {
     fn budget(&mut self, _cell: &Cell<'_>) -> Result<Option<Budget>, PluginError> {
+        if self.refuse_in_budget {
+            return Err(PluginError::Unsupported(
+                "the worker has no such kernel".into(),
+            ));
+        }
         Ok(self.needs.map(|needed| Budget {
             needed,
             free: 1 << 30,
@@ -133,6 +148,9 @@ impl<'a> KernelBench for Reference<'a> {
         if self.fail {
             return Err(PluginError::failed("kernel fault"));
         }
+        if self.refuse_first_call {
+            return Err(PluginError::Unsupported("No available kernel".into()));
+        }
         let (shape, masks, inputs) = self.run.as_ref().unwrap();
         let mut forward = reference::forward(shape, masks, inputs);
         if self.wrong {
@@ -156,14 +174,16 @@ impl<'a> KernelBench for Reference<'a> {
     }
 
     fn outputs(&mut self, backward: bool) -> Result<(Forward, Option<Grads>), PluginError> {
-        Ok((
-            self.forward.clone().unwrap(),
-            backward.then(|| self.grads.clone().unwrap()),
-        ))
+        let mut forward = self.forward.clone().unwrap();
+        if self.no_lse {
+            forward.lse.clear();
+        }
+        Ok((forward, backward.then(|| self.grads.clone().unwrap())))
     }
 
     fn check_mode(&self, _cell: &Cell<'_>) -> CheckMode {
-        CheckMode::Full
+        self.sampled
+            .map_or(CheckMode::Full, |rows| CheckMode::Sampled { rows })
     }
 
     fn memory(&mut self, _cell: &Cell<'_>) -> Option<Memory> {
@@ -276,4 +296,51 @@ fn running_out_of_memory_in_a_step_is_an_oom_record_and_other_errors_fail() {
     };
     let error = measure(&mut failing, &cell).unwrap_err();
     assert_eq!(error.to_string(), "kernel fault");
+}
+
+#[test]
+fn a_refusal_before_the_inputs_or_on_the_first_call_is_an_unsupported_record() {
+    let set = set();
+    let cell = cell(&set, Direction::FwdBwd);
+    let mut asked = Reference {
+        refuse_in_budget: true,
+        ..Reference::on(&set)
+    };
+    let m = measure(&mut asked, &cell).unwrap();
+    assert_eq!(m.status, MeasureStatus::Unsupported);
+    assert_eq!(m.reason.as_deref(), Some("the worker has no such kernel"));
+    assert!(asked.run.is_none(), "nothing prepared");
+    let mut refusing = Reference {
+        refuse_first_call: true,
+        ..Reference::on(&set)
+    };
+    let m = measure(&mut refusing, &cell).unwrap();
+    assert_eq!(m.status, MeasureStatus::Unsupported);
+    assert_eq!(m.reason.as_deref(), Some("No available kernel"));
+    assert!(m.timing.is_none() && m.correctness.is_none());
+}
+
+#[test]
+fn a_kernel_without_an_lse_is_checked_on_its_other_outputs_and_the_record_says_so() {
+    let set = set();
+    let cell = cell(&set, Direction::FwdBwd);
+    for sampled in [None, Some(5)] {
+        let mut kernel = Reference {
+            no_lse: true,
+            sampled,
+            ..Reference::on(&set)
+        };
+        let correctness = measure(&mut kernel, &cell).unwrap().correctness.unwrap();
+        assert!(correctness.passed, "{correctness:?}");
+        assert!(!correctness.errors.contains_key("lse"), "{correctness:?}");
+        assert!(correctness.errors.contains_key("dq"), "{correctness:?}");
+        assert!(
+            correctness.checked.starts_with("O, dQ")
+                && correctness
+                    .checked
+                    .ends_with("no LSE (the kernel gives none)"),
+            "{}",
+            correctness.checked
+        );
+    }
 }

@@ -20,6 +20,10 @@ pub enum PluginError {
     OutOfMemory(String),
     #[error("{0}")]
     Failed(String),
+    /// The kernel cannot run this case, found out while running it (a library refusing its
+    /// first call): a kernel benchmark records the cell `unsupported` with this reason.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
     /// An in-process attention backend refused or failed a call.
     #[error(transparent)]
     Attention(#[from] crate::attention::AttentionError),
@@ -33,7 +37,9 @@ impl PluginError {
             PluginError::UnknownStage { .. } => FailureKind::UnknownStage,
             PluginError::Io { .. } => FailureKind::Io,
             PluginError::OutOfMemory(_) => FailureKind::OutOfMemory,
-            PluginError::Failed(_) | PluginError::Attention(_) => FailureKind::Failed,
+            PluginError::Failed(_) | PluginError::Unsupported(_) | PluginError::Attention(_) => {
+                FailureKind::Failed
+            }
         }
     }
 

@@ -29,14 +29,14 @@ macro_rules! package_file {
 
 /// The worker's source, embedded so that the plugin library is all a user installs: the
 /// launcher and the `attnbench_bridge` package beside it, as (path in the worker's folder, text).
-const FILES: [(&str, &str); 18] = [
+const FILES: [(&str, &str); 19] = [
     ("serve_bridge.py", include_str!("../bridge/serve_bridge.py")),
     package_file!("__init__.py"),
-    package_file!("checks.py"),
     package_file!("cudnn.py"),
     package_file!("decode.py"),
     package_file!("dispatch.py"),
     package_file!("encodings.py"),
+    package_file!("exchange.py"),
     package_file!("flash.py"),
     package_file!("flashinfer.py"),
     package_file!("flashmask.py"),
@@ -46,12 +46,13 @@ const FILES: [(&str, &str); 18] = [
     package_file!("problem.py"),
     package_file!("protocol.py"),
     package_file!("sdpa_flex.py"),
+    package_file!("session.py"),
     package_file!("support.py"),
     package_file!("user_module.py"),
 ];
 
 /// The protocol version the worker's greeting must state.
-const PROTOCOL: u64 = 2;
+const PROTOCOL: u64 = 3;
 
 /// Lines of the worker's stderr kept to explain how it died.
 const TAIL_LINES: usize = 30;

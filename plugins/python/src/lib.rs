@@ -2,25 +2,20 @@
 //! the native ones — the SDPA backends, FlexAttention, FlashAttention 2/3/4, FlashInfer, FlashMask,
 //! a numpy reference on the CPU, and any module with the documented `attention` function.
 //!
-//! The plugin starts a Python worker (see `bridge`), hands it the mask set and the shape, and turns
-//! its reply into a measurement record. Up to `check_max_seqlen` the inputs come from the SDK's
-//! generator and every output is checked here against the f64 reference; beyond that the worker
-//! draws its own inputs and checks sampled rows against an independent f64 reference.
+//! The plugin starts a Python worker (see `bridge`) and takes each cell through the SDK's
+//! kernel-benchmark protocol (`bench::run`), each step a request to the worker (see `cell`): the
+//! inputs are the SDK's, the outputs are checked here against the f64 reference (every element up
+//! to `check_max_seqlen`, sampled rows beyond), and the host's harness stops the timing.
 
 mod bridge;
+mod cell;
 mod decode;
 mod encodings;
 
 use std::sync::Mutex;
 
-use attnbench_sdk::measure::{
-    text_of, Correctness, Direction, GpuRun, Harness, MeasureStatus, Measurement, Memory,
-    Quantiles, Throughput, Timing, UnsupportedScope,
-};
-use attnbench_sdk::nvml;
-use attnbench_sdk::reference::{
-    self, CheckMode, Element, Forward, Grads, HeadMasks, Inputs, Shape,
-};
+use attnbench_sdk::measure::{text_of, Direction, GpuRun, Harness, Measurement};
+use attnbench_sdk::reference::Element;
 use attnbench_sdk::{
     write_json, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError,
     PluginManifest, StageRequest, StageSpec,
@@ -28,7 +23,9 @@ use attnbench_sdk::{
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
+use attnbench_sdk::bench::{self, Cell, Options};
 use bridge::{Bridge, Reply};
+use cell::{CellSetup, PyCell};
 
 struct Python;
 
@@ -114,9 +111,9 @@ impl Plugin for Python {
                         .param(attnbench_sdk::shapes::value_dim_param())
                         .param(attnbench_sdk::shapes::shape_param())
                         .param(ParamSpec::new("dtype", ParamType::one_of(Element::NAMES)).default("bf16"))
-                        .param(ParamSpec::new("outputs", ParamType::Bool).default(false).doc("Also write out.f32, lse.f32 (and dq/dk/dv.f32) when the inputs are the SDK's (up to check_max_seqlen)."))
+                        .param(ParamSpec::new("outputs", ParamType::Bool).default(false).doc("Also write out.f32, lse.f32 (when the kernel gives one) and, for a backward, dq/dk/dv.f32 beside the measurement."))
                         .param(ParamSpec::new("gqa", ParamType::one_of(Gqa::NAMES)).default("native").doc("How the SDPA kernels get grouped K and V: `native` passes the KV heads with enable_gqa; `expand` repeats them to every query head once, before the timed region, as a model that keeps them expanded would. Other kernels take `native` only."))
-                        .param(ParamSpec::new("check_max_seqlen", ParamType::Size).default("2k").doc("Up to this length the inputs are the SDK's and every output is checked against the f64 reference; beyond it the worker checks `check_rows` rows of every head."))
+                        .param(ParamSpec::new("check_max_seqlen", ParamType::Size).default("2k").doc("Up to this length every output is checked against the f64 reference; beyond it `check_rows` rows of every head."))
                         .param(ParamSpec::new("check_rows", ParamType::Int).default(16).doc("Rows of every head checked beyond check_max_seqlen.")),
                 )
                 .measures_masks()
@@ -187,15 +184,6 @@ struct BenchParams {
     common: attnbench_sdk::measure::KernelParams,
 }
 
-/// Relative error allowed against the f64 reference: the SDK's table, except that a library's
-/// f32 kernels may run their products in TF32.
-fn tolerance(element: Element) -> f64 {
-    match element {
-        Element::F32 => attnbench_sdk::reference::Arithmetic::Tf32.tolerance(),
-        _ => element.tolerance(),
-    }
-}
-
 fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> {
     let p: BenchParams = request.params()?;
     if p.kernel == PyKernel::Module && p.module.is_empty() {
@@ -209,31 +197,10 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         p.common.heads_kv as u64,
         p.common.head_dim as u64,
     )?;
-    let element = p.common.dtype;
     let shape = p.common.shape(set.seqlen as usize);
     let harness = p.common.harness.apply(default_harness());
-    let kernel = if p.kernel == PyKernel::Module {
-        let stem = std::path::Path::new(&p.module)
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        format!("module:{stem}")
-    } else {
-        p.kernel.to_string()
-    };
-    // Settings that change what a kernel measures name it, so a sweep over them keeps each
-    // variant's cells apart in tables and merged reports; the defaults keep the plain name.
-    let settings = [
-        ("layout", p.layout.as_str(), p.layout == Layout::Auto),
-        ("gqa", p.gqa.as_str(), p.gqa == Gqa::Native),
-    ];
-    let kernel = settings
-        .into_iter()
-        .filter(|(_, _, default)| !default)
-        .fold(kernel, |name, (key, value, _)| {
-            format!("{name} {key}={value}")
-        });
-    let mut measurement = Measurement::for_kernel(
+    let kernel = kernel_name(&p);
+    let measurement = Measurement::for_kernel(
         &kernel,
         ("python", env!("CARGO_PKG_VERSION")),
         &set,
@@ -243,29 +210,8 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         harness.clone(),
     );
     let on_gpu = p.device == Device::Cuda && p.kernel != PyKernel::Numpy;
-
-    // Up to check_max_seqlen the worker reads the SDK's inputs and writes every output.
-    let full_check = shape.seqlen <= p.check_max_seqlen;
-    let exchange = request.output_dir.join("exchange");
-    let inputs = if full_check {
-        std::fs::create_dir_all(&exchange).map_err(|err| PluginError::io(&exchange, err))?;
-        let inputs = Inputs::random_as(&shape, request.seed, element);
-        for (name, values) in [
-            ("q.f32", &inputs.q),
-            ("k.f32", &inputs.k),
-            ("v.f32", &inputs.v),
-            ("do.f32", &inputs.d_out),
-        ] {
-            reference::write_tensor(&exchange, name, values)?;
-        }
-        Some(inputs)
-    } else {
-        None
-    };
-    let clocks = || if on_gpu { nvml::clocks() } else { Value::Null };
-    let clocks_before = clocks();
     let encodings = encodings::of_shared_mask(&set, p.kernel == PyKernel::Flashmask);
-    let params = json!({
+    let problem = json!({
         "kernel": p.kernel,
         "module": p.module,
         "direction": p.common.direction,
@@ -274,46 +220,42 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         "mask": set,
         "encodings": encodings,
         "seed": request.seed,
-        "inputs_dir": full_check.then(|| exchange.display().to_string()),
-        "outputs_dir": full_check.then(|| exchange.display().to_string()),
-        "check_rows": p.check_rows,
         "device": if on_gpu { "cuda" } else { "cpu" },
         "layout": p.layout,
         "gqa": p.gqa,
     });
     let python = attnbench_sdk::environment::python_interpreter(&p.python);
     host.debug(&format!("running {kernel} in `{python}`"));
-    let (reply, hello) = with_bridge(&python, "benchmark", params, Some(&harness))?;
-    let clocks_after = clocks();
-    measurement.details.insert("python".into(), hello);
-    let result = match reply {
-        Reply::Ok(result) => result,
-        Reply::BadParams(message) => {
-            let _ = std::fs::remove_dir_all(&exchange);
-            return Err(PluginError::Params(format!("{kernel}: {message}")));
-        }
-        Reply::Failed(message) => {
-            let _ = std::fs::remove_dir_all(&exchange);
-            return Err(PluginError::failed(format!("{kernel}: {message}")));
-        }
-        Reply::Died(message) => {
-            let _ = std::fs::remove_dir_all(&exchange);
-            return Err(PluginError::failed(format!("{kernel} crashed: {message}")));
-        }
+    let exchange = request.output_dir.join("exchange");
+    let mut py_cell = PyCell::new(CellSetup {
+        python: &python,
+        kernel: &kernel,
+        problem,
+        exchange: exchange.clone(),
+        element: p.common.dtype,
+        check_max_seqlen: p.check_max_seqlen,
+        check_rows: p.check_rows,
+        on_gpu,
+    });
+    let cell = Cell {
+        set: &set,
+        shape,
+        element: p.common.dtype,
+        direction: p.common.direction,
+        seed: request.seed,
     };
-    let outcome = record(
-        &mut measurement,
-        &result,
-        (clocks_before, clocks_after),
-        &shape,
-        &set,
-        inputs.as_ref(),
-        &exchange,
-        element,
-        &p,
-    );
-    let _ = std::fs::remove_dir_all(&exchange);
-    outcome?;
+    let options = Options {
+        outputs_dir: p.common.outputs.then_some(request.output_dir.as_path()),
+        no_check: false,
+    };
+    let outcome = bench::run(&mut py_cell, &cell, &harness, measurement, options);
+    close_cell(&python);
+    cell::clear(&exchange);
+    let mut measurement = outcome?;
+    py_cell.describe(&mut measurement);
+    let mut details = std::mem::take(&mut py_cell.environment);
+    measurement.gpu = gpu_of(&mut details, std::mem::take(&mut py_cell.clocks));
+    measurement.details.extend(details);
     // What the adapter was given, so its call can be repeated beside a plain loop
     // (scripts/peer-plain.py).
     if !encodings.is_null() {
@@ -322,149 +264,39 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
     measurement.write(&request.output_dir)
 }
 
-/// Fills the measurement from the worker's reply; with the SDK's inputs, checks every output.
-#[allow(clippy::too_many_arguments)]
-fn record(
-    measurement: &mut Measurement,
-    result: &Value,
-    clocks: (Value, Value),
-    shape: &Shape,
-    set: &attnbench_sdk::mask::MaskSet,
-    inputs: Option<&Inputs>,
-    exchange: &std::path::Path,
-    element: Element,
-    p: &BenchParams,
-) -> Result<(), PluginError> {
-    if let Some(environment) = result["environment"].as_object() {
-        let mut details = environment.clone();
-        measurement.gpu = gpu_of(&mut details, clocks);
-        measurement.details.extend(details);
-    }
-    if let Some(phases) = result["phases"].as_object() {
-        measurement.phases = phases.clone();
-    }
-    let reason = result["reason"].as_str().map(String::from);
-    match result["status"].as_str() {
-        Some("ok") => {}
-        Some("unsupported") => {
-            measurement.status = MeasureStatus::Unsupported;
-            measurement.reason = reason;
-            // `machine` where an import or the device failed; a reply without a scope is the case's.
-            let scope = result["scope"]
-                .as_str()
-                .and_then(UnsupportedScope::from_name);
-            measurement.unsupported_scope = Some(scope.unwrap_or(UnsupportedScope::Case));
-            return Ok(());
-        }
-        Some("oom") => {
-            measurement.status = MeasureStatus::Oom;
-            measurement.reason = reason;
-            return Ok(());
-        }
-        other => {
-            return Err(PluginError::failed(format!(
-                "the Python worker replied with status {other:?}"
-            )))
-        }
-    }
-    let limit = tolerance(element);
-    measurement.correctness = Some(match inputs {
-        Some(inputs) => {
-            let read = |name: &str| reference::read_tensor(&exchange.join(name));
-            let forward = Forward {
-                out: read("out.f32")?,
-                lse: read("lse.f32").unwrap_or_default(),
-            };
-            let grads = if p.common.backward() {
-                Some(Grads {
-                    dq: read("dq.f32")?,
-                    dk: read("dk.f32")?,
-                    dv: read("dv.f32")?,
-                })
-            } else {
-                None
-            };
-            if p.common.outputs {
-                for name in reference::OUTPUT_TENSORS {
-                    if exchange.join(name).exists() {
-                        let target = exchange.parent().expect("inside the output dir");
-                        std::fs::copy(exchange.join(name), target.join(name))
-                            .map_err(|err| PluginError::io(&target.join(name), err))?;
-                    }
-                }
-            }
-            let masks = HeadMasks::new(set, shape);
-            let has_lse = !forward.lse.is_empty();
-            let mut correctness = reference::check(
-                shape,
-                &masks,
-                inputs,
-                &forward,
-                grads.as_ref(),
-                CheckMode::Full,
-                limit,
-            );
-            if !has_lse {
-                // The kernel's API gives no LSE: O (and the gradients) carry the check.
-                correctness.errors.remove("lse");
-                correctness.checked = correctness.checked.replace("O, LSE", "O");
-                correctness.passed = correctness
-                    .errors
-                    .values()
-                    .all(|e| e.as_f64().is_some_and(|e| e <= limit));
-            }
-            correctness
-        }
-        None => {
-            let reported = &result["correctness"];
-            let errors: Map<String, Value> =
-                reported["errors"].as_object().cloned().unwrap_or_default();
-            Correctness {
-                reference: reported["reference"]
-                    .as_str()
-                    .unwrap_or("per-row f64 reference in the worker")
-                    .into(),
-                checked: reported["checked"]
-                    .as_str()
-                    .unwrap_or("sampled rows")
-                    .into(),
-                passed: !errors.is_empty()
-                    && errors
-                        .values()
-                        .all(|e| e.as_f64().is_some_and(|e| e <= limit)),
-                errors,
-                tolerance: limit,
-            }
-        }
-    });
-    let samples: Vec<f64> = result["samples"]
-        .as_array()
-        .map(|a| a.iter().filter_map(Value::as_f64).collect())
-        .unwrap_or_default();
-    let timing = Timing {
-        rel_ci: attnbench_sdk::measure::median_rel_ci(&samples),
-        stopped: result["stopped"].as_str().unwrap_or("").into(),
-        samples,
+/// The kernel's name in records: settings that change what it measures name it, so a sweep over
+/// them keeps each variant's cells apart in tables and merged reports; the defaults keep the
+/// plain name.
+fn kernel_name(p: &BenchParams) -> String {
+    let kernel = if p.kernel == PyKernel::Module {
+        let stem = std::path::Path::new(&p.module)
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        format!("module:{stem}")
+    } else {
+        p.kernel.to_string()
     };
-    let times = Quantiles::of(&timing.samples);
-    measurement.tflops = times.map(|t| Throughput::of(measurement.flops, &t));
-    measurement.time_s = times;
-    measurement.timing = Some(timing);
-    let memory = &result["memory"];
-    if let (Some(peak), Some(above)) = (
-        memory["peak_bytes"].as_u64(),
-        memory["above_inputs_bytes"].as_u64(),
-    ) {
-        measurement.memory = Some(Memory {
-            peak_bytes: peak,
-            above_inputs_bytes: above,
-            method: memory["method"]
-                .as_str()
-                .unwrap_or("reported by the Python worker")
-                .into(),
-        });
+    let settings = [
+        ("layout", p.layout.as_str(), p.layout == Layout::Auto),
+        ("gqa", p.gqa.as_str(), p.gqa == Gqa::Native),
+    ];
+    settings
+        .into_iter()
+        .filter(|(_, _, default)| !default)
+        .fold(kernel, |name, (key, value, _)| {
+            format!("{name} {key}={value}")
+        })
+}
+
+/// Ends the worker's open cell (its device memory given back), when a worker is running.
+fn close_cell(python: &str) {
+    let mut guard = BRIDGE.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(bridge) = guard.as_mut().filter(|b| b.python() == python) {
+        if matches!(bridge.request("close", Value::Null, None), Reply::Died(_)) {
+            *guard = None;
+        }
     }
-    Ok(())
 }
 
 attnbench_sdk::export_plugin!(Python);

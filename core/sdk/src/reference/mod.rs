@@ -332,7 +332,7 @@ pub fn write_tensor(dir: &Path, name: &str, values: &[f32]) -> Result<(), Plugin
 }
 
 /// Writes a kernel's outputs as a stage with `outputs: true` leaves them for checking: out.f32,
-/// lse.f32 and, when the backward ran, dq.f32, dk.f32 and dv.f32.
+/// lse.f32 (unless the kernel gives no LSE) and, when the backward ran, dq.f32, dk.f32 and dv.f32.
 pub fn write_outputs(
     dir: &Path,
     forward: &Forward,
@@ -340,7 +340,7 @@ pub fn write_outputs(
 ) -> Result<(), PluginError> {
     let tensors = [
         Some(&forward.out),
-        Some(&forward.lse),
+        (!forward.lse.is_empty()).then_some(&forward.lse),
         grads.map(|g| &g.dq),
         grads.map(|g| &g.dk),
         grads.map(|g| &g.dv),

@@ -4,35 +4,47 @@ The attnbench host writes this package and its launcher ``serve_bridge.py`` into
 starts ``python3 -u serve_bridge.py`` and keeps it running.
 It speaks JSON lines: one request per line on stdin, one response per line on stdout.
 
-Protocol (version 2)
+Protocol (version 3)
 --------------------
-* On start: ``{"type":"hello","protocol":2,"python":"3.11.7","executable":...,"pid":N}``.
+* On start: ``{"type":"hello","protocol":3,"python":"3.11.7","executable":...,"pid":N}``.
 * ``{"id":N,"op":"backends"}`` -> for every kernel name, ``{"available","version","reason"}``.
-* ``{"id":N,"op":"benchmark","params":{...}}`` -> ``{"id":N,"ok":true,"result":{...}}``; an
-  unexpected exception gives ``{"id":N,"ok":false,"error":"<one sentence>","traceback":"..."}``
-  and the bridge keeps serving. ``params.encodings`` carries the mask IR's encodings of the
-  shared mask (``varlen`` and, for flashmask, ``flashmask``, each ``{"encoding":...}`` or
-  ``{"refused":why}``; null when heads' masks differ); there is no ``params.harness``.
-* While a request times a kernel, each repetition is reported as
-  ``{"id":N,"type":"rep","seconds":S}`` and waits for the host's answer, ``{"id":N,"timing":null}``
-  for another repetition or ``{"id":N,"timing":{"samples","rel_ci","stopped"}}`` when its harness
-  stops the run: warm-up, stopping rule and caps are the host's, so every measurement follows one.
-  A repetition that timed nothing finite (sent as ``null``) gets an error answer and fails the
-  request.
+* A benchmark cell is a sequence of requests, the steps of attnbench's kernel-benchmark protocol
+  (the SDK's ``bench::run``); each answers ``{"id":N,"ok":true,"result":{"status":...}}``:
+
+  - ``open`` with the problem (``kernel``, ``direction``, ``shape``, ``dtype``, ``mask``,
+    ``encodings``, ``device``, ``layout``, ``gqa``, ``module``) -> ``budget``
+    (``{"needed_bytes","free_bytes"}`` on a CUDA device, else null) and ``environment``;
+  - ``prepare`` with ``inputs_dir``: the host's inputs, ``q.<dtype>``, ``k``, ``v`` (and ``do``)
+    as little-endian bits of the dtype, [heads][seqlen][head_dim];
+  - ``forward``, ``backward``: one call each (the first ones compile, and a library's refusal
+    becomes the reason);
+  - ``outputs`` with ``dir``: writes ``out.f32``, ``lse.f32`` (when the kernel has one) and the
+    gradients, f32 in the conventions below -> ``written``, ``notes``;
+  - ``time``: the timed repetitions -> ``samples``, ``rel_ci``, ``stopped``, ``memory``,
+    ``phases``, ``environment`` (its ``notes`` say what a reader of the numbers should know);
+  - ``close``: the cell's memory given back (``open`` closes any open cell too).
+
+  A step that finds the cell unsupported or out of memory answers ``status`` ``unsupported``
+  (``scope`` ``machine`` when a package or device is missing here) or ``oom`` with a ``reason``,
+  and closes the cell. The host checks the outputs against its f64 reference.
+* ``encodings`` carries the mask IR's encodings of the shared mask (``varlen`` and, for
+  flashmask, ``flashmask``, each ``{"encoding":...}`` or ``{"refused":why}``; null when heads'
+  masks differ).
+* While ``time`` runs, each repetition is reported as ``{"id":N,"type":"rep","seconds":S}`` and
+  waits for the host's answer, ``{"id":N,"timing":null}`` for another repetition or
+  ``{"id":N,"timing":{"samples","rel_ci","stopped"}}`` when its harness stops the run: warm-up,
+  stopping rule and caps are the host's, so every measurement follows one. A repetition that
+  timed nothing finite (sent as ``null``) gets an error answer and fails the request.
+* An unexpected exception gives ``{"id":N,"ok":false,"error":"<one sentence>","traceback":"..."}``
+  (``"kind":"params"`` for a bad request), closes the open cell, and the bridge keeps serving.
 * ``{"id":N,"op":"shutdown"}`` -> ``{"id":N,"ok":true,"result":null}``, then exit 0; EOF -> exit 0.
 * A line that is not a JSON object, or an unknown op -> ``ok:false`` (``id`` null when unknown).
 
 Only the protocol goes to the real stdout: fd 1 and ``sys.stdout`` are pointed at stderr before
 anything else runs, so prints from libraries and kernels cannot corrupt the stream. Non-finite
-floats (an infinite error, an undefined rel_ci) are sent as ``null``, as serde_json does.
+floats (an undefined rel_ci) are sent as ``null``, as serde_json does.
 
-A benchmark's ``result`` has ``status`` (ok, unsupported, oom), ``reason``, ``samples`` (seconds),
-``rel_ci``, ``stopped``, ``memory``, ``correctness`` (null when the host gave ``inputs_dir``: it
-checks the written outputs itself), ``phases`` and ``environment``, whose ``notes`` list, when
-present, says what a reader of the numbers should know (rows fixed up to the empty-row
-convention, an output not written). Correctness errors use
-the host's metric (reference/mod.rs): largest |actual - reference| over largest |reference|. A
-library kernel that refuses a problem on its first call (SDPA's "No available kernel", an assert
+A library kernel that refuses a problem on its first call (SDPA's "No available kernel", an assert
 in a FlashAttention build) is reported unsupported with the error's first line; an exception from
 a user module is a failure.
 
@@ -74,11 +86,10 @@ from .encodings import (block_grid, blocks_of, dense_mask, grid_tile_kinds, most
 from .flash import FA4_TILE, block_lookup, tile_kinds
 from .flex_forms import form_differs, pattern_mask_mod
 from .harness import event_rep
-from .checks import relative_error
 from .problem import parse_problem
 from .protocol import serve
 
 __all__ = ["FA4_TILE", "block_grid", "block_lookup", "blocks_of", "dense_mask", "event_rep",
-           "form_differs", "grid_tile_kinds", "harness_rep", "most_intervals", "parse_problem", "pattern_mask_mod", "relative_error",
+           "form_differs", "grid_tile_kinds", "harness_rep", "most_intervals", "parse_problem", "pattern_mask_mod",
            "row_groups", "row_interval_list", "row_interval_pairs", "row_intervals", "row_keys", "serve",
            "tile_kinds", "uniform_grid"]

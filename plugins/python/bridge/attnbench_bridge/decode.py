@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .checks import base_environment
+from .exchange import base_environment
 from .problem import Heads
 from .harness import device_bytes, event_rep, is_oom, l2_flush_bytes, release_memory, run_harness, torch_dtype
 from .support import BadRequest, OutOfMemory, Unavailable, Unsupported, _np, _package_version, first_line, log, need

@@ -1,5 +1,5 @@
-"""The timing harness and the torch kernel protocol: inputs in the kernel's layout, the first
-calls, the check, the timed repetitions, peak memory.
+"""The torch side of a benchmark: a kernel as an adapter describes it, inputs in its layout, the
+timed step and repetition, peak memory.
 """
 
 from __future__ import annotations
@@ -9,13 +9,12 @@ import gc
 import platform
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
-from .checks import _tensor_shapes, _wanted, base_environment, check_or_write, read_inputs
+from .exchange import _tensor_shapes, _wanted, base_environment, read_inputs
 from .problem import Problem
-from .support import ELEMENT_BYTES, GIB, OutOfMemory, Unavailable, Unsupported, first_line, log, need
+from .support import ELEMENT_BYTES, Unavailable, Unsupported
 
 
 # How a timed repetition is reported to the host while a request runs: its seconds in, the host's
@@ -93,11 +92,16 @@ def require_half(p: Problem) -> None:
         raise Unsupported(f"{p.kernel} runs bf16 and fp16 only")
 
 
-def make_torch_inputs(p: Problem, torch: Any, device: Any) -> Dict[str, Any]:
-    """Canonical [1, H, S, D] inputs in the dtype: read from inputs_dir, or seeded uniform [-1, 1)."""
+def make_torch_inputs(p: Problem, torch: Any, device: Any, inputs_dir: Optional[str]) -> Dict[str, Any]:
+    """Canonical [1, H, S, D] inputs in the dtype: the host's, read from `inputs_dir`, or (for a
+    plain loop beside the harness, scripts/peer-plain.py) seeded uniform [-1, 1) drawn here."""
     dtype = torch_dtype(torch, p.dtype)
-    if p.inputs_dir:
-        return {n: torch.from_numpy(a)[None].to(device=device, dtype=dtype) for n, a in read_inputs(p).items()}
+    if inputs_dir:
+        tensors = {}
+        for name, array in read_inputs(p, inputs_dir).items():
+            x = torch.from_numpy(array.view("<i2") if p.dtype == "bf16" else array)
+            tensors[name] = (x.view(dtype) if p.dtype == "bf16" else x)[None].to(device=device, dtype=dtype)
+        return tensors
     generator = torch.Generator(device=device)
     generator.manual_seed(p.seed)
     tensors = {}
@@ -165,14 +169,6 @@ def l2_flush_bytes(torch: Any, device: Any) -> int:
     return 2 * int(size)
 
 
-def check_fits(p: Problem, torch: Any, device: Any, kernel: Kernel) -> None:
-    free = torch.cuda.mem_get_info(device)[0]
-    needed = input_bytes(p) + kernel.extra_bytes + l2_flush_bytes(torch, device)
-    if needed > free:
-        raise OutOfMemory(f"{p.kernel} needs about {needed / GIB:.2f} GiB ({needed} bytes) for this "
-                          f"problem but {free / GIB:.2f} GiB ({free} bytes) is free on {device}")
-
-
 def torch_environment(torch: Any, device: Any) -> dict:
     env = dict(base_environment(), torch=torch.__version__, device=str(device),
                cuda=getattr(torch.version, "cuda", None))
@@ -197,37 +193,6 @@ def synchronize(torch: Any, device: Any, kernel: Kernel) -> None:
         kernel.sync()
 
 
-def first_calls(p: Problem, torch: Any, device: Any, kernel: Kernel, q: Any, k: Any, v: Any,
-                do: Any) -> Tuple[Any, Any, Any]:
-    """The untimed first forward (and backward): compile time, and refusals turned into reasons."""
-    def attempt(run: Callable, what: str, phase: str) -> Any:
-        while True:
-            try:
-                synchronize(torch, device, kernel)
-                start = time.perf_counter()
-                result = run()
-                synchronize(torch, device, kernel)
-                kernel.phases[phase] = time.perf_counter() - start
-                return result
-            except (Unsupported, OutOfMemory):
-                raise
-            except Exception as error:
-                if is_oom(error):
-                    raise
-                if what == "forward" and kernel.retry is not None and kernel.retry(error):
-                    continue
-                if not kernel.refusal_is_unsupported:
-                    raise
-                log(f"{p.kernel} refused the {what}:\n{traceback.format_exc()}")
-                raise Unsupported(f"{p.kernel} refused the {what}: {type(error).__name__}: {first_line(error)}") from None
-
-    out, lse = attempt(lambda: kernel.call(q, k, v), "forward", "first_call_s")
-    grads = None
-    if p.backward:
-        grads = attempt(lambda: kernel.grad(out, q, k, v, do), "backward", "first_backward_s")
-    return out, lse, grads
-
-
 def ready_kernel(p: Problem, torch: Any, make_kernel: Callable) -> Tuple[Any, Kernel]:
     """The device and p's kernel from its adapter, with autograd as the default backward."""
     device = torch_device(p, torch)
@@ -236,28 +201,19 @@ def ready_kernel(p: Problem, torch: Any, make_kernel: Callable) -> Tuple[Any, Ke
         raise Unsupported(kernel.no_backward)
     if kernel.grad is None:
         kernel.grad = lambda out, q, k, v, do: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
-    if device.type == "cuda":
-        check_fits(p, torch, device, kernel)
     return device, kernel
 
 
-def run_torch(p: Problem, make_kernel: Callable) -> dict:
-    torch = need("torch")
-    device, kernel = ready_kernel(p, torch, make_kernel)
-    with kernel.context():
-        return measure_torch(p, torch, device, kernel)
-
-
-def native_inputs(p: Problem, torch: Any, device: Any, kernel: Kernel) -> Dict[str, Any]:
+def native_inputs(p: Problem, torch: Any, device: Any, kernel: Kernel, inputs_dir: Optional[str]) -> Dict[str, Any]:
     """The inputs in the kernel's layout, its setup run, q, k and v taking gradients for a backward."""
     start = time.perf_counter()
-    inputs = make_torch_inputs(p, torch, device)
+    inputs = make_torch_inputs(p, torch, device, inputs_dir)
     if kernel.expand_kv:  # the model keeps K and V per query head: repeated once, untimed
         inputs.update({n: inputs[n].repeat_interleave(p.group, dim=1) for n in ("k", "v")})
     native = {n: to_layout(x, kernel.layout, p.layout) for n, x in inputs.items()}
     del inputs
     synchronize(torch, device, kernel)
-    kernel.phases["inputs_s"] = time.perf_counter() - start
+    kernel.phases["load_inputs_s"] = time.perf_counter() - start
     if kernel.setup:
         kernel.setup(native)
     if p.backward:
@@ -279,53 +235,6 @@ def timed_step(p: Problem, kernel: Kernel, native: Dict[str, Any], first_out: An
         out = forward(q, k, v) if kernel.out_only else first_out
         return lambda: kernel.grad(out, q, k, v, do)
     return lambda: kernel.grad(forward(q, k, v), q, k, v, do)
-
-
-def measure_torch(p: Problem, torch: Any, device: Any, kernel: Kernel) -> dict:
-    phases, notes, cuda = kernel.phases, [], device.type == "cuda"
-    native = native_inputs(p, torch, device, kernel)
-    q, k, v, do = native["q"], native["k"], native["v"], native.get("do")
-    out, lse, grads = first_calls(p, torch, device, kernel, q, k, v, do)
-    if kernel.compiles:
-        phases["compile_s"] = phases["first_call_s"]
-        if "first_backward_s" in phases:
-            phases["compile_bwd_s"] = phases["first_backward_s"]
-
-    canonical = lambda x: from_layout(x, kernel.layout).detach()  # noqa: E731
-    tensors = {name: canonical(native[name]) for name in native}
-    if kernel.expand_kv:
-        tensors.update(k=tensors["k"][::p.group], v=tensors["v"][::p.group])
-    tensors["out"] = canonical(kernel.out_to_torch(out) if kernel.out_to_torch else out)
-    heads_lse = (kernel.lse_to_heads or (lambda x: lse_to_heads(p, x)))(lse)
-    tensors["lse"] = heads_lse.float() if heads_lse is not None else None
-    if lse is not None and heads_lse is None:
-        notes.append(f"the kernel's LSE has an unexpected shape {tuple(lse.shape)}; not checked")
-    if grads is not None:
-        tensors.update(dq=canonical(grads[0]), dk=canonical(grads[1]), dv=canonical(grads[2]))
-        if kernel.expand_kv:  # a KV head's gradient is the sum over the query heads it serves
-            for n, d in (("dk", p.head_dim), ("dv", p.value_dim)):
-                tensors[n] = tensors[n].float().reshape(p.heads_kv, p.group, p.seqlen, d).sum(1)
-    correctness = check_or_write(p, tensors, kernel.lse_note, notes)
-    del tensors, lse, grads, heads_lse
-    step = timed_step(p, kernel, native, out)
-    del out
-
-    memory = None
-    if cuda and kernel.torch_memory:
-        memory = peak_memory(torch, device, step)
-    timing = run_harness(make_rep(torch, device, kernel, step))
-    env = torch_environment(torch, device)
-    env.update(kernel.env)
-    view = kernel.layout == "bhsd" and p.layout == "bshd"
-    env["inputs"] = f"bshd storage, {kernel.layout} view" if view else f"contiguous {kernel.layout}"
-    if kernel.out_only:
-        env["timed_forward"] = "without the LSE output (the LSE checked from the first call)"
-    if cuda and not kernel.torch_memory:
-        notes.append("memory not measured: the kernel allocates outside torch's allocator")
-    if notes:
-        env["notes"] = notes
-    return dict(status="ok", reason=None, memory=memory, correctness=correctness, phases=phases,
-                environment=env, **timing)
 
 
 def peak_memory(torch: Any, device: Any, step: Callable) -> dict:

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import platform
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from .checks import base_environment, check_or_write, numpy_inputs
 from .encodings import dense_mask
-from .harness import run_harness
 from .problem import Problem
-from .support import Unsupported, _np
+from .support import _np
 
 
 NUMPY_MASK_CACHE_BYTES = 1 << 30
@@ -89,49 +86,3 @@ def numpy_attention(p: Problem) -> NumpyKernel:
 
     kernel.forward, kernel.backward, kernel.setup = forward, backward, setup
     return kernel
-
-
-def run_numpy(p: Problem, kernel: NumpyKernel) -> dict:
-    import tracemalloc
-    _np()  # unsupported, with the reason, when numpy is missing
-    if p.backward and kernel.backward is None:
-        raise Unsupported(kernel.no_backward or f"{p.kernel} has no backward")
-    phases, notes = kernel.phases, []
-    start = time.perf_counter()
-    inputs = numpy_inputs(p)
-    phases["inputs_s"] = time.perf_counter() - start
-    if kernel.setup:
-        kernel.setup()
-    q, k, v, do = inputs["q"], inputs["k"], inputs["v"], inputs.get("do")
-    start = time.perf_counter()
-    out, lse = kernel.forward(q, k, v)
-    phases["first_call_s"] = time.perf_counter() - start
-    grads = kernel.backward(q, k, v, out, lse, do) if p.backward else (None, None, None)
-    tensors = dict(inputs, out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2])
-    correctness = check_or_write(p, tensors, kernel.lse_note, notes)
-    del tensors, grads
-    steps = {"fwd": lambda: kernel.forward(q, k, v),
-             "bwd": lambda: kernel.backward(q, k, v, out, lse, do),
-             "fwd_bwd": lambda: kernel.backward(q, k, v, *kernel.forward(q, k, v), do)}
-    step = steps[p.direction]
-    held = sum(x.nbytes for x in (q, k, v, do, out, lse) if x is not None)
-    tracemalloc.start()
-    step()
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    memory = {"peak_bytes": held + peak, "above_inputs_bytes": peak,
-              "method": "tracemalloc peak around one call (numpy's allocations), plus the inputs "
-                        "and saved outputs it was given"}
-
-    def rep() -> float:
-        begin = time.perf_counter()
-        step()
-        return time.perf_counter() - begin
-
-    timing = run_harness(rep)
-    env = dict(base_environment(), device="cpu", device_name=platform.processor() or platform.machine())
-    env.update(kernel.env)
-    if notes:
-        env["notes"] = notes
-    return dict(status="ok", reason=None, memory=memory, correctness=correctness, phases=phases,
-                environment=env, **timing)

@@ -50,10 +50,7 @@ class Problem(Heads):
     head_dim: int
     dtype: str
     mask_set: dict
-    seed: int
-    inputs_dir: Optional[str]
-    outputs_dir: Optional[str]
-    check_rows: int
+    seed: int                               # for inputs drawn here (scripts/peer-plain.py); a cell reads the host's
     device: str
     module: Optional[str]
     layout: str = "bshd"
@@ -183,8 +180,6 @@ def parse_problem(params: Any) -> Problem:
         raise BadRequest("kernel module needs params.module, the path of the kernel's .py file")
     problem = Problem(kernel, direction, hq, hkv, seqlen, head_dim, dtype, params.get("mask"),
                       int(params.get("seed") if params.get("seed") is not None else 42),
-                      params.get("inputs_dir"), params.get("outputs_dir"),
-                      int(params.get("check_rows") or 64),
                       device, params.get("module"), layout, gqa, head_dim_v, params.get("encodings"))
     validate_mask_set(problem)
     return problem

@@ -11,15 +11,15 @@ import traceback
 from typing import Any, Callable, Optional, Tuple
 
 from .decode import decode
-from .dispatch import backends, benchmark
+from .dispatch import CELL_OPS, Cell, backends, close
 from .harness import release_memory, reporting_to
 from .support import BadRequest, first_line, log
 
 
-PROTOCOL = 2
+PROTOCOL = 3
 
 
-OPS = {"backends": backends, "benchmark": benchmark, "decode": decode}
+OPS = {"backends": backends, "decode": decode, **CELL_OPS}
 
 
 def plain(value: Any) -> Any:
@@ -54,7 +54,7 @@ def handle(line: str, report_for: Callable[[Any], Report]) -> Tuple[dict, bool]:
         return {"id": rid, "ok": True, "result": None}, True
     if op not in OPS:
         return {"id": rid, "ok": False,
-                "error": f"unknown op {op!r}; the bridge knows backends, benchmark, decode and shutdown"}, False
+                "error": f"unknown op {op!r}; the bridge knows {', '.join(OPS)} and shutdown"}, False
     params = request.get("params") or {}
     try:
         with reporting_to(report_for(rid)):
@@ -64,9 +64,11 @@ def handle(line: str, report_for: Callable[[Any], Report]) -> Tuple[dict, bool]:
     except (Exception, SystemExit) as error:
         trace = traceback.format_exc()
         log(trace)
-        who = params.get("kernel", op) if isinstance(params, dict) else op
+        who = params.get("kernel") if isinstance(params, dict) else None
+        who = who or (Cell.session.p.kernel if Cell.session is not None else op)
         reply = {"id": rid, "ok": False, "error": f"{who} raised {type(error).__name__}: {first_line(error)}",
                  "traceback": trace}
+    close()  # a failed request ends the open cell
     release_memory()
     return reply, False
 

@@ -10,8 +10,8 @@ import time
 from typing import Any, Callable, Dict
 
 from .encodings import dense_mask
-from .harness import Kernel, run_torch, split_result, synchronize
-from .numpy_kernel import NumpyKernel, run_numpy
+from .harness import Kernel, split_result, synchronize
+from .numpy_kernel import NumpyKernel
 from .problem import Problem
 from .support import BadRequest, Unavailable, Unsupported, first_line
 
@@ -49,7 +49,9 @@ def user_mask(p: Problem, module: Any, build: Callable) -> dict:
     return {"dense": dense, "slices": slices, "set": p.mask_set}
 
 
-def run_module(p: Problem) -> dict:
+def module_session(p: Problem) -> Any:
+    """The session of a user's module: numpy arrays on the CPU (`BACKEND = "numpy"`) or torch."""
+    from .session import NumpySession, TorchSession
     module = load_user_module(p.module)
     supports = getattr(module, "SUPPORTS", None)
     if callable(supports):
@@ -58,8 +60,8 @@ def run_module(p: Problem) -> dict:
             raise Unsupported(str(reason))
     label = {"backend": f"module {os.path.basename(p.module)}", "module": p.module}
     if getattr(module, "BACKEND", "torch") == "numpy":
-        return run_numpy(p, numpy_module_kernel(p, module, label))
-    return run_torch(p, lambda p, torch, device: torch_module_kernel(p, torch, device, module, label))
+        return NumpySession(p, numpy_module_kernel(p, module, label))
+    return TorchSession(p, lambda p, torch, device: torch_module_kernel(p, torch, device, module, label))
 
 
 def numpy_module_kernel(p: Problem, module: Any, label: dict) -> NumpyKernel:
