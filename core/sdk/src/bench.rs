@@ -15,7 +15,8 @@ use serde_json::{json, Map, Value};
 
 use crate::mask::MaskSet;
 use crate::measure::{
-    Direction, Harness, MeasureStatus, Measurement, Memory, Quantiles, Throughput, Timing,
+    Direction, Harness, KernelParams, MeasureStatus, Measurement, Memory, Quantiles, Throughput,
+    Timing,
 };
 use crate::reference::{self, CheckMode, Element, Forward, Grads, HeadMasks, Inputs, Shape};
 use crate::PluginError;
@@ -30,7 +31,31 @@ pub struct Cell<'a> {
     pub seed: u64,
 }
 
-impl Cell<'_> {
+impl<'a> Cell<'a> {
+    /// The cell a kernel stage's parameters make of `set`, its inputs seeded by `seed`.
+    pub fn of(params: &KernelParams, set: &'a MaskSet, seed: u64) -> Cell<'a> {
+        Cell {
+            set,
+            shape: params.shape(set.seqlen as usize),
+            element: params.dtype,
+            direction: params.direction,
+            seed,
+        }
+    }
+
+    /// The cell's record for `kernel` of `plugin` (name, version), before anything ran.
+    pub fn record(&self, kernel: &str, plugin: (&str, &str), harness: Harness) -> Measurement {
+        Measurement::for_kernel(
+            kernel,
+            plugin,
+            self.set,
+            self.shape,
+            self.element,
+            self.direction,
+            harness,
+        )
+    }
+
     pub fn backward(&self) -> bool {
         self.direction.backward()
     }
@@ -122,6 +147,16 @@ pub struct Options<'a> {
     pub outputs_dir: Option<&'a Path>,
     /// Skip the check against the reference (a kernel's `check: off`).
     pub no_check: bool,
+}
+
+impl<'a> Options<'a> {
+    /// A kernel stage's options: its outputs written into `output_dir` when it asks for them.
+    pub fn of(params: &KernelParams, output_dir: &'a Path) -> Options<'a> {
+        Options {
+            outputs_dir: params.outputs.then_some(output_dir),
+            no_check: false,
+        }
+    }
 }
 
 /// Takes `cell` through the protocol with `kernel`, filling `record` (made by

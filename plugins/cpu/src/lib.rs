@@ -131,28 +131,14 @@ fn benchmark(
     };
     let harness = params.common.harness.apply(default_harness());
     let kernel = format!("cpu-{}", params.kernel);
-    let record = Measurement::for_kernel(
-        &kernel,
-        ("cpu", env!("CARGO_PKG_VERSION")),
-        set,
-        shape,
-        params.common.dtype,
-        params.common.direction,
-        harness.clone(),
-    );
-    let cell = Cell {
-        set,
-        shape,
-        element: params.common.dtype,
-        direction: params.common.direction,
-        seed,
-    };
+    let cell = Cell::of(&params.common, set, seed);
+    let record = cell.record(&kernel, ("cpu", env!("CARGO_PKG_VERSION")), harness.clone());
     if params.check != Check::Off {
         host.debug("the outputs are checked against the reference before they are timed");
     }
     let options = Options {
-        outputs_dir: params.common.outputs.then_some(output_dir),
         no_check: params.check == Check::Off,
+        ..Options::of(&params.common, output_dir)
     };
     let mut kernel = CpuKernel {
         params,

@@ -21,7 +21,7 @@ use std::sync::Mutex;
 
 use attnbench_sdk::attention::{AttentionCall, AttentionError};
 use attnbench_sdk::bench::{self, Cell, Options};
-use attnbench_sdk::measure::{Direction, Harness, Measurement, Quantiles, Throughput};
+use attnbench_sdk::measure::{Direction, Harness, Quantiles, Throughput};
 use attnbench_sdk::nvml;
 use attnbench_sdk::reference::{Element, HeadMasks, Inputs, Shape};
 use attnbench_sdk::{
@@ -347,26 +347,13 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         flash::Schedule::Grid => kernel,
         chosen => format!("{kernel} schedule={chosen}"),
     };
-    let mut record = Measurement::for_kernel(
+    let cell = Cell::of(&p.common, &set, request.seed);
+    let mut record = cell.record(
         &kernel,
         ("cuda", env!("CARGO_PKG_VERSION")),
-        &set,
-        shape,
-        p.common.dtype,
-        p.common.direction,
         harness.clone(),
     );
-    let cell = Cell {
-        set: &set,
-        shape,
-        element: p.common.dtype,
-        direction: p.common.direction,
-        seed: request.seed,
-    };
-    let options = Options {
-        outputs_dir: p.common.outputs.then_some(request.output_dir.as_path()),
-        no_check: false,
-    };
+    let options = Options::of(&p.common, &request.output_dir);
     with_gpu(|state| {
         record.gpu = Some(state.gpu.describe());
         let mut kernel = CudaBench::new(state, &p, HeadMasks::new(&set, &shape), host);

@@ -14,7 +14,7 @@ mod encodings;
 
 use std::sync::Mutex;
 
-use attnbench_sdk::measure::{text_of, Direction, GpuRun, Harness, Measurement};
+use attnbench_sdk::measure::{text_of, Direction, GpuRun, Harness};
 use attnbench_sdk::reference::Element;
 use attnbench_sdk::{
     write_json, CacheScope, Host, Isolation, ParamSpec, ParamType, Plugin, PluginError,
@@ -200,13 +200,10 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
     let shape = p.common.shape(set.seqlen as usize);
     let harness = p.common.harness.apply(default_harness());
     let kernel = kernel_name(&p);
-    let measurement = Measurement::for_kernel(
+    let cell = Cell::of(&p.common, &set, request.seed);
+    let measurement = cell.record(
         &kernel,
         ("python", env!("CARGO_PKG_VERSION")),
-        &set,
-        shape,
-        p.common.dtype,
-        p.common.direction,
         harness.clone(),
     );
     let on_gpu = p.device == Device::Cuda && p.kernel != PyKernel::Numpy;
@@ -237,17 +234,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         check_rows: p.check_rows,
         on_gpu,
     });
-    let cell = Cell {
-        set: &set,
-        shape,
-        element: p.common.dtype,
-        direction: p.common.direction,
-        seed: request.seed,
-    };
-    let options = Options {
-        outputs_dir: p.common.outputs.then_some(request.output_dir.as_path()),
-        no_check: false,
-    };
+    let options = Options::of(&p.common, &request.output_dir);
     let outcome = bench::run(&mut py_cell, &cell, &harness, measurement, options);
     close_cell(&python);
     cell::clear(&exchange);
