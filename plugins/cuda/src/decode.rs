@@ -44,12 +44,15 @@ const STAGES: u64 = 3;
 /// more in the ring's start and the merge than their parallelism gains.
 pub const MIN_SPLIT_KEYS: u64 = 256;
 /// Waves of resident blocks the split count aims for: sequences of a batch differ in length, and
-/// with several waves the blocks of the short ones fill in behind the long ones' (which start
-/// first: the grid's slowest index is the sequence, longest first).
-const WAVES: u64 = 8;
+/// with a second wave the blocks of the short ones fill in behind the long ones' (which start
+/// first: the grid's slowest index is the sequence, longest first). More waves cost more than
+/// they balance: on an H100 (2026-12-07, batch 8 stepping down from 64K keys, 64:8 heads, d 128)
+/// 24 splits a sequence (2 waves) took 425.8 µs for one new token against 439.6 µs at 72 (6) and
+/// 444.6 at 96, and 448.1 µs for four new tokens against 462–466 at 16 and 472.9 at 64.
+const WAVES: u64 = 2;
 /// Beyond one wave, splits are added only while the partials they write and the merge reads
-/// stay under 1/32 of the cache's bytes (2 · rows · 4 bytes a split against 4 bytes a key).
-const MERGE_SHARE: u64 = 32;
+/// stay under 1/16 of the cache's bytes (2 · rows · 4 bytes a split against 4 bytes a key).
+const MERGE_SHARE: u64 = 16;
 
 /// Dynamic shared memory of a split block: Q's rows and each warp's ring of K and V tiles, rows
 /// padded by 8 values (decode.cu's formula).
@@ -474,12 +477,16 @@ mod tests {
     #[test]
     fn splits_fill_waves_within_the_merge_share_and_the_shortest_split() {
         // 8 sequences × 8 KV heads, 8 rows a group: 64 blocks, one an SM at d 128 (213 KB of
-        // shared memory), 3 splits a wave; partials under 1/32 of a 4.5 · 64K-key cache allow 18.
+        // shared memory), 3 blocks a sequence fill a wave: two waves, 6 blocks of 4 splits.
         let long = DecodeProblem::stepped(8, 64 * 1024, 1, (64, 8, 128), 0).unwrap();
-        assert_eq!(choose_splits(&long, 132, HOPPER).0, 18 * WARPS);
-        // 32 rows (4 new tokens) allow only 4 by the merge's share; one wave takes 3.
+        assert_eq!(choose_splits(&long, 132, HOPPER).0, 6 * WARPS);
+        // 32 rows (4 new tokens): partials under 1/16 of a 4.5 · 64K-key cache allow 9 blocks.
         let four = DecodeProblem::stepped(8, 64 * 1024, 4, (64, 8, 128), 0).unwrap();
-        assert_eq!(choose_splits(&four, 132, HOPPER).0, 4 * WARPS);
+        assert_eq!(choose_splits(&four, 132, HOPPER).0, 6 * WARPS);
+        // 4 new tokens of one 64K sequence: 17 blocks fill a wave, and the merge's share (16
+        // blocks) keeps it at one.
+        let alone = DecodeProblem::stepped(1, 64 * 1024, 4, (64, 8, 128), 0).unwrap();
+        assert_eq!(choose_splits(&alone, 132, HOPPER).0, 17 * WARPS);
         // A 1K cache caps the count at one block: 4 splits of 256 keys.
         let short = DecodeProblem::stepped(1, 1024, 1, (64, 8, 128), 0).unwrap();
         assert_eq!(choose_splits(&short, 132, HOPPER).0, WARPS);
