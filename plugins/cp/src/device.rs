@@ -267,6 +267,19 @@ impl DeviceStore {
     }
 }
 
+/// The buffer `parts` are when they cover it exactly, in order.
+fn whole_buffer<'a>(parts: &[(&'a DeviceValues, Range<usize>)]) -> Option<&'a DeviceValues> {
+    let (first, _) = parts.first()?;
+    let mut next = 0;
+    for (x, range) in parts {
+        if !Arc::ptr_eq(&x.buffer, &first.buffer) || x.len != first.len || range.start != next {
+            return None;
+        }
+        next = range.end;
+    }
+    (next == first.len).then_some(*first)
+}
+
 impl Store for DeviceStore {
     type Values = DeviceValues;
 
@@ -286,7 +299,19 @@ impl Store for DeviceStore {
         x
     }
 
+    /// Left unfilled: the attention backend writes every row of a call's heads
+    /// (`AttentionCall`'s contract), so a fill would be a pass over memory for nothing.
+    fn for_overwrite(&self, count: usize, _fill: f64) -> DeviceValues {
+        self.uninitialised(count, Kind::Accumulator)
+    }
+
     fn gather(&self, parts: &[(&DeviceValues, Range<usize>)]) -> DeviceValues {
+        // Parts that are one buffer whole, in order (one rank's share of an all-to-all at world
+        // 1, a tensor regrouped by heads it already has): the same values, shared rather than
+        // copied; the store copies a shared buffer before it changes it.
+        if let Some(whole) = whole_buffer(parts) {
+            return whole.clone();
+        }
         let kind = parts.first().map_or(Kind::Accumulator, |(x, _)| x.kind);
         let size = self.element_bytes(kind);
         let total: usize = parts.iter().map(|(_, r)| r.len()).sum();

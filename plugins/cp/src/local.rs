@@ -25,6 +25,11 @@ pub trait Store {
     fn zeros(&self, count: usize) -> Self::Values;
     /// `count` times −∞ (the LSE of rows without keys).
     fn negative_infinities(&self, count: usize) -> Self::Values;
+    /// `count` values that a block's calls overwrite in full before anything reads them (a
+    /// forward's O and LSE, a backward's dQ: the calls cover every query head, and a call writes
+    /// every row of its heads). A store may leave them unfilled; one that fills them puts `fill`
+    /// there.
+    fn for_overwrite(&self, count: usize, fill: f64) -> Self::Values;
     /// The concatenation of ranges of tensors (of one kind).
     fn gather(&self, parts: &[(&Self::Values, Range<usize>)]) -> Self::Values;
     /// `target[at..at + len(source)] += source`.
@@ -230,7 +235,11 @@ impl Problem<'_> {
         k: &Tokens<S::Values>,
         v: &Tokens<S::Values>,
     ) -> Result<Partial<S::Values>, AttentionError> {
-        let mut result = Partial::empty(store, q.heads.len(), q.len(), self.head_dim);
+        let rows = q.heads.len() * q.len();
+        let mut result = Partial {
+            out: store.for_overwrite(rows * self.head_dim, 0.0),
+            lse: store.for_overwrite(rows, f64::NEG_INFINITY),
+        };
         self.each_call(q, k, |block, span| {
             store.forward(
                 block,
@@ -254,25 +263,34 @@ impl Problem<'_> {
         done: &Partial<S::Values>,
         d_out: &S::Values,
     ) -> Result<BlockGrads<S::Values>, AttentionError> {
-        let mut grads = BlockGrads {
-            dq: store.zeros(store.len(&q.data)),
-            dk: store.zeros(store.len(&k.data)),
-            dv: store.zeros(store.len(&v.data)),
-        };
+        let mut dq = store.for_overwrite(store.len(&q.data), 0.0);
+        let mut parts = Vec::new();
         self.each_call(q, k, |block, span| {
-            // A KV head's gradients add up over the calls of the heads that read it.
             let (dk, dv) = store.backward(
                 block,
                 &span,
                 (&q.data, &k.data, &v.data),
                 (&done.out, &done.lse, d_out),
-                &mut grads.dq,
+                &mut dq,
             )?;
-            store.add(&mut grads.dk, span.keys.start, &dk);
-            store.add(&mut grads.dv, span.keys.start, &dv);
+            parts.push((span.keys.start, dk, dv));
             Ok(())
         })?;
-        Ok(grads)
+        // One call (every head sharing the mask, the common case) gives the block's dK and dV
+        // whole; per-head calls add up over the query heads that read a KV head.
+        let whole = store.len(&k.data);
+        if let [(0, dk, _)] = parts.as_slice() {
+            if store.len(dk) == whole {
+                let (_, dk, dv) = parts.pop().expect("one part");
+                return Ok(BlockGrads { dq, dk, dv });
+            }
+        }
+        let (mut dk, mut dv) = (store.zeros(whole), store.zeros(store.len(&v.data)));
+        for (at, part_k, part_v) in &parts {
+            store.add(&mut dk, *at, part_k);
+            store.add(&mut dv, *at, part_v);
+        }
+        Ok(BlockGrads { dq, dk, dv })
     }
 
     /// Runs `work` on every call of the block `q` × `kv`, with the call's host block and where
@@ -328,6 +346,10 @@ impl Store for HostStore<'_> {
 
     fn negative_infinities(&self, count: usize) -> Vec<f64> {
         vec![f64::NEG_INFINITY; count]
+    }
+
+    fn for_overwrite(&self, count: usize, fill: f64) -> Vec<f64> {
+        vec![fill; count]
     }
 
     fn gather(&self, parts: &[(&Vec<f64>, Range<usize>)]) -> Vec<f64> {
