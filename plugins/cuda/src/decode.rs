@@ -46,13 +46,12 @@ pub const MIN_SPLIT_KEYS: u64 = 256;
 /// Waves of resident blocks the split count aims for: sequences of a batch differ in length, and
 /// with a second wave the blocks of the short ones fill in behind the long ones' (which start
 /// first: the grid's slowest index is the sequence, longest first). More waves cost more than
-/// they balance: on an H100 (2026-12-07, batch 8 stepping down from 64K keys, 64:8 heads, d 128)
-/// 24 splits a sequence (2 waves) took 425.8 µs for one new token against 439.6 µs at 72 (6) and
-/// 444.6 at 96, and 448.1 µs for four new tokens against 462–466 at 16 and 472.9 at 64.
+/// they balance, and one wave leaves the short sequences' SMs idle: on an H100 (2026-12-07, batch
+/// 8 stepping down from the longest cache, 64:8 heads, d 128), 24 splits a sequence (2 waves)
+/// took 425.8 µs at 64K keys and one new token against 439.6 µs at 72 (6 waves) and 444.6 at 96,
+/// 448.1 µs with four new tokens against 462–466 at 16, and 144.6 µs at 16K with four new tokens
+/// against 159.5 at 12 (one wave, which a cap on the merge's share of the traffic had chosen).
 const WAVES: u64 = 2;
-/// Beyond one wave, splits are added only while the partials they write and the merge reads
-/// stay under 1/16 of the cache's bytes (2 · rows · 4 bytes a split against 4 bytes a key).
-const MERGE_SHARE: u64 = 16;
 
 /// Dynamic shared memory of a split block: Q's rows and each warp's ring of K and V tiles, rows
 /// padded by 8 values (decode.cu's formula).
@@ -123,9 +122,8 @@ pub fn spec() -> StageSpec {
 }
 
 /// The split count for `problem` on a device with `multiprocessors` SMs, a multiple of
-/// [`WARPS`] (a warp is a split): [`WAVES`] waves of resident blocks, none short of a wave for
-/// the merge's sake, with no split under [`MIN_SPLIT_KEYS`] keys of the longest sequence.
-/// Returns the count and why.
+/// [`WARPS`] (a warp is a split): [`WAVES`] waves of resident blocks, with no split under
+/// [`MIN_SPLIT_KEYS`] keys of the longest sequence. Returns the count and why.
 pub fn choose_splits(
     problem: &DecodeProblem,
     multiprocessors: u64,
@@ -138,14 +136,11 @@ pub fn choose_splits(
     let wave = (per_sm * multiprocessors).div_ceil(blocks);
     let longest = problem.kv_lens.iter().copied().max().unwrap_or(1);
     let key_cap = (longest / (MIN_SPLIT_KEYS * WARPS)).max(1);
-    let mean = problem.keys() / problem.batch().max(1) as u64;
-    let merge_cap = mean / (2 * MERGE_SHARE * group_rows * WARPS);
-    let per_block = (wave * WAVES).min(merge_cap.max(wave)).min(key_cap).max(1);
+    let per_block = (wave * WAVES).min(key_cap).max(1);
     let why = format!(
         "{blocks} blocks unsplit, {per_sm} an SM on {multiprocessors} SMs: {wave} blocks a sequence \
-         ({WARPS} splits each) fill a wave, {WAVES} waves would take {}; partials under 1/{MERGE_SHARE} of the \
-         cache allow {merge_cap} beyond one wave, splits of at least {MIN_SPLIT_KEYS} keys {key_cap}; \
-         {per_block} blocks of {WARPS} splits a sequence",
+         ({WARPS} splits each) fill a wave, {WAVES} waves would take {}; splits of at least \
+         {MIN_SPLIT_KEYS} keys allow {key_cap}; {per_block} blocks of {WARPS} splits a sequence",
         wave * WAVES
     );
     (per_block * WARPS, why)
@@ -475,18 +470,20 @@ mod tests {
     const HOPPER: u64 = 228 * 1024;
 
     #[test]
-    fn splits_fill_waves_within_the_merge_share_and_the_shortest_split() {
+    fn splits_fill_two_waves_with_no_split_under_the_shortest() {
         // 8 sequences × 8 KV heads, 8 rows a group: 64 blocks, one an SM at d 128 (213 KB of
         // shared memory), 3 blocks a sequence fill a wave: two waves, 6 blocks of 4 splits.
         let long = DecodeProblem::stepped(8, 64 * 1024, 1, (64, 8, 128), 0).unwrap();
         assert_eq!(choose_splits(&long, 132, HOPPER).0, 6 * WARPS);
-        // 32 rows (4 new tokens): partials under 1/16 of a 4.5 · 64K-key cache allow 9 blocks.
+        // 32 rows (4 new tokens) are one block of rows as well: the same 6 blocks.
         let four = DecodeProblem::stepped(8, 64 * 1024, 4, (64, 8, 128), 0).unwrap();
         assert_eq!(choose_splits(&four, 132, HOPPER).0, 6 * WARPS);
-        // 4 new tokens of one 64K sequence: 17 blocks fill a wave, and the merge's share (16
-        // blocks) keeps it at one.
+        // One 64K sequence: 17 blocks fill a wave, 34 two, splits of 482 keys.
         let alone = DecodeProblem::stepped(1, 64 * 1024, 4, (64, 8, 128), 0).unwrap();
-        assert_eq!(choose_splits(&alone, 132, HOPPER).0, 17 * WARPS);
+        assert_eq!(choose_splits(&alone, 132, HOPPER).0, 34 * WARPS);
+        // 16K keys allow 16 blocks of 256-key splits; two waves take 6.
+        let short_four = DecodeProblem::stepped(8, 16 * 1024, 4, (64, 8, 128), 0).unwrap();
+        assert_eq!(choose_splits(&short_four, 132, HOPPER).0, 6 * WARPS);
         // A 1K cache caps the count at one block: 4 splits of 256 keys.
         let short = DecodeProblem::stepped(1, 1024, 1, (64, 8, 128), 0).unwrap();
         assert_eq!(choose_splits(&short, 132, HOPPER).0, WARPS);
