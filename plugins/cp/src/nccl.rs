@@ -245,6 +245,10 @@ impl Communicator for NcclGroup<'_> {
 
     fn all_gather(&self, _tag: u32, data: DeviceValues) -> Vec<DeviceValues> {
         let n = self.size();
+        if n == 1 {
+            // A group of one gathers what it holds: no copy through NCCL.
+            return vec![data];
+        }
         let len = data.len;
         let mut all = self.store.uninitialised(n * len, data.kind);
         let started = self.after_compute();
@@ -270,7 +274,7 @@ impl Communicator for NcclGroup<'_> {
             .collect()
     }
 
-    fn reduce_scatter(&self, _tag: u32, chunks: Vec<DeviceValues>) -> DeviceValues {
+    fn reduce_scatter(&self, _tag: u32, mut chunks: Vec<DeviceValues>) -> DeviceValues {
         use crate::local::Store;
         let n = self.size();
         let len = chunks[0].len;
@@ -280,6 +284,10 @@ impl Communicator for NcclGroup<'_> {
                 .all(|c| c.len == len && c.kind == Kind::Accumulator),
             "reduce-scatter sums equal f32 chunks"
         );
+        if n == 1 {
+            // A group of one keeps its own sum: no copy through NCCL.
+            return chunks.pop().expect("one chunk a member");
+        }
         let parts: Vec<_> = chunks.iter().map(|c| (c, 0..len)).collect();
         let packed = self.store.gather(&parts);
         let mut mine = self.store.uninitialised(len, Kind::Accumulator);
