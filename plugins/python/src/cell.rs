@@ -24,17 +24,7 @@ const WRITE_CHUNK: usize = 1 << 20;
 
 /// One cell on the worker, and what its replies said about the run.
 pub struct PyCell<'a> {
-    python: &'a str,
-    /// How errors name the kernel (`flex`, `module:my_kernel`, `sdpa-math layout=bhsd`).
-    kernel: &'a str,
-    /// The problem, as the `open` request carries it.
-    problem: Value,
-    /// A private folder for the inputs and outputs the worker exchanges with the host.
-    exchange: PathBuf,
-    element: Element,
-    check_max_seqlen: usize,
-    check_rows: usize,
-    on_gpu: bool,
+    setup: CellSetup<'a>,
     /// The worker's greeting (Python version and executable).
     pub hello: Value,
     /// The worker's last word on its environment (versions, device, notes).
@@ -51,8 +41,11 @@ pub struct PyCell<'a> {
 /// What the plugin passes to a cell.
 pub struct CellSetup<'a> {
     pub python: &'a str,
+    /// How errors name the kernel (`flex`, `module:my_kernel`, `sdpa-math layout=bhsd`).
     pub kernel: &'a str,
+    /// The problem, as the `open` request carries it.
     pub problem: Value,
+    /// A private folder for the inputs and outputs the worker exchanges with the host.
     pub exchange: PathBuf,
     pub element: Element,
     pub check_max_seqlen: usize,
@@ -63,14 +56,7 @@ pub struct CellSetup<'a> {
 impl<'a> PyCell<'a> {
     pub fn new(setup: CellSetup<'a>) -> PyCell<'a> {
         PyCell {
-            python: setup.python,
-            kernel: setup.kernel,
-            problem: setup.problem,
-            exchange: setup.exchange,
-            element: setup.element,
-            check_max_seqlen: setup.check_max_seqlen,
-            check_rows: setup.check_rows,
-            on_gpu: setup.on_gpu,
+            setup,
             hello: Value::Null,
             environment: Map::new(),
             phases: Map::new(),
@@ -88,8 +74,8 @@ impl<'a> PyCell<'a> {
         params: Value,
         harness: Option<&Harness>,
     ) -> Result<Value, PluginError> {
-        let kernel = self.kernel;
-        let (reply, hello) = with_bridge(self.python, op, params, harness)?;
+        let kernel = self.setup.kernel;
+        let (reply, hello) = with_bridge(self.setup.python, op, params, harness)?;
         self.hello = hello;
         let result = match reply {
             Reply::Ok(result) => result,
@@ -130,18 +116,21 @@ impl<'a> PyCell<'a> {
 
     /// Writes `values` in the cell's element type (what the worker reads as `name.<dtype>`).
     fn write_input(&self, name: &str, values: &[f32]) -> Result<(), PluginError> {
-        let path = self.exchange.join(format!("{name}.{}", self.element));
+        let path = self
+            .setup
+            .exchange
+            .join(format!("{name}.{}", self.setup.element));
         let file = std::fs::File::create(&path).map_err(|err| PluginError::io(&path, err))?;
         let mut out = std::io::BufWriter::new(file);
         for chunk in values.chunks(WRITE_CHUNK) {
-            out.write_all(&self.element.encode(chunk))
+            out.write_all(&self.setup.element.encode(chunk))
                 .map_err(|err| PluginError::io(&path, err))?;
         }
         out.flush().map_err(|err| PluginError::io(&path, err))
     }
 
     fn read_output(&self, name: &str) -> Result<Vec<f32>, PluginError> {
-        let path = self.exchange.join(name);
+        let path = self.setup.exchange.join(name);
         let values = reference::read_tensor(&path)?;
         let _ = std::fs::remove_file(&path);
         Ok(values)
@@ -164,7 +153,7 @@ impl<'a> PyCell<'a> {
 impl KernelBench for PyCell<'_> {
     /// Opens the cell on the worker: whether the kernel takes it, and the device memory it needs.
     fn budget(&mut self, _cell: &Cell<'_>) -> Result<Option<Budget>, PluginError> {
-        let opened = self.step("open", self.problem.clone(), None)?;
+        let opened = self.step("open", self.setup.problem.clone(), None)?;
         let budget = &opened["budget"];
         Ok(
             match (
@@ -187,18 +176,22 @@ impl KernelBench for PyCell<'_> {
         inputs: &Inputs,
         _record: &mut Measurement,
     ) -> Result<Prepared, PluginError> {
-        std::fs::create_dir_all(&self.exchange)
-            .map_err(|err| PluginError::io(&self.exchange, err))?;
+        std::fs::create_dir_all(&self.setup.exchange)
+            .map_err(|err| PluginError::io(&self.setup.exchange, err))?;
         self.write_input("q", &inputs.q)?;
         self.write_input("k", &inputs.k)?;
         self.write_input("v", &inputs.v)?;
         if cell.backward() {
             self.write_input("do", &inputs.d_out)?;
         }
-        let dir = self.exchange.display().to_string();
+        let dir = self.setup.exchange.display().to_string();
         let prepared = self.step("prepare", json!({"inputs_dir": dir}), None);
         for name in ["q", "k", "v", "do"] {
-            let _ = std::fs::remove_file(self.exchange.join(format!("{name}.{}", self.element)));
+            let _ = std::fs::remove_file(
+                self.setup
+                    .exchange
+                    .join(format!("{name}.{}", self.setup.element)),
+            );
         }
         prepared.map(|_| Prepared::Ready)
     }
@@ -212,7 +205,7 @@ impl KernelBench for PyCell<'_> {
     }
 
     fn outputs(&mut self, backward: bool) -> Result<(Forward, Option<Grads>), PluginError> {
-        let dir = self.exchange.display().to_string();
+        let dir = self.setup.exchange.display().to_string();
         let written = self.step("outputs", json!({"dir": dir}), None)?;
         let has_lse = written["written"]
             .as_array()
@@ -238,11 +231,11 @@ impl KernelBench for PyCell<'_> {
     }
 
     fn check_mode(&self, cell: &Cell<'_>) -> CheckMode {
-        if cell.shape.seqlen <= self.check_max_seqlen {
+        if cell.shape.seqlen <= self.setup.check_max_seqlen {
             CheckMode::Full
         } else {
             CheckMode::Sampled {
-                rows: self.check_rows,
+                rows: self.setup.check_rows,
             }
         }
     }
@@ -259,9 +252,9 @@ impl KernelBench for PyCell<'_> {
     /// clock for numpy), stopped by the host's harness.
     fn time(&mut self, harness: &Harness, _direction: Direction) -> Result<Timing, PluginError> {
         let clocks = |on_gpu| if on_gpu { nvml::clocks() } else { Value::Null };
-        let before = clocks(self.on_gpu);
+        let before = clocks(self.setup.on_gpu);
         let timed = self.step("time", Value::Null, Some(harness))?;
-        self.clocks = (before, clocks(self.on_gpu));
+        self.clocks = (before, clocks(self.setup.on_gpu));
         if let Some(phases) = timed["phases"].as_object() {
             self.phases = phases.clone();
         }
