@@ -334,7 +334,6 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         p.common.heads_kv as u64,
         p.common.head_dim as u64,
     )?;
-    let shape = p.common.shape(set.seqlen as usize);
     let harness = p.common.harness.apply(default_harness());
     let kernel = match (p.kernel, p.backward, p.instructions) {
         (Kernel::Flash, flash::Backward::Fused, _) => "cuda-flash-fused".to_string(),
@@ -356,7 +355,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
     let options = Options::of(&p.common, &request.output_dir);
     with_gpu(|state| {
         record.gpu = Some(state.gpu.describe());
-        let mut kernel = CudaBench::new(state, &p, HeadMasks::new(&set, &shape), host);
+        let mut kernel = CudaBench::new(state, &p, HeadMasks::new(&set, &cell.shape), host);
         let mut measurement = bench::run(&mut kernel, &cell, &harness, record, options)?;
         if let Some(gpu) = measurement.gpu.as_mut() {
             (gpu.clocks_before, gpu.clocks_after) = std::mem::take(&mut kernel.clocks);

@@ -197,7 +197,6 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         p.common.heads_kv as u64,
         p.common.head_dim as u64,
     )?;
-    let shape = p.common.shape(set.seqlen as usize);
     let harness = p.common.harness.apply(default_harness());
     let kernel = kernel_name(&p);
     let cell = Cell::of(&p.common, &set, request.seed);
@@ -212,7 +211,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         "kernel": p.kernel,
         "module": p.module,
         "direction": p.common.direction,
-        "shape": {"heads_q": p.common.heads_q, "heads_kv": p.common.heads_kv, "seqlen": shape.seqlen, "head_dim": p.common.head_dim, "head_dim_v": shape.head_dim_v},
+        "shape": {"heads_q": p.common.heads_q, "heads_kv": p.common.heads_kv, "seqlen": cell.shape.seqlen, "head_dim": p.common.head_dim, "head_dim_v": cell.shape.head_dim_v},
         "dtype": p.common.dtype,
         "mask": set,
         "encodings": encodings,
