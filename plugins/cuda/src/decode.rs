@@ -40,6 +40,8 @@ const WARPS: u64 = 4;
 /// Keys a warp stages at once, and tiles in its ring (`TILE`, `STAGES` in decode.cu).
 const TILE: u64 = 32;
 const STAGES: u64 = 3;
+/// Rows of a KV head's group one merge block folds, a warp each (`MERGE_ROWS` in decode.cu).
+const MERGE_ROWS: u32 = 4;
 /// Fewest keys a split of the longest sequence gets when the count is chosen: shorter ones cost
 /// more in the ring's start and the merge than their parallelism gains.
 pub const MIN_SPLIT_KEYS: u64 = 256;
@@ -272,12 +274,11 @@ pub(crate) fn variant(element: Element, head_dim: u64) -> Result<String, String>
 }
 
 /// The two kernels of one variant, found once before any launch (so the timed region holds
-/// launches only), with the split kernel's shared memory and the merge's block width.
+/// launches only), with the split kernel's shared memory.
 pub(crate) struct Step {
     split: CudaFunction,
     merge: CudaFunction,
     shared_bytes: u32,
-    head_dim: u32,
 }
 
 impl Step {
@@ -306,7 +307,6 @@ impl Step {
                 if f32_out { "f32_" } else { "" }
             ))?,
             shared_bytes,
-            head_dim: head_dim as u32,
         })
     }
 }
@@ -323,8 +323,12 @@ pub(crate) fn launch(gpu: &Gpu, step: &Step, args: &DecodeArgs) -> Result<(), Pl
         shared_mem_bytes: step.shared_bytes,
     };
     let merge_grid = LaunchConfig {
-        grid_dim: (args.group * args.queries, args.heads_kv, args.batch),
-        block_dim: (step.head_dim, 1, 1),
+        grid_dim: (
+            (args.group * args.queries).div_ceil(MERGE_ROWS),
+            args.heads_kv,
+            args.batch,
+        ),
+        block_dim: (MERGE_ROWS * 32, 1, 1),
         shared_mem_bytes: 0,
     };
     let mut first = gpu.stream.launch_builder(&step.split);
