@@ -146,20 +146,43 @@ impl Observer for Progress {
     }
 }
 
-/// Files that nodes name as their `report` in their result (e.g. `report/html`'s HTML page).
-fn reports(record: &attnbench_runtime::record::RunRecord) -> Vec<std::path::PathBuf> {
+/// Each node's result (`result.json` beside its files), for the nodes that have one.
+fn results(record: &attnbench_runtime::record::RunRecord) -> Vec<(&NodeRecord, serde_json::Value)> {
     record
         .nodes
         .iter()
         .filter_map(|node| {
             let artifact = node.artifact.as_ref()?;
-            let result: serde_json::Value = serde_json::from_slice(
+            let result = serde_json::from_slice(
                 &std::fs::read(artifact.parent()?.join("result.json")).ok()?,
             )
             .ok()?;
-            Some(artifact.join(result.get("report")?.as_str()?))
+            Some((node, result))
         })
         .collect()
+}
+
+/// Files that nodes name as their `report` in their result (e.g. `report/html`'s HTML page).
+fn reports(results: &[(&NodeRecord, serde_json::Value)]) -> Vec<std::path::PathBuf> {
+    results
+        .iter()
+        .filter_map(|(node, result)| {
+            Some(
+                node.artifact
+                    .as_ref()?
+                    .join(result.get("report")?.as_str()?),
+            )
+        })
+        .collect()
+}
+
+/// Whether a result records a check against the reference that failed: the node ran (its
+/// status is `ok`), but its outputs are wrong.
+fn check_failed(result: &serde_json::Value) -> bool {
+    result
+        .pointer("/correctness/passed")
+        .and_then(serde_json::Value::as_bool)
+        == Some(false)
 }
 
 /// Prints what happened and returns the exit code: non-zero when any node did not succeed.
@@ -175,12 +198,32 @@ pub fn print_summary(
         .map(|(status, n)| format!("{n} {}", status.as_str()))
         .collect();
     let elapsed = progress.started.elapsed().as_secs_f64();
+    let results = results(record);
+    let wrong: Vec<&NodeRecord> = results
+        .iter()
+        .filter(|(_, result)| check_failed(result))
+        .map(|(node, _)| *node)
+        .collect();
+    let wrong_count = match wrong.len() {
+        0 => String::new(),
+        1 => " (1 of them failed its check)".to_string(),
+        n => format!(" ({n} of them failed their check)"),
+    };
     eprintln!(
-        "run {} of `{}` finished in {elapsed:.2}s: {}",
+        "run {} of `{}` finished in {elapsed:.2}s: {}{wrong_count}",
         record.id,
         record.pipeline,
         counts.join(", ")
     );
+    for node in wrong.iter().take(20) {
+        eprintln!(
+            "  check    {}: outputs off the reference past the tolerance",
+            node.id
+        );
+    }
+    if wrong.len() > 20 {
+        eprintln!("  … and {} more", wrong.len() - 20);
+    }
     let failed: Vec<&NodeRecord> = record
         .nodes
         .iter()
@@ -194,7 +237,8 @@ pub fn print_summary(
         eprintln!("  … and {} more", failed.len() - 20);
     }
     eprintln!("record: {}", display_path(&summary.dir.join("run.json")));
-    for published in crate::latest_report::publish(cache_root, &record.pipeline, &reports(record)) {
+    for published in crate::latest_report::publish(cache_root, &record.pipeline, &reports(&results))
+    {
         match published {
             Ok(page) => eprintln!("report: {}", display_path(&page)),
             Err(why) => eprintln!("report: {why}"),
@@ -204,5 +248,24 @@ pub fn print_summary(
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_failed;
+    use serde_json::json;
+
+    #[test]
+    fn only_a_check_that_ran_and_failed_counts_as_failed() {
+        assert!(check_failed(
+            &json!({"status": "ok", "correctness": {"passed": false}})
+        ));
+        assert!(!check_failed(
+            &json!({"status": "ok", "correctness": {"passed": true}})
+        ));
+        // Unchecked (a decode step with `check: off`) and records without a check.
+        assert!(!check_failed(&json!({"status": "ok", "correctness": null})));
+        assert!(!check_failed(&json!({"status": "unsupported"})));
     }
 }
