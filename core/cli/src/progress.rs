@@ -185,6 +185,19 @@ fn check_failed(result: &serde_json::Value) -> bool {
         == Some(false)
 }
 
+/// Prints the first 20 lines and how many more there were, so a run of thousands of failed cells
+/// keeps its summary readable.
+fn print_capped(lines: impl ExactSizeIterator<Item = String>) {
+    const SHOWN: usize = 20;
+    let total = lines.len();
+    for line in lines.take(SHOWN) {
+        eprintln!("{line}");
+    }
+    if total > SHOWN {
+        eprintln!("  … and {} more", total - SHOWN);
+    }
+}
+
 /// Prints what happened and returns the exit code: non-zero when any node did not succeed.
 pub fn print_summary(
     summary: &RunSummary,
@@ -215,27 +228,21 @@ pub fn print_summary(
         record.pipeline,
         counts.join(", ")
     );
-    for node in wrong.iter().take(20) {
-        eprintln!(
+    print_capped(wrong.iter().map(|node| {
+        format!(
             "  check    {}: outputs off the reference past the tolerance",
             node.id
-        );
-    }
-    if wrong.len() > 20 {
-        eprintln!("  … and {} more", wrong.len() - 20);
-    }
+        )
+    }));
     let failed: Vec<&NodeRecord> = record
         .nodes
         .iter()
         .filter(|n| !n.status.succeeded())
         .collect();
-    for node in failed.iter().take(20) {
+    print_capped(failed.iter().map(|node| {
         let reason = node.error.as_deref().unwrap_or("");
-        eprintln!("  {:<8} {}: {reason}", node.status.as_str(), node.id);
-    }
-    if failed.len() > 20 {
-        eprintln!("  … and {} more", failed.len() - 20);
-    }
+        format!("  {:<8} {}: {reason}", node.status.as_str(), node.id)
+    }));
     eprintln!("record: {}", display_path(&summary.dir.join("run.json")));
     for published in crate::latest_report::publish(cache_root, &record.pipeline, &reports(&results))
     {
