@@ -230,7 +230,7 @@ def block_table_mod(grid, mask_set, device):
     return mask_mod, f"block table of {len(rows) - 1}×{len(cols) - 1} blocks, {len(mask_set['masks'])} patterns"
 
 
-def plain_flex(m, mask_set, args, cache):
+def plain_flex(m, mask_set, rows, args, cache):
     shape, s = m["shape"], mask_set["seqlen"]
     sparse = mask_set["pattern"] in SPARSE
     grid = kept_blocks(mask_set) if sparse else None
@@ -239,7 +239,7 @@ def plain_flex(m, mask_set, args, cache):
     if what is None:
         return None, f"no closed form here for {mask_set['pattern']}"
     if mask_mod is not None and not sparse:
-        why = bridge.form_differs(mask_mod, mask_set["masks"][0], torch, torch.device("cuda"))
+        why = bridge.form_differs(mask_mod, rows, torch, torch.device("cuda"))
         if why:
             return None, f"the closed form is not this mask: {why}"
     # A block mask as fine as the sparse blocks needs flex's tiles no larger (its documented
@@ -327,7 +327,7 @@ def plain_fa4_sparse(m, mask_set):
     return checked(forward, "bshd", grid, m, what)
 
 
-def plain_fa4(m, mask_set, args, cache):
+def plain_fa4(m, mask_set, rows, args, cache):
     from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
     if mask_set["pattern"] in SPARSE:
         return plain_fa4_sparse(m, mask_set)
@@ -374,7 +374,7 @@ def plain_flashinfer_sparse(m, mask_set):
                    grid, m, f"{table.shape[1]}×{table.shape[2]} blocks a KV head, VariableBlockSparseAttentionWrapper")
 
 
-def plain_flashinfer(m, mask_set, args, cache):
+def plain_flashinfer(m, mask_set, rows, args, cache):
     import flashinfer
     if mask_set["pattern"] in SPARSE:
         return plain_flashinfer_sparse(m, mask_set)
@@ -395,7 +395,7 @@ def plain_flashinfer(m, mask_set, args, cache):
     return with_inputs(batch.run, make_inputs(m, "thd", mask_set["seqlen"])), None, what
 
 
-def plain_cudnn(m, mask_set, args, cache):
+def plain_cudnn(m, mask_set, rows, args, cache):
     """A forward and a backward graph of cuDNN's frontend, as its SDPA samples write them."""
     import cudnn
     form = window_of(mask_set)
@@ -531,12 +531,13 @@ def main():
         phases = m.get("phases") or (m.get("environment") or {}).get("phases") or {}  # version 2, then 1
         mode = phases.get("mask_mode", "")
         tflops = lambda ms: m["flops"] / (ms / 1e3) / 1e12  # noqa: E731
-        if encodings is None and all(x == mask_set["masks"][0] for x in mask_set["masks"][1:]):
-            print(f"{cell}\t{ours:.1f}\t\t\t\t\t\t{mode}\tskipped: the node kept no encodings.json "
-                  "(it ran before nodes kept them); run it again")
+        if encodings is None or "rows" not in encodings:
+            print(f"{cell}\t{ours:.1f}\t\t\t\t\t\t{mode}\tskipped: the node kept no encodings.json with "
+                  "row runs (it ran before nodes kept them); run it again")
             continue
         try:
-            built = PLAIN[m["kernel"]](m, mask_set, args, cache)
+            rows = bridge.row_groups_of(encodings["rows"][0])  # the IR's rows of the first mask
+            built = PLAIN[m["kernel"]](m, mask_set, rows, args, cache)
             if built[0] is None:
                 print(f"{cell}\t{ours:.1f}\t\t\t\t\t\t{mode}\t{built[1]}")
                 continue

@@ -166,15 +166,90 @@ def varlen(lengths, left=-1, right=-1):
     return {"cu_seqlens": cu, "max_seqlen": max(lengths), "left": left, "right": right}
 
 
+def slice_keys(mask, q):
+    """Allowed keys of row `q` as sorted, merged intervals, from the slice definitions."""
+    spans = []
+    for x in mask["slices"]:
+        (q0, q1), (k0, k1) = x["q"], x["k"]
+        if not q0 <= q < q1:
+            continue
+        lq, lk, i = q1 - q0, k1 - k0, q - q0
+        lo = i if x["kind"] in ("inv_causal", "bi_causal") else 0
+        hi = min(i + lk - lq + 1, lk) if x["kind"] in ("causal", "bi_causal") else lk
+        if hi > max(lo, 0) and lo < lk:
+            spans.append([k0 + max(lo, 0), k0 + hi])
+    merged = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return merged
+
+
+def host_rows(mask):
+    """The row runs the host sends (the IR's RowRuns), built here from the slices: a run goes on
+    while every interval's ends move by the same 0 or 1 a row."""
+    rows, offsets, intervals = [], [0], []
+    run = None  # (first row, its intervals, steps or None)
+    for q in range(mask["seqlen_q"]):
+        keys = slice_keys(mask, q)
+        if run is not None and len(keys) == len(run[1]):
+            first, base, steps = run
+            moved = [(a - lo, b - hi) for (a, b), (lo, hi) in zip(keys, base)]
+            if steps is None and all(d in (0, 1) for m in moved for d in m):
+                run = (first, base, moved)
+                continue
+            if steps is not None and all(m == (sa * (q - first), sb * (q - first))
+                                         for m, (sa, sb) in zip(moved, steps)):
+                continue
+        if run is not None:
+            close_run(run, rows, offsets, intervals)
+        run = (q, keys, None)
+    if run is not None:
+        close_run(run, rows, offsets, intervals)
+    return {"rows": rows + [mask["seqlen_q"]], "offsets": offsets, "intervals": intervals}
+
+
+def close_run(run, rows, offsets, intervals):
+    first, base, steps = run
+    rows.append(first)
+    for (lo, hi), (a, b) in zip(base, steps or [(0, 0)] * len(base)):
+        intervals.append([lo, a, hi, b])
+    offsets.append(len(intervals))
+
+
+def host_grid(masks):
+    """The block grid the host sends (the IR's BlockGrid), or its refusal."""
+    if any(x["kind"] != "full" for m in masks for x in m["slices"]):
+        return {"refused": "it has partial slices, not only full blocks"}
+    s = masks[0]["seqlen_q"]
+    rows = sorted({0, s} | {e for m in masks for x in m["slices"] for e in x["q"]})
+    cols = sorted({0, s} | {e for m in masks for x in m["slices"] for e in x["k"]})
+    kept = []
+    for m in masks:
+        table = np.zeros((len(rows) - 1, len(cols) - 1), bool)
+        for x in m["slices"]:
+            table[rows.index(x["q"][0]):rows.index(x["q"][1]), cols.index(x["k"][0]):cols.index(x["k"][1])] = True
+        runs = []
+        for r, line in enumerate(table):
+            edges = np.flatnonzero(np.diff(np.concatenate([[0], line.astype(int), [0]])))
+            runs += [[r, int(a), int(b)] for a, b in zip(edges[0::2], edges[1::2])]
+        kept.append(runs)
+    return {"encoding": {"rows": rows, "cols": cols, "kept": kept}}
+
+
 def request_mask(mset):
     """The mask set and the encodings the host sends with it (the IR computes them there; here
-    they are known from how the test built the set): None where heads' masks differ."""
+    from the slices, and documents and columns as the test built them)."""
     mask = {k: v for k, v in mset.items() if not k.startswith("_")}
-    if any(m != mset["masks"][0] for m in mset["masks"][1:]):
-        return mask, None
-    found, columns = mset.get("_varlen"), mset.get("_flashmask")
-    return mask, {"varlen": {"encoding": found} if found else {"refused": "not documents with one window"},
-                  "flashmask": {"encoding": columns} if columns else {"refused": "not built as columns"}}
+    encodings = {"rows": [host_rows(m) for m in mset["masks"]], "grid": host_grid(mset["masks"]),
+                 "varlen": None, "flashmask": None}
+    if all(m == mset["masks"][0] for m in mset["masks"][1:]):
+        found, columns = mset.get("_varlen"), mset.get("_flashmask")
+        encodings["varlen"] = {"encoding": found} if found else {"refused": "not documents with one window"}
+        encodings["flashmask"] = {"encoding": columns} if columns else {"refused": "not built as columns"}
+    return mask, encodings
 
 
 def causal(s):
@@ -742,7 +817,8 @@ def test_gpu(bridge, report):
 
 
 def test_encodings():
-    """The bridge's mask encodings (imported, no subprocess) against the slice definitions."""
+    """The bridge's expansions of the host's mask encodings (imported, no subprocess) against the
+    slice definitions."""
     sys.path.insert(0, HERE)
     sys.dont_write_bytecode = True  # leave no __pycache__ beside the bridge
     import attnbench_bridge as bridge
@@ -751,30 +827,31 @@ def test_encodings():
         for index, mask in enumerate(mset["masks"]):
             label = f"{name}[{index}]"
             want = dense_reference(mask)
-            check(f"encodings {label}: dense mask", (bridge.dense_mask(mask) == want).all())
+            groups = bridge.row_groups_of(host_rows(mask))
+            check(f"encodings {label}: dense mask", (bridge.dense_mask(groups, s) == want).all())
             rows = np.zeros_like(want)
             for q in range(s):
-                for a, b in bridge.row_keys(mask, q):
+                for a, b in bridge.row_keys(groups, q):
                     rows[q, a:b] = True
             check(f"encodings {label}: row keys", (rows == want).all())
-            lo, hi, count = bridge.row_intervals(mask)
+            lo, hi, count = bridge.row_intervals(groups)
             runs = [(np.diff(np.concatenate([[0], r.astype(int), [0]])) == 1).sum() for r in want]
             check(f"encodings {label}: row intervals", list(count) == runs)
-            pairs = bridge.row_interval_pairs(mask)
+            pairs = bridge.row_interval_pairs(groups)
             if pairs is None:
                 check(f"encodings {label}: two intervals a row refused only past two", max(runs) > 2)
             else:
                 k = np.arange(s)[None, :]
                 decoded = ((k >= pairs[0][:, None]) & (k < pairs[1][:, None])) | ((k >= pairs[2][:, None]) & (k < pairs[3][:, None]))
                 check(f"encodings {label}: two intervals a row decode back", (decoded == want).all())
-            most = bridge.most_intervals(mask)
-            table = bridge.row_interval_list(mask, max(most, 1))
+            most = bridge.most_intervals(groups)
+            table = bridge.row_interval_list(groups, max(most, 1))
             k = np.arange(s)[None, :]
             decoded = np.zeros_like(want)
             for lo, hi in zip(table[0::2], table[1::2]):
                 decoded |= (k >= lo[:, None]) & (k < hi[:, None])
             check(f"encodings {label}: {most} intervals a row decode back", most == max(runs) and (decoded == want).all())
-            check(f"encodings {label}: fewer intervals a row refused", most == 0 or bridge.row_interval_list(mask, most - 1) is None)
+            check(f"encodings {label}: fewer intervals a row refused", most == 0 or bridge.row_interval_list(groups, most - 1) is None)
             encoding = mset.get("_varlen") if mset["scope"] == "shared" else None
             if encoding is not None:  # the encodings this test sends as the host's decode back
                 cu, left, right = encoding["cu_seqlens"], encoding["left"], encoding["right"]
@@ -785,7 +862,7 @@ def test_encodings():
                             decoded[q, k] = (left < 0 or q - k <= left) and (right < 0 or k - q <= right)
                 check(f"encodings {label}: varlen {encoding} decodes back", (decoded == want).all())
     # Random unions of slices of every kind, overlapping, empty and crossing each other's bands:
-    # the row groups behind the interval encodings against the dense mask.
+    # the row groups of their runs (moving and standing) against the dense mask.
     rng = np.random.default_rng(3)
     kinds = ("full", "causal", "inv_causal", "bi_causal")
     for trial in range(40):
@@ -797,17 +874,19 @@ def test_encodings():
         mask = {"seqlen_q": s, "seqlen_k": s, "slices": slices}
         want = dense_reference(mask)
         runs = np.array([(np.diff(np.concatenate([[0], r.astype(int), [0]])) == 1).sum() for r in want])
-        lo, hi, count = bridge.row_intervals(mask)
+        groups = bridge.row_groups_of(host_rows(mask))
+        lo, hi, count = bridge.row_intervals(groups)
         nonempty = runs > 0
         hull = all(want[q, lo[q]] and want[q, hi[q] - 1] and not want[q, :lo[q]].any() and not want[q, hi[q]:].any()
                    for q in np.nonzero(nonempty)[0])
-        most = bridge.most_intervals(mask)
-        table = bridge.row_interval_list(mask, max(most, 1))
+        most = bridge.most_intervals(groups)
+        table = bridge.row_interval_list(groups, max(most, 1))
         decoded = np.zeros_like(want)
         for a, b in zip(table[0::2], table[1::2]):
             decoded |= (np.arange(s)[None, :] >= a[:, None]) & (np.arange(s)[None, :] < b[:, None])
         check(f"encodings: random slices {trial} ({len(slices)}): counts, hulls and intervals decode back",
-              (count == runs).all() and hull and most == runs.max() and (decoded == want).all())
+              (count == runs).all() and hull and most == runs.max() and (decoded == want).all()
+              and (bridge.dense_mask(groups, s) == want).all())
     def expand(grid, index):
         rows, cols, kept = grid
         dense = np.zeros((rows[-1], cols[-1]), bool)
@@ -822,8 +901,8 @@ def test_encodings():
         variable.append({"seqlen_q": s, "seqlen_k": s, "slices": [
             {"q": [a, b], "k": [c, d], "kind": "full"}
             for a, b in zip(edges[:-1], edges[1:]) for c, d in zip(edges[:-1], edges[1:]) if rng.random() < 0.4]})
-    grid, why = bridge.block_grid(variable)
-    check(f"encodings: block grid of two block sizes ({why})", grid is not None
+    grid = bridge.block_grid_of(host_grid(variable)["encoding"])
+    check("encodings: block grid of two block sizes", grid is not None
           and all((expand(grid, i) == dense_reference(m)).all() for i, m in enumerate(variable)))
     check("encodings: a grid of 8- and 16-token blocks stays as it is",
           bridge.uniform_grid(grid, s)[1] is None and bridge.uniform_grid(grid, s)[0] is grid)
@@ -837,17 +916,16 @@ def test_encodings():
             {"q": [edges[i], edges[i + 1]], "k": [edges[j], edges[j + 1]], "kind": "full"}
             for i, j in zip(*np.nonzero(kept)) if not (1 <= i < 3 and 2 <= j < 5)]
         mask = {"seqlen_q": size, "seqlen_k": size, "slices": merged}
-        uniform, found = bridge.uniform_grid(bridge.block_grid([mask])[0], size)
+        uniform, found = bridge.uniform_grid(bridge.block_grid_of(host_grid([mask])["encoding"]), size)
         check(f"encodings: uniform grid of {block}-token blocks (tail {tail}) found under merged slices",
               found == block and list(uniform[0]) == edges and (uniform[2][0] == kept).all()
               and (expand(uniform, 0) == dense_reference(mask)).all())
     for name, mset in mask_sets(s).items():
-        grid, why = bridge.block_grid(mset["masks"])
-        if grid is None:
-            check(f"encodings {name}: block grid refused with a reason ({why})", "slices" in why and any(
-                sl["kind"] != "full" for m in mset["masks"] for sl in m["slices"]))
-        else:
-            check(f"encodings {name}: block grid decodes back", all(
+        found = host_grid(mset["masks"])
+        if "refused" in found:
+            continue
+        grid = bridge.block_grid_of(found["encoding"])
+        check(f"encodings {name}: block grid decodes back", all(
                 (expand(grid, i) == dense_reference(m)).all() for i, m in enumerate(mset["masks"])))
     test_tile_kinds(bridge)
     sets = mask_sets(s)
@@ -858,17 +936,24 @@ def test_encodings():
         forms[name] = bridge.parse_problem({"kernel": "numpy", "shape": shape, "mask": mask, "encodings": encodings}).form()
     check(f"encodings: full and causal read from the host's varlen ({forms})",
           forms == {"causal": "causal", "full": "full", "causal_document": None, "sliding_window": None, "per_head": None})
-    mask, _ = request_mask(sets["causal"])
-    bare = bridge.parse_problem({"kernel": "numpy", "shape": shape, "mask": mask})
+    mask, encodings = request_mask(sets["causal"])
     try:
-        bare.varlen()
+        bridge.parse_problem({"kernel": "numpy", "shape": shape, "mask": mask})
         check("encodings: a request without the host's encodings is refused", False)
     except Exception as error:
         check("encodings: a request without the host's encodings is refused",
-              "params.encodings.varlen is missing" in str(error), str(error))
+              "params.encodings.rows must list the row runs of each of the 1 masks" in str(error), str(error))
+    try:
+        bridge.parse_problem({"kernel": "flex", "shape": shape, "mask": mask,
+                              "encodings": dict(encodings, grid=None)}).block_grid()
+        check("encodings: a grid asked of a request without one is refused", False)
+    except Exception as error:
+        check("encodings: a grid asked of a request without one is refused",
+              "params.encodings.grid is missing" in str(error), str(error))
     columns = {"causal": True, "lts": [s] * s, "lte": [s] * s, "uts": [0] * s, "ute": [0] * s}
     flash = bridge.parse_problem({"kernel": "numpy", "shape": shape, "mask": mask,
-                                  "encodings": {"varlen": {"refused": "-"}, "flashmask": {"encoding": columns}}}).flashmask()[0]
+                                  "encodings": dict(encodings, varlen={"refused": "-"},
+                                                    flashmask={"encoding": columns})}).flashmask()[0]
     check("encodings: the host's FlashMask columns become two int32 arrays with the causal flag",
           flash["causal"] and len(flash["columns"]) == 2 and all(c.dtype == np.int32 and len(c) == s for c in flash["columns"]))
 
@@ -890,7 +975,7 @@ def test_tile_kinds(bridge):
         tables.append({"seqlen_q": s, "seqlen_k": s, "slices": [
             {"q": [a, b], "k": [c, d], "kind": "full"}
             for a, b in zip(edges[:-1], edges[1:]) for c, d in zip(edges[:-1], edges[1:]) if rng.random() < 0.5]})
-    grid, why = bridge.block_grid(tables)
+    grid = bridge.block_grid_of(host_grid(tables)["encoding"])
     whole, cut = bridge.grid_tile_kinds(grid, s, t)
     for index, mask in enumerate(tables):
         want_whole, want_cut = reference_kinds(dense_reference(mask))
@@ -900,13 +985,14 @@ def test_tile_kinds(bridge):
         looked_up = table[0][block_of[0][:, None], block_of[1][None, :]] == 1
         check(f"block table {index}: the mask_mod's lookup gives the mask",
               (looked_up == dense_reference(mask)).all())
-        most = bridge.most_intervals(mask)
-        w, c = bridge.tile_kinds(bridge.row_interval_list(mask, most), s)
+        groups = bridge.row_groups_of(host_rows(mask))
+        most = bridge.most_intervals(groups)
+        w, c = bridge.tile_kinds(bridge.row_interval_list(groups, most), s)
         check(f"tile kinds of block table {index}: from its {most} intervals a row too",
               (w == want_whole).all() and (c == want_cut).all())
     for name, mset in mask_sets(s).items():
         mask = mset["masks"][0]
-        pairs = bridge.row_interval_pairs(mask)
+        pairs = bridge.row_interval_pairs(bridge.row_groups_of(host_rows(mask)))
         if pairs is None:
             continue
         whole, cut = bridge.tile_kinds(pairs, s)

@@ -1,28 +1,45 @@
 //! The mask IR's encodings that the bridge's adapters hand to libraries, computed here from the
-//! IR itself so that the worker does not derive them a second time: varlen documents with one
-//! window (FlashAttention's varlen entry points, flex's closed forms, full and causal), and
+//! IR itself so that the worker never interprets the slices: every mask's rows as runs of key
+//! intervals (dense masks, interval lookups, the rows with no key), the masks' block grid for
+//! the adapters that take block tables, and for a mask every head shares, varlen documents with
+//! one window (FlashAttention's varlen entry points, flex's closed forms, full and causal) and
 //! FlashMask's column bounds.
 
-use attnbench_sdk::mask::{MaskSet, NotExpressible};
+use attnbench_sdk::mask::{BlockGrid, Mask, MaskSet, NotExpressible};
 use serde::Serialize;
 use serde_json::{json, Value};
 
 /// The file a benchmark node keeps the encodings it sent in.
 pub(crate) const FILE: &str = "encodings.json";
 
-/// The encodings of the set's one mask, when every head has the same (`null` otherwise: the
-/// adapters that need one mask refuse such sets before they look). Each is `{"encoding": …}` or
-/// `{"refused": why}`; FlashMask's, which lists every key column, only when `flashmask` asks.
-pub(crate) fn of_shared_mask(set: &MaskSet, flashmask: bool) -> Value {
-    let Some((first, rest)) = set.masks.split_first() else {
-        return Value::Null;
-    };
-    if rest.iter().any(|mask| mask != first) {
-        return Value::Null;
-    }
+/// Which of the costlier encodings the node's adapter reads.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct Wanted {
+    /// FlashMask's column bounds, which list every key column.
+    pub flashmask: bool,
+    /// The block grid, a table of blocks per mask.
+    pub grid: bool,
+}
+
+/// The set's encodings. `rows` has every mask's [`attnbench_sdk::mask::RowRuns`]; `varlen` and
+/// `flashmask` are `null` unless every head has the same mask (the adapters that need one mask
+/// refuse such sets before they look); each of `varlen`, `flashmask` and `grid` is
+/// `{"encoding": …}`, `{"refused": why}`, or `null` where `wanted` leaves it out.
+pub(crate) fn of_set(set: &MaskSet, wanted: Wanted) -> Value {
+    let shared = set
+        .masks
+        .split_first()
+        .filter(|(first, rest)| rest.iter().all(|mask| mask == *first))
+        .map(|(first, _)| first);
+    let masks: Vec<&Mask> = set.masks.iter().collect();
     json!({
-        "varlen": outcome(first.varlen()),
-        "flashmask": if flashmask { outcome(first.flashmask()) } else { Value::Null },
+        "rows": set.masks.iter().map(Mask::row_runs).collect::<Vec<_>>(),
+        "grid": if wanted.grid { outcome(BlockGrid::of(&masks)) } else { Value::Null },
+        "varlen": shared.map_or(Value::Null, |mask| outcome(mask.varlen())),
+        "flashmask": match shared {
+            Some(mask) if wanted.flashmask => outcome(mask.flashmask()),
+            _ => Value::Null,
+        },
     })
 }
 
@@ -54,15 +71,22 @@ mod tests {
     }
 
     #[test]
-    fn a_shared_mask_gets_its_encodings_and_differing_masks_none() {
-        let shared = of_shared_mask(&set(HeadScope::Shared, vec![causal()]), false);
+    fn every_mask_gets_its_rows_and_only_a_shared_mask_its_documents() {
+        let shared = of_set(&set(HeadScope::Shared, vec![causal()]), Wanted::default());
         assert_eq!(
             shared["varlen"]["encoding"],
             json!({"cu_seqlens": [0, 64], "max_seqlen": 64, "left": -1, "right": 0})
         );
         assert_eq!(shared["flashmask"], Value::Null);
-        let columns = of_shared_mask(&set(HeadScope::Shared, vec![causal()]), true);
+        assert_eq!(shared["grid"], Value::Null);
+        assert_eq!(shared["rows"][0]["intervals"], json!([[0, 0, 1, 1]]));
+        let everything = Wanted {
+            flashmask: true,
+            grid: true,
+        };
+        let columns = of_set(&set(HeadScope::Shared, vec![causal()]), everything);
         assert_eq!(columns["flashmask"]["encoding"]["causal"], true);
+        assert!(columns["grid"]["refused"].is_string(), "{columns}");
 
         let two_docs = Mask::square(
             64,
@@ -72,11 +96,22 @@ mod tests {
             ],
         )
         .unwrap();
-        let refused = of_shared_mask(&set(HeadScope::Shared, vec![two_docs.clone()]), false);
+        let refused = of_set(&set(HeadScope::Shared, vec![two_docs.clone()]), everything);
         assert!(refused["varlen"]["refused"].is_string(), "{refused}");
-        let same = of_shared_mask(&set(HeadScope::PerKvGroup, vec![causal(), causal()]), false);
+        assert_eq!(refused["grid"]["encoding"]["rows"], json!([0, 32, 64]));
+        let same = of_set(
+            &set(HeadScope::PerKvGroup, vec![causal(), causal()]),
+            Wanted::default(),
+        );
         assert!(same["varlen"]["encoding"].is_object(), "{same}");
-        let differ = of_shared_mask(&set(HeadScope::PerKvGroup, vec![causal(), two_docs]), false);
-        assert_eq!(differ, Value::Null);
+        let differ = of_set(
+            &set(HeadScope::PerKvGroup, vec![causal(), two_docs]),
+            everything,
+        );
+        assert_eq!(
+            (&differ["varlen"], &differ["flashmask"]),
+            (&Value::Null, &Value::Null)
+        );
+        assert_eq!(differ["rows"].as_array().map(Vec::len), Some(2));
     }
 }

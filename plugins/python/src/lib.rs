@@ -206,7 +206,16 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
         harness.clone(),
     );
     let on_gpu = p.device == Device::Cuda && p.kernel != PyKernel::Numpy;
-    let encodings = encodings::of_shared_mask(&set, p.kernel == PyKernel::Flashmask);
+    let encodings = encodings::of_set(
+        &set,
+        encodings::Wanted {
+            flashmask: p.kernel == PyKernel::Flashmask,
+            grid: matches!(
+                p.kernel,
+                PyKernel::Flex | PyKernel::Fa4 | PyKernel::Flashinfer
+            ),
+        },
+    );
     let problem = json!({
         "kernel": p.kernel,
         "module": p.module,
@@ -244,9 +253,7 @@ fn benchmark(request: &StageRequest, host: &Host) -> Result<Value, PluginError> 
     measurement.details.extend(details);
     // What the adapter was given, so its call can be repeated beside a plain loop
     // (scripts/peer-plain.py).
-    if !encodings.is_null() {
-        write_json(&request.output_dir, encodings::FILE, &encodings)?;
-    }
+    write_json(&request.output_dir, encodings::FILE, &encodings)?;
     measurement.write(&request.output_dir)
 }
 

@@ -13,7 +13,10 @@ pub struct NotExpressible {
     pub reason: String,
 }
 
-fn refuse<T>(encoding: &'static str, reason: impl Into<String>) -> Result<T, NotExpressible> {
+pub(super) fn refuse<T>(
+    encoding: &'static str,
+    reason: impl Into<String>,
+) -> Result<T, NotExpressible> {
     Err(NotExpressible {
         encoding,
         reason: reason.into(),

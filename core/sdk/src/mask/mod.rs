@@ -17,12 +17,14 @@
 
 mod encode;
 mod set;
+mod tables;
 mod window;
 
 use serde::{Deserialize, Serialize};
 
 pub use encode::{BlockMask, Dense, FlashMask, NotExpressible, Tile, Varlen};
 pub use set::{HeadScope, HeadsError, MaskSet};
+pub use tables::{BlockGrid, RowRuns};
 pub use window::window_slices;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -32,6 +34,18 @@ pub enum SliceKind {
     Causal,
     InvCausal,
     BiCausal,
+}
+
+impl SliceKind {
+    /// The kind's name in mask files.
+    pub fn name(self) -> &'static str {
+        match self {
+            SliceKind::Full => "full",
+            SliceKind::Causal => "causal",
+            SliceKind::InvCausal => "inv_causal",
+            SliceKind::BiCausal => "bi_causal",
+        }
+    }
 }
 
 /// A half-open range `[start, end)` of token positions.

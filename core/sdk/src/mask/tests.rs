@@ -91,6 +91,41 @@ proptest! {
     }
 
     #[test]
+    fn row_runs_decode_back(mask in mask()) {
+        let runs = mask.row_runs();
+        prop_assert_eq!(runs.rows.first().copied(), Some(0));
+        prop_assert_eq!(runs.rows.last().copied(), Some(mask.seqlen_q));
+        prop_assert_eq!(runs.offsets.len(), runs.rows.len());
+        let mut rows = 0;
+        mask.for_each_row(|q, intervals| {
+            rows += 1;
+            assert_eq!(runs.keys_of_row(q), intervals.to_vec(), "row {q} of {runs:?}");
+        });
+        prop_assert_eq!(rows, mask.seqlen_q);
+    }
+
+    #[test]
+    fn block_grids_decode_back_or_say_why_not(mask in mask(), other in mask()) {
+        let masks = [&mask, &other];
+        match BlockGrid::of(&masks) {
+            Ok(grid) => {
+                for (m, mask) in masks.iter().enumerate() {
+                    for q in 0..mask.seqlen_q {
+                        for k in 0..mask.seqlen_k {
+                            prop_assert_eq!(grid.allows(m, q, k), mask.allows(q, k), "mask {} cell ({}, {})", m, q, k);
+                        }
+                    }
+                }
+            }
+            Err(refusal) => prop_assert!(
+                (mask.seqlen_q, mask.seqlen_k) != (other.seqlen_q, other.seqlen_k)
+                    || masks.iter().any(|m| m.slices.iter().any(|s| s.kind != SliceKind::Full)),
+                "refused: {}", refusal
+            ),
+        }
+    }
+
+    #[test]
     fn document_masks_are_expressible_everywhere(lengths in proptest::collection::vec(1u64..12, 1..6), causal in any::<bool>()) {
         let kind = if causal { SliceKind::Causal } else { SliceKind::Full };
         let mut slices = Vec::new();
@@ -291,4 +326,45 @@ proptest! {
             }
         }
     }
+}
+
+#[test]
+fn row_runs_follow_the_slices_not_the_rows() {
+    let causal = Mask::square(
+        1 << 20,
+        vec![Slice::new([0, 1 << 20], [0, 1 << 20], SliceKind::Causal)],
+    )
+    .unwrap();
+    assert_eq!(causal.row_runs().intervals, vec![[0, 0, 1, 1]]);
+    let documents = Mask::square(
+        96,
+        vec![
+            Slice::new([0, 32], [0, 32], SliceKind::Causal),
+            Slice::new([32, 96], [32, 96], SliceKind::Causal),
+        ],
+    )
+    .unwrap();
+    assert_eq!(documents.row_runs().rows, vec![0, 32, 96]);
+    // Blocks: one run a band of 16-token row blocks.
+    let blocks: Vec<Slice> = (0..4u64)
+        .flat_map(|r| {
+            (0..=r).map(move |c| {
+                Slice::new(
+                    [16 * r, 16 * r + 16],
+                    [16 * c, 16 * c + 16],
+                    SliceKind::Full,
+                )
+            })
+        })
+        .collect();
+    let table = Mask::square(64, blocks).unwrap();
+    assert_eq!(table.row_runs().rows, vec![0, 16, 32, 48, 64]);
+    let grid = BlockGrid::of(&[&table]).unwrap();
+    assert_eq!(grid.rows, vec![0, 16, 32, 48, 64]);
+    assert_eq!(
+        grid.kept[0],
+        vec![[0, 0, 1], [1, 0, 2], [2, 0, 3], [3, 0, 4]]
+    );
+    let refused = BlockGrid::of(&[&documents]).unwrap_err();
+    assert_eq!(refused.reason, "it has causal slices, not only full blocks");
 }

@@ -81,15 +81,15 @@ The file is loaded afresh for every request (so edits are picked up) and must de
 """
 
 from .dispatch import harness_rep
-from .encodings import (block_grid, blocks_of, dense_mask, grid_tile_kinds, most_intervals,
-                        row_groups, row_interval_list, row_interval_pairs, row_intervals, row_keys, uniform_grid)
+from .encodings import (block_grid_of, blocks_of, dense_mask, grid_tile_kinds, most_intervals, row_groups_of,
+                        row_interval_list, row_interval_pairs, row_intervals, row_keys, uniform_grid)
 from .flash import FA4_TILE, block_lookup, tile_kinds
 from .flex_forms import form_differs, pattern_mask_mod
 from .harness import event_rep
 from .problem import parse_problem
 from .protocol import serve
 
-__all__ = ["FA4_TILE", "block_grid", "block_lookup", "blocks_of", "dense_mask", "event_rep",
+__all__ = ["FA4_TILE", "block_grid_of", "block_lookup", "blocks_of", "dense_mask", "event_rep",
            "form_differs", "grid_tile_kinds", "harness_rep", "most_intervals", "parse_problem", "pattern_mask_mod",
-           "row_groups", "row_interval_list", "row_interval_pairs", "row_intervals", "row_keys", "serve",
+           "row_groups_of", "row_interval_list", "row_interval_pairs", "row_intervals", "row_keys", "serve",
            "tile_kinds", "uniform_grid"]

@@ -1,42 +1,20 @@
-"""The mask IR's slices turned into the tables kernels take: row intervals, dense masks, block
-grids. Documents with a window (varlen), full and causal, and FlashMask's columns come from the
-host with the request (`Problem.varlen`, `Problem.flashmask`), computed by the IR itself.
+"""The mask IR's table encodings, as the host computes them (`Problem.row_groups`,
+`Problem.block_grid`), expanded into what kernels take: row intervals, interval lists, dense
+masks, tile kinds. Documents with a window (varlen), full and causal, and FlashMask's columns
+come from the host too (`Problem.varlen`, `Problem.flashmask`); nothing here reads the slices.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any, List, NamedTuple, Optional, Tuple
 
 from .support import _np
 
 
-# A mask is the union of its slices; the tables are derived here from them.
-SLICE_KINDS = ("full", "causal", "inv_causal", "bi_causal")
-FULL, CAUSAL, INV_CAUSAL, BI_CAUSAL = range(len(SLICE_KINDS))
-
-
-def _local_bounds(np: Any, kind: Any, i: Any, lq: Any, lk: Any) -> Tuple[Any, Any]:
-    """Allowed local keys [lo, hi) of local rows `i` of slices of `kind` (an index of SLICE_KINDS;
-    scalars or arrays alike); lo is not yet clipped at 0."""
-    lo = np.where((kind == INV_CAUSAL) | (kind == BI_CAUSAL), i, 0)
-    hi = np.where((kind == CAUSAL) | (kind == BI_CAUSAL), np.minimum(i + lk - lq + 1, lk), lk)
-    return lo, hi
-
-
-def slice_table(mask: dict) -> Tuple[Any, Any, Any, Any, Any]:
-    """The mask's slices as int64 columns: q0, q1, k0, k1 and the kind's index in SLICE_KINDS."""
-    np = _np()
-    slices = mask["slices"]
-    bounds = np.array([sl["q"] + sl["k"] for sl in slices], np.int64).reshape(len(slices), 4)
-    kind = np.array([SLICE_KINDS.index(sl["kind"]) for sl in slices], np.int64)
-    return bounds[:, 0], bounds[:, 1], bounds[:, 2], bounds[:, 3], kind
-
-
 class RowGroups(NamedTuple):
     """The allowed keys as disjoint intervals over groups of consecutive rows that share them:
     group g is rows [start[g], end[g]); interval j is [lo[j], hi[j]) of group[j], sorted by group
-    and then by lo, touching ones merged. Every row is in exactly one group."""
+    and then by lo. Every row is in exactly one group."""
     start: Any
     end: Any
     group: Any
@@ -51,88 +29,60 @@ class RowGroups(NamedTuple):
         """Values of the groups (the last axis) repeated to the rows."""
         return _np().repeat(values, self.end - self.start, axis=-1)
 
-
-# The row groups of the masks seen last, by identity: one problem's encodings (row intervals,
-# interval lists, the most intervals a row has) all start from them, and a 48K block table's
-# take a tenth of a second each. The mask is kept beside its groups, so an id is never reused
-# while cached.
-_ROW_GROUPS: "OrderedDict[int, Tuple[dict, RowGroups]]" = OrderedDict()
-_ROW_GROUPS_KEPT = 16
+    def first_interval(self) -> Any:
+        """[groups + 1]: group g's intervals are [first[g], first[g + 1])."""
+        np = _np()
+        return np.searchsorted(self.group, np.arange(len(self.start) + 1))
 
 
-def row_groups(mask: dict) -> RowGroups:
-    """row_groups_of(mask), computed once for the masks seen last (a mask is not changed after
-    it is parsed)."""
-    cached = _ROW_GROUPS.get(id(mask))
-    if cached is not None and cached[0] is mask:
-        _ROW_GROUPS.move_to_end(id(mask))
-        return cached[1]
-    groups = row_groups_of(mask)
-    _ROW_GROUPS[id(mask)] = (mask, groups)
-    while len(_ROW_GROUPS) > _ROW_GROUPS_KEPT:
-        _ROW_GROUPS.popitem(last=False)
-    return groups
-
-
-def row_groups_of(mask: dict) -> RowGroups:
-    """The mask's rows in groups (RowGroups). Between two consecutive slice edges lies a band of
-    rows; where only full slices cross a band its rows see the same keys and the band is one group,
-    elsewhere each row is its own. So a block table costs its blocks, not its rows (a 48K table of
-    64-token blocks has hundreds of thousands of slices and would otherwise expand to tens of
-    millions of row intervals), while a causal slice still gets its exact diagonal."""
+def row_groups_of(runs: dict) -> RowGroups:
+    """The host's row runs (the IR's `RowRuns`: runs of rows whose intervals move by 0 or 1 a row)
+    as RowGroups: a run whose intervals stand still is one group, a run with a moving end is a
+    group a row. So a block table costs its bands, not its rows, and a causal slice still gets
+    its exact diagonal."""
     np = _np()
-    sq, sk = mask["seqlen_q"], mask["seqlen_k"]
-    q0, q1, k0, k1, kind = slice_table(mask)
-    live = (q1 > q0) & (k1 > k0)
-    q0, q1, k0, k1, kind = (x[live] for x in (q0, q1, k0, k1, kind))
-    edges = np.unique(np.concatenate([[0, sq], q0, q1]))
-    b0, b1 = np.searchsorted(edges, q0), np.searchsorted(edges, q1)  # a slice spans bands [b0, b1)
-    crossed = np.zeros(len(edges), np.int64)  # how many partial slices cross each band
-    partial = kind != FULL
-    np.add.at(crossed, b0[partial], 1)
-    np.add.at(crossed, b1[partial], -1)
-    by_row = crossed.cumsum()[:-1] > 0
-    band_rows = np.diff(edges)
-    groups_of_band = np.where(by_row, band_rows, 1)
-    first_group = groups_of_band.cumsum() - groups_of_band
-    band_of_group = np.repeat(np.arange(len(band_rows)), groups_of_band)
-    start = edges[band_of_group] + np.arange(len(band_of_group)) - first_group[band_of_group]
-    end = np.where(by_row[band_of_group], start + 1, edges[band_of_group + 1])
-    # Every (slice, band) pair; on a band of one group a slice is its full key range.
-    spans = b1 - b0
-    pair_slice = np.repeat(np.arange(len(q0)), spans)
-    pair_band = b0[pair_slice] + np.arange(spans.sum()) - np.repeat(spans.cumsum() - spans, spans)
-    whole = ~by_row[pair_band]
-    parts = [(first_group[pair_band[whole]], k0[pair_slice[whole]], k1[pair_slice[whole]])]
-    # On the other bands, each row of each crossing slice, from the slice's kind.
-    split_slice, split_band = pair_slice[~whole], pair_band[~whole]
-    rows = band_rows[split_band]
-    w = np.repeat(split_slice, rows)
-    offset = np.arange(rows.sum()) - np.repeat(rows.cumsum() - rows, rows)
-    group = np.repeat(first_group[split_band], rows) + offset
-    lq, lk = q1[w] - q0[w], k1[w] - k0[w]
-    lo, hi = _local_bounds(np, kind[w], start[group] - q0[w], lq, lk)
-    keep = (hi > lo) & (lo < lk) & (hi > 0)
-    parts.append((group[keep], k0[w][keep] + np.maximum(lo[keep], 0), k0[w][keep] + hi[keep]))
-    group, lo, hi = (np.concatenate([part[j] for part in parts]) for j in range(3))
+    rows = np.asarray(runs["rows"], np.int64)
+    offsets = np.asarray(runs["offsets"], np.int64)
+    iv = np.asarray(runs["intervals"], np.int64).reshape(-1, 4)
+    length = np.diff(rows)
+    run_of = np.repeat(np.arange(len(length)), np.diff(offsets))
+    moving = np.zeros(len(length), bool)
+    moving[run_of[(iv[:, 1] | iv[:, 3]) != 0]] = True
+    groups = np.where(moving, length, 1)
+    first_group = groups.cumsum() - groups
+    run_of_group = np.repeat(np.arange(len(length)), groups)
+    step = np.arange(groups.sum()) - first_group[run_of_group]
+    start = rows[run_of_group] + step
+    end = np.where(moving[run_of_group], start + 1, rows[run_of_group + 1])
+    # Each interval once a group of its run, moved by the group's step.
+    copies = groups[run_of]
+    which = np.repeat(np.arange(len(iv)), copies)
+    k = np.arange(copies.sum()) - np.repeat(copies.cumsum() - copies, copies)
+    group = first_group[run_of[which]] + k
+    lo, hi = iv[which, 0] + iv[which, 1] * k, iv[which, 2] + iv[which, 3] * k
     order = np.lexsort((lo, group))
-    group, lo, hi = group[order], lo[order], hi[order]
-    if not len(group):
-        return RowGroups(start, end, group, lo, hi)
-    # Running maximum of `hi` within each group: groups are sorted and hi <= sk, so offsetting by
-    # group * (sk + 1) keeps one cumulative maximum from leaking into the next group.
-    reach = np.maximum.accumulate(group * (sk + 1) + hi) - group * (sk + 1)
-    previous = np.full(len(group), -1, np.int64)
-    previous[1:] = np.where(group[1:] == group[:-1], reach[:-1], -1)
-    starts = lo > previous
-    ends = np.append(starts[1:], True)  # the last piece of each merged interval
-    return RowGroups(start, end, group[starts], lo[starts], reach[ends])
+    return RowGroups(start, end, group[order], lo[order], hi[order])
 
 
-def row_intervals(mask: dict) -> Tuple[Any, Any, Any]:
+def block_grid_of(encoding: dict, masks: Optional[List[int]] = None) -> Tuple[Any, Any, Any]:
+    """The host's block grid (the IR's `BlockGrid`) as (row edges, column edges, kept[mask, row
+    block, column block]), for the masks of these indices (all by default)."""
+    np = _np()
+    rows, cols = np.asarray(encoding["rows"], np.int64), np.asarray(encoding["cols"], np.int64)
+    picked = range(len(encoding["kept"])) if masks is None else masks
+    # Each kept run [row, c0, c1) as +1 at c0 and -1 at c1: a row's prefix sums mark its blocks.
+    marks = np.zeros((len(picked), len(rows) - 1, len(cols)), np.int8)
+    for m, index in enumerate(picked):
+        runs = np.asarray(encoding["kept"][index], np.int64).reshape(-1, 3)
+        marks[m, runs[:, 0], runs[:, 1]] += 1
+        np.add.at(marks[m], (runs[:, 0], runs[:, 2]), -1)
+    return rows, cols, marks.cumsum(2, dtype=np.int8)[:, :, :-1] > 0
+
+
+def row_intervals(groups: RowGroups) -> Tuple[Any, Any, Any]:
     """Per row: (lo, hi) hull of the allowed keys and how many disjoint intervals the union has."""
     np = _np()
-    g = row_groups(mask)
+    g = groups
     count = g.counts()
     lo, hi = np.zeros(len(g.start), np.int64), np.zeros(len(g.start), np.int64)
     if len(g.group):
@@ -142,11 +92,11 @@ def row_intervals(mask: dict) -> Tuple[Any, Any, Any]:
     return g.per_row(lo), g.per_row(hi), g.per_row(count)
 
 
-def row_interval_list(mask: dict, most: int) -> Optional[Any]:
+def row_interval_list(groups: RowGroups, most: int) -> Optional[Any]:
     """Per row, its allowed keys as `most` intervals: [2·most, S] int64 of lo0, hi0, lo1, hi1, …
     (an unused interval is [0, 0)), or None when some row has more than `most`."""
     np = _np()
-    g = row_groups(mask)
+    g = groups
     if (g.counts() > most).any():
         return None
     table = np.zeros((2 * most, len(g.start)), np.int64)
@@ -155,90 +105,58 @@ def row_interval_list(mask: dict, most: int) -> Optional[Any]:
     return g.per_row(table)
 
 
-def row_interval_pairs(mask: dict) -> Optional[Any]:
+def row_interval_pairs(groups: RowGroups) -> Optional[Any]:
     """Per row, its allowed keys as two intervals ([4, S], as `row_interval_list`), or None when
     some row has more. Every static mask of the paper has at most two a row (share_question: the
     question and the own answer; a global window: the global tokens and the window), so a
     mask_mod reading these is exact for all."""
-    return row_interval_list(mask, 2)
+    return row_interval_list(groups, 2)
 
 
-def most_intervals(mask: dict) -> int:
+def most_intervals(groups: RowGroups) -> int:
     """The largest number of disjoint key intervals of any row."""
-    counts = row_groups(mask).counts()
+    counts = groups.counts()
     return int(counts.max()) if len(counts) else 0
 
 
-def row_keys(mask: dict, q: int) -> List[Tuple[int, int]]:
-    """Allowed keys of row `q` as sorted disjoint intervals, one slice at a time (no arrays)."""
-    spans = []
-    for sl in mask["slices"]:
-        (q0, q1), (k0, k1) = sl["q"], sl["k"]
-        if not q0 <= q < q1:
-            continue
-        lq, lk, i = q1 - q0, k1 - k0, q - q0
-        d, kind = lk - lq, sl["kind"]
-        lo = i if kind in ("inv_causal", "bi_causal") else 0
-        hi = min(i + d + 1, lk) if kind in ("causal", "bi_causal") else lk
-        if hi > lo and lo < lk and hi > 0:
-            spans.append((k0 + max(lo, 0), k0 + hi))
-    merged: List[Tuple[int, int]] = []
-    for a, b in sorted(spans):
-        if merged and a <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-        else:
-            merged.append((a, b))
-    return merged
-
-
-def dense_mask(mask: dict, torch: Any = None, device: Any = None) -> Any:
-    """Boolean [S_q, S_k], True where a key is allowed: numpy, or a torch tensor on `device`."""
+def row_keys(groups: RowGroups, q: int) -> List[Tuple[int, int]]:
+    """Allowed keys of row `q` as sorted disjoint intervals."""
     np = _np()
-    sq, sk = mask["seqlen_q"], mask["seqlen_k"]
+    g = int(np.searchsorted(groups.end, q, side="right"))
+    a, b = np.searchsorted(groups.group, [g, g + 1])
+    return [(int(lo), int(hi)) for lo, hi in zip(groups.lo[a:b], groups.hi[a:b])]
+
+
+def dense_mask(groups: RowGroups, seqlen_k: int, torch: Any = None, device: Any = None) -> Any:
+    """Boolean [S_q, S_k], True where a key is allowed: numpy, or a torch tensor on `device`.
+    Groups of one row are filled a batch at a time (a causal mask has one a row); a group of many
+    rows is one row broadcast over them."""
+    np = _np()
+    g = groups
+    sq = int(g.end[-1]) if len(g.end) else 0
     if torch is None:
-        dense, as_array = np.zeros((sq, sk), bool), (lambda a: a)
+        dense, as_array = np.zeros((sq, seqlen_k), bool), (lambda a: a)
     else:
-        dense = torch.zeros((sq, sk), dtype=torch.bool, device=device)
+        dense = torch.zeros((sq, seqlen_k), dtype=torch.bool, device=device)
         as_array = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
-    for sl in mask["slices"]:
-        (q0, q1), (k0, k1) = sl["q"], sl["k"]
-        lq, lk = q1 - q0, k1 - k0
-        if lq == 0 or lk == 0:
-            continue
-        lo, hi = _local_bounds(np, SLICE_KINDS.index(sl["kind"]), np.arange(lq, dtype=np.int64), lq, lk)
-        lo = np.maximum(lo, 0)
-        keys = as_array(np.arange(lk, dtype=np.int64))[None, :]
-        step = max(1, (1 << 24) // lk)  # bounds the temporaries to ~16M cells
-        for r in range(0, lq, step):
-            a, b = as_array(lo[r:r + step])[:, None], as_array(hi[r:r + step])[:, None]
-            dense[q0 + r:q0 + min(r + step, lq), k0:k1] |= (keys >= a) & (keys < b)
+    first = g.first_interval()
+    batch = max(1, (1 << 24) // max(seqlen_k, 1))  # bounds the temporaries to ~16M cells
+    single = (g.end - g.start) == 1
+    a = 0
+    while a < len(g.start):
+        # Groups [a, b): one group of many rows, or up to `batch` groups of one row.
+        b = a + 1
+        if single[a]:
+            stop = np.flatnonzero(~single[a:a + batch])
+            b = a + (int(stop[0]) if len(stop) else min(batch, len(g.start) - a))
+        marks = np.zeros((b - a, seqlen_k + 1), np.int8)
+        i0, i1 = first[a], first[b]
+        marks[g.group[i0:i1] - a, g.lo[i0:i1]] += 1
+        np.add.at(marks, (g.group[i0:i1] - a, g.hi[i0:i1]), -1)
+        rows = as_array(marks.cumsum(1, dtype=np.int8)[:, :-1] > 0)
+        dense[g.start[a]:g.end[b - 1]] = rows
+        a = b
     return dense
-
-
-def block_grid(masks: List[dict]) -> Tuple[Optional[Tuple[Any, Any, Any]], str]:
-    """The masks on one grid of blocks, as block-sparse kernels take them: (row edges, column
-    edges, kept[mask, row block, column block]), or (None, why not). The edges are every slice
-    end of every mask, so each mask is exact on the shared grid: blocks of any sizes, uniform or
-    variable, per head or shared."""
-    np = _np()
-    tables = [slice_table(m) for m in masks]
-    kind = np.concatenate([t[4] for t in tables])
-    if (kind != FULL).any():
-        partial = ", ".join(SLICE_KINDS[k] for k in np.unique(kind[kind != FULL]))
-        return None, f"it has {partial} slices, not only full blocks"
-    sq, sk = masks[0]["seqlen_q"], masks[0]["seqlen_k"]
-    which = np.repeat(np.arange(len(masks)), [len(t[4]) for t in tables])
-    q = np.stack([np.concatenate([t[j] for t in tables]) for j in (0, 1)], axis=1)
-    k = np.stack([np.concatenate([t[j] for t in tables]) for j in (2, 3)], axis=1)
-    rows = np.unique(np.concatenate([[0, sq], q.ravel()]))
-    cols = np.unique(np.concatenate([[0, sk], k.ravel()]))
-    r, c = np.searchsorted(rows, q), np.searchsorted(cols, k)
-    # Each rectangle as four corners of a 2-D difference array: its prefix sums count coverage.
-    coverage = np.zeros((len(masks), len(rows), len(cols)), np.int64)
-    for (ri, ci), sign in (((0, 0), 1), ((0, 1), -1), ((1, 0), -1), ((1, 1), 1)):
-        np.add.at(coverage, (which, r[:, ri], c[:, ci]), sign)
-    kept = coverage.cumsum(1).cumsum(2)[:, :-1, :-1] > 0
-    return (rows, cols, kept), ""
 
 
 # The smallest block a grid is made uniform at: a coarser grid is what block-sparse kernels'

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Dict, List, Tuple
 
-from .encodings import block_grid, blocks_of, grid_tile_kinds, most_intervals, row_interval_list
+from .encodings import blocks_of, grid_tile_kinds, most_intervals, row_interval_list
 from .harness import Kernel, require_cuda, require_half, split_result
 from .problem import Problem
 from .support import Unavailable, Unsupported, _np, _package_version, need, parameters_of
@@ -264,16 +264,16 @@ def fa4_masked(p: Problem, torch: Any, device: Any, module: Any, not_varlen: str
     np = _np()
     per_head = [p.mask_index(h) for h in range(p.heads_q)]
     distinct = sorted(set(per_head))
-    grid, _ = block_grid([p.masks[i] for i in distinct])
+    grid, _ = p.block_grid(distinct)
     if grid is not None:
         whole, cut = grid_tile_kinds(grid, p.seqlen, FA4_TILE)
     else:
-        most = max(most_intervals(p.masks[i]) for i in distinct)
+        most = max(most_intervals(p.row_groups(i)) for i in distinct)
         count = 2 if most <= 2 else 1 << (most - 1).bit_length()  # one compiled kernel per power of two
         if count > FA4_MOST_INTERVALS:
             raise Unsupported(f"{not_varlen}; nor is it a table of blocks, and rows have up to {most} key "
                               f"intervals, more than the {FA4_MOST_INTERVALS} the bridge's mask_mod for FA4 reads")
-        tables = {i: row_interval_list(p.masks[i], count) for i in distinct}
+        tables = {i: row_interval_list(p.row_groups(i), count) for i in distinct}
         kinds = [tile_kinds(tables[i], p.seqlen) for i in distinct]
         whole, cut = (np.stack([k[j] for k in kinds]) for j in (0, 1))
     order = [distinct.index(i) for i in per_head]  # each query head's index among the distinct masks

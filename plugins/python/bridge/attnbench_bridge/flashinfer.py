@@ -8,7 +8,7 @@ import math
 import time
 from typing import Any, Callable, Dict, Tuple
 
-from .encodings import block_grid, uniform_grid
+from .encodings import uniform_grid
 from .flash import flash_plan
 from .harness import Kernel, require_cuda, require_half, split_result, synchronize, torch_dtype
 from .problem import Problem
@@ -29,7 +29,7 @@ def flashinfer_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
     except Unsupported:
         dense = False
     if not dense:
-        grid, why = block_grid(p.masks)
+        grid, why = p.block_grid()
         if grid is None:
             raise Unsupported(f"flashinfer runs {supports} (single_prefill_with_kv_cache, "
                               f"BatchPrefillWithRaggedKVCacheWrapper) and block-sparse masks "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Tuple
 
-from .encodings import row_keys
+from .encodings import RowGroups, row_keys
 from .support import _np
 
 # The patterns with a form here, and the parameter each needs (None: only the documents).
@@ -57,18 +57,19 @@ def pattern_mask_mod(mask_set: dict, torch: Any, device: Any) -> Optional[Tuple[
     return mask_mod, reads, f"{description} ({len(documents)} documents)" if len(documents) > 1 else description
 
 
-def form_differs(mask_mod: Callable[..., Any], mask: dict, torch: Any, device: Any, rows: int = 64) -> Optional[str]:
-    """None when mask_mod allows exactly the IR's keys on sampled rows (the first and last
-    included), else the first row that differs."""
+def form_differs(mask_mod: Callable[..., Any], groups: RowGroups, torch: Any, device: Any,
+                 rows: int = 64) -> Optional[str]:
+    """None when mask_mod allows exactly the IR's keys (the host's row groups) on sampled rows
+    (the first and last included), else the first row that differs."""
     np = _np()
-    s = mask["seqlen_q"]
+    s = int(groups.end[-1])
     picked = np.unique(np.concatenate([[0, s - 1], np.random.default_rng(0).integers(0, s, rows)]))
     kv = torch.arange(s, device=device)
     zero = torch.zeros((), dtype=torch.int32, device=device)
     for q in picked:
         allowed = mask_mod(zero, zero, torch.full((s,), int(q), device=device), kv).cpu().numpy()
         want = np.zeros(s, dtype=bool)
-        for lo, hi in row_keys(mask, int(q)):
+        for lo, hi in row_keys(groups, int(q)):
             want[lo:hi] = True
         if (allowed != want).any():
             return f"row {q} differs from the mask"

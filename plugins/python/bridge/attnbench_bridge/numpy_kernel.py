@@ -6,7 +6,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from .encodings import dense_mask
 from .problem import Problem
 from .support import _np
 
@@ -38,13 +37,13 @@ def numpy_attention(p: Problem) -> NumpyKernel:
         start = time.perf_counter()
         if cache:
             for index in distinct:
-                blocked[index] = ~dense_mask(p.masks[index])
+                blocked[index] = ~p.dense(index)
         kernel.phases["mask_build_s"] = time.perf_counter() - start
         kernel.phases["mask_bytes"] = sum(b.nbytes for b in blocked.values())
 
     def blocked_of(h: int) -> Any:
         index = p.mask_index(h)
-        return blocked[index] if index in blocked else ~dense_mask(p.masks[index])
+        return blocked[index] if index in blocked else ~p.dense(index)
 
     def scores(q: Any, k: Any, h: int) -> Tuple[Any, Any]:
         s = q[h] @ k[h // p.group].T

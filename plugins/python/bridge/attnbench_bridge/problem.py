@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
-from .encodings import SLICE_KINDS, row_intervals
+from .encodings import RowGroups, block_grid_of, dense_mask, row_groups_of, row_intervals
 from .support import ELEMENT_BYTES, BadRequest, _np
 
 
@@ -56,7 +56,8 @@ class Problem(Heads):
     layout: str = "bshd"
     gqa: str = "native"
     head_dim_v: Optional[int] = None        # V's (and O's) head dim where it differs from Q's and K's
-    encodings: Optional[dict] = None        # the host's encodings of the shared mask (see `varlen`)
+    encodings: Optional[dict] = None        # the host's encodings of the masks (see `row_groups`, `varlen`)
+    _groups: dict = field(default_factory=dict, repr=False)
     _intervals: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -87,8 +88,8 @@ class Problem(Heads):
         """The host's `name` encoding of the shared mask: {"encoding": ...} or {"refused": why}."""
         found = (self.encodings or {}).get(name)
         if not isinstance(found, dict):
-            raise BadRequest(f"params.encodings.{name} is missing: the host sends the mask IR's encodings of "
-                             "the shared mask with every request")
+            raise BadRequest(f"params.encodings.{name} is missing: the host sends the mask IR's encodings "
+                             "with every request")
         return found
 
     def varlen(self) -> Tuple[Optional[dict], str]:
@@ -118,10 +119,30 @@ class Problem(Heads):
         np = _np()
         return {"causal": encoding["causal"], "columns": [np.asarray(encoding[n], np.int32) for n in names]}, ""
 
+    def row_groups(self, index: int) -> RowGroups:
+        """Mask `index`'s allowed keys by groups of rows, from the host's row runs."""
+        if index not in self._groups:
+            self._groups[index] = row_groups_of(self.encodings["rows"][index])
+        return self._groups[index]
+
     def intervals(self, index: int) -> Tuple[Any, Any, Any]:
+        """Mask `index`'s per-row hulls and interval counts (`row_intervals`)."""
         if index not in self._intervals:
-            self._intervals[index] = row_intervals(self.masks[index])
+            self._intervals[index] = row_intervals(self.row_groups(index))
         return self._intervals[index]
+
+    def dense(self, index: int, torch: Any = None, device: Any = None) -> Any:
+        """Mask `index` as a dense boolean [S, S] (`dense_mask`)."""
+        return dense_mask(self.row_groups(index), self.seqlen, torch, device)
+
+    def block_grid(self, masks: Optional[List[int]] = None) -> Tuple[Optional[Tuple[Any, Any, Any]], str]:
+        """The masks of these indices (all by default) on the host's shared grid of blocks, as
+        block-sparse kernels take them: ((row edges, column edges, kept[mask, row block, column
+        block]), "") or (None, why not)."""
+        found = self._encoding("grid")
+        if found.get("encoding") is None:
+            return None, found.get("refused") or ""
+        return block_grid_of(found["encoding"], masks), ""
 
     def empty_rows(self) -> Any:
         """[heads_q, S] booleans: rows with no allowed key."""
@@ -199,7 +220,7 @@ def validate_mask_set(p: Problem) -> None:
         if mask.get("seqlen_q") != p.seqlen or mask.get("seqlen_k") != p.seqlen:
             raise BadRequest(f"mask {index} is {mask.get('seqlen_q')}x{mask.get('seqlen_k')} "
                              f"but the shape's seqlen is {p.seqlen}")
-        for sl in mask.get("slices", []):
-            (q0, q1), (k0, k1) = sl["q"], sl["k"]
-            if sl.get("kind") not in SLICE_KINDS or not (0 <= q0 <= q1 <= p.seqlen and 0 <= k0 <= k1 <= p.seqlen):
-                raise BadRequest(f"mask {index} has an invalid slice {sl!r}")
+    rows = (p.encodings or {}).get("rows")
+    if not isinstance(rows, list) or len(rows) != expected:
+        raise BadRequest(f"params.encodings.rows must list the row runs of each of the {expected} masks: "
+                         "the host sends the mask IR's encodings with every request")

@@ -8,7 +8,7 @@ import importlib
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .encodings import block_grid, blocks_of, dense_mask, grid_tile_kinds, row_interval_pairs, uniform_grid
+from .encodings import blocks_of, grid_tile_kinds, row_interval_pairs, uniform_grid
 from .flex_forms import form_differs, pattern_mask_mod
 from .harness import Kernel, split_result, synchronize
 from .problem import Problem
@@ -72,9 +72,9 @@ def sdpa_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
             return
         start = time.perf_counter()
         if shared is not None:
-            dense = dense_mask(shared, torch, device)
+            dense = p.dense(0, torch, device)
         else:
-            distinct = [dense_mask(m, torch, device) for m in p.masks]
+            distinct = [p.dense(i, torch, device) for i in range(len(p.masks))]
             dense = torch.stack([distinct[p.mask_index(h)] for h in range(p.heads_q)])[None]
             del distinct
         synchronize(torch, device, kernel)
@@ -126,14 +126,13 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
         else:
             lse_options["return_lse"] = True
     shared = p.shared_mask()
-    masks = [shared] if shared is not None else p.masks
     indices = [0] if shared is not None else list(range(len(p.masks)))
     single = all((p.intervals(i)[2] <= 1).all() for i in range(len(p.masks)))
-    pairs = None if single else [row_interval_pairs(m) for m in masks]
+    pairs = None if single else [row_interval_pairs(p.row_groups(i)) for i in indices]
     two = pairs is not None and all(x is not None for x in pairs)
     form = p.form()
     # Full blocks on flex's block sizes need no mask_mod at all: preferred to any table.
-    grid, _ = block_grid(masks) if form is None else (None, "")
+    grid, _ = p.block_grid(indices) if form is None else (None, "")
     grid, uniform = uniform_grid(grid, p.seqlen) if grid is not None else (None, None)
     block = next((b for b in FLEX_BLOCKS if grid is not None and all(
         (edges % b == 0).all() for edges in grid[:2])), None)
@@ -144,13 +143,13 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
     # the pattern's own parameters and documents, checked against the mask's rows before use.
     pattern = pattern_mask_mod(p.mask_set, torch, device) if shared is not None and form is None and not block \
         and closed is None else None
-    if pattern is not None and (pattern[0] is None or form_differs(pattern[0], shared, torch, device)):
+    if pattern is not None and (pattern[0] is None or form_differs(pattern[0], p.row_groups(0), torch, device)):
         pattern = None
     mode = {"full": "none", "causal": "causal"}.get(
         form, "blocks" if block else "documents" if closed is not None else "pattern" if pattern is not None
         else "block table" if grid is not None else "row intervals" if single else "two row intervals" if two
         else "dense")
-    s, count = p.seqlen, len(masks)
+    s, count = p.seqlen, len(indices)
     if mode == "dense" and count * s * -(-s // 8) >= 1 << 31:
         raise Unsupported(f"flex would read a {count}×{s}×{s} bit table in mask_mod, past the 2³¹ elements its "
                           "32-bit index arithmetic can address; the mask has no exact block or interval form")
@@ -213,7 +212,7 @@ def flex_adapter(p: Problem, torch: Any, device: Any) -> Kernel:
                         | ((kv >= bounds[i, 2, q]) & (kv < bounds[i, 3, q])))
         else:
             # Bits, not bytes: 8× less memory, and 8× further before flex's 32-bit indexing ends.
-            bits = torch.stack([pack_bits(torch, dense_mask(m, torch, device)) for m in masks])
+            bits = torch.stack([pack_bits(torch, p.dense(i, torch, device)) for i in indices])
             tables = [bits]
             if count == 1:
                 bits0 = bits[0]

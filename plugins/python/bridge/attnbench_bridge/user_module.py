@@ -9,7 +9,6 @@ import sys
 import time
 from typing import Any, Callable, Dict
 
-from .encodings import dense_mask
 from .harness import Kernel, split_result, synchronize
 from .numpy_kernel import NumpyKernel
 from .problem import Problem
@@ -45,7 +44,7 @@ def user_mask(p: Problem, module: Any, build: Callable) -> dict:
                                           for sl in shared["slices"]]
     dense = None
     if shared is not None and p.seqlen <= DENSE_FOR_MODULES_MAX_SEQLEN and getattr(module, "DENSE_MASK", True):
-        dense = build(shared)
+        dense = build(0)
     return {"dense": dense, "slices": slices, "set": p.mask_set}
 
 
@@ -71,7 +70,7 @@ def numpy_module_kernel(p: Problem, module: Any, label: dict) -> NumpyKernel:
 
     def setup() -> None:
         start = time.perf_counter()
-        mask.update(user_mask(p, module, dense_mask))
+        mask.update(user_mask(p, module, p.dense))
         kernel.phases["mask_build_s"] = time.perf_counter() - start
 
     kernel.setup = setup
@@ -88,7 +87,7 @@ def torch_module_kernel(p: Problem, torch: Any, device: Any, module: Any, label:
 
     def setup(native: Dict[str, Any]) -> None:
         start = time.perf_counter()
-        mask.update(user_mask(p, module, lambda m: dense_mask(m, torch, device)))
+        mask.update(user_mask(p, module, lambda index: p.dense(index, torch, device)))
         synchronize(torch, device, kernel)
         kernel.phases["mask_build_s"] = time.perf_counter() - start
 
