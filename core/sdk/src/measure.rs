@@ -310,6 +310,11 @@ impl<'a> HarnessRun<'a> {
         run
     }
 
+    /// Whether the next repetition recorded is still a warm-up one (its seconds are dropped).
+    pub fn warming_up(&self) -> bool {
+        self.timed_start.is_none()
+    }
+
     /// Records a finished repetition's seconds (a warm-up's are dropped): the timing once the
     /// rule stops the run, `None` while another repetition should follow.
     pub fn record(&mut self, seconds: f64) -> Option<Timing> {

@@ -227,7 +227,8 @@ pub struct DecodeParams {
     world: usize,
     backend: DecodeBackend,
     attention: String,
-    reps: usize,
+    #[serde(flatten)]
+    harness: attnbench_sdk::measure::HarnessParams,
     dtype: Element,
     #[serde(flatten)]
     shape: BatchParams,
@@ -240,16 +241,30 @@ pub struct DecodeParams {
     infiniband_latency_us: f64,
 }
 
+/// The stopping rule of `backend: nccl` (rank 0's step time; threads compute exactly, untimed):
+/// a step is tens of microseconds to milliseconds, so a warm-up of a few steps and at most two
+/// seconds of repetitions.
+fn gpu_harness() -> attnbench_sdk::measure::Harness {
+    attnbench_sdk::measure::Harness {
+        timer: "CUDA events on each rank's compute stream from a barrier; rank 0's step".into(),
+        warmup_reps: 3,
+        warmup_s: 0.0,
+        min_reps: 10,
+        max_reps: 200,
+        max_time_s: 2.0,
+        target_rel_ci: 0.01,
+    }
+}
+
 /// `cp/decode` as the manifest declares it.
 pub fn spec() -> StageSpec {
-    declare_batch(StageSpec::new("decode"), 4, "4k", (8, 2, 16))
+    gpu_harness().declare(declare_batch(StageSpec::new("decode"), 4, "4k", (8, 2, 16)))
         .doc("Decodes a batch with each sequence's KV cache split over ranks (threads, or one process per GPU over NCCL), the partials combined by a tree or a ring: outputs checked against the f64 reference, each rank's sent values against the formula.")
         .gpu_when("backend", "nccl")
         .param(ParamSpec::new("method", ParamType::one_of(DecodeMethod::NAMES)).default("tree").doc("`tree`: partials combined by a binary tree (Tree Attention, ⌈log₂ world⌉ rounds); `ring`: passed along the ring, merged at each hop (world − 1 sends in a row)."))
         .param(ParamSpec::new("world", ParamType::Int).default(4).doc("Ranks, each holding a contiguous shard of every sequence's KV cache."))
         .param(ParamSpec::new("backend", ParamType::one_of(DecodeBackend::NAMES)).default("threads").doc("`threads`: ranks as threads, f64 on the CPU (exactness and traffic); `nccl`: one `attnbench-cp-rank` process per GPU, partials on `attention`'s device backend, combined over NCCL and timed with CUDA events."))
         .param(ParamSpec::new("attention", ParamType::Backend).default("builtin").doc("`nccl`: the kernel plugin's in-process backend each rank computes its partial with: cuda/decode (a call a sequence)."))
-        .param(ParamSpec::new("reps", ParamType::Int).default(20).doc("`nccl`: timed repetitions after a warm-up, each from a barrier."))
         .param(attnbench_sdk::shapes::shape_param())
         .param(ParamSpec::new("dtype", ParamType::one_of(Element::NAMES)).default("bf16").doc("Inputs are rounded to it; bytes are counted in it."))
         .param(ParamSpec::new("worlds", ParamType::List(Box::new(ParamType::Int))).default(json!([8, 16, 32, 64, 128, 256, 512, 1024])).doc("GPU counts the cost model predicts both methods' step time at."))
@@ -310,7 +325,7 @@ pub fn stage(request: &StageRequest) -> Result<Value, PluginError> {
                     world: p.world,
                     dtype: p.dtype,
                     attention,
-                    reps: p.reps.max(1),
+                    harness: p.harness.apply(gpu_harness()),
                 },
             )?
         }

@@ -6,12 +6,14 @@
 //! as on threads ([`crate::decode::combine`]). The rank's tensors are sequence-major (`[batch]
 //! [heads][tokens][d]`), so each sequence's block is one contiguous call and the partial of the
 //! whole batch one message. Each repetition starts at a barrier; rank 0's time is the step's
-//! latency, since the step is done when the root holds the merged result.
+//! latency, since the step is done when the root holds the merged result, and the harness's
+//! rule on it stops every rank at once ([`SharedRun`]).
 
 use std::path::{Path, PathBuf};
 
 use attnbench_sdk::attention::HostBlock;
 use attnbench_sdk::decode::{block_rows, split_range, DecodeProblem};
+use attnbench_sdk::measure::Harness;
 use attnbench_sdk::reference::{Element, UniformStream};
 use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
 use serde::{Deserialize, Serialize};
@@ -26,6 +28,7 @@ use crate::launch::RankInfo;
 use crate::local::{Partial, Span, Store};
 use crate::nccl::NcclGroup;
 use crate::processes::RankError;
+use crate::stopping::{Counted, SharedRun};
 
 /// Everything a GPU decode rank needs; read by `attnbench-cp-rank` (`"kind": "gpu-decode"`).
 #[derive(Serialize, Deserialize)]
@@ -39,8 +42,8 @@ pub struct DecodeJob {
     pub world: usize,
     /// The device backend: a plugin library and its in-process kernel.
     pub attention: (PathBuf, String),
-    /// Timed repetitions after the warm-up.
-    pub reps: usize,
+    /// The stopping rule, applied by rank 0 to its step time for every rank.
+    pub harness: Harness,
     /// Each rank writes `rank-<r>.json`, rank 0 its combined O and LSE as f32 files, here.
     pub results: PathBuf,
 }
@@ -57,6 +60,8 @@ pub struct DecodeRankResult {
     pub local_s: Vec<f64>,
     /// Bytes this rank sent in one step.
     pub sent_bytes: u64,
+    /// Why the repetitions stopped (rank 0's; `None` on the others).
+    pub stopped: Option<String>,
     /// Rank 0: the files of the combined O (`[batch][heads_q][queries][head_dim]`) and LSE
     /// (`[batch][heads_q][queries]`), f32.
     pub outputs: Option<(String, String)>,
@@ -196,23 +201,27 @@ fn run(job: &DecodeJob, info: &RankInfo) -> Result<DecodeRankResult, RankError> 
             .record_event(Some(CU_EVENT_DEFAULT))
             .map_err(GpuError::driver("timing event"))
     };
-    let (mut step_s, mut local_s, mut sent_bytes) = (Vec::new(), Vec::new(), 0);
-    let mut combined = None;
-    for rep in 0..=job.reps {
+    let (mut step_s, mut local_s, mut sent_bytes) = (Vec::new(), Vec::new(), None);
+    let mut shared = SharedRun::new(&host, &job.harness, Counted::Root);
+    let combined = loop {
         nccl.barrier();
         let before = nccl.sent_bytes();
         let start = event()?;
         let mine = local()?;
         let computed = event()?;
-        combined = combine(store, &nccl, mine, job.method, d);
+        let combined = combine(store, &nccl, mine, job.method, d);
         let end = event()?;
-        if rep == 0 {
-            sent_bytes = nccl.sent_bytes() - before;
-        } else {
-            step_s.push(seconds_between(&start, &end)?);
+        sent_bytes.get_or_insert(nccl.sent_bytes() - before);
+        let step = seconds_between(&start, &end)?;
+        let verdict = shared.after(step);
+        if verdict.timed {
+            step_s.push(step);
             local_s.push(seconds_between(&start, &computed)?);
         }
-    }
+        if verdict.done {
+            break combined;
+        }
+    };
     nccl.barrier();
     let outputs = match combined {
         Some(partial) => {
@@ -231,7 +240,8 @@ fn run(job: &DecodeJob, info: &RankInfo) -> Result<DecodeRankResult, RankError> 
             .sum(),
         step_s,
         local_s,
-        sent_bytes,
+        sent_bytes: sent_bytes.unwrap_or_default(),
+        stopped: shared.stopped().map(str::to_string),
         outputs,
     })
 }
@@ -267,7 +277,7 @@ pub struct GpuDecode<'a> {
     pub world: usize,
     pub dtype: Element,
     pub attention: (PathBuf, String),
-    pub reps: usize,
+    pub harness: Harness,
 }
 
 fn median(values: &[f64]) -> f64 {
@@ -311,7 +321,7 @@ pub fn measure(
         seed: request.seed,
         world: cell.world,
         attention: cell.attention,
-        reps: cell.reps,
+        harness: cell.harness,
         results: ranks_dir.clone(),
     };
     attnbench_sdk::write_json(&request.output_dir, "job.json", &job)?;
@@ -382,7 +392,8 @@ pub fn measure(
         "sent_bytes": sent,
         "expected_sent_bytes": expected,
         "traffic_matches": sent == expected,
-        "reps": cell.reps,
+        "reps": root.len(),
+        "stopped": results[0].stopped,
         "passed": passed,
     }))
 }

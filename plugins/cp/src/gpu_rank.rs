@@ -1,13 +1,14 @@
 //! One rank of a context-parallel run on GPUs (`backend: nccl`): its GPU, its NCCL groups, its
 //! shard of the inputs in 16-bit, the method on the [`DeviceStore`] with blocks on a kernel
-//! plugin's device backend (`cuda/flash`), timed with CUDA events over `reps` repetitions after
-//! a warm-up (every repetition starts at a barrier), and its outputs written back as f32 files
-//! for the stage to check.
+//! plugin's device backend (`cuda/flash`), timed with CUDA events (every repetition starts at a
+//! barrier) until the harness's rule, applied by rank 0 to the slowest rank's time, stops every
+//! rank at once ([`SharedRun`]); its outputs written back as f32 files for the stage to check.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use attnbench_sdk::attention::{Backend, DType};
+use attnbench_sdk::measure::{Direction, Harness};
 use attnbench_sdk::reference::{Element, HeadMasks, RandomInputs, Tensor};
 use attnbench_sdk::PluginError;
 use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
@@ -21,6 +22,8 @@ use crate::local::Tokens;
 use crate::methods::{Groups, Rank};
 use crate::nccl::NcclGroup;
 use crate::processes::{RankError, RankProblem};
+use crate::protocol::pass_times;
+use crate::stopping::{Counted, SharedRun};
 
 /// Everything a GPU rank needs; read by `attnbench-cp-rank` (`"kind": "gpu"`).
 #[derive(Serialize, Deserialize)]
@@ -31,8 +34,10 @@ pub struct GpuJob {
     pub problem: RankProblem,
     /// The device backend: a plugin library and its in-process kernel.
     pub attention: (PathBuf, String),
-    /// Timed repetitions after the warm-up.
-    pub reps: usize,
+    /// The passes a repetition times.
+    pub direction: Direction,
+    /// The stopping rule, applied by rank 0 for every rank.
+    pub harness: Harness,
     /// Each rank writes `rank-<r>.json` and its f32 output files here.
     pub results: PathBuf,
 }
@@ -49,6 +54,8 @@ pub struct GpuRankResult {
     pub backward_parts_s: Vec<(f64, f64)>,
     /// Bytes sent in one forward and one backward pass.
     pub sent: (u64, u64),
+    /// Why the repetitions stopped (rank 0's record; `None` on the others).
+    pub stopped: Option<String>,
     pub out: Tokens<String>,
     pub lse: Tokens<String>,
     pub grads: Option<[Tokens<String>; 3]>,
@@ -228,9 +235,9 @@ fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, RankError> {
             ulysses.take_busy_seconds() + ring.take_busy_seconds(),
         )
     };
-    let mut sent_per_pass = (0, 0);
-    let mut last = None;
-    for rep in 0..=job.reps {
+    let mut sent_per_pass = None;
+    let mut shared = SharedRun::new(&everyone, &job.harness, Counted::Slowest);
+    let (forward, grads) = loop {
         world_nccl.barrier();
         let before = sent();
         let start = event()?;
@@ -248,9 +255,11 @@ fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, RankError> {
             let end = event()?;
             backward_time = Some((seconds_between(&start, &end)?, parts()));
         }
-        if rep == 0 {
-            sent_per_pass = (forward_sent, sent() - before - forward_sent);
-        } else {
+        sent_per_pass.get_or_insert((forward_sent, sent() - before - forward_sent));
+        let backward_seconds = backward_time.map_or(0.0, |(time, _)| time);
+        let verdict =
+            shared.after(pass_times(job.direction, &[forward_time], &[backward_seconds])[0]);
+        if verdict.timed {
             forward_s.push(forward_time);
             forward_parts_s.push(forward_parts);
             if let Some((time, parts)) = backward_time {
@@ -258,10 +267,11 @@ fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, RankError> {
                 backward_parts_s.push(parts);
             }
         }
-        last = Some((forward, grads));
-    }
+        if verdict.done {
+            break (forward, grads);
+        }
+    };
     world_nccl.barrier();
-    let (forward, grads) = last.expect("at least the warm-up ran");
     let dir = &job.results;
     let write = |name: &str, tokens: &Tokens<DeviceValues>| -> Result<Tokens<String>, RankError> {
         let file = format!("rank-{w}-{name}.f32");
@@ -274,7 +284,8 @@ fn run(job: &GpuJob, info: &RankInfo) -> Result<GpuRankResult, RankError> {
         backward_s,
         forward_parts_s,
         backward_parts_s,
-        sent: sent_per_pass,
+        sent: sent_per_pass.unwrap_or_default(),
+        stopped: shared.stopped().map(str::to_string),
         out: write("out", &forward.out)?,
         lse: write("lse", &forward.lse)?,
         grads: grads

@@ -21,6 +21,7 @@ mod nccl;
 mod processes;
 mod protocol;
 mod sharding;
+mod stopping;
 mod tcp;
 mod threads;
 mod volume;
@@ -520,7 +521,8 @@ impl GpuRun<'_> {
         let job = gpu_rank::GpuJob {
             problem: rank_problem(p, setup.clone(), self.set, request.seed),
             attention,
-            reps: harness.min_reps.max(10).min(harness.max_reps.max(1)) as usize,
+            direction: p.direction,
+            harness: harness.clone(),
             results: ranks_dir.clone(),
         };
         write_json(&request.output_dir, "job.json", &job)?;
@@ -570,7 +572,8 @@ impl GpuRun<'_> {
         ));
         // Each repetition's time on every rank, by both rules: the slowest rank, and the mean.
         let at = |times: &Vec<f64>, rep: usize| vec![times.get(rep).copied().unwrap_or(0.0)];
-        let per_rep: Vec<Vec<f64>> = (0..job.reps)
+        let reps = results.iter().map(|r| r.forward_s.len()).min().unwrap_or(0);
+        let per_rep: Vec<Vec<f64>> = (0..reps)
             .map(|rep| {
                 results
                     .iter()
@@ -596,7 +599,10 @@ impl GpuRun<'_> {
         measurement.timing = Some(attnbench_sdk::measure::Timing {
             rel_ci: attnbench_sdk::measure::median_rel_ci(&samples),
             samples,
-            stopped: format!("{} repetitions in every rank after a warm-up", job.reps),
+            stopped: results
+                .first()
+                .and_then(|r| r.stopped.clone())
+                .unwrap_or_else(|| "rank 0 did not say".into()),
         });
         let sizes = volume::Sizes {
             tokens: (s / n) as u64,

@@ -425,7 +425,8 @@ fn a_gpu_job_file_is_flat_and_reads_back() {
             mask: mask("causal_document"),
         },
         attention: ("libattnbench_cuda.so".into(), "flash".into()),
-        reps: 10,
+        direction: attnbench_sdk::measure::Direction::FwdBwd,
+        harness: crate::default_harness(),
         results: "ranks".into(),
     };
     let text = serde_json::to_value(&job).unwrap();
@@ -437,7 +438,8 @@ fn a_gpu_job_file_is_flat_and_reads_back() {
     }
     let back: GpuJob = serde_json::from_value(text).unwrap();
     assert_eq!(back.problem.shape().seqlen, SEQLEN);
-    assert_eq!((back.problem.seed, back.reps), (5, 10));
+    assert_eq!(back.problem.seed, 5);
+    assert_eq!(back.harness, crate::default_harness());
     assert_eq!(back.problem.setup.layout.ulysses, 2);
 }
 
