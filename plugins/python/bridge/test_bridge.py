@@ -431,13 +431,15 @@ def run_ok(bridge, label, params):
     return reply["result"]
 
 
-def expect_unsupported(bridge, label, params, needle, scope=None):
-    """`scope` "machine": what is missing is this machine's (a package, CUDA), not the case's."""
+def expect_unsupported(bridge, label, params, needles, scope=None):
+    """`needles`: one of them is in the reason; `scope` "machine": what is missing is this
+    machine's (a package, CUDA), not the case's."""
     reply = bridge.cell(params)
     result = reply.get("result") or {}
     reason = result.get("reason") or ""
+    found = any(n.lower() in reason.lower() for n in ([needles] if isinstance(needles, str) else needles))
     check(f"{label}: unsupported ({reason})", reply.get("ok") and result.get("status") == "unsupported"
-          and needle.lower() in reason.lower() and result.get("scope") == scope, json.dumps(reply)[:1500])
+          and found and result.get("scope") == scope, json.dumps(reply)[:1500])
 
 
 def test_protocol(bridge, python):
@@ -671,7 +673,8 @@ def test_torch(bridge, report, quick):
         expect_unsupported(bridge, "sdpa-math on cuda without CUDA",
                            dict(case.params("sdpa-math", sets["causal"]), device="cuda"), "CUDA is not available",
                            scope="machine")
-    for kernel, needle in (("fa2", "flash_attn not importable"), ("fa3", "flash_attn_interface not importable"),
+    # FA4's wheel installs a `flash_attn` package without FA2's entry points.
+    for kernel, needle in (("fa2", ("flash_attn not importable", "no flash_attn_func")), ("fa3", "flash_attn_interface not importable"),
                            ("fa4", "not importable"), ("flashinfer", "flashinfer not importable"),
                            ("flashmask", "paddle not importable")):
         if report.get(kernel, {}).get("available"):
@@ -1023,6 +1026,19 @@ def test_lifecycle(python):
     check("--remove-own-folder: a cell still runs", reply.get("ok") and reply["result"]["status"] == "ok",
           json.dumps(reply)[:600])
     own.request("shutdown")
+    # What the worker does before removing its folder keeps the package's sources readable: FA4's
+    # DSL compiles a mask_mod from its source (a nested function's, here).
+    copy = temporary_dir("bridge-copy-")
+    shutil.copytree(os.path.join(HERE, "attnbench_bridge"), os.path.join(copy, "attnbench_bridge"))
+    probe = subprocess.run([python, "-B", "-c", (
+        "import inspect, shutil, sys; sys.path.insert(0, sys.argv[1]); import attnbench_bridge.flash as f; "
+        "from attnbench_bridge.support import keep_sources; keep_sources(sys.argv[1]); shutil.rmtree(sys.argv[1]); "
+        "inner = [c for c in f.fa4_block_mask_mod.__code__.co_consts if inspect.iscode(c)]; "
+        "print(len(inspect.getsourcelines(f.fa4_block_mask_mod)[0]) > 3, "
+        "all(any('def ' in l for l in inspect.getsourcelines(c)[0][:3]) for c in inner) and len(inner) > 0)"), copy],
+        capture_output=True, text=True)
+    check("--remove-own-folder: the package's sources stay readable (a mask_mod's, for FA4's DSL)",
+          probe.stdout.split() == ["True", "True"] and not os.path.exists(copy), probe.stdout + probe.stderr[-800:])
     # -S: no site-packages, so neither numpy nor torch; the bridge must still start and answer
     bare = Bridge(python, flags=("-S",))
     report = bare.request("backends").get("result") or {}

@@ -4,12 +4,29 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import linecache
+import os
 import sys
 from typing import Any, Callable, Optional
 
 
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "f32": 4}
 GIB = float(1 << 30)
+
+
+def keep_sources(folder: str) -> None:
+    """Keeps the lines of every module imported from `folder` in linecache (as a loader's, which
+    checkcache never drops), so that `inspect.getsource` still finds them once the folder is
+    removed: FA4's CuTe DSL compiles a mask_mod from its source."""
+    root = os.path.join(os.path.abspath(folder), "")
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if not path or not os.path.abspath(path).startswith(root):
+            continue
+        with open(path, encoding="utf-8") as source:
+            lines = source.readlines()
+        for name in {path, os.path.abspath(path)}:
+            linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
 
 
 class Unsupported(Exception):
