@@ -522,7 +522,13 @@ impl GpuRun<'_> {
             problem: rank_problem(p, setup.clone(), self.set, request.seed),
             attention,
             direction: p.direction,
-            harness: harness.clone(),
+            // At least 10 timed repetitions, as the GPU kernel stages take: a stage's defaults
+            // suit threads (3), and three passes of ranks over NCCL bound the median loosely.
+            harness: Harness {
+                min_reps: harness.min_reps.max(10),
+                max_reps: harness.max_reps.max(10),
+                ..harness.clone()
+            },
             results: ranks_dir.clone(),
         };
         write_json(&request.output_dir, "job.json", &job)?;
