@@ -93,9 +93,40 @@ mod tests {
     use super::*;
     use crate::comm::World;
 
-    /// Three ranks as threads, each repetition's seconds differing per rank: every rank gets the
-    /// same verdicts, the warm-up is not timed, and the run stops by the harness's rule on the
-    /// slowest rank's seconds.
+    /// `ranks` threads sharing one run, rank `r`'s repetition `i` taking `seconds(r, i)`: each
+    /// rank's verdicts, and why rank 0's run stopped.
+    fn shared_run(
+        ranks: usize,
+        harness: &Harness,
+        counted: Counted,
+        seconds: impl Fn(usize, usize) -> f64 + Sync,
+    ) -> Vec<(Vec<Verdict>, Option<String>)> {
+        let world = World::new(ranks);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..ranks)
+                .map(|rank| {
+                    let (world, seconds) = (world.clone(), &seconds);
+                    scope.spawn(move || {
+                        let group = Group::new(world, (0..ranks).collect(), rank, 0);
+                        let mut shared = SharedRun::new(&group, harness, counted);
+                        let mut seen = Vec::new();
+                        for rep in 0.. {
+                            let verdict = shared.after(seconds(rank, rep));
+                            seen.push(verdict);
+                            if verdict.done {
+                                break;
+                            }
+                        }
+                        (seen, shared.stopped().map(str::to_string))
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    /// Each repetition's seconds differing per rank: every rank gets the same verdicts, the
+    /// warm-up is not timed, and the run stops by the harness's rule.
     #[test]
     fn every_rank_follows_rank_zeros_verdicts() {
         let harness = Harness {
@@ -107,65 +138,35 @@ mod tests {
             target_rel_ci: 0.0,
             ..Harness::default()
         };
-        let world = World::new(3);
-        let verdicts: Vec<(Vec<Verdict>, Option<String>)> = std::thread::scope(|scope| {
-            let handles: Vec<_> = (0..3)
-                .map(|rank| {
-                    let (world, harness) = (world.clone(), &harness);
-                    scope.spawn(move || {
-                        let group = Group::new(world, vec![0, 1, 2], rank, 0);
-                        let mut shared = SharedRun::new(&group, harness, Counted::Slowest);
-                        let mut seen = Vec::new();
-                        for rep in 0.. {
-                            let verdict = shared.after(1.0 + rank as f64 + rep as f64);
-                            seen.push(verdict);
-                            if verdict.done {
-                                break;
-                            }
-                        }
-                        (seen, shared.stopped().map(str::to_string))
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        let runs = shared_run(3, &harness, Counted::Slowest, |rank, rep| {
+            1.0 + rank as f64 + rep as f64
         });
-        let timed: Vec<bool> = verdicts[0].0.iter().map(|v| v.timed).collect();
+        let timed: Vec<bool> = runs[0].0.iter().map(|v| v.timed).collect();
         assert_eq!(timed, [false, false, true, true, true, true, true, true]);
-        assert!(verdicts.iter().all(|(seen, _)| *seen == verdicts[0].0));
-        assert_eq!(verdicts[0].1.as_deref(), Some("max reps"));
-        assert_eq!(verdicts[1].1, None);
+        assert!(runs.iter().all(|(seen, _)| *seen == runs[0].0));
+        assert_eq!(runs[0].1.as_deref(), Some("max reps"));
+        assert_eq!(runs[1].1, None);
     }
 
-    /// A stable run stops at the fewest repetitions, on the root's seconds alone.
+    /// A stable run stops at the fewest repetitions, on the root's seconds alone (the other
+    /// rank's vary wildly); on the slowest rank's, the same run goes on to the most.
     #[test]
-    fn a_stable_root_stops_at_min_reps() {
+    fn the_counted_seconds_decide() {
         let harness = Harness {
             warmup_reps: 1,
             warmup_s: 0.0,
             min_reps: 4,
-            max_reps: 50,
+            max_reps: 12,
+            max_time_s: 60.0,
             target_rel_ci: 0.05,
             ..Harness::default()
         };
-        let world = World::new(2);
-        let reps: Vec<usize> = std::thread::scope(|scope| {
-            let handles: Vec<_> = (0..2)
-                .map(|rank| {
-                    let (world, harness) = (world.clone(), &harness);
-                    scope.spawn(move || {
-                        let group = Group::new(world, vec![0, 1], rank, 0);
-                        let mut shared = SharedRun::new(&group, harness, Counted::Root);
-                        // The other rank's times vary wildly; only the root's count.
-                        let mut rep = 0;
-                        while !shared.after(if rank == 0 { 1.0 } else { rep as f64 }).done {
-                            rep += 1;
-                        }
-                        rep + 1
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        assert_eq!(reps, [5, 5]);
+        let seconds = |rank: usize, rep: usize| if rank == 0 { 1.0 } else { (rep * rep) as f64 };
+        let root = shared_run(2, &harness, Counted::Root, seconds);
+        assert_eq!((root[0].0.len(), root[1].0.len()), (5, 5));
+        assert_eq!(root[0].1.as_deref(), Some("stable"));
+        let slowest = shared_run(2, &harness, Counted::Slowest, seconds);
+        assert_eq!(slowest[1].0.len(), 13);
+        assert_eq!(slowest[0].1.as_deref(), Some("max reps"));
     }
 }
