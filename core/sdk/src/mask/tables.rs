@@ -127,8 +127,9 @@ pub struct BlockGrid {
 }
 
 impl BlockGrid {
-    /// The most blocks (grid cells times masks) a grid is built for: past it a dense table would
-    /// take gigabytes, and no block-sparse kernel takes blocks that small.
+    /// The most blocks (grid cells times masks) a grid is built for: past it the worker's table
+    /// of blocks (a byte a block) would take hundreds of megabytes, and no block-sparse kernel
+    /// takes blocks that small.
     pub const MAX_CELLS: u64 = 1 << 28;
 
     /// Whether cell (q, k) of mask `m` is in a kept block.
