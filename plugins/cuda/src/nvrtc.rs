@@ -174,7 +174,7 @@ mod tests {
     fn flash_kernels(hopper: bool) -> Vec<String> {
         let mut names = Vec::new();
         for element in ["bf16", "f16"] {
-            for d in [64, 128] {
+            for d in crate::flash::HEAD_DIMS {
                 for kind in [
                     "forward",
                     "forward_narrow",

@@ -46,9 +46,11 @@ __device__ __forceinline__ void paired_products(float (*x)[4], float (*y)[4], Fr
 }
 
 // dQ of one (64-row query tile, query head): S and P recomputed per key tile as in the forward
-// pass, dP = dO·Vᵀ, dS = P∘(dP − D), dQ += dS·K; scaled at the end. Q and dO are staged through
-// the K and V buffers into registers; K(j+1) (into the other of two K buffers) and V(j+1) load
-// while dS and dQ of tile j are computed.
+// pass, dP = dO·Vᵀ, dS = P∘(dP − D), dQ += dS·K; scaled at the end. Up to head_dim 128, Q and dO
+// are staged through the K and V buffers into registers (static shared memory); past it their
+// fragments would not fit beside dQ's accumulators, so they stay in shared tiles of their own
+// (dynamic shared memory: Q, dO, two K buffers and V, 64 rows each). K(j+1) (into the other of
+// two K buffers) and V(j+1) load while dS and dQ of tile j are computed.
 template <int E, int D>
 __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                                   const u16* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -56,8 +58,15 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
                                   const unsigned* __restrict__ tile_start, const unsigned* __restrict__ tiles,
                                   const unsigned* __restrict__ row_start, const unsigned* __restrict__ intervals,
                                   const int* __restrict__ mask_of_head, int seqlen, int group, float scale, float scale_log2) {
-    __shared__ __align__(128) u16 sk_buffers[2][BN * D];
-    __shared__ __align__(128) u16 sv[BN * D];
+    constexpr int S = tile_stride<D>();
+    constexpr bool RESIDENT = D <= 128;  // Q's and dO's fragments in registers
+    __shared__ __align__(128) u16 static_tiles[RESIDENT ? 3 * BN * S : 1];
+    extern __shared__ __align__(128) u16 dynamic_shared[];
+    u16* const k_buffers = RESIDENT ? static_tiles : dynamic_shared;
+    u16* const sv = k_buffers + 2 * BN * S;
+    // Where Q and dO go: through the first K buffer and V into registers, or to tiles of their own.
+    u16* const sq = RESIDENT ? k_buffers : sv + BN * S;
+    u16* const sdo = RESIDENT ? sv : sq + BM * S;
     const int q_tile = blockIdx.y, head = blockIdx.x, kv_head = head / group;
     const int mask = mask_of_head[head];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -71,18 +80,20 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
     const float d0 = r0 < seqlen ? delta[(size_t)head * seqlen + r0] : 0.0f;
     const float d1 = r1 < seqlen ? delta[(size_t)head * seqlen + r1] : 0.0f;
 
-    u32 qa[D / 16][4], da[D / 16][4];
-    load_tile_async<BM, D, THREADS>(sk_buffers[0], q + ((size_t)head * seqlen + q0) * D, min(BM, seqlen - q0));
-    load_tile_async<BM, D, THREADS>(sv, d_out + ((size_t)head * seqlen + q0) * D, min(BM, seqlen - q0));
-    commit_copies();
-    wait_copies<0>();
-    __syncthreads();
-    #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-        a_fragment<D>(qa[kk], sk_buffers[0], warp * 16, kk);
-        a_fragment<D>(da[kk], sv, warp * 16, kk);
+    u32 qa[RESIDENT ? D / 16 : 1][4], da[RESIDENT ? D / 16 : 1][4];
+    load_tile_async<BM, D, THREADS>(sq, q + ((size_t)head * seqlen + q0) * D, min(BM, seqlen - q0));
+    load_tile_async<BM, D, THREADS>(sdo, d_out + ((size_t)head * seqlen + q0) * D, min(BM, seqlen - q0));
+    if constexpr (RESIDENT) {
+        commit_copies();
+        wait_copies<0>();
+        __syncthreads();
+        #pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            a_fragment<D>(qa[kk], sq, warp * 16, kk);
+            a_fragment<D>(da[kk], sdo, warp * 16, kk);
+        }
+        __syncthreads();
     }
-    __syncthreads();
 
     float acc[D / 8][4];
     #pragma unroll
@@ -93,7 +104,7 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
     const unsigned begin = tile_start[list], end = tile_start[list + 1];
     if (begin < end) {
         const int k0 = (int)(tiles[begin] & 0x7fffffffu) * BN;
-        load_tile_async<BN, D, THREADS>(sk_buffers[0], kh + (size_t)k0 * D, min(BN, seqlen - k0));
+        load_tile_async<BN, D, THREADS>(k_buffers, kh + (size_t)k0 * D, min(BN, seqlen - k0));
         load_tile_async<BN, D, THREADS>(sv, vh + (size_t)k0 * D, min(BN, seqlen - k0));
     }
     commit_copies();
@@ -101,18 +112,23 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
         const unsigned entry = tiles[w];
         const bool partial = entry >> 31;
         const int k0 = (int)(entry & 0x7fffffffu) * BN;
-        const u16* sk = sk_buffers[(w - begin) & 1];
+        const u16* sk = k_buffers + ((w - begin) & 1) * BN * S;
         wait_copies<0>();  // K(j) and V(j)
         __syncthreads();  // ... for every thread; and every warp is done with K(j-1)'s buffer
         float s[BN / 8][4], dp[BN / 8][4];
         paired_products<E, D, BN>(s, dp, [&](int kk, u32* xa, u32* ya) {
-            #pragma unroll
-            for (int i = 0; i < 4; ++i) { xa[i] = qa[kk][i]; ya[i] = da[kk][i]; }
+            if constexpr (RESIDENT) {
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) { xa[i] = qa[kk][i]; ya[i] = da[kk][i]; }
+            } else {
+                a_fragment<D>(xa, sq, warp * 16, kk);
+                a_fragment<D>(ya, sdo, warp * 16, kk);
+            }
         }, sk, sv);
         __syncthreads();  // every warp is done with V(j)
         if (w + 1 < end) {
             const int k1 = (int)(tiles[w + 1] & 0x7fffffffu) * BN;
-            load_tile_async<BN, D, THREADS>(sk_buffers[(w + 1 - begin) & 1], kh + (size_t)k1 * D, min(BN, seqlen - k1));
+            load_tile_async<BN, D, THREADS>(k_buffers + ((w + 1 - begin) & 1) * BN * S, kh + (size_t)k1 * D, min(BN, seqlen - k1));
             load_tile_async<BN, D, THREADS>(sv, vh + (size_t)k1 * D, min(BN, seqlen - k1));
         }
         commit_copies();
@@ -169,6 +185,8 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
 }
 
 #define BQ 32
+// The column parts of a key tile's dK and dV (one CTA each; the launch's grid z, flash/launch.rs).
+#define KEY_TILE_PARTS(D) ((D) > 128 ? 2 : 1)
 
 // The key-tile kernels' parameters after their four 16-bit inputs (Q, K, V and dO, by address
 // or by TMA map): LSE, D, the f32 gradients, the key tiles' work lists and order, the mask's
@@ -191,14 +209,20 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
 // 64 keys, through shared memory) into the f32 dQ with vector atomics: five products per step
 // instead of the seven of the deterministic pair (this kernel without DQ, then the dQ kernel,
 // which recomputes S and dP). dQ must be zero beforehand (the D kernel clears it).
-// Dynamic shared memory: [stage][Q | dO] (2·2·BQ rows), K and V (BN rows each), dS (BQ × BN).
+// Past head_dim 128 the dK and dV accumulators of every column (D a thread) would not fit the
+// registers: a CTA keeps KEY_TILE_PARTS(D) = 2 parts' columns (blockIdx.z the part) and the two
+// CTAs of a key tile each compute its Sᵀ and dPᵀ over the whole head dim.
+// Dynamic shared memory: [stage][Q | dO] (2·2·BQ rows), K and V (BN rows each), of
+// tile_stride<D>() elements, and dS (BQ × BN).
 template <int E, int D, bool DQ>
 __device__ void flash_backward_dkdv(KEY_TILE_PARAMS) {
+    constexpr int S = tile_stride<D>(), COLS = D / KEY_TILE_PARTS(D), BLOCKS = COLS / 16;
+    const int first_block = (KEY_TILE_PARTS(D) > 1 ? (int)blockIdx.z : 0) * BLOCKS;
     extern __shared__ __align__(128) u16 dynamic_shared[];
     u16* buffers = dynamic_shared;
-    u16* sk = buffers + 2 * 2 * BQ * D;
-    u16* sv = sk + BN * D;
-    u16* sds = sv + BN * D;
+    u16* sk = buffers + 2 * 2 * BQ * S;
+    u16* sv = sk + BN * S;
+    u16* sds = sv + BN * S;
     __shared__ __align__(16) float s_lse[2][BQ];
     __shared__ __align__(16) float s_delta[2][BQ];
     // The key tiles start longest list first (by the group's first head's mask).
@@ -217,17 +241,17 @@ __device__ void flash_backward_dkdv(KEY_TILE_PARAMS) {
     auto issue = [&](int stage) {
         if (walk.done()) return;
         const int head = walk.head, q0 = walk.row0();
-        u16* sq = buffers + stage * 2 * BQ * D;
+        u16* sq = buffers + stage * 2 * BQ * S;
         load_tile_async<BQ, D, THREADS>(sq, q + ((size_t)head * seqlen + q0) * D, min(BQ, seqlen - q0));
-        load_tile_async<BQ, D, THREADS>(sq + BQ * D, d_out + ((size_t)head * seqlen + q0) * D, min(BQ, seqlen - q0));
+        load_tile_async<BQ, D, THREADS>(sq + BQ * S, d_out + ((size_t)head * seqlen + q0) * D, min(BQ, seqlen - q0));
         stage_row_statistics<BQ, THREADS>(s_lse[stage], s_delta[stage], lse, delta, (size_t)head * seqlen, q0, seqlen);
     };
     issue(0);
     commit_copies();
 
-    float dk_acc[D / 8][4], dv_acc[D / 8][4];
+    float dk_acc[COLS / 8][4], dv_acc[COLS / 8][4];
     #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
+    for (int n = 0; n < COLS / 8; ++n) {
         dk_acc[n][0] = dk_acc[n][1] = dk_acc[n][2] = dk_acc[n][3] = 0.0f;
         dv_acc[n][0] = dv_acc[n][1] = dv_acc[n][2] = dv_acc[n][3] = 0.0f;
     }
@@ -243,8 +267,8 @@ __device__ void flash_backward_dkdv(KEY_TILE_PARAMS) {
         commit_copies();
         wait_copies<1>();  // this step's Q and dO (and, on the first step, K and V)
         __syncthreads();
-        const u16* sq = buffers + stage * 2 * BQ * D;
-        const u16* sdo = sq + BQ * D;
+        const u16* sq = buffers + stage * 2 * BQ * S;
+        const u16* sdo = sq + BQ * S;
         // Sᵀ and dPᵀ for the warp's 16 keys × 32 queries.
         float st[BQ / 8][4], dpt[BQ / 8][4];
         paired_products<E, D, BQ>(st, dpt, [&](int kk, u32* ka, u32* va) {
@@ -294,7 +318,7 @@ __device__ void flash_backward_dkdv(KEY_TILE_PARAMS) {
                     sds[swizzled<BN>(column, tile_key >> 3) + (tile_key & 7)] = to_bits<E>(dpt[n][i]);
                 }
         }
-        // dV += Pᵀ·dO and dK += dSᵀ·Q, 16 queries at a time.
+        // dV += Pᵀ·dO and dK += dSᵀ·Q (the part's columns), 16 queries at a time.
         #pragma unroll
         for (int kk = 0; kk < BQ / 16; ++kk) {
             u32 pa[4] = {pack2<E>(st[2 * kk][0], st[2 * kk][1]), pack2<E>(st[2 * kk][2], st[2 * kk][3]),
@@ -302,20 +326,21 @@ __device__ void flash_backward_dkdv(KEY_TILE_PARAMS) {
             u32 sa[4] = {pack2<E>(dpt[2 * kk][0], dpt[2 * kk][1]), pack2<E>(dpt[2 * kk][2], dpt[2 * kk][3]),
                          pack2<E>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]), pack2<E>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
             #pragma unroll
-            for (int c2 = 0; c2 < D / 16; ++c2) {
+            for (int c2 = 0; c2 < BLOCKS; ++c2) {
                 u32 b[4];
-                b_fragments<D>(b, sdo, kk * 16, c2);
+                b_fragments<D>(b, sdo, kk * 16, first_block + c2);
                 mma<E>(dv_acc[2 * c2], pa, b);
                 mma<E>(dv_acc[2 * c2 + 1], pa, b + 2);
-                b_fragments<D>(b, sq, kk * 16, c2);
+                b_fragments<D>(b, sq, kk * 16, first_block + c2);
                 mma<E>(dk_acc[2 * c2], sa, b);
                 mma<E>(dk_acc[2 * c2 + 1], sa, b + 2);
             }
         }
         if constexpr (DQ) {
             __syncthreads();  // every warp's dS is in place
-            // This warp's D/4 columns of the step's dQ rows, over the tile's 64 keys.
-            constexpr int C2 = D / 64;  // 16-column blocks per warp
+            // This warp's C2 16-column blocks of the part's columns of the step's dQ rows, over the
+            // tile's 64 keys (at head_dim 96 the last warp has none).
+            constexpr int C2 = (BLOCKS + 3) / 4;
             float acc[BQ / 16][2 * C2][4];
             #pragma unroll
             for (int mb = 0; mb < BQ / 16; ++mb)
@@ -328,8 +353,9 @@ __device__ void flash_backward_dkdv(KEY_TILE_PARAMS) {
                 for (int mb = 0; mb < BQ / 16; ++mb) a_fragment<BN>(a[mb], sds, mb * 16, kk);
                 #pragma unroll
                 for (int c = 0; c < C2; ++c) {
+                    if (BLOCKS % 4 != 0 && warp * C2 + c >= BLOCKS) continue;
                     u32 b[4];
-                    b_fragments<D>(b, sk, kk * 16, warp * C2 + c);
+                    b_fragments<D>(b, sk, kk * 16, first_block + warp * C2 + c);
                     #pragma unroll
                     for (int mb = 0; mb < BQ / 16; ++mb) {
                         mma<E>(acc[mb][2 * c], a[mb], b);
@@ -342,7 +368,8 @@ __device__ void flash_backward_dkdv(KEY_TILE_PARAMS) {
             for (int mb = 0; mb < BQ / 16; ++mb)
                 #pragma unroll
                 for (int n = 0; n < 2 * C2; ++n) {
-                    const int col = (warp * C2 + (n >> 1)) * 16 + (n & 1) * 8 + t * 2;
+                    if (BLOCKS % 4 != 0 && warp * C2 + (n >> 1) >= BLOCKS) continue;
+                    const int col = (first_block + warp * C2 + (n >> 1)) * 16 + (n & 1) * 8 + t * 2;
                     const int r0 = q0 + mb * 16 + g, r1 = r0 + 8;
                     if (r0 < seqlen) add_pair(dqh + (size_t)r0 * D + col, acc[mb][n][0] * scale, acc[mb][n][1] * scale);
                     if (r1 < seqlen) add_pair(dqh + (size_t)r1 * D + col, acc[mb][n][2] * scale, acc[mb][n][3] * scale);
@@ -353,8 +380,8 @@ __device__ void flash_backward_dkdv(KEY_TILE_PARAMS) {
     float* dkh = dk + ((size_t)kv_head * seqlen) * D;
     float* dvh = dv + ((size_t)kv_head * seqlen) * D;
     #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-        const int col = n * 8 + t * 2;
+    for (int n = 0; n < COLS / 8; ++n) {
+        const int col = first_block * 16 + n * 8 + t * 2;
         if (key0 < seqlen) {
             *reinterpret_cast<float2*>(dkh + (size_t)key0 * D + col) = make_float2(dk_acc[n][0] * scale, dk_acc[n][1] * scale);
             *reinterpret_cast<float2*>(dvh + (size_t)key0 * D + col) = make_float2(dv_acc[n][0], dv_acc[n][1]);
@@ -377,6 +404,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_dkdv_##SUFF
 extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_fused_##SUFFIX(const __grid_constant__ FlashParams p) { \
     flash_backward_dkdv<E, D, true>(KEY_TILE_ARGS(p)); }
 FLASH_BACKWARD(bf16_d64, 1, 64)
+FLASH_BACKWARD(bf16_d96, 1, 96)
 FLASH_BACKWARD(bf16_d128, 1, 128)
+FLASH_BACKWARD(bf16_d192, 1, 192)
+FLASH_BACKWARD(bf16_d256, 1, 256)
 FLASH_BACKWARD(f16_d64, 2, 64)
+FLASH_BACKWARD(f16_d96, 2, 96)
 FLASH_BACKWARD(f16_d128, 2, 128)
+FLASH_BACKWARD(f16_d192, 2, 192)
+FLASH_BACKWARD(f16_d256, 2, 256)

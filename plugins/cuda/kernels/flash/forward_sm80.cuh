@@ -2,8 +2,6 @@
 // primitives.cuh and mask.cuh.
 #pragma once
 
-#define FWD_THREADS 128
-
 // Every forward kernel's parameters: Q, K, V, O, LSE, the work lists (per query tile its key
 // tiles, and the order to start the query tiles), the rows' key intervals, each head's mask
 // (the kernels take them from their FlashParams).
@@ -12,18 +10,21 @@
     const unsigned* __restrict__ tiles, const unsigned* __restrict__ order, const unsigned* __restrict__ row_start, \
     const unsigned* __restrict__ intervals, const int* __restrict__ mask_of_head, int seqlen, int group, float scale_log2
 
-// Forward: one CTA of 4 warps per (64·M-row query tile, query head), each warp 16·M rows (M
-// 16-row blocks sharing every K and V fragment it loads: at M = 2, half the shared-memory traffic
-// per product of 16-row warps; M = 1 for masks whose blocks split 128-row tiles, see flash.rs). Q stays in shared memory; K and V tiles arrive by cp.async into one
-// buffer each, overlapped with compute: V(j) loads during S = Q·K(j)ᵀ, K(j+1) during the
-// softmax and O += P·V(j). Dynamic shared memory: (64·M + 2·64)·D 16-bit elements.
-template <int E, int D, int M>
+// Forward: one CTA of WARPS warps per (16·M·WARPS-row query tile, query head), each warp 16·M
+// rows (M 16-row blocks sharing every K and V fragment it loads: at M = 2, half the shared-memory
+// traffic per product of 16-row warps; M = 1 for masks whose blocks split 128-row tiles, see
+// flash.rs, and past head_dim 128, where a warp's accumulators of 32 rows would not fit its
+// registers and 8 warps make the 128-row tile). Q stays in shared memory; K and V tiles arrive by
+// cp.async into one buffer each, overlapped with compute: V(j) loads during S = Q·K(j)ᵀ, K(j+1)
+// during the softmax and O += P·V(j). Dynamic shared memory: (rows + 2·64)·tile_stride<D>()
+// 16-bit elements.
+template <int E, int D, int M, int WARPS>
 __device__ void flash_forward(FORWARD_PARAMS) {
-    constexpr int BM_FWD = 64 * M, FWD_M = M;
+    constexpr int BM_FWD = 16 * M * WARPS, FWD_M = M, FWD_THREADS = 32 * WARPS, S = tile_stride<D>();
     extern __shared__ __align__(128) u16 dynamic_shared[];
     u16* sq = dynamic_shared;
-    u16* sk = sq + BM_FWD * D;
-    u16* sv = sk + BN * D;
+    u16* sk = sq + BM_FWD * S;
+    u16* sv = sk + BN * S;
     const int head = blockIdx.x, kv_head = head / group, mask = mask_of_head[head];
     const int q_tiles = (seqlen + BM_FWD - 1) / BM_FWD;
     // Longest work lists first, so the last wave is short.
@@ -193,14 +194,26 @@ __device__ void flash_forward(FORWARD_PARAMS) {
     }
 }
 
-#define FLASH_FORWARD_TILE(NAME, SUFFIX, E, D, M) \
-extern "C" __global__ void __launch_bounds__(FWD_THREADS, 2) NAME##_##SUFFIX(const FlashParams p) { \
-    flash_forward<E, D, M>(p.q, p.k, p.v, p.out, p.lse, p.tile_start, p.tiles, p.order, p.interval_start, p.intervals, \
+#define FLASH_FORWARD_TILE(NAME, SUFFIX, E, D, M, WARPS, BLOCKS) \
+extern "C" __global__ void __launch_bounds__(32 * WARPS, BLOCKS) NAME##_##SUFFIX(const FlashParams p) { \
+    flash_forward<E, D, M, WARPS>(p.q, p.k, p.v, p.out, p.lse, p.tile_start, p.tiles, p.order, p.interval_start, p.intervals, \
                            p.mask_of_head, p.seqlen, p.group, p.scale_log2); }
+// Each head dim's 128-row (`flash_forward`) and 64-row (`flash_forward_narrow`) kernels. Past
+// head_dim 128 a warp keeps 16 rows (D/2 accumulators a thread), so the 128-row tile takes 8
+// warps, one CTA an SM.
 #define FLASH_FORWARD(SUFFIX, E, D) \
-    FLASH_FORWARD_TILE(flash_forward, SUFFIX, E, D, 2) \
-    FLASH_FORWARD_TILE(flash_forward_narrow, SUFFIX, E, D, 1)
+    FLASH_FORWARD_TILE(flash_forward, SUFFIX, E, D, 2, 4, 2) \
+    FLASH_FORWARD_TILE(flash_forward_narrow, SUFFIX, E, D, 1, 4, 2)
+#define FLASH_FORWARD_LARGE_HEAD(SUFFIX, E, D) \
+    FLASH_FORWARD_TILE(flash_forward, SUFFIX, E, D, 1, 8, 1) \
+    FLASH_FORWARD_TILE(flash_forward_narrow, SUFFIX, E, D, 1, 4, 2)
 FLASH_FORWARD(bf16_d64, 1, 64)
+FLASH_FORWARD(bf16_d96, 1, 96)
 FLASH_FORWARD(bf16_d128, 1, 128)
+FLASH_FORWARD_LARGE_HEAD(bf16_d192, 1, 192)
+FLASH_FORWARD_LARGE_HEAD(bf16_d256, 1, 256)
 FLASH_FORWARD(f16_d64, 2, 64)
+FLASH_FORWARD(f16_d96, 2, 96)
 FLASH_FORWARD(f16_d128, 2, 128)
+FLASH_FORWARD_LARGE_HEAD(f16_d192, 2, 192)
+FLASH_FORWARD_LARGE_HEAD(f16_d256, 2, 256)

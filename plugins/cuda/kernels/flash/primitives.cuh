@@ -29,9 +29,13 @@ template <> __device__ __forceinline__ void mma<2>(float* c, const u32* a, const
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// A shared tile's row: D elements rounded up to a multiple of 64 (eight 16-byte chunks), so that
+// the swizzle below stays inside its row (head_dim 96 takes rows of 128; 64, 128, 192, 256 their own).
+template <int D> __host__ __device__ constexpr int tile_stride() { return (D + 63) / 64 * 64; }
+
 // Shared tiles are stored swizzled: 16-byte chunk c of row r sits at chunk c ^ (r mod 8) of that
 // row, so the 8 rows an ldmatrix (or a fragment load) touches fall into 8 different banks.
-template <int D> __device__ __forceinline__ int swizzled(int row, int chunk) { return row * D + ((chunk ^ (row & 7)) << 3); }
+template <int D> __device__ __forceinline__ int swizzled(int row, int chunk) { return row * tile_stride<D>() + ((chunk ^ (row & 7)) << 3); }
 
 __device__ __forceinline__ u32 shared_address(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
@@ -43,7 +47,8 @@ __device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_
 // Waits until at most N of this thread's committed copy groups are still in flight.
 template <int N> __device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 
-// Starts copying ROWS × D 16-bit elements (global rows of width D) into a swizzled shared tile;
+// Starts copying ROWS × D 16-bit elements (global rows of width D) into a swizzled shared tile
+// (rows of tile_stride<D>());
 // rows at or past `valid` become zeros (keys past the end must not carry NaN into P·V).
 template <int ROWS, int D, int NT>
 __device__ __forceinline__ void load_tile_async(u16* dst, const u16* src, int valid) {

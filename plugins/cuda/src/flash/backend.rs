@@ -52,10 +52,8 @@ pub fn accepts(call: &AttentionCall<'_>) -> Result<(Element, Dims), AttentionErr
         call.heads_kv as usize,
         call.head_dim as usize,
     );
-    if d != 64 && d != 128 {
-        return Err(AttentionError::Unsupported(format!(
-            "the flash kernel is compiled for head_dim 64 and 128, not {d}"
-        )));
+    if let Some(reason) = super::unsupported_head_dim(d) {
+        return Err(AttentionError::Unsupported(reason));
     }
     if call.q_len != call.k_len {
         return Err(AttentionError::Unsupported(format!(

@@ -96,7 +96,7 @@ impl Kernels {
                 Err(_) => None,
             },
             delta: function("delta")?,
-            dq: function("backward_dq")?,
+            dq: allow_shared(function("backward_dq")?, dq_shared_bytes(head_dim))?,
             dkdv: allow_shared(
                 function("backward_dkdv")?,
                 key_tile_shared_bytes(head_dim, false),
@@ -153,9 +153,50 @@ pub(super) const HOPPER_KEY_TMA_ROWS: u64 = 2 * WIDE_TILE + 4 * TILE;
 /// The fused TMA kernel's: the dK/dV kernel's, then two buffers of dS (64 queries × 128 keys).
 pub(super) const HOPPER_FUSED_TMA_ROWS: u64 = HOPPER_KEY_TMA_ROWS + 2 * TILE;
 
+/// A shared tile's row in 16-bit elements: the head dim rounded up to 64, so that the swizzle
+/// stays inside the row (`tile_stride` in `kernels/flash/primitives.cuh`).
+fn tile_stride(head_dim: usize) -> usize {
+    head_dim.div_ceil(64) * 64
+}
+
+/// Head dims up to which the mma.sync dQ kernel keeps Q's and dO's fragments in registers (its
+/// tiles in static shared memory); past it they stay in dynamic shared memory (`RESIDENT` in
+/// `kernels/flash/backward_sm80.cuh`).
+const RESIDENT_HEAD_DIM: usize = 128;
+
+/// The mma.sync forward's threads on `rows`-row tiles: 4 warps, or 8 for 128-row tiles past
+/// head_dim 128, where a warp keeps 16 rows (`FLASH_FORWARD_LARGE_HEAD`).
+pub(super) fn forward_threads(rows: u64, head_dim: usize) -> u32 {
+    if rows == FORWARD_TILE && head_dim > RESIDENT_HEAD_DIM {
+        256
+    } else {
+        128
+    }
+}
+
+/// The CTAs that share a key tile of the mma.sync dK/dV kernels, each for its part of the
+/// columns: 2 past head_dim 128 (`KEY_TILE_PARTS` in `kernels/flash/backward_sm80.cuh`).
+pub(super) fn key_tile_parts(head_dim: usize) -> u32 {
+    if head_dim > RESIDENT_HEAD_DIM {
+        2
+    } else {
+        1
+    }
+}
+
 /// The forward kernel's dynamic shared memory: a Q tile and one K and one V tile, 16-bit.
 pub(super) fn forward_shared_bytes(rows: u64, head_dim: usize) -> u32 {
-    ((rows + 2 * TILE) as usize * head_dim * 2) as u32
+    ((rows + 2 * TILE) as usize * tile_stride(head_dim) * 2) as u32
+}
+
+/// The mma.sync dQ kernel's dynamic shared memory: none up to [`RESIDENT_HEAD_DIM`], past it 64
+/// rows each of Q, dO, two K buffers and V, 16-bit.
+pub(super) fn dq_shared_bytes(head_dim: usize) -> u32 {
+    if head_dim > RESIDENT_HEAD_DIM {
+        (5 * TILE as usize * tile_stride(head_dim) * 2) as u32
+    } else {
+        0
+    }
 }
 
 /// The key-tile backward kernel's dynamic shared memory: two stages of 32-row Q and dO tiles,
@@ -163,7 +204,7 @@ pub(super) fn forward_shared_bytes(rows: u64, head_dim: usize) -> u32 {
 pub(super) fn key_tile_shared_bytes(head_dim: usize, fused: bool) -> u32 {
     let rows = 2 * 2 * 32 + 2 * TILE as usize;
     let ds = if fused { 32 * TILE as usize } else { 0 };
-    ((rows * head_dim + ds) * 2) as u32
+    ((rows * tile_stride(head_dim) + ds) * 2) as u32
 }
 
 #[cfg(test)]
@@ -189,5 +230,34 @@ mod tests {
             let bytes = hopper_shared_bytes(rows) + STATIC_BYTES;
             assert!(bytes <= SM90_BLOCK_SHARED, "{kernel}: {bytes} bytes");
         }
+    }
+
+    /// The mma.sync kernels' shared memory fits what one block of sm_80 may opt into (163 KiB)
+    /// at every head dim the module is compiled for; the dQ kernel's static tiles stay within
+    /// the 48 KiB a block has without opting in, and 96's rows are padded to 128.
+    #[test]
+    fn mma_kernels_fit_shared_memory_at_every_head_dim() {
+        const SM80_BLOCK_SHARED: u32 = 163 * 1024;
+        for d in super::super::HEAD_DIMS {
+            for (kernel, bytes) in [
+                ("forward", forward_shared_bytes(FORWARD_TILE, d)),
+                ("narrow forward", forward_shared_bytes(TILE, d)),
+                ("dQ", dq_shared_bytes(d)),
+                ("dK/dV", key_tile_shared_bytes(d, false)),
+                ("fused", key_tile_shared_bytes(d, true)),
+            ] {
+                assert!(bytes <= SM80_BLOCK_SHARED, "{kernel} at {d}: {bytes} bytes");
+            }
+            let static_dq = if dq_shared_bytes(d) == 0 {
+                3 * TILE as usize * tile_stride(d) * 2
+            } else {
+                0
+            };
+            assert!(static_dq <= 48 * 1024, "dQ at {d}: {static_dq} static bytes");
+        }
+        assert_eq!(tile_stride(96), 128);
+        assert_eq!(forward_threads(FORWARD_TILE, 256), 256);
+        assert_eq!(forward_threads(TILE, 256), 128);
+        assert_eq!((key_tile_parts(128), key_tile_parts(192)), (1, 2));
     }
 }

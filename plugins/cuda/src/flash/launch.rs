@@ -8,7 +8,8 @@ use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
 
 use super::device::{tensor_map, DeviceTables, Dims, GradTensors, Tensors};
 use super::functions::{
-    forward_shared_bytes, hopper_shared_bytes, key_tile_shared_bytes, Functions, HopperFunctions,
+    dq_shared_bytes, forward_shared_bytes, forward_threads, hopper_shared_bytes, key_tile_parts,
+    key_tile_shared_bytes, Functions, HopperFunctions,
     HOPPER_DKDV_ROWS, HOPPER_DQ_ROWS, HOPPER_DQ_TMA_ROWS, HOPPER_FORWARD_ROWS,
     HOPPER_FUSED_TMA_ROWS, HOPPER_KEY_TMA_ROWS, HOPPER_NARROW_FORWARD_ROWS,
 };
@@ -173,7 +174,7 @@ pub(super) unsafe fn launch_forward(
     let (tiles_per_block, threads) = match hopper {
         Some(_) if wide => (1, 3 * 128),
         Some(_) => (2, 3 * 128),
-        None => (1, 128),
+        None => (1, forward_threads(rows, dims.head_dim)),
     };
     let positions = dims.len.div_ceil(rows as usize).div_ceil(tiles_per_block);
     let config = LaunchConfig {
@@ -223,12 +224,15 @@ pub(super) unsafe fn launch_backward(
         intervals: &t.column_intervals,
     };
     let tiles = dims.len.div_ceil(TILE as usize);
-    let key_tiles = |fused| {
-        grid(
-            dims.heads_kv,
-            tiles,
-            key_tile_shared_bytes(dims.head_dim, fused),
-        )
+    // Past head_dim 128 the mma.sync key tiles' columns are split over grid z.
+    let key_tiles = |fused| LaunchConfig {
+        grid_dim: (
+            dims.heads_kv as u32,
+            tiles as u32,
+            key_tile_parts(dims.head_dim),
+        ),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: key_tile_shared_bytes(dims.head_dim, fused),
     };
     let hopper = instructions.backward(f, backward, t.forward_rows)?;
     // Where the masks' blocks do not split the forward's 128-row tiles, two warpgroups share
@@ -296,7 +300,7 @@ pub(super) unsafe fn launch_backward(
                 tiles: &t.tiles,
                 order: None,
             }),
-            grid(dims.heads_q, tiles, 0),
+            grid(dims.heads_q, tiles, dq_shared_bytes(dims.head_dim)),
         ),
     };
     let wide_key_tiles = key_tile_base.walking(

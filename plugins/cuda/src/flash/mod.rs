@@ -2,8 +2,8 @@
 //! IR — for every query tile, the list of key tiles the mask touches, each marked full (no
 //! masking) or partial (masked element-wise from each row's key intervals); empty tiles are never
 //! visited. Tensor-core products (mma.sync, f32 accumulation, ldmatrix from swizzled shared
-//! tiles filled by cp.async) and an online softmax in registers; bf16 or fp16, head dimension 64
-//! or 128, MHA and GQA. The backward pass (`Backward::Split`, deterministic) walks, per key tile,
+//! tiles filled by cp.async) and an online softmax in registers; bf16 or fp16, the head dims
+//! of [`HEAD_DIMS`], MHA and GQA. The backward pass (`Backward::Split`, deterministic) walks, per key tile,
 //! the transposed work list (the query tiles that touch it) for dK and dV, and per query tile
 //! the forward one for dQ, recomputing S and dP: seven products per tile pair. `Backward::Fused`
 //! adds each step's share of dQ from the key-tile walk with atomics instead (five products; the
@@ -100,18 +100,23 @@ pub fn compile(gpu: &Gpu) -> Result<Kernels, PluginError> {
     })
 }
 
+/// The head dims the flash kernel is compiled for (one for Q, K and V): the wgmma kernels take
+/// 128, the mma.sync ones all of them.
+pub const HEAD_DIMS: [usize; 5] = [64, 96, 128, 192, 256];
+
 /// Why the flash kernel cannot run this problem, if it cannot.
 pub fn unsupported(shape: &Shape, element: Element) -> Option<String> {
     if element == Element::F32 {
         return Some("the flash kernel runs bf16 and fp16 inputs (tensor cores), not f32".into());
     }
-    if shape.head_dim != 64 && shape.head_dim != 128 {
-        return Some(format!(
-            "the flash kernel is compiled for head_dim 64 and 128, not {}",
-            shape.head_dim
-        ));
-    }
-    None
+    unsupported_head_dim(shape.head_dim)
+}
+
+/// Why the flash kernel cannot take head dim `d`, if it cannot.
+fn unsupported_head_dim(d: usize) -> Option<String> {
+    (!HEAD_DIMS.contains(&d)).then(|| {
+        format!("the flash kernel is compiled for head_dim 64, 96, 128, 192 and 256, not {d}")
+    })
 }
 
 /// Bytes the flash kernel needs on the device, besides the work lists.
