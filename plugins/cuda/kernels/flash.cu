@@ -24,3 +24,19 @@
 #include "flash/work_lists.cuh"
 #include "flash/backward_sm80.cuh"
 #include "flash/backward_sm90.cuh"
+
+// The mma.sync kernels of every element type (1: bf16, 2: fp16) and head dims (Q's and K's, then
+// V's): names end in _d{D}, or _d{D}_v{DV} where V's differs (flash/functions.rs looks them up).
+#define FLASH_KERNELS(SUFFIX, E, D, DV) FLASH_FORWARD(SUFFIX, E, D, DV) FLASH_BACKWARD(SUFFIX, E, D, DV)
+FLASH_KERNELS(bf16_d64, 1, 64, 64)
+FLASH_KERNELS(bf16_d96, 1, 96, 96)
+FLASH_KERNELS(bf16_d128, 1, 128, 128)
+FLASH_KERNELS(bf16_d192, 1, 192, 192)
+FLASH_KERNELS(bf16_d192_v128, 1, 192, 128)
+FLASH_KERNELS(bf16_d256, 1, 256, 256)
+FLASH_KERNELS(f16_d64, 2, 64, 64)
+FLASH_KERNELS(f16_d96, 2, 96, 96)
+FLASH_KERNELS(f16_d128, 2, 128, 128)
+FLASH_KERNELS(f16_d192, 2, 192, 192)
+FLASH_KERNELS(f16_d192_v128, 2, 192, 128)
+FLASH_KERNELS(f16_d256, 2, 256, 256)

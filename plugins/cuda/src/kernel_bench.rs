@@ -56,15 +56,15 @@ fn unprepared() -> PluginError {
 
 impl KernelBench for CudaBench<'_> {
     fn unsupported(&self, cell: &Cell<'_>) -> Option<String> {
-        if let Some(value_dim) = cell.shape.head_dim_v {
-            return Some(format!(
-                "the cuda kernels take one head dim for Q, K and V; head_dim_v {value_dim} differs from head_dim {}",
-                cell.shape.head_dim
-            ));
+        if self.flash() {
+            return flash::unsupported(&cell.shape, cell.element);
         }
-        self.flash()
-            .then(|| flash::unsupported(&cell.shape, cell.element))
-            .flatten()
+        cell.shape.head_dim_v.map(|value_dim| {
+            format!(
+                "the naive kernel takes one head dim for Q, K and V; head_dim_v {value_dim} differs from head_dim {} (the flash kernel takes MLA's 192/128)",
+                cell.shape.head_dim
+            )
+        })
     }
 
     fn budget(&mut self, cell: &Cell<'_>) -> Result<Option<Budget>, PluginError> {
@@ -198,8 +198,9 @@ impl KernelBench for CudaBench<'_> {
 
     fn memory(&mut self, cell: &Cell<'_>) -> Option<Memory> {
         let shape = &cell.shape;
-        let q_copies = if cell.backward() { 2 } else { 1 };
-        let inputs_bytes = (shape.q_len() * q_copies + 2 * shape.kv_len()) * cell.element.bytes();
+        let d_out = if cell.backward() { shape.out_len() } else { 0 };
+        let inputs_bytes =
+            (shape.q_len() + shape.kv_len() + shape.v_len() + d_out) * cell.element.bytes();
         Some(Memory {
             peak_bytes: self.peak as u64,
             above_inputs_bytes: self.peak.saturating_sub(inputs_bytes) as u64,

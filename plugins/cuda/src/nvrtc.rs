@@ -174,7 +174,8 @@ mod tests {
     fn flash_kernels(hopper: bool) -> Vec<String> {
         let mut names = Vec::new();
         for element in ["bf16", "f16"] {
-            for d in crate::flash::HEAD_DIMS {
+            for head in crate::flash::HEAD_DIMS {
+                let d = head.suffix();
                 for kind in [
                     "forward",
                     "forward_narrow",
@@ -183,7 +184,7 @@ mod tests {
                     "backward_dkdv",
                     "backward_fused",
                 ] {
-                    names.push(format!("flash_{kind}_{element}_d{d}"));
+                    names.push(format!("flash_{kind}_{element}_{d}"));
                 }
             }
             if hopper {

@@ -16,9 +16,10 @@
 // flash.rs, and past head_dim 128, where a warp's accumulators of 32 rows would not fit its
 // registers and 8 warps make the 128-row tile). Q stays in shared memory; K and V tiles arrive by
 // cp.async into one buffer each, overlapped with compute: V(j) loads during S = Q·K(j)ᵀ, K(j+1)
-// during the softmax and O += P·V(j). Dynamic shared memory: (rows + 2·64)·tile_stride<D>()
-// 16-bit elements.
-template <int E, int D, int M, int WARPS>
+// during the softmax and O += P·V(j). DV is V's and O's head dim (MLA's differs from Q's and
+// K's). Dynamic shared memory: (rows + 64)·tile_stride<D>() + 64·tile_stride<DV>() 16-bit
+// elements.
+template <int E, int D, int DV, int M, int WARPS>
 __device__ void flash_forward(FORWARD_PARAMS) {
     constexpr int BM_FWD = 16 * M * WARPS, FWD_M = M, FWD_THREADS = 32 * WARPS, S = tile_stride<D>();
     extern __shared__ __align__(128) u16 dynamic_shared[];
@@ -32,7 +33,7 @@ __device__ void flash_forward(FORWARD_PARAMS) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int q0 = q_tile * BM_FWD;
     const u16* kh = k + ((size_t)kv_head * seqlen) * D;
-    const u16* vh = v + ((size_t)kv_head * seqlen) * D;
+    const u16* vh = v + ((size_t)kv_head * seqlen) * DV;
     const unsigned list = mask * q_tiles + q_tile;
     const unsigned begin = tile_start[list], end = tile_start[list + 1];
 
@@ -51,11 +52,11 @@ __device__ void flash_forward(FORWARD_PARAMS) {
     #pragma unroll
     for (int slot = 0; slot < 2 * FWD_M; ++slot) keys[slot] = Allowed(table_rows, row_of(slot), seqlen, intervals);
 
-    float acc[FWD_M][D / 8][4];
+    float acc[FWD_M][DV / 8][4];
     #pragma unroll
     for (int mb = 0; mb < FWD_M; ++mb)
         #pragma unroll
-        for (int n = 0; n < D / 8; ++n) acc[mb][n][0] = acc[mb][n][1] = acc[mb][n][2] = acc[mb][n][3] = 0.0f;
+        for (int n = 0; n < DV / 8; ++n) acc[mb][n][0] = acc[mb][n][1] = acc[mb][n][2] = acc[mb][n][3] = 0.0f;
     const float minus_inf = __int_as_float(0xff800000);
     float m[2 * FWD_M], l[2 * FWD_M];
     #pragma unroll
@@ -66,7 +67,7 @@ __device__ void flash_forward(FORWARD_PARAMS) {
         const bool partial = entry >> 31;
         const int k0 = (int)(entry & 0x7fffffffu) * BN;
         __syncthreads();  // every warp is done with V(j-1)
-        load_tile_async<BN, D, FWD_THREADS>(sv, vh + (size_t)k0 * D, min(BN, seqlen - k0));
+        load_tile_async<BN, DV, FWD_THREADS>(sv, vh + (size_t)k0 * DV, min(BN, seqlen - k0));
         commit_copies();
         wait_copies<1>();  // K(j) (and Q) have landed
         __syncthreads();
@@ -147,7 +148,7 @@ __device__ void flash_forward(FORWARD_PARAMS) {
             l[slot] = l[slot] * shrink + sum;
             if (moved) {
                 #pragma unroll
-                for (int n = 0; n < D / 8; ++n) { acc[mb][n][i0] *= shrink; acc[mb][n][i0 + 1] *= shrink; }
+                for (int n = 0; n < DV / 8; ++n) { acc[mb][n][i0] *= shrink; acc[mb][n][i0 + 1] *= shrink; }
             }
         }
         wait_copies<1>();  // V(j) has landed
@@ -164,9 +165,9 @@ __device__ void flash_forward(FORWARD_PARAMS) {
                 pa[mb][3] = pack2<E>(s[mb][2 * kk + 1][2], s[mb][2 * kk + 1][3]);
             }
             #pragma unroll
-            for (int c2 = 0; c2 < D / 16; ++c2) {
+            for (int c2 = 0; c2 < DV / 16; ++c2) {
                 u32 b[4];
-                b_fragments<D>(b, sv, kk * 16, c2);
+                b_fragments<DV>(b, sv, kk * 16, c2);
                 #pragma unroll
                 for (int mb = 0; mb < FWD_M; ++mb) {
                     mma<E>(acc[mb][2 * c2], pa[mb], b);
@@ -186,34 +187,21 @@ __device__ void flash_forward(FORWARD_PARAMS) {
         const float inv = (m[slot] == minus_inf || sum == 0.0f) ? 0.0f : 1.0f / sum;
         const int r = row_of(slot);
         if (r >= seqlen) continue;
-        float* o_row = out + ((size_t)head * seqlen + r) * D;
+        float* o_row = out + ((size_t)head * seqlen + r) * DV;
         #pragma unroll
-        for (int n = 0; n < D / 8; ++n)
+        for (int n = 0; n < DV / 8; ++n)
             *reinterpret_cast<float2*>(o_row + n * 8 + t * 2) = make_float2(acc[mb][n][i0] * inv, acc[mb][n][i0 + 1] * inv);
         if (t == 0) lse[(size_t)head * seqlen + r] = (inv == 0.0f) ? minus_inf : (m[slot] * ln2 + logf(sum));
     }
 }
 
-#define FLASH_FORWARD_TILE(NAME, SUFFIX, E, D, M, WARPS, BLOCKS) \
+#define FLASH_FORWARD_TILE(NAME, SUFFIX, E, D, DV, M, WARPS, BLOCKS) \
 extern "C" __global__ void __launch_bounds__(32 * WARPS, BLOCKS) NAME##_##SUFFIX(const FlashParams p) { \
-    flash_forward<E, D, M, WARPS>(p.q, p.k, p.v, p.out, p.lse, p.tile_start, p.tiles, p.order, p.interval_start, p.intervals, \
+    flash_forward<E, D, DV, M, WARPS>(p.q, p.k, p.v, p.out, p.lse, p.tile_start, p.tiles, p.order, p.interval_start, p.intervals, \
                            p.mask_of_head, p.seqlen, p.group, p.scale_log2); }
 // Each head dim's 128-row (`flash_forward`) and 64-row (`flash_forward_narrow`) kernels. Past
-// head_dim 128 a warp keeps 16 rows (D/2 accumulators a thread), so the 128-row tile takes 8
-// warps, one CTA an SM.
-#define FLASH_FORWARD(SUFFIX, E, D) \
-    FLASH_FORWARD_TILE(flash_forward, SUFFIX, E, D, 2, 4, 2) \
-    FLASH_FORWARD_TILE(flash_forward_narrow, SUFFIX, E, D, 1, 4, 2)
-#define FLASH_FORWARD_LARGE_HEAD(SUFFIX, E, D) \
-    FLASH_FORWARD_TILE(flash_forward, SUFFIX, E, D, 1, 8, 1) \
-    FLASH_FORWARD_TILE(flash_forward_narrow, SUFFIX, E, D, 1, 4, 2)
-FLASH_FORWARD(bf16_d64, 1, 64)
-FLASH_FORWARD(bf16_d96, 1, 96)
-FLASH_FORWARD(bf16_d128, 1, 128)
-FLASH_FORWARD_LARGE_HEAD(bf16_d192, 1, 192)
-FLASH_FORWARD_LARGE_HEAD(bf16_d256, 1, 256)
-FLASH_FORWARD(f16_d64, 2, 64)
-FLASH_FORWARD(f16_d96, 2, 96)
-FLASH_FORWARD(f16_d128, 2, 128)
-FLASH_FORWARD_LARGE_HEAD(f16_d192, 2, 192)
-FLASH_FORWARD_LARGE_HEAD(f16_d256, 2, 256)
+// head_dim 128 a warp keeps 16 rows (up to D/2 accumulators a thread), so the 128-row tile takes
+// 8 warps, one CTA an SM. Instantiated with the backward in flash.cu.
+#define FLASH_FORWARD(SUFFIX, E, D, DV) \
+    FLASH_FORWARD_TILE(flash_forward, SUFFIX, E, D, DV, (D > 128 ? 1 : 2), (D > 128 ? 8 : 4), (D > 128 ? 1 : 2)) \
+    FLASH_FORWARD_TILE(flash_forward_narrow, SUFFIX, E, D, DV, 1, 4, 2)

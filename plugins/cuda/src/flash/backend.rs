@@ -52,7 +52,7 @@ pub fn accepts(call: &AttentionCall<'_>) -> Result<(Element, Dims), AttentionErr
         call.heads_kv as usize,
         call.head_dim as usize,
     );
-    if let Some(reason) = super::unsupported_head_dim(d) {
+    if let Some(reason) = super::unsupported_head_dims(super::HeadDims { qk: d, v: d }) {
         return Err(AttentionError::Unsupported(reason));
     }
     if call.q_len != call.k_len {
@@ -79,7 +79,7 @@ pub fn accepts(call: &AttentionCall<'_>) -> Result<(Element, Dims), AttentionErr
         heads_q: hq,
         heads_kv: hkv,
         len: call.q_len as usize,
-        head_dim: d,
+        head: super::HeadDims { qk: d, v: d },
         scale: call.scale as f32,
     };
     Ok((element, dims))
@@ -103,7 +103,7 @@ pub fn attend(
         DeviceTables::upload(gpu, &lists, &vec![0; hq]).map_err(as_message)
     })?;
     let functions = kernels
-        .functions(element, dims.head_dim)
+        .functions(element, dims.head)
         .map_err(as_message)?;
     let address = |p: *const c_void| p as u64;
     let x = Tensors {

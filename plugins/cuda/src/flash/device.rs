@@ -11,6 +11,7 @@ use cudarc::driver::sys::{
 use cudarc::driver::DeviceRepr;
 
 use super::tables::Tables;
+use super::HeadDims;
 use crate::gpu::{failed, Buffer, Gpu};
 
 /// A mask's work lists and row intervals on the device.
@@ -75,7 +76,7 @@ pub struct Dims {
     pub(super) heads_q: usize,
     pub(super) heads_kv: usize,
     pub(super) len: usize,
-    pub(super) head_dim: usize,
+    pub(super) head: HeadDims,
     pub(super) scale: f32,
 }
 

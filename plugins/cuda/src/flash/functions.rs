@@ -6,7 +6,7 @@ use attnbench_sdk::PluginError;
 use cudarc::driver::sys::CUtensorMapDataType;
 use cudarc::driver::CudaFunction;
 
-use super::{Kernels, FORWARD_TILE, TILE, WIDE_TILE};
+use super::{HeadDims, Kernels, FORWARD_TILE, TILE, WIDE_TILE};
 use crate::gpu::allow_shared;
 
 /// The kernels of one element type and head dimension.
@@ -27,14 +27,14 @@ impl Kernels {
     pub(super) fn functions(
         &self,
         element: Element,
-        head_dim: usize,
+        head: HeadDims,
     ) -> Result<Functions, PluginError> {
         let suffix = match element {
             Element::F16 => "f16",
             _ => "bf16",
         };
         let function = |kind: &str| {
-            let name = format!("flash_{kind}_{suffix}_d{head_dim}");
+            let name = format!("flash_{kind}_{suffix}_{}", head.suffix());
             self.module
                 .load_function(&name)
                 .map_err(|err| PluginError::failed(format!("{name}: {err}")))
@@ -43,11 +43,11 @@ impl Kernels {
             multiprocessors: self.multiprocessors,
             forward: allow_shared(
                 function("forward")?,
-                forward_shared_bytes(FORWARD_TILE, head_dim),
+                forward_shared_bytes(FORWARD_TILE, head),
             )?,
             forward_narrow: allow_shared(
                 function("forward_narrow")?,
-                forward_shared_bytes(TILE, head_dim),
+                forward_shared_bytes(TILE, head),
             )?,
             // A module compiled for sm_90a has the wgmma kernels.
             hopper: match function("forward_tma") {
@@ -96,14 +96,14 @@ impl Kernels {
                 Err(_) => None,
             },
             delta: function("delta")?,
-            dq: allow_shared(function("backward_dq")?, dq_shared_bytes(head_dim))?,
+            dq: allow_shared(function("backward_dq")?, dq_shared_bytes(head))?,
             dkdv: allow_shared(
                 function("backward_dkdv")?,
-                key_tile_shared_bytes(head_dim, false),
+                key_tile_shared_bytes(head, false),
             )?,
             fused: allow_shared(
                 function("backward_fused")?,
-                key_tile_shared_bytes(head_dim, true),
+                key_tile_shared_bytes(head, true),
             )?,
         })
     }
@@ -185,15 +185,23 @@ pub(super) fn key_tile_parts(head_dim: usize) -> u32 {
 }
 
 /// The forward kernel's dynamic shared memory: a Q tile and one K and one V tile, 16-bit.
-pub(super) fn forward_shared_bytes(rows: u64, head_dim: usize) -> u32 {
-    ((rows + 2 * TILE) as usize * tile_stride(head_dim) * 2) as u32
+pub(super) fn forward_shared_bytes(rows: u64, head: HeadDims) -> u32 {
+    let tile = TILE as usize;
+    ((rows as usize + tile) * tile_stride(head.qk) * 2 + tile * tile_stride(head.v) * 2) as u32
+}
+
+/// The mma.sync dQ kernel's static shared memory up to [`RESIDENT_HEAD_DIM`]: two K buffers and
+/// V, 64 rows each, 16-bit.
+fn dq_static_bytes(head: HeadDims) -> usize {
+    TILE as usize * (2 * tile_stride(head.qk) + tile_stride(head.v)) * 2
 }
 
 /// The mma.sync dQ kernel's dynamic shared memory: none up to [`RESIDENT_HEAD_DIM`], past it 64
 /// rows each of Q, dO, two K buffers and V, 16-bit.
-pub(super) fn dq_shared_bytes(head_dim: usize) -> u32 {
-    if head_dim > RESIDENT_HEAD_DIM {
-        (5 * TILE as usize * tile_stride(head_dim) * 2) as u32
+pub(super) fn dq_shared_bytes(head: HeadDims) -> u32 {
+    if head.qk > RESIDENT_HEAD_DIM {
+        let query_rows = TILE as usize * (tile_stride(head.qk) + tile_stride(head.v)) * 2;
+        (dq_static_bytes(head) + query_rows) as u32
     } else {
         0
     }
@@ -201,10 +209,10 @@ pub(super) fn dq_shared_bytes(head_dim: usize) -> u32 {
 
 /// The key-tile backward kernel's dynamic shared memory: two stages of 32-row Q and dO tiles,
 /// the key tile's K and V, and (fused, for dQ) a step's 32 × 64 dS, all 16-bit.
-pub(super) fn key_tile_shared_bytes(head_dim: usize, fused: bool) -> u32 {
-    let rows = 2 * 2 * 32 + 2 * TILE as usize;
+pub(super) fn key_tile_shared_bytes(head: HeadDims, fused: bool) -> u32 {
+    let rows = 2 * 32 + TILE as usize;
     let ds = if fused { 32 * TILE as usize } else { 0 };
-    ((rows * tile_stride(head_dim) + ds) * 2) as u32
+    ((rows * (tile_stride(head.qk) + tile_stride(head.v)) + ds) * 2) as u32
 }
 
 #[cfg(test)]
@@ -246,14 +254,12 @@ mod tests {
                 ("dK/dV", key_tile_shared_bytes(d, false)),
                 ("fused", key_tile_shared_bytes(d, true)),
             ] {
-                assert!(bytes <= SM80_BLOCK_SHARED, "{kernel} at {d}: {bytes} bytes");
+                assert!(bytes <= SM80_BLOCK_SHARED, "{kernel} at {d:?}: {bytes} bytes");
             }
-            let static_dq = if dq_shared_bytes(d) == 0 {
-                3 * TILE as usize * tile_stride(d) * 2
-            } else {
-                0
-            };
-            assert!(static_dq <= 48 * 1024, "dQ at {d}: {static_dq} static bytes");
+            if dq_shared_bytes(d) == 0 {
+                let bytes = dq_static_bytes(d);
+                assert!(bytes <= 48 * 1024, "dQ at {d:?}: {bytes} static bytes");
+            }
         }
         assert_eq!(tile_stride(96), 128);
         assert_eq!(forward_threads(FORWARD_TILE, 256), 256);

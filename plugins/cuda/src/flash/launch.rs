@@ -104,8 +104,8 @@ pub(super) fn grid(x: usize, y: usize, shared: u32) -> LaunchConfig {
 /// O and LSE of `x` on `stream`.
 ///
 /// # Safety
-/// The addresses hold the extents `dims` gives (Q, O: heads_q × len × head_dim; K, V: heads_kv ×
-/// len × head_dim; LSE: heads_q × len) and `tables` were built for this mask and length.
+/// The addresses hold the extents `dims` gives (Q: heads_q × len × head.qk, O: heads_q × len ×
+/// head.v; K: heads_kv × len × head.qk, V: heads_kv × len × head.v; LSE: heads_q × len) and `tables` were built for this mask and length.
 pub(super) unsafe fn launch_forward(
     stream: &Arc<CudaStream>,
     f: &Functions,
@@ -156,8 +156,8 @@ pub(super) unsafe fn launch_forward(
             },
             hopper_shared_bytes(HOPPER_NARROW_FORWARD_ROWS),
         ),
-        (None, true) => (&f.forward, forward_shared_bytes(rows, dims.head_dim)),
-        (None, false) => (&f.forward_narrow, forward_shared_bytes(rows, dims.head_dim)),
+        (None, true) => (&f.forward, forward_shared_bytes(rows, dims.head)),
+        (None, false) => (&f.forward_narrow, forward_shared_bytes(rows, dims.head)),
     };
     // The TMA forwards read K and V through maps of boxes of their tiles' rows and Q through
     // a map (128-row tiles, Q in shared memory) or its address (64-row tiles, Q in registers);
@@ -174,7 +174,7 @@ pub(super) unsafe fn launch_forward(
     let (tiles_per_block, threads) = match hopper {
         Some(_) if wide => (1, 3 * 128),
         Some(_) => (2, 3 * 128),
-        None => (1, forward_threads(rows, dims.head_dim)),
+        None => (1, forward_threads(rows, dims.head.qk)),
     };
     let positions = dims.len.div_ceil(rows as usize).div_ceil(tiles_per_block);
     let config = LaunchConfig {
@@ -193,8 +193,7 @@ pub(super) unsafe fn launch_forward(
 /// dQ, dK and dV of `x` (its O and LSE from the forward) on `stream`.
 ///
 /// # Safety
-/// As [`launch_forward`]; dO is heads_q × len × head_dim, D heads_q × len, dQ like Q, dK and dV
-/// like K.
+/// As [`launch_forward`]; dO is like O, D heads_q × len, dQ like Q, dK like K and dV like V.
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn launch_backward(
     stream: &Arc<CudaStream>,
@@ -229,10 +228,10 @@ pub(super) unsafe fn launch_backward(
         grid_dim: (
             dims.heads_kv as u32,
             tiles as u32,
-            key_tile_parts(dims.head_dim),
+            key_tile_parts(dims.head.qk),
         ),
         block_dim: (128, 1, 1),
-        shared_mem_bytes: key_tile_shared_bytes(dims.head_dim, fused),
+        shared_mem_bytes: key_tile_shared_bytes(dims.head, fused),
     };
     let hopper = instructions.backward(f, backward, t.forward_rows)?;
     // Where the masks' blocks do not split the forward's 128-row tiles, two warpgroups share
@@ -300,7 +299,7 @@ pub(super) unsafe fn launch_backward(
                 tiles: &t.tiles,
                 order: None,
             }),
-            grid(dims.heads_q, tiles, dq_shared_bytes(dims.head_dim)),
+            grid(dims.heads_q, tiles, dq_shared_bytes(dims.head)),
         ),
     };
     let wide_key_tiles = key_tile_base.walking(

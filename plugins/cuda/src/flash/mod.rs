@@ -100,32 +100,73 @@ pub fn compile(gpu: &Gpu) -> Result<Kernels, PluginError> {
     })
 }
 
-/// The head dims the flash kernel is compiled for (one for Q, K and V): the wgmma kernels take
-/// 128, the mma.sync ones all of them.
-pub const HEAD_DIMS: [usize; 5] = [64, 96, 128, 192, 256];
+/// A problem's head dims: Q's and K's, and V's (and O's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadDims {
+    pub qk: usize,
+    pub v: usize,
+}
+
+impl HeadDims {
+    const fn equal(d: usize) -> HeadDims {
+        HeadDims { qk: d, v: d }
+    }
+
+    /// How the kernels compiled for these dims end their names (`flash.cu`).
+    pub(crate) fn suffix(self) -> String {
+        if self.qk == self.v {
+            format!("d{}", self.qk)
+        } else {
+            format!("d{}_v{}", self.qk, self.v)
+        }
+    }
+}
+
+/// The head dims the flash kernel is compiled for: one for Q, K and V at 64 to 256, and MLA's
+/// 192 for Q and K with 128 for V. The wgmma kernels take 128 only, the mma.sync ones all.
+pub const HEAD_DIMS: [HeadDims; 6] = [
+    HeadDims::equal(64),
+    HeadDims::equal(96),
+    HeadDims::equal(128),
+    HeadDims::equal(192),
+    HeadDims { qk: 192, v: 128 },
+    HeadDims::equal(256),
+];
 
 /// Why the flash kernel cannot run this problem, if it cannot.
 pub fn unsupported(shape: &Shape, element: Element) -> Option<String> {
     if element == Element::F32 {
         return Some("the flash kernel runs bf16 and fp16 inputs (tensor cores), not f32".into());
     }
-    unsupported_head_dim(shape.head_dim)
+    unsupported_head_dims(HeadDims {
+        qk: shape.head_dim,
+        v: shape.value_dim(),
+    })
 }
 
-/// Why the flash kernel cannot take head dim `d`, if it cannot.
-fn unsupported_head_dim(d: usize) -> Option<String> {
-    (!HEAD_DIMS.contains(&d)).then(|| {
-        format!("the flash kernel is compiled for head_dim 64, 96, 128, 192 and 256, not {d}")
+/// Why the flash kernel cannot take these head dims, if it cannot.
+fn unsupported_head_dims(dims: HeadDims) -> Option<String> {
+    (!HEAD_DIMS.contains(&dims)).then(|| {
+        let value = if dims.v == dims.qk {
+            String::new()
+        } else {
+            format!(" with head_dim_v {}", dims.v)
+        };
+        format!(
+            "the flash kernel is compiled for head_dim 64, 96, 128, 192 and 256 (one for Q, K and V) and for MLA's 192 with head_dim_v 128, not head_dim {}{value}",
+            dims.qk
+        )
     })
 }
 
 /// Bytes the flash kernel needs on the device, besides the work lists.
 pub fn bytes_needed(shape: &Shape, element: Element, backward: bool) -> usize {
     let lse = shape.heads_q * shape.seqlen * 4;
-    let forward = (shape.q_len() + 2 * shape.kv_len()) * element.bytes() + shape.q_len() * 4 + lse;
+    let inputs = shape.q_len() + shape.kv_len() + shape.v_len();
+    let forward = inputs * element.bytes() + shape.out_len() * 4 + lse;
     if !backward {
         return forward;
     }
     // dO, D, and f32 dQ, dK, dV.
-    forward + shape.q_len() * element.bytes() + lse + (shape.q_len() + 2 * shape.kv_len()) * 4
+    forward + shape.out_len() * element.bytes() + lse + inputs * 4
 }

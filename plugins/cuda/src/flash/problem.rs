@@ -8,7 +8,7 @@ use super::device::{DeviceTables, Dims, GradTensors, Tensors};
 use super::functions::{Functions, HopperFunctions};
 use super::launch::{launch_backward, launch_forward, Backward, Instructions, Schedule};
 use super::tables::{tables, MaskTiles};
-use super::Kernels;
+use super::{HeadDims, Kernels};
 use crate::gpu::{Buffer, Gpu};
 
 /// What only the backward pass needs.
@@ -46,6 +46,10 @@ impl Problem {
         inputs: &Inputs,
         backward: bool,
     ) -> Result<Problem, PluginError> {
+        let head = HeadDims {
+            qk: shape.head_dim,
+            v: shape.value_dim(),
+        };
         let mask_of_head: Vec<i32> = masks.index_of_head.iter().map(|&i| i as i32).collect();
         let tables = DeviceTables::upload(gpu, &tables(&MaskTiles::of_set(masks)), &mask_of_head)?;
         let grad = if backward {
@@ -54,7 +58,7 @@ impl Problem {
                 delta: gpu.alloc("D", shape.heads_q * shape.seqlen)?,
                 dq: gpu.alloc("dQ", shape.q_len())?,
                 dk: gpu.alloc("dK", shape.kv_len())?,
-                dv: gpu.alloc("dV", shape.kv_len())?,
+                dv: gpu.alloc("dV", shape.v_len())?,
             })
         } else {
             None
@@ -64,16 +68,16 @@ impl Problem {
                 heads_q: shape.heads_q,
                 heads_kv: shape.heads_kv,
                 len: shape.seqlen,
-                head_dim: shape.head_dim,
+                head,
                 scale: shape.scale(),
             },
             q: gpu.upload("Q", &element.encode(&inputs.q))?,
             k: gpu.upload("K", &element.encode(&inputs.k))?,
             v: gpu.upload("V", &element.encode(&inputs.v))?,
-            out: gpu.alloc("O", shape.q_len())?,
+            out: gpu.alloc("O", shape.out_len())?,
             lse: gpu.alloc("LSE", shape.heads_q * shape.seqlen)?,
             tables,
-            functions: kernels.functions(element, shape.head_dim)?,
+            functions: kernels.functions(element, head)?,
             grad,
             backward: Backward::Split,
             instructions: Instructions::Auto,
