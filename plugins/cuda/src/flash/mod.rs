@@ -170,3 +170,29 @@ pub fn bytes_needed(shape: &Shape, element: Element, backward: bool) -> usize {
     // dO, D, and f32 dQ, dK, dV.
     forward + shape.out_len() * element.bytes() + lse + inputs * 4
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The head dims a cell may ask for: the compiled pairs run, any other pair is refused with
+    /// both of its dims named, and the wgmma suffix stays the one-dim name.
+    #[test]
+    fn compiled_head_dims_run_and_others_are_refused_by_name() {
+        let shape = |d, v| Shape::new(8, 2, 1000, d).with_value_dim(Some(v));
+        for head in HEAD_DIMS {
+            assert_eq!(
+                unsupported(&shape(head.qk, head.v), Element::Bf16),
+                None,
+                "{head:?}"
+            );
+        }
+        let refused = unsupported(&shape(256, 128), Element::F16).unwrap();
+        assert!(refused.contains("head_dim 256 with head_dim_v 128"), "{refused}");
+        let refused = unsupported(&shape(80, 80), Element::Bf16).unwrap();
+        assert!(refused.ends_with("not head_dim 80"), "{refused}");
+        assert!(unsupported(&shape(128, 128), Element::F32).is_some());
+        assert_eq!(HeadDims::equal(128).suffix(), "d128");
+        assert_eq!(HeadDims { qk: 192, v: 128 }.suffix(), "d192_v128");
+    }
+}
