@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # A GPU machine's check-up with the attnbench given as the first argument (default: the one on PATH):
 # doctor, the harness against a cuBLAS GEMM, the naive kernel against the CPU reference, the
-# in-process flash backend against the host's f64 blocks, the decode kernel's variants, the naive
+# in-process flash backend against the host's f64 blocks, the flash kernel's other head dims
+# (96, 192, 256, MLA's 192/128), the decode kernel's variants, the naive
 # kernel's pipeline, and the repeatability of one cell. Results go under $OUT (default:
 # ./gpu-check). NAIVE_ARGS are passed to the naive pipeline's run (e.g. to narrow its matrix with
-# --set); STEPS picks steps (default: all of doctor gemm check backend decode naive repeat); CHECK_KERNELS the
+# --set); STEPS picks steps (default: all of doctor gemm check backend headdims decode naive repeat); CHECK_KERNELS the
 # native kernels the correctness step runs (default: naive, flash), CHECK_SEQLENS its lengths
 # (default: 512, 1k).
 set -uo pipefail
-steps=" ${STEPS:-doctor gemm check backend decode naive repeat} "
+steps=" ${STEPS:-doctor gemm check backend headdims decode naive repeat} "
 want() { [[ $steps == *" $1 "* ]]; }
 attnbench=${1:-attnbench}
 command -v "$attnbench" >/dev/null || { echo "gpu-check: no attnbench at \`$attnbench\`: install it (scripts/stage-install.sh) or give its path as the first argument" >&2; exit 2; }
@@ -37,6 +38,11 @@ fi
 if want backend; then
   echo "== the in-process flash backend (cuda/flash) against the host's f64 blocks"
   $attnbench run "$root/pipelines/checks/backend.yaml" -q 2>&1 | tail -4
+fi
+
+if want headdims; then
+  echo "== the flash kernel at head dims 96, 192, 256 and MLA's 192/128 against the f64 reference"
+  $attnbench run "$root/pipelines/checks/head-dims.yaml" -q 2>&1 | tail -4
 fi
 
 if want decode; then
