@@ -102,9 +102,7 @@ pub fn attend(
         let lists = tables(&[MaskTiles::of_rows(rows, call.k_len)]);
         DeviceTables::upload(gpu, &lists, &vec![0; hq]).map_err(as_message)
     })?;
-    let functions = kernels
-        .functions(element, dims.head)
-        .map_err(as_message)?;
+    let functions = kernels.functions(element, dims.head).map_err(as_message)?;
     let address = |p: *const c_void| p as u64;
     let x = Tensors {
         q: address(call.q),

@@ -254,7 +254,10 @@ mod tests {
                 ("dK/dV", key_tile_shared_bytes(d, false)),
                 ("fused", key_tile_shared_bytes(d, true)),
             ] {
-                assert!(bytes <= SM80_BLOCK_SHARED, "{kernel} at {d:?}: {bytes} bytes");
+                assert!(
+                    bytes <= SM80_BLOCK_SHARED,
+                    "{kernel} at {d:?}: {bytes} bytes"
+                );
             }
             if dq_shared_bytes(d) == 0 {
                 let bytes = dq_static_bytes(d);

@@ -9,9 +9,9 @@ use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
 use super::device::{tensor_map, DeviceTables, Dims, GradTensors, Tensors};
 use super::functions::{
     dq_shared_bytes, forward_shared_bytes, forward_threads, hopper_shared_bytes, key_tile_parts,
-    key_tile_shared_bytes, Functions, HopperFunctions,
-    HOPPER_DKDV_ROWS, HOPPER_DQ_ROWS, HOPPER_DQ_TMA_ROWS, HOPPER_FORWARD_ROWS,
-    HOPPER_FUSED_TMA_ROWS, HOPPER_KEY_TMA_ROWS, HOPPER_NARROW_FORWARD_ROWS,
+    key_tile_shared_bytes, Functions, HopperFunctions, HOPPER_DKDV_ROWS, HOPPER_DQ_ROWS,
+    HOPPER_DQ_TMA_ROWS, HOPPER_FORWARD_ROWS, HOPPER_FUSED_TMA_ROWS, HOPPER_KEY_TMA_ROWS,
+    HOPPER_NARROW_FORWARD_ROWS,
 };
 use super::params::{FlashParams, Intervals, WorkLists};
 use super::{FORWARD_TILE, TILE, WIDE_TILE};

@@ -188,7 +188,10 @@ mod tests {
             );
         }
         let refused = unsupported(&shape(256, 128), Element::F16).unwrap();
-        assert!(refused.contains("head_dim 256 with head_dim_v 128"), "{refused}");
+        assert!(
+            refused.contains("head_dim 256 with head_dim_v 128"),
+            "{refused}"
+        );
         let refused = unsupported(&shape(80, 80), Element::Bf16).unwrap();
         assert!(refused.ends_with("not head_dim 80"), "{refused}");
         assert!(unsupported(&shape(128, 128), Element::F32).is_some());
