@@ -64,7 +64,7 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
                                   const unsigned* __restrict__ row_start, const unsigned* __restrict__ intervals,
                                   const int* __restrict__ mask_of_head, int seqlen, int group, float scale, float scale_log2) {
     constexpr int S = tile_stride<D>(), SV = tile_stride<DV>();
-    constexpr bool RESIDENT = D <= 128;  // Q's and dO's fragments in registers
+    constexpr bool RESIDENT = D <= RESIDENT_HEAD_DIM;  // Q's and dO's fragments in registers
     __shared__ __align__(128) u16 static_tiles[RESIDENT ? 2 * BN * S + BN * SV : 1];
     extern __shared__ __align__(128) u16 dynamic_shared[];
     u16* const k_buffers = RESIDENT ? static_tiles : dynamic_shared;
@@ -193,7 +193,7 @@ __device__ void flash_backward_dq(const u16* __restrict__ q, const u16* __restri
 
 #define BQ 32
 // The column parts of a key tile's dK and dV (one CTA each; the launch's grid z, flash/launch.rs).
-#define KEY_TILE_PARTS(D) ((D) > 128 ? 2 : 1)
+#define KEY_TILE_PARTS(D) ((D) > RESIDENT_HEAD_DIM ? 2 : 1)
 
 // The key-tile kernels' parameters after their four 16-bit inputs (Q, K, V and dO, by address
 // or by TMA map): LSE, D, the f32 gradients, the key tiles' work lists and order, the mask's

@@ -203,5 +203,6 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, BLOCKS) NAME##_##SUFFIX
 // head_dim 128 a warp keeps 16 rows (up to D/2 accumulators a thread), so the 128-row tile takes
 // 8 warps, one CTA an SM. Instantiated with the backward in flash.cu.
 #define FLASH_FORWARD(SUFFIX, E, D, DV) \
-    FLASH_FORWARD_TILE(flash_forward, SUFFIX, E, D, DV, (D > 128 ? 1 : 2), (D > 128 ? 8 : 4), (D > 128 ? 1 : 2)) \
+    FLASH_FORWARD_TILE(flash_forward, SUFFIX, E, D, DV, (D > RESIDENT_HEAD_DIM ? 1 : 2), (D > RESIDENT_HEAD_DIM ? 8 : 4), \
+                       (D > RESIDENT_HEAD_DIM ? 1 : 2)) \
     FLASH_FORWARD_TILE(flash_forward_narrow, SUFFIX, E, D, DV, 1, 4, 2)

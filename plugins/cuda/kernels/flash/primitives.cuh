@@ -5,6 +5,10 @@
 #define BM 64
 #define BN 64
 #define THREADS 128
+// The largest head dim whose mma.sync kernels keep a warp's 32 rows of accumulators, or Q's and
+// dO's fragments beside dQ's, in registers; past it they change layout (see each kernel and
+// flash/functions.rs).
+#define RESIDENT_HEAD_DIM 128
 
 typedef unsigned short u16;
 typedef unsigned int u32;

@@ -159,13 +159,14 @@ fn tile_stride(head_dim: usize) -> usize {
     head_dim.div_ceil(64) * 64
 }
 
-/// Head dims up to which the mma.sync dQ kernel keeps Q's and dO's fragments in registers (its
-/// tiles in static shared memory); past it they stay in dynamic shared memory (`RESIDENT` in
-/// `kernels/flash/backward_sm80.cuh`).
+/// The largest head dim whose mma.sync kernels keep their tiles' fragments and accumulators as
+/// they do at 64 (`RESIDENT_HEAD_DIM` in `kernels/flash/primitives.cuh`); past it the forward's
+/// 128-row tile takes 8 warps, the dQ kernel keeps Q and dO in dynamic shared memory instead of
+/// registers, and two CTAs share a dK/dV key tile.
 const RESIDENT_HEAD_DIM: usize = 128;
 
 /// The mma.sync forward's threads on `rows`-row tiles: 4 warps, or 8 for 128-row tiles past
-/// head_dim 128, where a warp keeps 16 rows (`FLASH_FORWARD_LARGE_HEAD`).
+/// head_dim 128, where a warp keeps 16 rows (`FLASH_FORWARD` in `kernels/flash/forward_sm80.cuh`).
 pub(super) fn forward_threads(rows: u64, head_dim: usize) -> u32 {
     if rows == FORWARD_TILE && head_dim > RESIDENT_HEAD_DIM {
         256

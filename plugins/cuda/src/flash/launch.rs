@@ -105,7 +105,8 @@ pub(super) fn grid(x: usize, y: usize, shared: u32) -> LaunchConfig {
 ///
 /// # Safety
 /// The addresses hold the extents `dims` gives (Q: heads_q × len × head.qk, O: heads_q × len ×
-/// head.v; K: heads_kv × len × head.qk, V: heads_kv × len × head.v; LSE: heads_q × len) and `tables` were built for this mask and length.
+/// head.v; K: heads_kv × len × head.qk, V: heads_kv × len × head.v; LSE: heads_q × len) and
+/// `tables` were built for this mask and length.
 pub(super) unsafe fn launch_forward(
     stream: &Arc<CudaStream>,
     f: &Functions,
@@ -224,14 +225,14 @@ pub(super) unsafe fn launch_backward(
     };
     let tiles = dims.len.div_ceil(TILE as usize);
     // Past head_dim 128 the mma.sync key tiles' columns are split over grid z.
-    let key_tiles = |fused| LaunchConfig {
-        grid_dim: (
-            dims.heads_kv as u32,
-            tiles as u32,
-            key_tile_parts(dims.head.qk),
-        ),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: key_tile_shared_bytes(dims.head, fused),
+    let key_tiles = |fused| {
+        let mut config = grid(
+            dims.heads_kv,
+            tiles,
+            key_tile_shared_bytes(dims.head, fused),
+        );
+        config.grid_dim.2 = key_tile_parts(dims.head.qk);
+        config
     };
     let hopper = instructions.backward(f, backward, t.forward_rows)?;
     // Where the masks' blocks do not split the forward's 128-row tiles, two warpgroups share

@@ -3,11 +3,11 @@
 //! masking) or partial (masked element-wise from each row's key intervals); empty tiles are never
 //! visited. Tensor-core products (mma.sync, f32 accumulation, ldmatrix from swizzled shared
 //! tiles filled by cp.async) and an online softmax in registers; bf16 or fp16, the head dims
-//! of [`HEAD_DIMS`], MHA and GQA. The backward pass (`Backward::Split`, deterministic) walks, per key tile,
-//! the transposed work list (the query tiles that touch it) for dK and dV, and per query tile
-//! the forward one for dQ, recomputing S and dP: seven products per tile pair. `Backward::Fused`
-//! adds each step's share of dQ from the key-tile walk with atomics instead (five products; the
-//! order of the sums varies run to run). On Hopper (sm_90a, head_dim 128) the forward and both
+//! of [`HEAD_DIMS`], MHA and GQA. The backward pass (`Backward::Split`, deterministic) walks,
+//! per key tile, the transposed work list (the query tiles that touch it) for dK and dV, and
+//! per query tile the forward one for dQ, recomputing S and dP: seven products per tile pair.
+//! `Backward::Fused` adds each step's share of dQ from the key-tile walk with atomics instead
+//! (five products; the order of the sums varies run to run). On Hopper (sm_90a, head_dim 128) the forward and both
 //! backwards also come as warpgroup-MMA (wgmma) kernels reading their operands from shared
 //! memory (see [`Instructions`]): the forward on 128 × 128 tiles (64 × 64 where the masks' blocks
 //! split those) with each tile's softmax overlapping the previous tile's P·V, the fused backward
